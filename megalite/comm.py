@@ -1,0 +1,115 @@
+"""The one place that talks to torch.distributed.
+
+Every collective in megalite goes through here, so that (a) a group of size one costs nothing
+and needs no initialised process group, and (b) the gaps of the gloo backend (no
+reduce-scatter, no all_gather_into_tensor on older builds) are bridged once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place; returns `tensor` for chaining."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along `dim` (rank order)."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(n)]
+    dist.all_gather(parts, tensor, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Sum over the group, then keep this rank's 1/n chunk along `dim`."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    if tensor.size(dim) % n:
+        raise ValueError(f"reduce_scatter: size {tensor.size(dim)} along dim {dim} not divisible by {n}")
+    if _is_gloo(group):
+        # gloo has no reduce-scatter: all-reduce and keep our chunk (same result, more traffic)
+        full = tensor.clone()
+        dist.all_reduce(full, group=group)
+        return full.chunk(n, dim=dim)[group_rank(group)].contiguous()
+    if dim != 0:
+        tensor = tensor.movedim(dim, 0)
+    tensor = tensor.contiguous()
+    out = torch.empty((tensor.size(0) // n,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    dist.reduce_scatter_tensor(out, tensor, group=group)
+    return out.movedim(0, dim) if dim != 0 else out
+
+
+def reduce_scatter_flat(full: torch.Tensor, out: torch.Tensor, group, async_op: bool = False):
+    """Flat reduce-scatter of `full` (numel = n * out.numel()) into `out`; on gloo emulated with
+    an all-reduce of `full` in place (so `full` is clobbered there, which callers accept)."""
+    n = group_size(group)
+    if n == 1:
+        out.copy_(full)
+        return None
+    if _is_gloo(group):
+        dist.all_reduce(full, group=group)
+        out.copy_(full.view(n, -1)[group_rank(group)])
+        return None
+    return dist.reduce_scatter_tensor(out, full, group=group, async_op=async_op)
+
+
+def all_gather_flat(shard: torch.Tensor, full: torch.Tensor, group, async_op: bool = False):
+    """Flat all-gather of every rank's `shard` into `full` (numel = n * shard.numel())."""
+    n = group_size(group)
+    if n == 1:
+        full.copy_(shard)
+        return None
+    if _is_gloo(group):
+        dist.all_gather(list(full.view(n, -1).unbind(0)), shard, group=group)
+        return None
+    return dist.all_gather_into_tensor(full, shard, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
+    """`src` is a global rank, as torch.distributed expects."""
+    if group_size(group) > 1:
+        dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+def world_group():
+    """The default group, or None (size one) when torch.distributed is not initialised."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def all_gather_object(obj, group) -> list:
+    if group_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)

@@ -1,0 +1,1 @@
+"""Datasets, samplers, tokenizers and batch construction."""

@@ -1,0 +1,124 @@
+"""Throughput, FLOPs, memory and the log outputs (console line, JSONL)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+
+import torch
+
+# Dense bf16/fp16 tensor-core peak per device, TFLOP/s (vendor data sheets, SXM parts).
+PEAK_TFLOPS_16BIT = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "V100": 125.0}
+
+
+def num_floating_point_operations(args, batch_size: int) -> float:
+    """Model FLOPs of one iteration (forward + backward, no recompute), Megatron-LM's formula
+    (Narayanan et al. 2021, Sec. 5.1, generalised to GQA and SwiGLU):
+
+        12·B·s·L·h² · [(1 + g/a + s/h)·(a·d/h) + (f/h)·glu + V/(2·L·h)]
+
+    with g query groups, a heads, d = kv channels, f the MLP size, glu = 3/2 for SwiGLU.
+    """
+    s, L, h = args.seq_length, args.num_layers, args.hidden_size
+    a, g, d = args.num_attention_heads, args.num_query_groups, args.kv_channels
+    glu = 1.5 if args.swiglu else 1.0
+    return 12.0 * batch_size * s * L * h * h * (
+        (1 + g / a + s / h) * (a * d / h)
+        + (args.ffn_hidden_size / h) * glu
+        + args.padded_vocab_size / (2 * L * h))
+
+
+def peak_tflops(args) -> float | None:
+    """--peak-tflops, else the table entry for this GPU in 16-bit; None when unknown (CPU)."""
+    if args.peak_tflops:
+        return args.peak_tflops
+    if not torch.cuda.is_available() or not args.bf16:
+        return None
+    name = torch.cuda.get_device_name()
+    for key, value in PEAK_TFLOPS_16BIT.items():
+        if key in name:
+            return value
+    return None
+
+
+def memory_string(device: torch.device) -> str:
+    if device.type == "cuda":
+        gib = 2**30
+        return (f"mem alloc/peak/reserved (GiB): {torch.cuda.memory_allocated() / gib:.2f}/"
+                f"{torch.cuda.max_memory_allocated() / gib:.2f}/{torch.cuda.memory_reserved() / gib:.2f}")
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return f"max RSS (GiB): {rss_kib / 2**20:.2f}"
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def console_line(r: dict, train_iters: int, memory: str, eta_s: float) -> str:
+    parts = [
+        f" iteration {r['iteration']:8d}/{train_iters:8d}",
+        f"consumed samples: {r['consumed_samples']:12d}",
+        f"elapsed time per iteration (ms): {r['elapsed_ms']:.1f}",
+        f"learning rate: {r['lr']:.6E}",
+        f"lm loss: {r['lm_loss']:.6E}",
+    ]
+    if r.get("loss_scale") is not None:
+        parts.append(f"loss scale: {r['loss_scale']:.1f}")
+    parts.append(f"grad norm: {r['grad_norm']:.3f}")
+    for key, label in (("skipped_iterations", "skipped iterations"), ("nan_iterations", "nan iterations")):
+        if r.get(key):
+            parts.append(f"{label}: {r[key]}")
+    parts.append(f"tokens/s: {r['tokens_per_sec']:.0f}")
+    parts.append(f"TFLOP/s/GPU: {r['tflops_per_gpu']:.2f}")
+    if r.get("mfu") is not None:
+        parts.append(f"MFU: {100 * r['mfu']:.1f}%")
+    parts += [memory, f"ETA: {format_eta(eta_s)}"]
+    return " | ".join(parts) + " |"
+
+
+class JsonlWriter:
+    """Appends one JSON object per line; flushed after each, so a crash keeps what was logged."""
+
+    def __init__(self, path: str | None):
+        self.file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class Timer:
+    """Wall-clock timer that waits for queued GPU work before reading the clock."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def reset(self):
+        self._sync()
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        self._sync()
+        return time.perf_counter() - self.start
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 700.0))

@@ -1,0 +1,120 @@
+"""Self-attention with heads sharded across tensor-parallel ranks, and rotary embeddings.
+
+Each TP rank owns num_query_groups/tp key-value groups and the query heads of those groups
+(Megatron-LM paper Sec. 3: attention heads are split across ranks, so the QKV projection is
+column-parallel and the output projection row-parallel). The fused QKV weight is laid out by
+group, [ng, (np/ng + 2), hn, h] as in Megatron-LM, so a contiguous split of its rows gives each
+rank whole groups.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from .config import GPTConfig
+
+try:  # optional accelerator, used only when asked for with --use-flash-attn
+    from flash_attn import flash_attn_func
+except ImportError:  # pragma: no cover - depends on the environment
+    flash_attn_func = None
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (Su et al. 2021, Eq. 34), in the rotate-half form used by Megatron-LM and Llama."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000.0):
+        super().__init__()
+        self.dim = int(kv_channels * rotary_percent)
+        if self.dim % 2:
+            raise ValueError(f"rotary dimension {self.dim} (kv channels x --rotary-percent) must be even")
+        inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [b, s] -> (cos, sin), each [s, b, 1, dim] in fp32."""
+        freqs = position_ids.to(self.inv_freq.device).float().unsqueeze(-1) * self.inv_freq  # [b, s, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1).transpose(0, 1).unsqueeze(2)
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """t [s, b, n, hn]: rotate the first `dim` channels of each head."""
+    dim = cos.size(-1)
+    rot, rest = t[..., :dim].float(), t[..., dim:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    rotated = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((rotated.to(t.dtype), rest), dim=-1) if rest.numel() else rotated.to(t.dtype)
+
+
+class CoreAttention(nn.Module):
+    """softmax(Q·Kᵀ/√d)·V over this rank's heads; [s, b, n, hn] in, [s, b, n·hn] out.
+
+    Kept as its own module so selective recompute can wrap exactly this part (Korthikanti et
+    al. 2022, Sec. 5: it holds the s²-sized activations but little compute).
+    """
+
+    def __init__(self, config: GPTConfig, rng_tracker):
+        super().__init__()
+        self.dropout = config.attention_dropout
+        self.use_flash = config.use_flash_attn
+        self.rng_tracker = rng_tracker
+
+    def forward(self, q, k, v, attention_mask=None):
+        p = self.dropout if self.training else 0.0
+        # attention probabilities are sharded across TP: their dropout masks must differ per rank
+        fork = self.rng_tracker.fork() if (p > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
+        s, b, n, hn = q.shape
+        with fork:
+            if self.use_flash and attention_mask is None:
+                out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                      dropout_p=p, causal=True)  # [b, s, n, hn]
+                return out.transpose(0, 1).reshape(s, b, n * hn)
+            qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
+            out = F.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=attention_mask, dropout_p=p, is_causal=attention_mask is None,
+                enable_gqa=kb.size(1) != qb.size(1))
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, device=None):
+        super().__init__()
+        tp = comm.group_size(tp_group)
+        for what, n in (("--num-attention-heads", config.num_attention_heads), ("--num-query-groups", config.num_query_groups)):
+            if n % tp:
+                raise ValueError(f"{what} ({n}) is not divisible by --tensor-model-parallel-size ({tp})")
+        self.num_heads = config.num_attention_heads // tp
+        self.num_groups = config.num_query_groups // tp
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.hn = config.kv_channels
+        std, out_std = config.init_method_std, config.init_method_std / math.sqrt(2.0 * config.num_layers)
+        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.hn
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+                      dtype=config.params_dtype, device=device)
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, init_std=std, **common)
+        self.core_attention = CoreAttention(config, rng_tracker)
+        self.linear_proj = RowParallelLinear(config.num_attention_heads * self.hn, config.hidden_size,
+                                             init_std=out_std, **common)
+        self.recompute_core_attention = False  # set by activation recompute ("selective")
+
+    def forward(self, x, rotary=None, attention_mask=None):
+        qkv = self.linear_qkv(x)  # [s, b, ng·(np/ng + 2)·hn] for this rank's groups
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.hn)
+        q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, self.num_heads, self.hn)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, ng, hn]
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.recompute_core_attention and self.training:
+            from ..recompute import recompute
+            ctx = recompute(self.core_attention, q, k, v, attention_mask,
+                            rng_tracker=self.core_attention.rng_tracker)
+        else:
+            ctx = self.core_attention(q, k, v, attention_mask)
+        return self.linear_proj(ctx)

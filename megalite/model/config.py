@@ -1,0 +1,64 @@
+"""The GPT model's shape and options, by Megatron-LM flag name."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron pads the vocabulary to a multiple of `--make-vocab-size-divisible-by` x TP so the
+    embedding splits evenly and the GEMM shapes stay friendly."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass
+class GPTConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int  # the tokenizer's, unpadded
+    padded_vocab_size: int
+    seq_length: int
+    max_position_embeddings: int
+    ffn_hidden_size: int | None = None
+    num_query_groups: int | None = None  # None: multi-head attention (one group per head)
+    kv_channels: int | None = None
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    use_flash_attn: bool = False
+    sequence_parallel: bool = False
+    # activation recompute: None | "full" | "selective"; method "uniform" | "block"
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    params_dtype: torch.dtype = field(default=torch.float32)
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["params_dtype"] = str(self.params_dtype).replace("torch.", "")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        d = dict(d)
+        d["params_dtype"] = getattr(torch, d.get("params_dtype", "float32"))
+        return cls(**d)

@@ -1,0 +1,134 @@
+"""The GPT model, or the part of it one pipeline stage (or virtual stage) owns.
+
+    ids [b, s] -> word + position embedding -> dropout -> [s, b, h]
+               -> transformer layers -> final norm -> logits [s, b, v/tp] -> per-token loss [b, s]
+
+The first stage owns the embedding; the last owns the final norm, the output layer and the
+loss. With tied embeddings (the default, as GPT-2 and Megatron-LM) the output layer reuses the
+word embedding; when first and last stage differ, the last stage keeps its own copy, created
+from the same (seed, name) so both start equal, and the trainer all-reduces the two gradients.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+from ..tensor_parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sp, scatter_to_sp, set_init,
+                               vocab_parallel_cross_entropy)
+from ..tensor_parallel.layers import set_tp_attributes
+from .attention import RotaryEmbedding
+from .config import GPTConfig
+from .init import initialize_parameters
+from .transformer import TransformerBlock
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: GPTConfig, tp_group, device=None):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, config.sequence_parallel
+        self.dropout = config.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size, config.hidden_size, tp_group=tp_group, init_std=config.init_method_std,
+            init_rows=config.vocab_size, dtype=config.params_dtype, device=device)
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                    dtype=config.params_dtype, device=device)
+            set_init(self.position_embeddings.weight, "normal", config.init_method_std)
+            self.position_embeddings.weight.sequence_parallel = False
+        else:
+            self.position_embeddings = None
+
+    def forward(self, input_ids, position_ids):
+        x = self.word_embeddings(input_ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.sequence_parallel:
+            x = scatter_to_sp(x, self.tp_group)  # [s/tp, b, h]
+        # embeddings are replicated across TP (or sequence-sharded, then the default stream
+        # differs per token slice only by position): dropout uses the default generator
+        return F.dropout(x, self.dropout, training=self.training) if self.dropout > 0 else x
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, pre_process: bool = True,
+                 post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None,
+                 device=None):
+        super().__init__()
+        self.config, self.tp_group = config, tp_group
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_offset = layer_offset
+        self.input_tensor = None  # set by the pipeline schedule on stages after the first
+        if config.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ValueError(f"--position-embedding-type must be learned_absolute or rope, "
+                             f"got {config.position_embedding_type!r}")
+        if pre_process:
+            self.embedding = Embedding(config, tp_group, device)
+        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
+                       if config.position_embedding_type == "rope" else None)
+        self.decoder = TransformerBlock(config, tp_group, rng_tracker, layer_offset, num_layers, post_process, device)
+        self.output_layer = None
+        if post_process and (config.untie_embeddings_and_output_weights or not pre_process):
+            tp = comm.group_size(tp_group)
+            weight = torch.empty(config.padded_vocab_size // tp, config.hidden_size, dtype=config.params_dtype,
+                                 device=device)
+            self.output_layer = nn.Module()
+            self.output_layer.weight = nn.Parameter(weight)
+            set_tp_attributes(self.output_layer.weight, 0)
+            set_init(self.output_layer.weight, "normal", config.init_method_std, rows=config.vocab_size)
+            # a tied copy on the last stage: same name as the first stage's word embedding for
+            # init and checkpoints, gradient summed with it over the embedding group
+            self.output_layer.weight.shared_embedding = not config.untie_embeddings_and_output_weights
+
+    # -- names -------------------------------------------------------------------------------
+    def global_name(self, local_name: str) -> str:
+        """Name of a parameter in the whole (unsplit) model: layer indices become global, and a
+        last-stage copy of the tied embedding takes the embedding's name."""
+        if local_name == "output_layer.weight" and getattr(self.output_layer.weight, "shared_embedding", False):
+            return WORD_EMBEDDING
+        return re.sub(r"^decoder\.layers\.(\d+)\.",
+                      lambda m: f"decoder.layers.{int(m.group(1)) + self.layer_offset}.", local_name)
+
+    def global_named_parameters(self):
+        for name, p in self.named_parameters():
+            yield self.global_name(name), p
+
+    def initialize(self, seed: int) -> None:
+        initialize_parameters(self.global_named_parameters(), seed, self.tp_group)
+
+    # -- forward -----------------------------------------------------------------------------
+    def set_input_tensor(self, tensor):
+        self.input_tensor = tensor
+
+    def output_weight(self) -> torch.Tensor:
+        return self.output_layer.weight if self.output_layer is not None else self.embedding.word_embeddings.weight
+
+    def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
+        """input_ids, position_ids, labels: [b, s]. Returns the per-token loss [b, s] when labels
+        are given on the last stage, logits [s, b, v/tp] without them, and the hidden states
+        [s, b, h] on other stages."""
+        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
+        rotary = None
+        if self.rotary is not None:
+            if position_ids is None:
+                s = x.size(0) * (comm.group_size(self.tp_group) if self.config.sequence_parallel else 1)
+                position_ids = torch.arange(s, device=x.device).unsqueeze(0).expand(x.size(1), s)
+            rotary = self.rotary(position_ids)
+        x = self.decoder(x, rotary, attention_mask)
+        if not self.post_process:
+            return x
+        if self.config.sequence_parallel:
+            x = gather_from_sp(x, self.tp_group)
+        else:
+            x = copy_to_tp(x, self.tp_group)
+        logits = F.linear(x, self.output_weight())  # [s, b, v/tp]
+        if labels is None:
+            return logits
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group, self.config.vocab_size)
+        return loss.transpose(0, 1)  # [b, s]

@@ -1,0 +1,74 @@
+"""Layout-invariant weight initialisation.
+
+Every parameter is generated whole from a generator seeded by (seed, global parameter name)
+and then sliced to the rank's shard, so TP=1 and TP=8 (and any pipeline split) start from the
+same full weights. Megatron-LM does the same under `--use-cpu-initialization`; here it is the
+only path, because "every layout computes the same function" starts with the weights.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from .. import comm
+
+
+def name_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def global_shape(param: nn.Parameter, tp_size: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp_size
+    return tuple(shape)
+
+
+def full_tensor(param: nn.Parameter, name: str, seed: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The whole (unsharded) initial value of `param`, as fp32 on CPU."""
+    kind = getattr(param, "init_kind", None)
+    if kind == "zeros":
+        return torch.zeros(shape)
+    if kind == "ones":
+        return torch.ones(shape)
+    if kind != "normal":
+        raise ValueError(f"parameter {name} has no initialisation rule (init_kind={kind!r})")
+    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    rows = getattr(param, "init_rows", None)
+    if rows is None or rows >= shape[0]:
+        return torch.randn(shape, generator=gen) * param.init_std
+    # padded vocabulary: only the real rows are random; the padding rows stay zero (and, being
+    # masked out of the softmax, get no gradient), so the padding amount cannot matter.
+    out = torch.zeros(shape)
+    out[:rows] = torch.randn((rows,) + tuple(shape[1:]), generator=gen) * param.init_std
+    return out
+
+
+def shard(full: torch.Tensor, param: nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's slice of `full`, following the partition dimension and stride."""
+    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in blocks], dim=dim)
+
+
+def unshard(shards: list[torch.Tensor], param: nn.Parameter) -> torch.Tensor:
+    """Inverse of `shard` given every TP rank's slice (rank order)."""
+    if not getattr(param, "tensor_model_parallel", False) or len(shards) == 1:
+        return shards[0]
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    per_rank_blocks = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([torch.cat([pb[j] for pb in per_rank_blocks], dim=dim) for j in range(stride)], dim=dim)
+
+
+@torch.no_grad()
+def initialize_parameters(named_params, seed: int, tp_group) -> None:
+    """Fill every parameter in `named_params` ((global_name, param) pairs) from the seed."""
+    tp_size, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+    for name, param in named_params:
+        full = full_tensor(param, name, seed, global_shape(param, tp_size))
+        param.copy_(shard(full, param, tp_rank, tp_size))

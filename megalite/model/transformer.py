@@ -1,0 +1,142 @@
+"""The pre-norm transformer layer and the stack of layers one pipeline stage owns.
+
+    x = x + Dropout(Attention(Norm(x)))          (GPT-2 / Megatron-LM pre-LN ordering)
+    x = x + Dropout(MLP(Norm(x)))
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
+from .attention import SelfAttention
+from .config import GPTConfig
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the hidden dimension, with PyTorch's fused kernels. Its
+    parameters are replicated across TP; under sequence parallelism each rank sees only its
+    slice of the sequence, so their gradients are marked for a TP all-reduce."""
+
+    def __init__(self, config: GPTConfig, device=None):
+        super().__init__()
+        h, dtype = config.hidden_size, config.params_dtype
+        self.kind, self.eps = config.normalization, config.norm_epsilon
+        if self.kind not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {self.kind!r}")
+        self.weight = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
+        set_init(self.weight, "ones")
+        self.weight.sequence_parallel = config.sequence_parallel
+        if self.kind == "LayerNorm":
+            self.bias = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
+            set_init(self.bias, "zeros")
+            self.bias.sequence_parallel = config.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x):
+        if self.kind == "LayerNorm":
+            return F.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    """h -> ffn -> h. fc1 is column-parallel, fc2 row-parallel; SwiGLU (Shazeer 2020, Eq. 6)
+    fuses [gate; up] into fc1 with stride 2, so each rank holds its slice of both halves."""
+
+    def __init__(self, config: GPTConfig, tp_group, device=None):
+        super().__init__()
+        self.swiglu = config.swiglu
+        std, out_std = config.init_method_std, config.init_method_std / math.sqrt(2.0 * config.num_layers)
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+                      dtype=config.params_dtype, device=device)
+        fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
+        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_out, init_std=std,
+                                               stride=2 if self.swiglu else 1, **common)
+        self.linear_fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, init_std=out_std, **common)
+
+    def forward(self, x):
+        y = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y)
+        return self.linear_fc2(y)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, layer_number: int = 0, device=None):
+        super().__init__()
+        self.layer_number = layer_number  # global, 0-based: names and init depend on it
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel
+        self.rng_tracker = rng_tracker
+        self.input_layernorm = Norm(config, device)
+        self.self_attention = SelfAttention(config, tp_group, rng_tracker, device)
+        self.pre_mlp_layernorm = Norm(config, device)
+        self.mlp = MLP(config, tp_group, device)
+
+    def _dropout(self, x):
+        if not self.training or self.hidden_dropout == 0:
+            return x
+        # sequence-parallel activations are different tokens on each TP rank: different masks
+        fork = self.rng_tracker.fork() if self.sequence_parallel and self.rng_tracker else contextlib.nullcontext()
+        with fork:
+            return F.dropout(x, self.hidden_dropout, training=True)
+
+    def forward(self, x, rotary=None, attention_mask=None):
+        # x: [s, b, h] ([s/tp, b, h] under sequence parallelism)
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, attention_mask))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Layers [layer_offset, layer_offset + num_layers) of the model, plus the final norm on the
+    last pipeline stage."""
+
+    def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, layer_offset: int = 0,
+                 num_layers: int | None = None, post_process: bool = True, device=None):
+        super().__init__()
+        n = config.num_layers if num_layers is None else num_layers
+        self.layer_offset, self.rng_tracker = layer_offset, rng_tracker
+        self.recompute_granularity = config.recompute_granularity
+        self.recompute_method, self.recompute_num_layers = config.recompute_method, config.recompute_num_layers
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, tp_group, rng_tracker, layer_offset + i, device) for i in range(n))
+        if self.recompute_granularity == "selective":
+            for layer in self.layers:
+                layer.self_attention.recompute_core_attention = True
+        self.final_layernorm = Norm(config, device) if post_process else None
+
+    def _run(self, start: int, end: int):
+        def fn(x, rotary_cos, rotary_sin, attention_mask):
+            rotary = None if rotary_cos is None else (rotary_cos, rotary_sin)
+            for layer in self.layers[start:end]:
+                x = layer(x, rotary, attention_mask)
+            return x
+        return fn
+
+    def forward(self, x, rotary=None, attention_mask=None):
+        cos, sin = rotary if rotary is not None else (None, None)
+        n = len(self.layers)
+        if self.recompute_granularity == "full" and self.training:
+            from ..recompute import recompute
+            k = self.recompute_num_layers
+            if self.recompute_method == "uniform":
+                # checkpoint the input of every chunk of k layers; recompute the chunk in backward
+                for start in range(0, n, k):
+                    x = recompute(self._run(start, min(start + k, n)), x, cos, sin, attention_mask,
+                                  rng_tracker=self.rng_tracker)
+            else:  # "block": recompute the first k layers of this stage, keep the rest
+                for i in range(n):
+                    fn = self._run(i, i + 1)
+                    x = (recompute(fn, x, cos, sin, attention_mask, rng_tracker=self.rng_tracker)
+                         if i < k else fn(x, cos, sin, attention_mask))
+        else:
+            x = self._run(0, n)(x, cos, sin, attention_mask)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x

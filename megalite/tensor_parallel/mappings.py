@@ -1,0 +1,142 @@
+"""Autograd-aware collectives that enter and leave a tensor-parallel region.
+
+Megatron-LM paper (Shoeybi et al. 2019, Sec. 3, Fig. 3): `f` is the identity forward and an
+all-reduce backward; `g` is the all-reduce forward and identity backward. A column-parallel
+linear starts with `f`, a row-parallel linear ends with `g`, so one transformer block costs two
+all-reduces forward and two backward. The scatter/gather pairs split or join the last dimension.
+
+The sequence-parallel variants (Korthikanti et al. 2022, Sec. 4.2.2) work on the first
+dimension of [s, b, h] activations: `g` becomes a reduce-scatter along s and `f` an all-gather.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    n = comm.group_size(group)
+    if n == 1:
+        return x
+    return x.chunk(n, dim=-1)[comm.group_rank(group)].contiguous()
+
+
+def _split_first(x: torch.Tensor, group) -> torch.Tensor:
+    n = comm.group_size(group)
+    if n == 1:
+        return x
+    if x.size(0) % n:
+        raise ValueError(f"sequence length {x.size(0)} is not divisible by the TP size {n}")
+    return x.chunk(n, dim=0)[comm.group_rank(group)].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return comm.all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad, ctx.group, dim=-1), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_gather(x, group, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    """Split [s, b, h] along s; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad, ctx.group, dim=0), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """All-gather along s. Backward reduce-scatters when the consumer is a tensor-parallel
+    region (its input gradient is a partial sum), else just splits."""
+
+    @staticmethod
+    def forward(ctx, x, group, grad_is_partial):
+        ctx.group, ctx.grad_is_partial = group, grad_is_partial
+        return comm.all_gather(x, group, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_is_partial:
+            return comm.reduce_scatter(grad, ctx.group, dim=0), None, None
+        return _split_first(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.reduce_scatter(x, group, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad, ctx.group, dim=0), None
+
+
+def copy_to_tp(x, group):
+    return _CopyToTP.apply(x, group) if comm.group_size(group) > 1 else x
+
+
+def reduce_from_tp(x, group):
+    return _ReduceFromTP.apply(x, group) if comm.group_size(group) > 1 else x
+
+
+def scatter_to_tp(x, group):
+    return _ScatterToTP.apply(x, group) if comm.group_size(group) > 1 else x
+
+
+def gather_from_tp(x, group):
+    return _GatherFromTP.apply(x, group) if comm.group_size(group) > 1 else x
+
+
+def scatter_to_sp(x, group):
+    return _ScatterToSP.apply(x, group) if comm.group_size(group) > 1 else x
+
+
+def gather_from_sp(x, group, grad_is_partial: bool = True):
+    return _GatherFromSP.apply(x, group, grad_is_partial) if comm.group_size(group) > 1 else x
+
+
+def reduce_scatter_to_sp(x, group):
+    return _ReduceScatterToSP.apply(x, group) if comm.group_size(group) > 1 else x

@@ -1,0 +1,319 @@
+"""The training loop: set up, then train_step / evaluate / log until --train-iters.
+
+One iteration (see DESIGN.md, "Data flow"):
+  micro-batches -> schedule (forward/backward per micro-batch) -> fp32 grad buffer
+  -> TP all-reduce of sequence-parallel grads -> DP all-reduce -> normalise by the global token
+  count -> clip by the global norm -> optimizer step on fp32 masters -> LR schedule -> log.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from . import comm, parallel_state
+from .arguments import validate_args
+from .data.batch import build_batch, collate
+from .data.samplers import PretrainingSampler
+from .distributed import GradBuffer
+from .metrics import (JsonlWriter, Timer, console_line, memory_string, num_floating_point_operations, peak_tflops,
+                      perplexity)
+from .model import GPTConfig, GPTModel, pad_vocab_size
+from .optimizer import MixedPrecisionOptimizer, build_lr_scheduler, clip_grad_norm
+from .pipeline_parallel import get_forward_backward_func
+from .tensor_parallel import seed_everything
+
+
+class Trainer:
+    """Everything one rank holds for a run; built by `setup`, driven by `train`."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.ps: parallel_state.ParallelState | None = None
+        self.device = torch.device("cpu")
+        self.iteration = 0
+        self.consumed_samples = 0
+
+    # -- set up ------------------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        """Print once, from the logging rank (last stage, TP 0, DP 0)."""
+        if self.ps is None or self.ps.rank == self.ps.logging_rank:
+            print(msg, flush=True)
+
+    def initialize_distributed(self) -> None:
+        args = self.args
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        use_cuda = args.distributed_backend == "nccl"
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group(backend=args.distributed_backend, timeout=datetime.timedelta(minutes=30),
+                                    device_id=self.device if use_cuda else None)
+        self.ps = parallel_state.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                            1, args.rank_order)
+        self.world_group = comm.world_group()
+
+    def build_tokenizer(self):
+        args = self.args
+        if args.mock_data and args.tokenizer_type is None:
+            self.tokenizer = None
+            args.eod = None
+            return
+        from .data.tokenizers import build_tokenizer
+        self.tokenizer = build_tokenizer(args)
+        if args.vocab_size is None:
+            args.vocab_size = self.tokenizer.vocab_size
+        elif args.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(f"--vocab-size ({args.vocab_size}) is smaller than the tokenizer's vocabulary "
+                             f"({self.tokenizer.vocab_size})")
+        args.eod = self.tokenizer.eod
+
+    def model_config(self) -> GPTConfig:
+        a = self.args
+        a.padded_vocab_size = pad_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
+        return GPTConfig(
+            num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+            vocab_size=a.vocab_size, padded_vocab_size=a.padded_vocab_size, seq_length=a.seq_length,
+            max_position_embeddings=a.max_position_embeddings, ffn_hidden_size=a.ffn_hidden_size,
+            num_query_groups=a.num_query_groups, kv_channels=a.kv_channels,
+            position_embedding_type=a.position_embedding_type, rotary_base=a.rotary_base,
+            rotary_percent=a.rotary_percent, normalization=a.normalization, norm_epsilon=a.norm_epsilon,
+            swiglu=a.swiglu, add_bias_linear=not a.disable_bias_linear,
+            untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights,
+            hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
+            init_method_std=a.init_method_std, use_flash_attn=a.use_flash_attn, params_dtype=a.params_dtype)
+
+    def build_model(self) -> None:
+        args, ps = self.args, self.ps
+        self.rng_tracker = seed_everything(args.seed, ps.tp_rank, ps.pp_rank, self.device)
+        self.config = self.model_config()
+        chunk = GPTModel(self.config, ps.tp_group, self.rng_tracker, device=self.device)
+        chunk.initialize(args.seed)
+        self.model = [chunk]
+        self.named_params = [(n, p) for m in self.model for n, p in m.global_named_parameters()]
+        self.params = [p for _, p in self.named_params]
+
+    def build_optimizer(self) -> None:
+        args = self.args
+        self.grad_buffer = GradBuffer(self.params, self.ps.dp_group, args.ddp_bucket_size)
+        self.optimizer = MixedPrecisionOptimizer(self.named_params, args)
+        self.scheduler = build_lr_scheduler(args)
+
+    def _make_loader(self, dataset, consumed: int):
+        ps = self.ps
+        sampler = PretrainingSampler(len(dataset), consumed, self.args.micro_batch_size, ps.dp_rank, ps.dp_size)
+        return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
+                                                num_workers=self.args.num_workers))
+
+    def build_data(self) -> None:
+        args = self.args
+        gb = args.global_batch_size
+        num_samples = (args.train_iters * gb, args.eval_iters * gb, args.eval_iters * gb)
+        if args.mock_data:
+            from .data.mock import MockGPTDataset
+            self.datasets = [MockGPTDataset(n, args.seq_length, args.vocab_size, args.seed + i) if n else None
+                             for i, n in enumerate(num_samples)]
+        else:
+            from .data.builder import build_train_valid_test_datasets
+            self.datasets = list(build_train_valid_test_datasets(args, num_samples))
+        # TP rank 0 reads; the other TP ranks receive the micro-batch by broadcast
+        self.reads_data = self.ps.tp_rank == 0
+        self.train_iter = self._make_loader(self.datasets[0], self.consumed_samples) if self.reads_data else None
+
+    def setup(self) -> None:
+        args = self.args
+        self.initialize_distributed()
+        self.build_tokenizer()
+        self.build_model()
+        self.build_optimizer()
+        self.build_data()
+        self.forward_backward = get_forward_backward_func(self.ps.pp_size, self.ps.vpp)
+        self.jsonl = JsonlWriter(args.log_jsonl if self.ps.rank == self.ps.logging_rank else None)
+        self.flops_per_iteration = num_floating_point_operations(args, args.global_batch_size)
+        self.peak = peak_tflops(args)
+        self.log_startup()
+
+    def log_startup(self) -> None:
+        args, ps = self.args, self.ps
+        total = self.count_parameters()
+        attention = "flash-attn" if args.use_flash_attn else "torch scaled_dot_product_attention"
+        self.log(f"> megalite: {ps.describe()}, {args.num_microbatches} micro-batches of {args.micro_batch_size} "
+                 f"per iteration (global batch {args.global_batch_size})")
+        self.log(f"> model: {total / 1e6:.2f}M parameters, {args.num_layers} layers, hidden {args.hidden_size}, "
+                 f"{args.num_attention_heads} heads, vocab {args.vocab_size} (padded {args.padded_vocab_size}), "
+                 f"seq {args.seq_length}, {str(args.params_dtype).replace('torch.', '')}, attention: {attention}, "
+                 f"device: {self.device.type}, backend: {args.distributed_backend if dist.is_initialized() else 'none'}")
+        self.write_memory_footprint()
+
+    def count_parameters(self) -> int:
+        """Parameters of the whole model, each counted once: replicated copies (TP, tied
+        embedding on the last stage, DP replicas) are skipped."""
+        from .optimizer import is_counted
+        local = sum(p.numel() for p in self.params if is_counted(p, self.ps.tp_rank)) if self.ps.dp_rank == 0 else 0
+        return int(sum(comm.all_gather_object(local, self.world_group)))
+
+    def write_memory_footprint(self) -> None:
+        ps = self.ps
+        mine = {"rank": ps.rank, "tp": ps.tp_rank, "pp": ps.pp_rank, "dp": ps.dp_rank,
+                "num_params": sum(p.numel() for p in self.params),
+                "param_bytes": sum(p.numel() * p.element_size() for p in self.params),
+                "grad_bytes": self.grad_buffer.nbytes,
+                "optimizer_bytes": self.optimizer.state_bytes()}
+        ranks = comm.all_gather_object(mine, self.world_group)
+        self.jsonl.write({"event": "memory_footprint", "ranks": ranks})
+
+    # -- one iteration -------------------------------------------------------------------------
+    def get_batch(self, data_iterator) -> dict:
+        args, ps = self.args, self.ps
+        shape = (args.micro_batch_size, args.seq_length + 1)
+        if self.reads_data:
+            tokens = next(data_iterator).to(self.device)
+            if tuple(tokens.shape) != shape:
+                raise ValueError(f"data loader gave a batch of shape {tuple(tokens.shape)}, expected {shape}")
+        else:
+            tokens = torch.empty(shape, dtype=torch.int64, device=self.device)
+        comm.broadcast(tokens, ps.tp_ranks[0], ps.tp_group)
+        return build_batch(tokens, args.eod, args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
+
+    def forward_step(self, data_iterator, model):
+        batch = self.get_batch(data_iterator)
+        loss = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], batch["labels"])
+        mask = batch["loss_mask"]
+        return (loss.float() * mask).sum(), mask.sum()
+
+    def _global_loss(self, stats) -> tuple[float, float]:
+        """(sum of token losses, number of loss tokens) over the global batch: only the last
+        stage's TP rank 0 of each DP replica contributes, so every sample counts once."""
+        owns = self.ps.is_last_stage and self.ps.tp_rank == 0
+        t = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if owns and stats:
+            t[0] = sum(float(s) for s, _ in stats)
+            t[1] = sum(float(n) for _, n in stats)
+        comm.all_reduce(t, self.world_group)
+        return float(t[0]), float(t[1])
+
+    def _reduce_gradients(self) -> None:
+        ps = self.ps
+        if self.config.sequence_parallel:
+            for p in self.params:
+                if getattr(p, "sequence_parallel", False):
+                    comm.all_reduce(p.main_grad, ps.tp_group)
+        self.grad_buffer.all_reduce()
+
+    def train_step(self) -> dict:
+        args = self.args
+        for m in self.model:
+            m.train()
+        self.grad_buffer.zero()
+        nominal_tokens = args.global_batch_size * args.seq_length
+        stats = self.forward_backward(
+            forward_step=self.forward_step, data_iterator=self.train_iter, model=self.model,
+            num_microbatches=args.num_microbatches, backward_scale=1.0 / nominal_tokens)
+        self._reduce_gradients()
+        loss_sum, num_tokens = self._global_loss(stats)
+        if num_tokens == 0:
+            raise RuntimeError(f"iteration {self.iteration + 1}: the global batch has no token with loss "
+                               "(every token masked by --eod-mask-loss?)")
+        if num_tokens != nominal_tokens:  # masked tokens: renormalise to the true token mean
+            self.grad_buffer.scale(nominal_tokens / num_tokens)
+        grad_norm = clip_grad_norm(self.params, args.clip_grad, self.ps.mp_group, self.ps.tp_rank)
+        lr = self.scheduler.get_lr()
+        self.optimizer.step(lr)
+        self.scheduler.step()
+        return {"lm_loss": loss_sum / num_tokens, "lr": lr, "grad_norm": grad_norm}
+
+    @torch.no_grad()
+    def evaluate(self, split: str) -> dict | None:
+        args = self.args
+        dataset = self.datasets[1 if split == "valid" else 2]
+        if dataset is None or args.eval_iters == 0:
+            return None
+        for m in self.model:
+            m.eval()
+        data_iter = self._make_loader(dataset, 0) if self.reads_data else None
+        totals = [0.0, 0.0]
+        for _ in range(args.eval_iters):
+            stats = self.forward_backward(
+                forward_step=self.forward_step, data_iterator=data_iter, model=self.model,
+                num_microbatches=args.num_microbatches, backward_scale=0.0, forward_only=True)
+            loss_sum, num_tokens = self._global_loss(stats)
+            totals[0] += loss_sum
+            totals[1] += num_tokens
+        for m in self.model:
+            m.train()
+        loss = totals[0] / max(totals[1], 1.0)
+        record = {"iteration": self.iteration, "split": split, "lm_loss": loss, "ppl": perplexity(loss)}
+        self.jsonl.write(record)
+        line = f" {split} loss at iteration {self.iteration} | lm loss: {loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |"
+        self.log("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+        return record
+
+    # -- the loop --------------------------------------------------------------------------------
+    def train(self) -> None:
+        args = self.args
+        timer = Timer(self.device)
+        timer.reset()
+        window = {"lm_loss": 0.0, "iters": 0}
+        while self.iteration < args.train_iters:
+            out = self.train_step()
+            self.iteration += 1
+            self.consumed_samples += args.global_batch_size
+            window["lm_loss"] += out["lm_loss"]
+            window["iters"] += 1
+            if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
+                self.report(out, window, timer.elapsed())
+                window = {"lm_loss": 0.0, "iters": 0}
+                timer.reset()
+            if self.iteration % args.eval_interval == 0 and self.iteration != args.train_iters:
+                self.evaluate("valid")
+        self.evaluate("valid")
+        self.evaluate("test")
+        self.jsonl.close()
+
+    def report(self, out: dict, window: dict, elapsed_s: float) -> None:
+        args = self.args
+        n = window["iters"]
+        sec_per_iter = elapsed_s / n
+        tflops = self.flops_per_iteration / (sec_per_iter * self.ps.world_size) / 1e12
+        record = {
+            "iteration": self.iteration, "consumed_samples": self.consumed_samples,
+            "lm_loss": window["lm_loss"] / n, "lr": out["lr"], "grad_norm": out["grad_norm"],
+            "loss_scale": out.get("loss_scale", 1.0), "elapsed_ms": 1000.0 * sec_per_iter,
+            "tokens_per_sec": args.global_batch_size * args.seq_length / sec_per_iter,
+            "tflops_per_gpu": tflops, "mfu": (tflops / self.peak) if self.peak else None,
+        }
+        self.jsonl.write(record)
+        eta = (args.train_iters - self.iteration) * sec_per_iter
+        self.log(f"[{datetime.datetime.now():%Y-%m-%d %H:%M:%S}]" + console_line(
+            record, args.train_iters, memory_string(self.device), eta))
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def pretrain(args: argparse.Namespace) -> Trainer:
+    trainer = Trainer(args)
+    trainer.setup()
+    trainer.train()
+    trainer.close()
+    return trainer
+
+
+def main(argv=None) -> int:
+    from .arguments import ArgumentError, parse_args
+    args = parse_args(argv)
+    try:
+        validate_args(args)
+    except ArgumentError as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        return 2
+    pretrain(args)
+    return 0
