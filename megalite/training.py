@@ -23,7 +23,7 @@ from .distributed import GradBuffer
 from .metrics import (JsonlWriter, Timer, console_line, memory_string, num_floating_point_operations, peak_tflops,
                       perplexity)
 from .model import GPTConfig, GPTModel, pad_vocab_size
-from .optimizer import MixedPrecisionOptimizer, build_lr_scheduler, clip_grad_norm
+from .optimizer import MixedPrecisionOptimizer, build_lr_scheduler
 from .pipeline_parallel import get_forward_backward_func
 from .tensor_parallel import seed_everything
 
@@ -102,7 +102,7 @@ class Trainer:
     def build_optimizer(self) -> None:
         args = self.args
         self.grad_buffer = GradBuffer(self.params, self.ps.dp_group, args.ddp_bucket_size)
-        self.optimizer = MixedPrecisionOptimizer(self.named_params, args)
+        self.optimizer = MixedPrecisionOptimizer(self.named_params, args, self.grad_buffer, self.ps)
         self.scheduler = build_lr_scheduler(args)
 
     def _make_loader(self, dataset, consumed: int):
@@ -198,35 +198,34 @@ class Trainer:
         comm.all_reduce(t, self.world_group)
         return float(t[0]), float(t[1])
 
-    def _reduce_gradients(self) -> None:
-        ps = self.ps
+    def finalize_model_grads(self) -> None:
+        """Sums that must happen before the DP reduction: gradients of parameters replicated
+        across TP but fed by sequence-sharded activations."""
         if self.config.sequence_parallel:
             for p in self.params:
                 if getattr(p, "sequence_parallel", False):
-                    comm.all_reduce(p.main_grad, ps.tp_group)
-        self.grad_buffer.all_reduce()
+                    comm.all_reduce(p.main_grad, self.ps.tp_group)
+        self.optimizer.reduce_gradients()
 
     def train_step(self) -> dict:
         args = self.args
         for m in self.model:
             m.train()
-        self.grad_buffer.zero()
+        self.optimizer.zero_grad()
         nominal_tokens = args.global_batch_size * args.seq_length
         stats = self.forward_backward(
             forward_step=self.forward_step, data_iterator=self.train_iter, model=self.model,
-            num_microbatches=args.num_microbatches, backward_scale=1.0 / nominal_tokens)
-        self._reduce_gradients()
+            num_microbatches=args.num_microbatches, backward_scale=self.optimizer.loss_scale / nominal_tokens)
+        self.finalize_model_grads()
         loss_sum, num_tokens = self._global_loss(stats)
         if num_tokens == 0:
             raise RuntimeError(f"iteration {self.iteration + 1}: the global batch has no token with loss "
                                "(every token masked by --eod-mask-loss?)")
-        if num_tokens != nominal_tokens:  # masked tokens: renormalise to the true token mean
-            self.grad_buffer.scale(nominal_tokens / num_tokens)
-        grad_norm = clip_grad_norm(self.params, args.clip_grad, self.ps.mp_group, self.ps.tp_rank)
         lr = self.scheduler.get_lr()
-        self.optimizer.step(lr)
+        # undo the loss scale; masked tokens: renormalise from the nominal to the true token count
+        update = self.optimizer.step(lr, grad_scale=nominal_tokens / num_tokens / self.optimizer.loss_scale)
         self.scheduler.step()
-        return {"lm_loss": loss_sum / num_tokens, "lr": lr, "grad_norm": grad_norm}
+        return {"lm_loss": loss_sum / num_tokens, "lr": lr, **update}
 
     @torch.no_grad()
     def evaluate(self, split: str) -> dict | None:

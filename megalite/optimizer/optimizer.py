@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .clip_grads import clip_grad_norm
+
 
 def _param_groups(named_masters, weight_decay: float):
     """Megatron's rule: no weight decay on biases and norm weights (1-D tensors)."""
@@ -21,7 +23,11 @@ def _param_groups(named_masters, weight_decay: float):
 
 
 class MixedPrecisionOptimizer:
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], args):
+    """Owns everything from the accumulated gradients to updated parameters: the DP reduction
+    (through the gradient buffer), normalisation, clipping and the update."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], args, grad_buffer, ps):
+        self.grad_buffer, self.ps, self.clip_grad = grad_buffer, ps, args.clip_grad
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.fp32_params = all(p.dtype == torch.float32 for p in self.params)
@@ -52,8 +58,25 @@ class MixedPrecisionOptimizer:
             n += sum(m.numel() * m.element_size() for m in self.masters)
         return n
 
+    @property
+    def loss_scale(self) -> float:
+        """Factor the schedule multiplies the loss by before backward."""
+        return 1.0
+
+    def zero_grad(self) -> None:
+        self.grad_buffer.zero()
+
+    def reduce_gradients(self) -> None:
+        """Sum gradients over the data-parallel group."""
+        self.grad_buffer.all_reduce()
+
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, grad_scale: float = 1.0) -> dict:
+        """Multiply the reduced gradients by `grad_scale` (1 / loss scale, token renormalisation),
+        clip them by the global norm, update. Returns grad_norm, loss_scale and skipped."""
+        if grad_scale != 1.0:
+            self.grad_buffer.scale(grad_scale)
+        grad_norm = clip_grad_norm(self.params, self.clip_grad, self.ps.mp_group, self.ps.tp_rank)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         for m, p in zip(self.masters, self.params):
@@ -63,6 +86,7 @@ class MixedPrecisionOptimizer:
             m.grad = None
             if m is not p:
                 p.copy_(m)
+        return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": False}
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

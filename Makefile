@@ -1,0 +1,40 @@
+# make demo   set up a virtual environment and pretrain a small GPT on the bundled corpus
+# make test   set up a virtual environment and run the whole test suite
+#
+# Torch is installed first, pinned by TORCH_SPEC (override for your platform, e.g.
+#   make test TORCH_SPEC='torch==2.5.1'   or   TORCH_SPEC='torch --index-url ...'),
+# so that the package's own "torch>=2.5" never pulls a different build.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.megalite-installed
+
+.PHONY: setup demo test data clean
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e ".[test,hf,tensorboard]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+data: $(STAMP)
+	PYTHON=$(PY) bash data/prepare.sh
+
+demo: data
+	OMP_NUM_THREADS=2 $(PY) pretrain_gpt.py \
+	    --data-path data/build/corpus_text_document --split 98,2,0 \
+	    --tokenizer-type SentencePieceTokenizer --tokenizer-model data/build/tokenizer.model \
+	    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+	    --micro-batch-size 16 --global-batch-size 32 --train-iters 200 \
+	    --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 20 \
+	    --hidden-dropout 0 --attention-dropout 0 \
+	    --log-interval 10 --eval-interval 100 --eval-iters 5 --log-jsonl runs/demo/metrics.jsonl
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) data/build runs

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Build the bundled demo dataset: SentencePiece tokenizer + Megatron .bin/.idx, under data/build/.
+# Re-running skips steps whose outputs are newer than their inputs.
+#   bash data/prepare.sh                 # uses `python`
+#   PYTHON=.venv/bin/python bash data/prepare.sh
+set -euo pipefail
+PYTHON="${PYTHON:-python}"
+VOCAB_SIZE="${VOCAB_SIZE:-1536}"   # the corpus has ~630 distinct words; BPE runs out of merges near 1860
+cd "$(dirname "$0")/.."
+
+CORPUS=data/corpus.jsonl
+BUILD=data/build
+TOKENIZER="$BUILD/tokenizer.model"
+PREFIX="$BUILD/corpus"
+DATASET="${PREFIX}_text_document"
+mkdir -p "$BUILD"
+
+if [ ! -f "$CORPUS" ]; then
+    echo "== generating $CORPUS"
+    "$PYTHON" data/generate_corpus.py --output "$CORPUS"
+fi
+
+if [ ! -f "$TOKENIZER" ] || [ "$CORPUS" -nt "$TOKENIZER" ]; then
+    echo "== training tokenizer -> $TOKENIZER (vocab $VOCAB_SIZE)"
+    "$PYTHON" tools/train_tokenizer.py --input "$CORPUS" --model-prefix "$BUILD/tokenizer" \
+        --vocab-size "$VOCAB_SIZE" --model-type bpe
+else
+    echo "== $TOKENIZER is up to date"
+fi
+
+if [ ! -f "$DATASET.idx" ] || [ ! -f "$DATASET.bin" ] \
+        || [ "$TOKENIZER" -nt "$DATASET.idx" ] || [ "$CORPUS" -nt "$DATASET.idx" ]; then
+    echo "== preprocessing -> $DATASET.{bin,idx}"
+    "$PYTHON" tools/preprocess_data.py --input "$CORPUS" --output-prefix "$PREFIX" \
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER" --append-eod --workers 2
+else
+    echo "== $DATASET.{bin,idx} is up to date"
+fi
+
+echo "== ready: --data-path $DATASET --tokenizer-type SentencePieceTokenizer --tokenizer-model $TOKENIZER"

@@ -1,0 +1,163 @@
+"""Train/valid/test datasets from Megatron's data flags (``--data-path``, ``--split``, ...).
+
+Two ways to name data, as in Megatron:
+
+``--data-path`` (+ ``--split``)  one list of prefixes, each cut into contiguous train/valid/test
+    document ranges by ``--split`` ("969,30,1", normalised to fractions). Forms accepted:
+    ``A`` (one dataset), ``0.3 A 0.7 B`` (weight/prefix pairs; weights are normalised), or
+    ``A B`` (several prefixes without weights). For the last form Megatron concatenates each
+    dataset's single epoch; here the prefixes are weighted by their token counts in the split,
+    which gives the same proportions but also extends to more samples than one epoch holds.
+``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path``  a list per split, in the
+    same forms, each dataset used whole for its split.
+
+Every rank must call ``build_train_valid_test_datasets``: index caches are built by global rank 0
+while the others wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+from megalite.data.blended_dataset import BlendedDataset
+from megalite.data.gpt_dataset import GPTDataset, _rank
+from megalite.data.indexed_dataset import IndexedDataset, dataset_exists
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_and_normalize_split(split: str) -> list[float]:
+    """``"969,30,1"`` -> ``[0.969, 0.03, 0.001]`` (also ``/`` separators; missing entries are 0)."""
+    try:
+        parts = [float(s) for s in re.split(r"[,/]", str(split).strip()) if s.strip() != ""]
+    except ValueError:
+        raise ValueError(f"--split {split!r}: expected up to three numbers like '969,30,1'") from None
+    if not 1 <= len(parts) <= 3 or any(p < 0 or not math.isfinite(p) for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers, not all 0")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+def split_document_ranges(split: list[float], num_documents: int) -> list[tuple[int, int] | None]:
+    """Contiguous ``[begin, end)`` document range per split; None for a split of weight 0."""
+    ranges, lo = [], 0.0
+    for w in split:
+        hi = lo + w
+        ranges.append(None if w == 0 else (int(round(lo * num_documents)), int(round(hi * num_documents))))
+        lo = hi
+    return ranges
+
+
+def parse_blend(paths, flag: str) -> tuple[list[str], list[float] | None]:
+    """``["0.3", "A", "0.7", "B"]`` -> (prefixes, weights); ``["A", "B"]`` -> (prefixes, None)."""
+    if isinstance(paths, str):
+        paths = [paths]
+    items = [tok for p in paths for tok in str(p).split()]
+    if not items:
+        raise ValueError(f"{flag} is empty")
+    if len(items) % 2 == 0:
+        try:
+            weights = [float(x) for x in items[0::2]]
+        except ValueError:
+            weights = None
+        if weights is not None:
+            if any(w < 0 for w in weights) or sum(weights) <= 0:
+                raise ValueError(f"{flag}: weights must be non-negative and not all 0, got {weights}")
+            return items[1::2], weights
+    return items, None
+
+
+def _open(prefix: str, flag: str) -> IndexedDataset:
+    if not dataset_exists(prefix):
+        missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+        raise FileNotFoundError(f"{flag} {prefix}: dataset not found (missing {', '.join(missing)}); "
+                                f"a prefix names a .bin/.idx pair made by tools/preprocess_data.py")
+    return IndexedDataset(prefix)
+
+
+def _cache_dir(args, prefix: str) -> str:
+    explicit = getattr(args, "data_cache_path", None)
+    if explicit:
+        return explicit
+    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+
+
+def _build_split(args, prefixes, weights, ranges, num_samples, split_name, flag):
+    """One split's dataset: a GPTDataset, or a BlendedDataset over several."""
+    indexed = [_open(p, flag) for p in prefixes]
+    doc_ranges = [r if r is not None else (0, len(d)) for r, d in zip(ranges, indexed)]
+    seq_length, seed = int(args.seq_length), int(args.seed)
+
+    def gpt(i, n):
+        b, e = doc_ranges[i]
+        return GPTDataset(indexed[i], b, e, n, seq_length, seed, _cache_dir(args, prefixes[i]), split_name)
+
+    if len(prefixes) == 1:
+        ds = gpt(0, num_samples)
+    else:
+        if weights is None:
+            weights = [int(d.sequence_lengths[b:e].sum(dtype="int64")) for d, (b, e) in zip(indexed, doc_ranges)]
+        total = float(sum(weights))
+        weights = [w / total for w in weights]
+        keep = [i for i, w in enumerate(weights) if w > 0]
+        if num_samples is None:
+            # One pass: as many samples as the blend can serve without repeating any dataset.
+            subs = [gpt(i, None) for i in keep]
+            size = int(min(len(d) / weights[i] for i, d in zip(keep, subs)))
+        else:
+            size = int(num_samples)
+            # Upper bound on what the blend takes from dataset i within `size` samples
+            # (see blended_dataset: w_i * size + K/2 + 1.5).
+            subs = [gpt(i, int(math.ceil(weights[i] * size)) + len(keep) + 1) for i in keep]
+        ds = BlendedDataset(subs, [weights[i] for i in keep], size,
+                            getattr(args, "data_cache_path", None) or _cache_dir(args, prefixes[0]), split_name)
+    if _rank() == 0:
+        print(f"> {split_name} dataset: {len(ds)} samples of {seq_length}+1 tokens from "
+              f"{', '.join(prefixes)}", flush=True)
+    return ds
+
+
+def build_train_valid_test_datasets(args, train_valid_test_num_samples):
+    """(train, valid, test) datasets, each ``None`` when its split is empty or asks for 0 samples.
+
+    ``args``: data_path, split, data_cache_path, train_data_path, valid_data_path, test_data_path,
+    seq_length, seed. ``ds[i]`` is ``{"text": int64 array [seq_length + 1]}``.
+    """
+    num_samples = list(train_valid_test_num_samples)
+    if len(num_samples) != 3:
+        raise ValueError(f"train_valid_test_num_samples must have 3 entries, got {num_samples}")
+    data_path = getattr(args, "data_path", None)
+    per_split = [getattr(args, f"{n}_data_path", None) for n in SPLIT_NAMES]
+    if data_path and any(per_split):
+        raise ValueError("give either --data-path (with --split) or --train-data-path/--valid-data-path/"
+                         "--test-data-path, not both")
+    out = [None, None, None]
+    if data_path:
+        prefixes, weights = parse_blend(data_path, "--data-path")
+        split = parse_and_normalize_split(getattr(args, "split", None) or "969,30,1")
+        indexed = [_open(p, "--data-path") for p in prefixes]  # all files checked before any build
+        ranges = [split_document_ranges(split, len(d)) for d in indexed]
+        for i, name in enumerate(SPLIT_NAMES):
+            if ranges[0][i] is None or num_samples[i] == 0:
+                continue
+            out[i] = _build_split(args, prefixes, weights, [r[i] for r in ranges], num_samples[i], name,
+                                  "--data-path")
+    elif any(per_split):
+        parsed = [parse_blend(p, f"--{n}-data-path") if p else None for n, p in zip(SPLIT_NAMES, per_split)]
+        for (name, blend) in zip(SPLIT_NAMES, parsed):
+            if blend:
+                for p in blend[0]:
+                    _open(p, f"--{name}-data-path")
+        for i, (name, blend) in enumerate(zip(SPLIT_NAMES, parsed)):
+            if blend is None or num_samples[i] == 0:
+                continue
+            prefixes, weights = blend
+            out[i] = _build_split(args, prefixes, weights, [None] * len(prefixes), num_samples[i], name,
+                                  f"--{name}-data-path")
+    else:
+        raise ValueError("no training data: pass --data-path (or --train-data-path/--valid-data-path/"
+                         "--test-data-path)")
+    return tuple(out)

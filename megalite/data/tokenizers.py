@@ -1,0 +1,165 @@
+"""Tokenizers behind one small interface, selected by Megatron's ``--tokenizer-type``.
+
+Every tokenizer has ``name``, ``vocab_size`` (unpadded; the model pads it), ``eod`` (the
+end-of-document id that ``--append-eod`` writes), ``tokenize(str) -> list[int]`` and
+``detokenize(list[int]) -> str``. The optional libraries are imported only by the tokenizer that
+needs them, so the core install works without them.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _require_file(path, flag: str, what: str) -> str:
+    if not path:
+        raise ValueError(f"{flag} is required for this --tokenizer-type ({what})")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag} {path}: file not found ({what})")
+    return path
+
+
+def _import(module: str, extra: str):
+    try:
+        return __import__(module)
+    except ImportError as e:
+        hint = f"pip install megalite[{extra}]" if extra else f"pip install {module}"
+        raise ImportError(f"this tokenizer needs the '{module}' package: {hint}") from e
+
+
+class NullTokenizer:
+    """Text is whitespace-separated token ids; for tests and pre-tokenized corpora.
+
+    Follows Megatron's ``_NullTokenizer``: ``vocab_size`` ids are the data, one more id
+    (``vocab_size``) is the eod, so ``.vocab_size`` reports ``vocab_size + 1``.
+    """
+
+    name = "NullTokenizer"
+
+    def __init__(self, vocab_size: int):
+        if vocab_size is None or int(vocab_size) <= 0:
+            raise ValueError(f"--vocab-size must be a positive integer for NullTokenizer, got {vocab_size}")
+        self._vocab_size_without_eod = int(vocab_size)
+        self.eod = self._vocab_size_without_eod
+        self.vocab_size = self._vocab_size_without_eod + 1
+
+    def tokenize(self, text: str) -> list[int]:
+        # Megatron splits on a single space; any whitespace is accepted here (same result on its input).
+        ids = [int(x) for x in text.split()]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"NullTokenizer: token id {bad[0]} outside [0, {self.vocab_size}) "
+                             f"(--vocab-size {self._vocab_size_without_eod})")
+        return ids
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(x)) for x in ids)
+
+
+class GPT2BPETokenizer:
+    """GPT-2 byte-level BPE from ``--vocab-file`` (vocab.json) and ``--merge-file`` (merges.txt).
+
+    Uses the Rust ``tokenizers`` BPE with GPT-2's byte-level pre-tokenizer (its regex, no prefix
+    space), which yields exactly the ids of the reference GPT-2 tokenizer. Like Megatron, the text
+    "<|endoftext|>" inside a document is *not* turned into the eod id: only --append-eod writes it,
+    so documents cannot inject document boundaries.
+    """
+
+    name = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        _require_file(vocab_file, "--vocab-file", "GPT-2 vocab.json")
+        _require_file(merge_file, "--merge-file", "GPT-2 merges.txt")
+        tk = _import("tokenizers", "hf")
+        from tokenizers import decoders, models, pre_tokenizers
+
+        self._tok = tk.Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tok.decoder = decoders.ByteLevel()
+        eod = self._tok.token_to_id("<|endoftext|>")
+        if eod is None:
+            raise ValueError(f"--vocab-file {vocab_file}: no '<|endoftext|>' token, not a GPT-2 vocabulary")
+        self.eod = eod
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece ``.model`` (``--tokenizer-model``), GPT style: eod is the model's eos id.
+
+    This matches Megatron's ``GPTSentencePieceTokenizer`` (no extra special tokens, no bos/eos added
+    to each text). Megatron's BERT-oriented ``SentencePieceTokenizer`` appends <CLS>/<SEP>/<EOD>/...
+    ids to the vocabulary instead; the ordinary piece ids are the same in both.
+    """
+
+    name = "SentencePieceTokenizer"
+
+    def __init__(self, model_file: str):
+        _require_file(model_file, "--tokenizer-model", "SentencePiece .model file")
+        spm = _import("sentencepiece", None)
+        self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        self.vocab_size = self._sp.vocab_size()
+        self.eod = self._sp.eos_id()
+        if self.eod < 0:
+            raise ValueError(f"--tokenizer-model {model_file}: the model has no eos piece to use as "
+                             f"end-of-document (train it with eos_id >= 0, e.g. tools/train_tokenizer.py)")
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def detokenize(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class HuggingFaceTokenizer:
+    """``transformers.AutoTokenizer`` from a local directory (``--tokenizer-model``), offline only.
+
+    As in Megatron, ``tokenize`` calls the tokenizer with its defaults, so models whose tokenizer
+    adds a bos token (e.g. Llama) get one per document; eod is ``eos_token_id``.
+    """
+
+    name = "HuggingFaceTokenizer"
+
+    def __init__(self, model_dir: str):
+        if not model_dir:
+            raise ValueError("--tokenizer-model (a local tokenizer directory) is required for HuggingFaceTokenizer")
+        if not os.path.isdir(model_dir):
+            raise FileNotFoundError(f"--tokenizer-model {model_dir}: not a directory (HuggingFaceTokenizer "
+                                    f"loads a local tokenizer directory; nothing is downloaded)")
+        _import("transformers", "hf")
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.vocab_size = len(self._tok)
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"--tokenizer-model {model_dir}: tokenizer has no eos token to use as end-of-document")
+        self.eod = self._tok.eos_token_id
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tok(text).input_ids)
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                   "HuggingFaceTokenizer", "NullTokenizer")
+
+
+def build_tokenizer(args):
+    """Tokenizer for ``args.tokenizer_type`` (+ vocab_file, merge_file, tokenizer_model, vocab_size)."""
+    kind = getattr(args, "tokenizer_type", None)
+    if kind == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(getattr(args, "vocab_file", None), getattr(args, "merge_file", None))
+    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        return SentencePieceTokenizer(getattr(args, "tokenizer_model", None))
+    if kind == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(getattr(args, "tokenizer_model", None))
+    if kind == "NullTokenizer":
+        return NullTokenizer(getattr(args, "vocab_size", None))
+    raise ValueError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")

@@ -1,0 +1,91 @@
+"""Helpers for multi-process tests on CPU with gloo.
+
+`spawn(fn, world_size, *args)` runs fn(rank, world_size, *args) in world_size processes with
+torch.distributed initialised (gloo) and returns each rank's return value.
+`run_pretrain(nproc, flags, tmp)` runs pretrain_gpt.py under torchrun and returns its JSONL.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # report to the parent instead of hanging it
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def spawn(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
+
+
+def run_pretrain(nproc: int, flags: list[str], tmp_path, name: str = "run", check: bool = True,
+                 timeout: float = 300.0):
+    """Run pretrain_gpt.py (torchrun when nproc > 1); return (records, completed process)."""
+    jsonl = os.path.join(str(tmp_path), f"{name}.jsonl")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    else:
+        cmd = [sys.executable]
+    cmd += [os.path.join(ROOT, "pretrain_gpt.py"), *flags, "--log-jsonl", jsonl]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    records = []
+    if os.path.exists(jsonl):
+        with open(jsonl) as f:
+            records = [json.loads(line) for line in f]
+    return records, proc
+
+
+def train_losses(records) -> list[float]:
+    return [r["lm_loss"] for r in records if "iteration" in r and "split" not in r]
+
+
+def assert_losses_close(ref: list[float], got: list[float], rtol: float = 1e-5):
+    assert len(ref) == len(got) and len(ref) > 0, (len(ref), len(got))
+    worst = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
+    assert worst <= rtol, f"relative loss difference {worst:.3e} > {rtol:.0e}\nref={ref}\ngot={got}"

@@ -1,0 +1,47 @@
+import pytest
+
+from megalite.parallel_state import RankGrid
+
+
+def test_megatron_default_order_example():
+    g = RankGrid(8, tp=2, pp=2)
+    assert g.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g.groups("tp", "pp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert g.embedding_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_rank_formula_every_rank():
+    g = RankGrid(24, tp=2, pp=3)
+    for rank in range(24):
+        c = g.coords(rank)
+        assert rank == c["tp"] + 2 * c["dp"] + 2 * 4 * c["pp"]
+        assert g.rank_of(**c) == rank
+
+
+def test_tp_pp_dp_order():
+    g = RankGrid(8, tp=2, pp=2, order="tp-pp-dp")
+    assert g.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for rank in range(8):
+        c = g.coords(rank)
+        assert rank == c["tp"] + 2 * c["pp"] + 4 * c["dp"]
+
+
+def test_embedding_group_with_four_stages():
+    g = RankGrid(8, tp=1, pp=4)
+    assert g.groups("pp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g.embedding_groups() == [[0, 6], [1, 7]]
+
+
+def test_every_rank_in_exactly_one_group_per_kind():
+    g = RankGrid(16, tp=2, pp=2)
+    for dims in (("tp",), ("pp",), ("dp",), ("tp", "pp")):
+        members = sorted(r for grp in g.groups(*dims) for r in grp)
+        assert members == list(range(16))
+
+
+def test_indivisible_world_names_flags():
+    with pytest.raises(ValueError, match="tensor-model-parallel-size.*pipeline-model-parallel-size"):
+        RankGrid(6, tp=4, pp=1)
