@@ -18,6 +18,8 @@ class ArgumentError(ValueError):
 
 
 def _str2dtype(args) -> torch.dtype:
+    if getattr(args, "fp16", False):
+        return torch.float16
     return torch.bfloat16 if args.bf16 else torch.float32
 
 
@@ -55,10 +57,28 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
+                   help="layers per model chunk: v = layers / (PP x this) chunks per rank (interleaved 1F1B)")
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
                    help="rank order TP-PP-DP instead of Megatron's default TP-DP-PP")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl with CUDA, gloo without")
     g.add_argument("--ddp-bucket-size", type=int, default=40_000_000, help="elements per gradient all-reduce bucket")
+
+    g = p.add_argument_group("activation memory")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"],
+                   help="activation recompute: 'full' recomputes whole transformer layers (with "
+                        "--recompute-method and --recompute-num-layers), 'selective' only core attention")
+    g.add_argument("--recompute-method", choices=["uniform", "block"],
+                   help="with full recompute: 'uniform' keeps the input of every chunk of --recompute-num-layers "
+                        "layers and recomputes the chunk; 'block' recomputes the first --recompute-num-layers "
+                        "layers of each pipeline stage (model chunk) and keeps the rest")
+    g.add_argument("--recompute-num-layers", type=int,
+                   help="layers per recomputed chunk (uniform) or recomputed layers per stage (block)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="shorthand for --recompute-granularity selective")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="shard activations outside the tensor-parallel regions along the sequence "
+                        "(needs --tensor-model-parallel-size > 1)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, help="samples per micro-batch per DP rank")
@@ -85,6 +105,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
 
+    g = p.add_argument_group("mixed precision and distributed optimizer")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 parameters and activations, fp32 grads and master weights, loss scaling")
+    g.add_argument("--loss-scale", type=float,
+                   help="static loss scale (a power of 2 is exact); default with --fp16: dynamic scaling")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="--fp16: first dynamic loss scale")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="--fp16: the dynamic scale never goes below this")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="--fp16: double the dynamic scale after this many steps without overflow")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="--fp16: overflows tolerated before the dynamic scale is halved")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="ZeRO-1: shard fp32 master weights and optimizer state over data-parallel ranks")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each bucket's DP gradient reduction during backward, as soon as it is complete")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: all-gather each bucket's parameters during the next "
+                        "forward, just before they are used")
+    g.add_argument("--no-fused-optimizer", dest="fused_optimizer", action="store_false",
+                   help="use the unfused torch.optim update instead of the fused one (apex FusedAdam on CUDA when "
+                        "installed, else torch's fused AdamW / SGD), which is the default where the device has it")
+    g.add_argument("--inject-overflow-at-iteration", type=int, metavar="N",
+                   help="testing only: put an inf into one rank's gradients at iteration N, as an fp16 overflow")
+
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true", help="random tokens (seeded); needs --vocab-size")
     g.add_argument("--vocab-size", type=int, help="vocabulary size for --mock-data / NullTokenizer")
@@ -104,12 +148,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reset-attention-mask", action="store_true", help="no attention across documents")
     g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes")
 
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, help="iterations between checkpoints (and one at the end)")
+    g.add_argument("--load", help="directory to resume from (its latest checkpoint)")
+    g.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    g.add_argument("--finetune", action="store_true", help="load weights only; start at iteration 0")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
+    g.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM, save and exit cleanly")
+    g.add_argument("--exit-interval", type=int, help="exit (after saving) when the iteration is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, help="exit (after saving) after this many minutes")
+
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--log-jsonl", help="append one JSON object per logged iteration / evaluation here")
     g.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: known GPUs only)")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100, help="global batches per evaluation (0: none)")
+    g.add_argument("--wandb-project", help="log to this Weights & Biases project (needs wandb; WANDB_MODE=offline works)")
+    g.add_argument("--wandb-exp-name", help="W&B run name (default: W&B's own)")
+    g.add_argument("--wandb-save-dir", help="local directory for W&B run files (default: ./wandb)")
+    g.add_argument("--wandb-entity", help="W&B team or user (default: your default entity)")
+    g.add_argument("--tensorboard-dir", help="write TensorBoard event files here (needs tensorboard)")
     return p
 
 
@@ -131,8 +192,6 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         if getattr(args, flag) is None:
             _fail(f"--{flag.replace('_', '-')} is required")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if pp != 1:
-        _fail("--pipeline-model-parallel-size > 1 is not supported yet")
     try:
         grid = RankGrid(world_size, tp, pp, "tp-pp-dp" if args.use_tp_pp_dp_mapping else "tp-dp-pp")
     except ValueError as e:
@@ -147,6 +206,24 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         _fail(f"--global-batch-size ({args.global_batch_size}) is not divisible by --micro-batch-size "
               f"({args.micro_batch_size}) x data-parallel size ({dp} = world {world_size} / (TP {tp} x PP {pp}))")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+
+    # pipeline stages and virtual chunks
+    if args.num_layers % pp:
+        _fail(f"--num-layers ({args.num_layers}) is not divisible by --pipeline-model-parallel-size ({pp})")
+    args.virtual_pipeline_model_parallel_size = 1
+    k = args.num_layers_per_virtual_pipeline_stage
+    if k is not None:
+        if pp < 2:
+            _fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
+        if (args.num_layers // pp) % k:
+            _fail(f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) = "
+                  f"{args.num_layers // pp} layers per stage is not divisible by "
+                  f"--num-layers-per-virtual-pipeline-stage ({k})")
+        args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * k)
+        if args.virtual_pipeline_model_parallel_size > 1 and args.num_microbatches % pp:
+            _fail(f"the interleaved schedule needs the number of micro-batches (--global-batch-size / "
+                  f"(--micro-batch-size x DP) = {args.num_microbatches}) to be a multiple of "
+                  f"--pipeline-model-parallel-size ({pp})")
 
     # model shape
     heads = args.num_attention_heads
@@ -189,6 +266,31 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     if args.reset_attention_mask and args.use_flash_attn:
         _fail("--reset-attention-mask needs an explicit mask, which --use-flash-attn does not take")
 
+    # activation memory: recompute and sequence parallelism (Megatron-LM's rules)
+    if args.recompute_activations:
+        if args.recompute_granularity == "full":
+            _fail("--recompute-activations (selective recompute) conflicts with --recompute-granularity full")
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full":
+        per_chunk = args.num_layers // (pp * args.virtual_pipeline_model_parallel_size)
+        if args.recompute_method is None:
+            _fail("--recompute-granularity full needs --recompute-method uniform or block")
+        if args.recompute_num_layers is None or not 1 <= args.recompute_num_layers <= per_chunk:
+            _fail(f"--recompute-granularity full needs --recompute-num-layers between 1 and the layers per "
+                  f"pipeline stage (model chunk), {per_chunk}; got {args.recompute_num_layers}")
+    elif args.recompute_granularity == "selective":
+        if args.recompute_method is not None or args.recompute_num_layers is not None:
+            _fail("--recompute-method / --recompute-num-layers apply to --recompute-granularity full only, "
+                  "not selective")
+    elif args.recompute_method is not None or args.recompute_num_layers is not None:
+        _fail("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    if args.sequence_parallel:
+        if tp < 2:
+            _fail("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if args.seq_length % tp:
+            _fail(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
+                  f"--tensor-model-parallel-size ({tp})")
+
     # data
     paths = [args.data_path, args.train_data_path, args.valid_data_path, args.test_data_path]
     if args.mock_data:
@@ -219,6 +321,51 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         _fail(f"--min-lr ({args.min_lr}) exceeds --lr ({args.lr})")
     if args.log_interval < 1 or args.eval_interval < 1:
         _fail("--log-interval and --eval-interval must be >= 1")
+
+    # mixed precision and distributed optimizer
+    if args.fp16 and args.bf16:
+        _fail("--fp16 and --bf16 are mutually exclusive")
+    if args.loss_scale is not None:
+        if not (args.fp16 or args.bf16):
+            _fail("--loss-scale needs --fp16 or --bf16 (fp32 training does not scale the loss)")
+        if args.loss_scale <= 0:
+            _fail(f"--loss-scale must be > 0, got {args.loss_scale}")
+    dynamic = {"initial_loss_scale": 2.0**32, "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2}
+    for flag, default in dynamic.items():
+        if getattr(args, flag) != default and (not args.fp16 or args.loss_scale is not None):
+            _fail(f"--{flag.replace('_', '-')} sets dynamic loss scaling, which only --fp16 without --loss-scale uses")
+    if args.fp16:
+        if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+            _fail(f"need 0 < --min-loss-scale ({args.min_loss_scale}) <= --initial-loss-scale "
+                  f"({args.initial_loss_scale})")
+        if args.loss_scale_window < 1 or args.hysteresis < 1:
+            _fail("--loss-scale-window and --hysteresis must be >= 1")
+    if args.inject_overflow_at_iteration is not None and not (args.fp16 or args.loss_scale is not None):
+        _fail("--inject-overflow-at-iteration needs loss scaling (--fp16, or --loss-scale)")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        _fail("--overlap-param-gather needs --use-distributed-optimizer")
+
+    # experiment trackers (W&B, TensorBoard): optional packages, checked before any process starts
+    from .tracking import missing_packages
+    for msg in missing_packages(args):
+        _fail(msg)
+    for flag in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
+        if getattr(args, flag) and not args.wandb_project:
+            _fail(f"--{flag.replace('_', '-')} needs --wandb-project")
+
+    # checkpointing
+    if args.save_interval is not None and args.save_interval < 1:
+        _fail("--save-interval must be >= 1")
+    if args.save_interval and not args.save:
+        _fail("--save-interval needs --save")
+    if args.async_save and not args.save:
+        _fail("--async-save needs --save")
+    if (args.finetune or args.no_load_optim or args.no_load_rng) and not args.load:
+        _fail("--finetune / --no-load-optim / --no-load-rng need --load")
+    if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
+        _fail(f"--save {args.save} exists and is not a directory")
+    if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
+        _fail(f"--load {args.load} is not a directory")
 
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -10,13 +10,25 @@ import torch
 import torch.distributed as dist
 
 
+class OfflineGroup:
+    """A group's size and this rank's place in it, with no processes behind it: lets one
+    process build the shard shapes of any rank offline (checkpoint conversion)."""
+
+    def __init__(self, size: int, rank: int):
+        self.size, self.rank = size, rank
+
+
 def group_size(group) -> int:
+    if isinstance(group, OfflineGroup):
+        return group.size
     if group is None or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
+    if isinstance(group, OfflineGroup):
+        return group.rank
     if group is None or not dist.is_initialized():
         return 0
     return dist.get_rank(group)
@@ -66,28 +78,54 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
 
 def reduce_scatter_flat(full: torch.Tensor, out: torch.Tensor, group, async_op: bool = False):
     """Flat reduce-scatter of `full` (numel = n * out.numel()) into `out`; on gloo emulated with
-    an all-reduce of `full` in place (so `full` is clobbered there, which callers accept)."""
+    an all-reduce of `full` in place (so `full` is clobbered there, which callers accept).
+    `out` may be this rank's chunk of `full` (in place). With async_op, returns a handle whose
+    wait() completes the operation (gloo included); otherwise None."""
     n = group_size(group)
     if n == 1:
         out.copy_(full)
         return None
     if _is_gloo(group):
-        dist.all_reduce(full, group=group)
-        out.copy_(full.view(n, -1)[group_rank(group)])
-        return None
+        rank = group_rank(group)
+        work = dist.all_reduce(full, group=group, async_op=async_op)
+        pending = _Pending(work, lambda: out.copy_(full.view(n, -1)[rank]))
+        return pending if async_op else pending.wait()
     return dist.reduce_scatter_tensor(out, full, group=group, async_op=async_op)
 
 
 def all_gather_flat(shard: torch.Tensor, full: torch.Tensor, group, async_op: bool = False):
-    """Flat all-gather of every rank's `shard` into `full` (numel = n * shard.numel())."""
+    """Flat all-gather of every rank's `shard` into `full` (numel = n * shard.numel()); `shard`
+    may be this rank's chunk of `full` (in place). With async_op, returns a handle to wait() on."""
     n = group_size(group)
     if n == 1:
         full.copy_(shard)
         return None
     if _is_gloo(group):
-        dist.all_gather(list(full.view(n, -1).unbind(0)), shard, group=group)
-        return None
+        return dist.all_gather(list(full.view(n, -1).unbind(0)), shard, group=group, async_op=async_op)
     return dist.all_gather_into_tensor(full, shard, group=group, async_op=async_op)
+
+
+def all_reduce_async(tensor: torch.Tensor, group):
+    """Start an in-place sum over the group; returns a handle to wait() on (None for size one)."""
+    if group_size(group) == 1:
+        return None
+    return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+class _Pending:
+    """Handle of a collective emulated as another one plus a local step (gloo's reduce-scatter:
+    an all-reduce, then keep our chunk): wait() waits for the collective, then runs `finish`."""
+
+    def __init__(self, work, finish):
+        self.work, self.finish = work, finish
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
 
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:

@@ -69,7 +69,8 @@ def console_line(r: dict, train_iters: int, memory: str, eta_s: float) -> str:
     ]
     if r.get("loss_scale") is not None:
         parts.append(f"loss scale: {r['loss_scale']:.1f}")
-    parts.append(f"grad norm: {r['grad_norm']:.3f}")
+    if r.get("grad_norm") is not None:  # None on a step skipped for fp16 overflow
+        parts.append(f"grad norm: {r['grad_norm']:.3f}")
     for key, label in (("skipped_iterations", "skipped iterations"), ("nan_iterations", "nan iterations")):
         if r.get(key):
             parts.append(f"{label}: {r[key]}")

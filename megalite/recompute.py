@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch.utils.checkpoint import checkpoint
 
 
@@ -32,3 +33,43 @@ def recompute(fn, *args, rng_tracker=None):
         return contextlib.nullcontext(), restore()
 
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn)
+
+
+class SavedActivations:
+    """Counts the bytes autograd keeps for backward while active (a context manager).
+
+    Every tensor saved for backward goes through `torch.autograd.graph.saved_tensors_hooks`;
+    each storage is counted once (q, k, v views of one fused QKV output are one storage) and
+    parameters are left out, so `nbytes` is the activation memory held at the end of a forward
+    pass: what Korthikanti et al. 2022 (Sec. 4, Eq. 1-2) estimate as s·b·h·(34 + 5·a·s/h) bytes
+    per layer. Inside a recompute region torch.utils.checkpoint installs its own hooks, so only
+    the region's inputs are seen: they are what recompute keeps. `region` tags each record (set
+    it from module hooks) to attribute bytes to a part of the model.
+    """
+
+    def __init__(self, params=()):
+        self.exclude = {p.untyped_storage().data_ptr() for p in params}
+        self.region = None
+        self.records: list[tuple[tuple[int, ...], torch.dtype, int, object]] = []  # shape, dtype, bytes, region
+        self._seen: dict[int, torch.UntypedStorage] = {}  # held until exit, so no address is reused
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.exclude and ptr not in self._seen:
+            self._seen[ptr] = storage
+            self.records.append((tuple(t.shape), t.dtype, storage.nbytes(), self.region))
+        return t
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self._seen.clear()
+        return False
+
+    def nbytes(self, region=all) -> int:
+        return sum(n for _, _, n, r in self.records if region is all or r == region)

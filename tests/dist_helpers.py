@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -32,7 +33,8 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # plain pickle: tensors travel by value, not as file descriptors that die with this process
+        queue.put((rank, "ok", pickle.dumps(result)))
         dist.barrier()
         dist.destroy_process_group()
     except Exception:  # report to the parent instead of hanging it
@@ -52,7 +54,7 @@ def spawn(fn, world_size: int, *args, timeout: float = 120.0) -> list:
             rank, status, value = queue.get(timeout=timeout)
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)

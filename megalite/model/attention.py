@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
+from ..recompute import recompute
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import GPTConfig
 
@@ -111,8 +112,8 @@ class SelfAttention(nn.Module):
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, ng, hn]
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        if self.recompute_core_attention and self.training:
-            from ..recompute import recompute
+        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
+            # selective recompute: keep q, k, v; redo softmax(QKᵀ)·V (and its dropout) in backward
             ctx = recompute(self.core_attention, q, k, v, attention_mask,
                             rng_tracker=self.core_attention.rng_tracker)
         else:

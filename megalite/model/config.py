@@ -51,6 +51,18 @@ class GPTConfig:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        # activation recompute (the flags are checked with their names in arguments.validate_args)
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(f"recompute_granularity must be None, 'full' or 'selective', "
+                             f"got {self.recompute_granularity!r}")
+        if self.recompute_granularity == "full":
+            if self.recompute_method not in ("uniform", "block"):
+                raise ValueError(f"full recompute needs recompute_method 'uniform' or 'block', "
+                                 f"got {self.recompute_method!r}")
+            if not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
+                raise ValueError(f"full recompute needs recompute_num_layers >= 1, got {self.recompute_num_layers!r}")
+        elif self.recompute_method is not None or self.recompute_num_layers is not None:
+            raise ValueError("recompute_method and recompute_num_layers apply to recompute_granularity 'full' only")
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -10,6 +10,7 @@ from the same (seed, name) so both start equal, and the trainer all-reduces the 
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -29,9 +30,10 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 class Embedding(nn.Module):
-    def __init__(self, config: GPTConfig, tp_group, device=None):
+    def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, device=None):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, config.sequence_parallel
+        self.rng_tracker = rng_tracker
         self.dropout = config.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, tp_group=tp_group, init_std=config.init_method_std,
@@ -51,9 +53,14 @@ class Embedding(nn.Module):
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.sequence_parallel:
             x = scatter_to_sp(x, self.tp_group)  # [s/tp, b, h]
-        # embeddings are replicated across TP (or sequence-sharded, then the default stream
-        # differs per token slice only by position): dropout uses the default generator
-        return F.dropout(x, self.dropout, training=self.training) if self.dropout > 0 else x
+        if not self.training or self.dropout == 0:
+            return x
+        # Replicated across TP, every rank must draw the same mask: the default generator, seeded
+        # alike across TP. Sequence-sharded, each rank holds different tokens and needs its own
+        # mask (the default generator would repeat one pattern on every shard): fork the tracker,
+        # as Megatron-LM does.
+        with self.rng_tracker.fork() if self.sequence_parallel else contextlib.nullcontext():
+            return F.dropout(x, self.dropout, training=True)
 
 
 class GPTModel(nn.Module):
@@ -68,8 +75,13 @@ class GPTModel(nn.Module):
         if config.position_embedding_type not in ("learned_absolute", "rope"):
             raise ValueError(f"--position-embedding-type must be learned_absolute or rope, "
                              f"got {config.position_embedding_type!r}")
+        if (rng_tracker is None and (comm.group_size(tp_group) > 1 or config.sequence_parallel)
+                and max(config.hidden_dropout, config.attention_dropout) > 0):
+            # dropout on TP-sharded heads or sequence-sharded tokens must differ per TP rank
+            raise ValueError("a tensor-parallel GPTModel with dropout needs rng_tracker "
+                             "(megalite.tensor_parallel.seed_everything)")
         if pre_process:
-            self.embedding = Embedding(config, tp_group, device)
+            self.embedding = Embedding(config, tp_group, rng_tracker, device)
         self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
                        if config.position_embedding_type == "rope" else None)
         self.decoder = TransformerBlock(config, tp_group, rng_tracker, layer_offset, num_layers, post_process, device)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..recompute import recompute
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
 from .attention import SelfAttention
 from .config import GPTConfig
@@ -85,7 +86,7 @@ class TransformerLayer(nn.Module):
         if not self.training or self.hidden_dropout == 0:
             return x
         # sequence-parallel activations are different tokens on each TP rank: different masks
-        fork = self.rng_tracker.fork() if self.sequence_parallel and self.rng_tracker else contextlib.nullcontext()
+        fork = self.rng_tracker.fork() if self.sequence_parallel else contextlib.nullcontext()
         with fork:
             return F.dropout(x, self.hidden_dropout, training=True)
 
@@ -124,8 +125,7 @@ class TransformerBlock(nn.Module):
     def forward(self, x, rotary=None, attention_mask=None):
         cos, sin = rotary if rotary is not None else (None, None)
         n = len(self.layers)
-        if self.recompute_granularity == "full" and self.training:
-            from ..recompute import recompute
+        if self.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
             k = self.recompute_num_layers
             if self.recompute_method == "uniform":
                 # checkpoint the input of every chunk of k layers; recompute the chunk in backward

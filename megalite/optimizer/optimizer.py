@@ -1,92 +1,233 @@
-"""The optimizer over fp32 master weights.
+"""The optimizer over fp32 master weights, with loss scaling and global-norm clipping.
 
-fp32 training steps the parameters themselves. With --bf16 the model's parameters are bf16
-while the optimizer keeps an fp32 master copy of each (Micikevicius et al. 2018, Sec. 3.1):
+fp32 training steps the parameters themselves. With --bf16 or --fp16 the model's parameters are
+16-bit while the optimizer keeps an fp32 master copy of each (Micikevicius et al. 2018, Sec. 3.1):
 the step reads the fp32 `main_grad` accumulated by the gradient buffer, updates the master,
-and the result is cast back into the bf16 parameter.
+and the result is cast back into the 16-bit parameter. --fp16 adds loss scaling (grad_scaler.py):
+a step whose gradients overflowed is skipped on every rank.
 
-Adam's state is allocated eagerly at construction, so the memory footprint logged before the
-first step is the memory the run will really hold.
+One step: DP reduction (reduce_gradients, called from finalize_model_grads) -> multiply by
+`grad_scale` (1 / loss scale, token renormalisation) -> one all-reduce of [squared norm,
+overflow count] -> skip on overflow -> clip -> update -> masters copied into the parameters.
+distributed_optimizer.py shards the masters and the optimizer state over DP (ZeRO-1).
+
+The update itself is torch.optim's AdamW / SGD, fused where the device has fused kernels
+(apex FusedAdam on CUDA when apex is importable), unless --no-fused-optimizer; both paths
+compute the same update up to float rounding. Adam's state is allocated eagerly at
+construction, so the memory footprint logged before the first step is the memory the run
+will really hold.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .clip_grads import clip_grad_norm
+from .. import comm
+from .clip_grads import clip_by_norm, is_counted, local_grad_stats
+from .grad_scaler import build_grad_scaler
 
 
 def _param_groups(named_masters, weight_decay: float):
-    """Megatron's rule: no weight decay on biases and norm weights (1-D tensors)."""
-    decay = [p for n, p in named_masters if p.ndim > 1]
-    no_decay = [p for n, p in named_masters if p.ndim <= 1]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """Megatron's rule: no weight decay on biases and norm weights (1-D tensors).
+    `named_masters`: (tensor stepped, number of dimensions of the model parameter it belongs to)."""
+    decay = [m for m, ndim in named_masters if ndim > 1]
+    no_decay = [m for m, ndim in named_masters if ndim <= 1]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def _torch_fused_supported(device: torch.device) -> bool:
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+        return device.type in _get_fused_kernels_supported_devices()
+    except ImportError:  # older torch: CUDA only
+        return device.type == "cuda"
+
+
+def build_inner_optimizer(groups, args, device: torch.device, fused: bool | None = None):
+    """(torch optimizer over `groups`, description). `fused` defaults to args.fused_optimizer."""
+    fused = getattr(args, "fused_optimizer", True) if fused is None else fused
+    if args.optimizer == "adam":
+        betas = (args.adam_beta1, args.adam_beta2)
+        if fused and device.type == "cuda":
+            try:
+                from apex.optimizers import FusedAdam
+                # adam_w_mode: decoupled weight decay, as torch's AdamW
+                return (FusedAdam(groups, lr=args.lr, betas=betas, eps=args.adam_eps, adam_w_mode=True),
+                        "adam (apex FusedAdam)")
+            except ImportError:
+                pass
+        use_fused = fused and _torch_fused_supported(device)
+        # decoupled weight decay (AdamW), as Megatron-LM's Adam with weight decay
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=args.adam_eps, fused=use_fused or None)
+        return opt, "adam (torch AdamW, fused)" if use_fused else "adam (torch AdamW, unfused)"
+    use_fused = fused and _torch_fused_supported(device)
+    opt = torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum, fused=use_fused or None)
+    return opt, "sgd (torch SGD, fused)" if use_fused else "sgd (torch SGD, unfused)"
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate the state a first step would allocate, now (zeros, step 0)."""
+    is_torch = type(optimizer) in (torch.optim.AdamW, torch.optim.SGD)
+    for group in optimizer.param_groups:
+        for m in group["params"]:
+            if isinstance(optimizer, torch.optim.SGD):
+                if group["momentum"]:
+                    optimizer.state[m] = {"momentum_buffer": torch.zeros_like(m)}
+                continue
+            state = {"exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                     "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
+            if is_torch:  # apex FusedAdam counts steps per group instead
+                fused = group.get("fused") or group.get("capturable")
+                state["step"] = (torch.zeros((), dtype=torch.float32, device=m.device) if fused
+                                 else torch.tensor(0.0, dtype=torch.float32))
+            optimizer.state[m] = state
 
 
 class MixedPrecisionOptimizer:
     """Owns everything from the accumulated gradients to updated parameters: the DP reduction
-    (through the gradient buffer), normalisation, clipping and the update."""
+    (through the gradient buffer), unscaling and normalisation, the overflow check, clipping and
+    the update. Subclasses change which tensors are stepped (`masters`, `main_grads`) and how
+    the result reaches the parameters."""
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], args, grad_buffer, ps):
+    distributed = False
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], args, grad_buffer, ps, model=None):
         self.grad_buffer, self.ps, self.clip_grad = grad_buffer, ps, args.clip_grad
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
+        self.device = self.params[0].device
         self.fp32_params = all(p.dtype == torch.float32 for p in self.params)
+        self.scaler = build_grad_scaler(args)
+        self.inject_overflow_at = getattr(args, "inject_overflow_at_iteration", None)
+        self.skipped_iterations = 0  # steps skipped for overflow since the start of this run
+        self._build_masters()
+        groups = _param_groups(list(zip(self.masters, self.master_ndims)), args.weight_decay)
+        self.optimizer, self.impl = build_inner_optimizer(groups, args, self.device)
+        init_optimizer_state(self.optimizer)
+
+    # -- what is stepped -------------------------------------------------------------------------
+    def _build_masters(self) -> None:
+        """One master per parameter: the parameter itself in fp32, else an fp32 copy."""
         self.masters = (self.params if self.fp32_params
-                        else [p.detach().float().clone().requires_grad_(True) for p in self.params])
-        groups = _param_groups(list(zip(self.names, self.masters)), args.weight_decay)
-        groups = [g for g in groups if g["params"]]
-        if args.optimizer == "adam":
-            # decoupled weight decay (AdamW), as Megatron-LM's Adam with weight decay
-            self.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                               eps=args.adam_eps)
-            for m in self.masters:
-                self.optimizer.state[m] = {"step": torch.tensor(0.0),
-                                           "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
-                                           "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
-        else:
-            self.optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
-            if args.sgd_momentum:
-                for m in self.masters:
-                    self.optimizer.state[m] = {"momentum_buffer": torch.zeros_like(m)}
+                        else [p.detach().float().clone() for p in self.params])
+        self.master_ndims = [p.ndim for p in self.params]
+        self.main_grads = [p.main_grad for p in self.params]
+        self.counted = [is_counted(p, self.ps.tp_rank) for p in self.params]
+
+    def _master_bytes(self) -> int:
+        return 0 if self.fp32_params else sum(m.numel() * m.element_size() for m in self.masters)
+
+    def _reduce_stats(self, stats: torch.Tensor) -> None:
+        """All ranks agree on [squared norm, overflow count]: every DP replica holds the whole
+        reduced gradient, so sum over model-parallel ranks and take the max over DP."""
+        comm.all_reduce(stats, self.ps.mp_group)
+        comm.all_reduce(stats, self.ps.dp_group, op=torch.distributed.ReduceOp.MAX)
+
+    def _update_params(self) -> None:
+        if not self.fp32_params:
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+    # -- public ------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        dtype = str(self.params[0].dtype).replace("torch.", "")
+        parts = [self.impl, f"{dtype} params" + ("" if self.fp32_params else ", fp32 master weights")]
+        if self.distributed:
+            parts.append(f"distributed over DP {self.ps.dp_size} (ZeRO-1)")
+        if self.grad_buffer.overlap:
+            parts.append("overlapped grad reduce")
+        if getattr(self, "overlap_param_gather", False):
+            parts.append("overlapped param gather")
+        parts.append(f"{len(self.grad_buffer.buckets)} bucket(s)")
+        if self.scaler is not None:
+            parts.append(self.scaler.describe())
+        return ", ".join(parts)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: Adam moments, plus fp32 master copies when the
-        parameters are not fp32 themselves."""
+        """Bytes of optimizer state on this rank: Adam moments / momentum, plus the fp32 master
+        weights when the parameters are not fp32 themselves."""
         n = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.ndim > 0)
-        if not self.fp32_params:
-            n += sum(m.numel() * m.element_size() for m in self.masters)
-        return n
+        return n + self._master_bytes()
 
     @property
     def loss_scale(self) -> float:
         """Factor the schedule multiplies the loss by before backward."""
-        return 1.0
+        return self.scaler.scale if self.scaler is not None else 1.0
 
     def zero_grad(self) -> None:
         self.grad_buffer.zero()
 
     def reduce_gradients(self) -> None:
-        """Sum gradients over the data-parallel group."""
-        self.grad_buffer.all_reduce()
+        """Sum gradients over the data-parallel group (what --overlap-grad-reduce has not
+        started yet is started now), and wait for the sums."""
+        self.grad_buffer.finish_grad_sync()
+
+    def _inject_overflow(self, iteration) -> bool:
+        """--inject-overflow-at-iteration (testing): the last rank writes an inf into a gradient."""
+        return (self.inject_overflow_at is not None and iteration == self.inject_overflow_at
+                and self.ps.rank == self.ps.world_size - 1)
 
     @torch.no_grad()
-    def step(self, lr: float, grad_scale: float = 1.0) -> dict:
+    def step(self, lr: float, grad_scale: float = 1.0, iteration: int | None = None) -> dict:
         """Multiply the reduced gradients by `grad_scale` (1 / loss scale, token renormalisation),
-        clip them by the global norm, update. Returns grad_norm, loss_scale and skipped."""
+        skip the step if they overflowed (with loss scaling), clip them by the global norm,
+        update. `iteration` (1-based) only serves --inject-overflow-at-iteration. Returns
+        grad_norm (None when skipped), loss_scale (for the next iteration) and skipped."""
+        self.finish_param_sync()
+        grads = self.main_grads
         if grad_scale != 1.0:
-            self.grad_buffer.scale(grad_scale)
-        grad_norm = clip_grad_norm(self.params, self.clip_grad, self.ps.mp_group, self.ps.tp_rank)
+            torch._foreach_mul_(grads, grad_scale)
+        inject = self._inject_overflow(iteration)
+        if inject and grads:
+            grads[0].view(-1)[0] = float("inf")
+        stats = local_grad_stats(grads, self.counted, self.device)
+        if inject and not grads:
+            stats[1] += 1
+        self._reduce_stats(stats)
+        if self.scaler is not None:
+            found_inf = bool(stats[1] > 0)
+            self.scaler.update(found_inf)
+            if found_inf:
+                self.skipped_iterations += 1
+                return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": True}
+        grad_norm = math.sqrt(float(stats[0]))
+        clip_by_norm(grads, grad_norm, self.clip_grad)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        for m, p in zip(self.masters, self.params):
-            m.grad = p.main_grad
+        for m, g in zip(self.masters, grads):
+            m.grad = g.view_as(m)
         self.optimizer.step()
-        for m, p in zip(self.masters, self.params):
+        for m in self.masters:
             m.grad = None
-            if m is not p:
-                p.copy_(m)
+        self._update_params()
         return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": False}
 
+    def finish_param_sync(self) -> None:
+        """Wait until every parameter holds the latest update (a no-op without ZeRO-1)."""
+
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        self.finish_param_sync()
+        state = {"optimizer": self.optimizer.state_dict(), "skipped_iterations": self.skipped_iterations}
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
+        return state
+
+
+def build_optimizer(named_params, args, ps, model=None):
+    """The gradient buffer and the optimizer for the flags: --use-distributed-optimizer,
+    --overlap-grad-reduce, --overlap-param-gather, --ddp-bucket-size, --optimizer, mixed
+    precision and loss scaling."""
+    from ..distributed import GradBuffer
+    params = [p for _, p in named_params]
+    distributed = getattr(args, "use_distributed_optimizer", False)
+    buffer = GradBuffer(params, ps.dp_group, args.ddp_bucket_size, pad_to=ps.dp_size if distributed else 1,
+                        reduce_scatter=distributed, overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
+                        num_microbatches=args.num_microbatches)
+    if distributed:
+        from .distributed_optimizer import DistributedOptimizer
+        return DistributedOptimizer(named_params, args, buffer, ps, model)
+    return MixedPrecisionOptimizer(named_params, args, buffer, ps, model)

@@ -28,7 +28,10 @@ def _split_first(x: torch.Tensor, group) -> torch.Tensor:
         return x
     if x.size(0) % n:
         raise ValueError(f"sequence length {x.size(0)} is not divisible by the TP size {n}")
-    return x.chunk(n, dim=0)[comm.group_rank(group)].contiguous()
+    # a chunk along the first dimension is already contiguous, so .contiguous() would return a
+    # view that keeps the whole [s, b, h] storage alive for as long as the shard is saved for
+    # backward (e.g. by the first layer norm): clone, as Megatron-LM does after this scatter
+    return x.chunk(n, dim=0)[comm.group_rank(group)].clone()
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Run one of the launch scripts in examples/ under SLURM: one srun task per node, each starting
+# torchrun with that node's rank; node 0's address is the rendezvous point.
+#
+#   sbatch --nodes 16 examples/slurm/sbatch.sh examples/gpt3_13B.sh [pretrain_gpt.py flags...]
+#   sbatch --nodes 128 --time 14-00:00:00 --export ALL,DATA_PATH=/data/pile_text_document \
+#       examples/slurm/sbatch.sh examples/gpt3_175B.sh
+#
+# Submit from the repository root (paths are taken relative to the submission directory). Every
+# variable of examples/common.sh (DATA_PATH, TP, PP, MICRO_BATCH_SIZE, OUTPUT_DIR, ...) passes
+# through the environment; NNODES, NODE_RANK, MASTER_ADDR and GPUS_PER_NODE come from SLURM.
+# Adjust the #SBATCH lines below (or override them on the sbatch command line) for your cluster.
+#SBATCH --job-name=megalite
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=32
+#SBATCH --exclusive
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+SCRIPT=${1:?usage: sbatch --nodes N examples/slurm/sbatch.sh examples/gpt3_<size>.sh [pretrain_gpt.py flags...]}
+shift
+cd "${SLURM_SUBMIT_DIR:-.}"
+[ -f "$SCRIPT" ] || { echo "sbatch.sh: no such launch script: $SCRIPT (submit from the repository root)" >&2; exit 2; }
+
+export NNODES=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-1}}
+export GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+export RUN_NAME=${RUN_NAME:-$(basename "${SCRIPT%.sh}")-${SLURM_JOB_ID:-local}}
+echo "sbatch.sh: $SCRIPT on $NNODES node(s) x $GPUS_PER_NODE GPUs, rendezvous $MASTER_ADDR:$MASTER_PORT" >&2
+
+# one task per node; SLURM_NODEID (0..NNODES-1) becomes torchrun's --node_rank
+srun --nodes "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 \
+    bash -c 'NODE_RANK=$SLURM_NODEID exec bash "$0" "$@"' "$SCRIPT" "$@"

@@ -1,0 +1,189 @@
+"""tools/plan.py: exact parameter counts, Megatron's bytes per parameter, Korthikanti et al.'s
+activation formula, the pipeline bubble; and its numbers against real runs' memory_footprint."""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from dist_helpers import ROOT, run_pretrain
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import plan  # noqa: E402
+
+SMALL = ["--vocab-size", "1000", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2"]
+# every option that changes the parameter set
+VARIANT = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+           "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+           "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96"]
+GPT3_175B = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
+             "--micro-batch-size", "1", "--global-batch-size", "1536", "--bf16", "--tensor-model-parallel-size", "8",
+             "--pipeline-model-parallel-size", "16", "--sequence-parallel", "--recompute-activations",
+             "--use-distributed-optimizer", "--world-size", "1024"]
+
+
+def has_flag(flag: str) -> bool:
+    from megalite.arguments import build_parser
+    return flag in build_parser()._option_string_actions
+
+
+# -- exact parameter counts against the model megalite builds ---------------------------------------
+@pytest.mark.parametrize("options", [[], VARIANT, ["--untie-embeddings-and-output-weights"],
+                                     ["--make-vocab-size-divisible-by", "7"]],
+                         ids=["gpt2", "variant", "untied", "odd-padding"])
+@pytest.mark.parametrize("pp,vpp_layers", [(1, None), (2, None), (2, 1)], ids=["pp1", "pp2", "pp2-vpp"])
+def test_stage_params_match_built_model(options, pp, vpp_layers):
+    from megalite.model import GPTModel
+    from megalite.training import Trainer, stage_layers
+    argv = SMALL + options + ["--pipeline-model-parallel-size", str(pp), "--world-size", str(pp)]
+    if vpp_layers:
+        argv += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers), "--global-batch-size", "4"]
+    args = plan.parse(argv)
+    config = Trainer(args).model_config()
+    v = args.virtual_pipeline_model_parallel_size
+    built = []
+    for r in range(pp):
+        n = 0
+        for c, (offset, layers) in enumerate(stage_layers(args.num_layers, pp, v, r)):
+            chunk = GPTModel(config, None, None, pre_process=r == 0 and c == 0, post_process=r == pp - 1 and c == v - 1,
+                             layer_offset=offset, num_layers=layers)
+            n += sum(p.numel() for p in chunk.parameters())
+        built.append(n)
+    assert [plan.stage_params(args, r) for r in range(pp)] == built
+    if pp == 1:
+        assert plan.total_params(args) == built[0]
+    else:  # the whole model, once: the last stage's copy of a tied embedding is not counted
+        copy = 0 if args.untie_embeddings_and_output_weights else args.padded_vocab_size * args.hidden_size
+        assert plan.total_params(args) == sum(built) - copy
+
+
+# -- against the memory_footprint record of real runs ----------------------------------------------
+RUN = ["--mock-data", "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1"]
+CASES = {  # fp32 is covered by pp2-tied
+    "tp2-bf16": (2, ["--tensor-model-parallel-size", "2", "--bf16"] + VARIANT),
+    "pp2-tied": (2, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]),
+    "zero1-dp2-bf16": (2, ["--use-distributed-optimizer", "--bf16"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_memory_footprint_of_a_run(case, tmp_path):
+    nproc, options = CASES[case]
+    if "--use-distributed-optimizer" in options and not has_flag("--use-distributed-optimizer"):
+        pytest.skip("pretrain_gpt.py has no --use-distributed-optimizer yet")
+    records, _ = run_pretrain(nproc, SMALL + RUN + options, tmp_path)
+    (footprint,) = [r for r in records if r.get("event") == "memory_footprint"]
+    assert len(footprint["ranks"]) == nproc
+    p = plan.make_plan(SMALL + options + ["--world-size", str(nproc)])
+    zero1 = "--use-distributed-optimizer" in options
+    for rank in footprint["ranks"]:
+        stage = p["stages"][rank["pp"]]
+        assert rank["num_params"] == stage["num_params"], (case, rank)
+        assert rank["param_bytes"] == stage["param_bytes"], (case, rank)
+        if not zero1:
+            assert rank["grad_bytes"] == stage["grad_bytes"], (case, rank)
+            assert rank["optimizer_bytes"] == stage["optimizer_bytes"], (case, rank)
+        else:  # buckets are padded to a multiple of DP: a few elements more than the plan's 4 and 12/DP
+            dp = p["layout"]["dp"]
+            assert 0 <= rank["grad_bytes"] - stage["grad_bytes"] < 4 * dp * 8, (case, rank)
+            assert abs(rank["optimizer_bytes"] - stage["optimizer_bytes"]) < 12 * dp * 8, (case, rank)
+            assert rank["optimizer_bytes"] < 0.6 * stage["optimizer_bytes_without_zero1"]
+    if nproc > 1 and "--pipeline-model-parallel-size" not in options:
+        # the total is independent of TP (vocab padding is the same here), and equals one process's count
+        one = plan.make_plan(SMALL + [o for o in options if o != "--use-distributed-optimizer"]
+                             + ["--tensor-model-parallel-size", "1"])
+        assert p["num_params_total"] == one["num_params_total"]
+
+
+# -- formulas -------------------------------------------------------------------------------------
+def test_bubble_fraction():
+    base = SMALL + ["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--world-size", "4"]
+    assert plan.make_plan(base + ["--global-batch-size", "16"])["bubble_fraction"] == pytest.approx(3 / 11)
+    inter = plan.make_plan(base + ["--global-batch-size", "16", "--num-layers-per-virtual-pipeline-stage", "1"])
+    assert inter["layout"]["vpp"] == 2 and inter["bubble_fraction"] == pytest.approx(3 / 19)
+    assert plan.make_plan(SMALL)["bubble_fraction"] == 0.0
+
+
+def test_activation_formula_korthikanti_table2():
+    s, b, h, a, L, t = 2048, 1, 4096, 32, 4, 8
+    model = ["--num-layers", str(L), "--hidden-size", str(h), "--num-attention-heads", str(a), "--seq-length", str(s),
+             "--micro-batch-size", str(b), "--bf16", "--vocab-size", "1024", "--make-vocab-size-divisible-by", "1"]
+    output = 4 * s * b * h / t * (1 + 1024 / h)  # last stage: output layer + fp32 logits
+
+    def layer_bytes(*extra, tp=t):
+        p = plan.make_plan(model + ["--tensor-model-parallel-size", str(tp), "--world-size", str(tp), *extra])
+        emb = s * b * h / (tp if "--sequence-parallel" in extra else 1)
+        return (p["stages"][0]["activation_bytes"] - 4 * s * b * h / tp * (1 + 1024 / h) - emb) / L
+
+    sbh = s * b * h
+    assert layer_bytes(tp=1) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert layer_bytes() == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert layer_bytes("--sequence-parallel") == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert layer_bytes("--recompute-activations") == pytest.approx(sbh * (10 + 24 / t))
+    assert layer_bytes("--sequence-parallel", "--recompute-activations") == pytest.approx(sbh * 34 / t)
+    # full recompute, every layer: only each layer's input (2sbh/t with SP) per micro-batch, plus
+    # one layer rebuilt at a time during backward
+    full = layer_bytes("--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                       "--recompute-num-layers", "1")
+    assert full == pytest.approx(2 * sbh / t + sbh / t * (34 + 5 * a * s / h) / L)
+    assert output > 0
+
+
+def test_first_stage_holds_p_micro_batches():
+    base = SMALL + ["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--world-size", "4", "--bf16"]
+    many = plan.make_plan(base + ["--global-batch-size", "32"])  # m = 16 micro-batches
+    few = plan.make_plan(base + ["--global-batch-size", "4"])  # m = 2 < p
+    assert [st["in_flight_micro_batches"] for st in many["stages"]] == [4, 3, 2, 1]
+    assert [st["in_flight_micro_batches"] for st in few["stages"]] == [2, 2, 2, 1]
+    inter = plan.make_plan(base + ["--global-batch-size", "32", "--num-layers-per-virtual-pipeline-stage", "1"])
+    assert inter["stages"][0]["in_flight_micro_batches"] == pytest.approx(4 + 3 / 2)  # p + (p-1)/v
+
+
+def test_bytes_per_parameter_and_zero1():
+    base = SMALL + ["--world-size", "4"]
+    fp32 = plan.make_plan(base)["stages"][0]
+    n = fp32["num_params"]
+    assert (fp32["param_bytes"], fp32["grad_bytes"], fp32["optimizer_bytes"]) == (4 * n, 4 * n, 8 * n)
+    bf16 = plan.make_plan(base + ["--bf16"])["stages"][0]
+    assert (bf16["param_bytes"], bf16["grad_bytes"], bf16["optimizer_bytes"]) == (2 * n, 4 * n, 12 * n)
+    zero = plan.make_plan(base + ["--bf16", "--use-distributed-optimizer"])
+    assert zero["stages"][0]["optimizer_bytes"] == 12 * n / 4
+    assert zero["memory_gb_optimizer_without_zero1"] == pytest.approx(12 * n / 2**30)
+    mem = zero["memory_gb"]
+    assert mem["total"] == pytest.approx(mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"])
+
+
+def test_gpt3_175b_layout(capsys):
+    assert plan.main(GPT3_175B + ["--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    for key in ("num_params_total", "num_params_per_gpu", "bubble_fraction", "flops_per_iteration"):
+        assert key in p
+    assert set(p["memory_gb"]) == {"params", "grads", "optimizer", "activations", "total"}
+    assert abs(p["num_params_total"] / 175e9 - 1) < 0.01
+    # 6 layers per stage; the first stage also holds the embedding
+    assert p["num_params_per_gpu"] == p["stages"][0]["num_params"]
+    assert p["bubble_fraction"] == pytest.approx(15 / (192 + 15))
+    # 6·N·tokens is the usual estimate; the exact formula adds attention's s² term
+    assert 1.0 < p["flops_per_iteration"] / (6 * p["num_params_total"] * 1536 * 2048) < 1.3
+    assert p["fits"] and p["memory_gb"]["total"] < 80
+    text_rc = plan.main(GPT3_175B)
+    assert text_rc == 0 and "pipeline bubble" in capsys.readouterr().out
+    # the same model on one node does not fit, and says so in its exit status
+    one_node = [a if a not in ("1024", "16") else {"1024": "8", "16": "1"}[a] for a in GPT3_175B]
+    assert plan.main(one_node) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_bad_layout_is_a_clear_error(capsys):
+    assert plan.main(SMALL + ["--tensor-model-parallel-size", "3", "--world-size", "3"]) == 2
+    assert "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)" in capsys.readouterr().err
+
+
+def test_newer_flags_are_accepted_either_way():
+    parser = plan.build_plan_parser()
+    for flag, _ in plan.FUTURE_FLAGS:
+        assert flag in parser._option_string_actions
+    assert math.isfinite(plan.make_plan(SMALL + ["--fp16", "--overlap-grad-reduce"])["memory_gb"]["total"])

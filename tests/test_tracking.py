@@ -1,0 +1,136 @@
+"""Weights & Biases (offline) and TensorBoard logging: one rank logs the console line's metrics,
+the config and the evaluations; neither package is required unless asked for."""
+import glob
+import json
+import math
+import os
+import struct
+import sys
+
+import pytest
+
+from dist_helpers import run_pretrain
+
+from megalite.arguments import ArgumentError, parse_args, validate_args
+from megalite.tracking import Tracker, json_safe
+
+BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-iters", "4", "--lr", "1e-3", "--log-interval", "2", "--eval-interval", "2", "--eval-iters", "1"]
+
+
+# -- without the packages ----------------------------------------------------------------------------
+@pytest.mark.parametrize("flags,package", [(["--wandb-project", "p"], "wandb"),
+                                           (["--tensorboard-dir", "tb"], "tensorboard")])
+def test_missing_package_fails_at_start_up(monkeypatch, flags, package):
+    monkeypatch.setitem(sys.modules, package, None)  # import and find_spec now fail as if not installed
+    with pytest.raises(ArgumentError, match=f"{flags[0]} needs the {package} package.*pip install {package}"):
+        validate_args(parse_args(BASE + flags), world_size=1)
+    validate_args(parse_args(BASE), world_size=1)  # not asked for: not needed
+
+
+def test_wandb_options_need_a_project():
+    with pytest.raises(ArgumentError, match="--wandb-exp-name needs --wandb-project"):
+        validate_args(parse_args(BASE + ["--wandb-exp-name", "x"]), world_size=1)
+
+
+def test_json_safe_config():
+    import torch
+    safe = json_safe({"dtype": torch.bfloat16, "paths": ("a", "b"), "nan": float("nan"), "n": None, "x": 1.5,
+                      "obj": object})
+    assert json.loads(json.dumps(safe)) == safe
+    assert safe["dtype"] == "bfloat16" and safe["paths"] == ["a", "b"] and safe["nan"] == "nan"
+
+
+def test_disabled_tracker_writes_nothing(tmp_path):
+    args = parse_args(BASE + ["--tensorboard-dir", str(tmp_path / "tb")])
+    t = Tracker(args, enabled=False)  # not the logging rank
+    t.log_config(vars(args))
+    t.log({"lm_loss": 1.0}, 1, "train")
+    t.close()
+    assert not t.active and not (tmp_path / "tb").exists()
+
+
+# -- a real run ---------------------------------------------------------------------------------------
+def read_wandb_file(path: str) -> list:
+    """Records of a .wandb transaction log (LevelDB log format: 7-byte file header, 32 KiB blocks
+    of [crc32, length, type] chunks), decoded with wandb's own protobuf messages."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", path
+    block, pos, pending, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer too short for a header: zero padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk: a whole record
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory):
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+    tmp = tmp_path_factory.mktemp("tracked")
+    os.environ["WANDB_MODE"] = "offline"  # inherited by the run; restored below
+    os.environ.setdefault("WANDB_SILENT", "true")
+    try:
+        # DP 2: both ranks run Trainer.setup, only the logging rank may create a W&B run / event file
+        records, _ = run_pretrain(2, BASE + ["--wandb-project", "megalite-test", "--wandb-exp-name", "tracked",
+                                             "--wandb-save-dir", str(tmp / "wb"), "--tensorboard-dir", str(tmp / "tb")],
+                                  tmp, "tracked")
+    finally:
+        os.environ.pop("WANDB_MODE")
+    train = {r["iteration"]: r for r in records if "consumed_samples" in r}
+    evals = {(r["split"], r["iteration"]): r for r in records if "split" in r}
+    assert sorted(train) == [2, 4] and all(math.isfinite(r["lm_loss"]) for r in train.values())
+    return tmp, train, evals
+
+
+def test_wandb_offline_run_holds_the_metrics(tracked_run):
+    tmp, train, evals = tracked_run
+    runs = glob.glob(str(tmp / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1, runs  # one rank logged
+    records = read_wandb_file(runs[0])
+    kinds = [r.WhichOneof("record_type") for r in records]
+    (run,) = [r.run for r, k in zip(records, kinds) if k == "run"]
+    assert run.project == "megalite-test" and run.display_name == "tracked"
+    history = {}
+    for r, k in zip(records, kinds):
+        if k == "history":
+            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+            history.setdefault(r.history.step.num, {}).update(row)
+    assert {2, 4} <= set(history)
+    for it, rec in train.items():
+        for key in ("lm_loss", "lr", "grad_norm", "tokens_per_sec", "consumed_samples", "tflops_per_gpu"):
+            assert history[it][f"train/{key}"] == pytest.approx(rec[key], rel=1e-9), (it, key)
+    assert history[2]["valid/lm_loss"] == pytest.approx(evals[("valid", 2)]["lm_loss"], rel=1e-9)
+    assert history[4]["test/ppl"] == pytest.approx(evals[("test", 4)]["ppl"], rel=1e-9)
+    config = {i.key: json.loads(i.value_json) for r, k in zip(records, kinds) if k == "config" for i in r.config.update}
+    assert config["num_layers"] == 2 and config["hidden_size"] == 64 and config["padded_vocab_size"] == 1024
+    assert config["data_parallel_size"] == 2 and config["params_dtype"] == "float32"
+
+
+def test_tensorboard_event_files_hold_the_scalars(tracked_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tmp, train, evals = tracked_run
+    files = glob.glob(str(tmp / "tb" / "events.out.tfevents.*"))
+    assert len(files) == 1, files  # one rank logged
+    acc = EventAccumulator(str(tmp / "tb"))
+    acc.Reload()
+    loss = acc.Scalars("train/lm_loss")
+    assert [e.step for e in loss] == sorted(train)
+    for e in loss:  # TensorBoard stores float32
+        assert e.value == pytest.approx(train[e.step]["lm_loss"], rel=1e-6)
+    assert [e.step for e in acc.Scalars("valid/lm_loss")] == [2, 4]
+    assert acc.Scalars("train/tokens_per_sec")[-1].value == pytest.approx(train[4]["tokens_per_sec"], rel=1e-6)
+    (config,) = acc.Tensors("config/text_summary")
+    text = config.tensor_proto.string_val[0].decode()
+    assert "| num_layers | 2 |" in text and "| padded_vocab_size | 1024 |" in text
