@@ -22,11 +22,10 @@ from .arguments import validate_args
 from .checkpointing import CheckpointSaver, load_checkpoint
 from .data.batch import build_batch, collate
 from .data.samplers import PretrainingSampler
-from .distributed import GradBuffer
 from .metrics import (JsonlWriter, Timer, console_line, memory_string, num_floating_point_operations, peak_tflops,
                       perplexity)
 from .model import GPTConfig, GPTModel, pad_vocab_size
-from .optimizer import MixedPrecisionOptimizer, build_lr_scheduler
+from .optimizer import build_lr_scheduler
 from .pipeline_parallel import get_forward_backward_func
 from .pipeline_parallel.p2p import PipeComm
 from .tensor_parallel import seed_everything
@@ -290,15 +289,20 @@ class Trainer:
         return float(t[0]), float(t[1])
 
     def finalize_model_grads(self) -> None:
-        """Sums that must happen before the DP reduction: gradients of parameters replicated
-        across TP but fed by sequence-sharded activations."""
+        """Every gradient sum of the iteration:
+        1. the tied embedding's two copies (first and last stage), over the embedding group;
+           before the DP reduction, since the stages' buffers are laid out differently;
+        2. the DP reduction (all-reduce, or reduce-scatter with the distributed optimizer);
+        3. weights replicated across TP but fed by sequence-sharded activations (norms, row-parallel
+           biases under sequence parallelism), over TP. TP ranks share one buffer layout, so after a
+           reduce-scatter each rank's own slice is still summed correctly."""
+        if self.tied_embedding is not None:
+            comm.all_reduce(self.tied_embedding.main_grad, self.ps.embedding_group)
+        self.optimizer.reduce_gradients()
         if self.config.sequence_parallel:
             for p in self.params:
                 if getattr(p, "sequence_parallel", False):
                     comm.all_reduce(p.main_grad, self.ps.tp_group)
-        if self.tied_embedding is not None:
-            comm.all_reduce(self.tied_embedding.main_grad, self.ps.embedding_group)
-        self.optimizer.reduce_gradients()
 
     def train_step(self) -> dict:
         args = self.args
@@ -354,18 +358,20 @@ class Trainer:
         args = self.args
         timer = Timer(self.device)
         timer.reset()
-        window = {"lm_loss": 0.0, "iters": 0}
+        window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0}
         start_time, self._last_saved = time.time(), self.iteration
         self._install_signal_handler()
         while self.iteration < args.train_iters:
             out = self.train_step()
             self.iteration += 1
             self.consumed_samples += args.global_batch_size
-            window["lm_loss"] += out["lm_loss"]
             window["iters"] += 1
+            if not out.get("skipped"):  # a step skipped for fp16 overflow does not enter the average
+                window["lm_loss"] += out["lm_loss"]
+                window["loss_iters"] += 1
             if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
                 self.report(out, window, timer.elapsed())
-                window = {"lm_loss": 0.0, "iters": 0}
+                window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0}
                 timer.reset()
             if self.iteration % args.eval_interval == 0 and self.iteration != args.train_iters:
                 self.evaluate("valid")
@@ -397,7 +403,7 @@ class Trainer:
         tflops = self.flops_per_iteration / (sec_per_iter * self.ps.world_size) / 1e12
         record = {
             "iteration": self.iteration, "consumed_samples": self.consumed_samples,
-            "lm_loss": window["lm_loss"] / n, "lr": out["lr"], "grad_norm": out["grad_norm"],
+            "lm_loss": window["lm_loss"] / window["loss_iters"] if window["loss_iters"] else out["lm_loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
             "loss_scale": out.get("loss_scale", 1.0), "elapsed_ms": 1000.0 * sec_per_iter,
             "tokens_per_sec": args.global_batch_size * args.seq_length / sec_per_iter,
             "tflops_per_gpu": tflops, "mfu": (tflops / self.peak) if self.peak else None,

@@ -29,9 +29,11 @@ from .. import comm
 
 def _defers_grad_sync(p: torch.nn.Parameter) -> bool:
     """Gradients that another sum must reach before the DP reduction: the tied embedding's copies
-    across pipeline stages (`grad_sync_deferred`, summed over the embedding group) and
-    sequence-parallel replicated weights (summed over TP), both done in finalize_model_grads."""
-    return bool(getattr(p, "grad_sync_deferred", False) or getattr(p, "sequence_parallel", False))
+    across pipeline stages (`grad_sync_deferred`, summed over the embedding group in
+    finalize_model_grads). Their buffers have different layouts on the two stages, so the sum
+    cannot follow a reduce-scatter. Sequence-parallel weights need no deferral: TP ranks share
+    one buffer layout, so their TP sum can follow the DP reduction."""
+    return bool(getattr(p, "grad_sync_deferred", False))
 
 
 class GradBuffer:
