@@ -87,6 +87,10 @@ def train_losses(records) -> list[float]:
     return [r["lm_loss"] for r in records if "iteration" in r and "split" not in r]
 
 
+def grad_norms(records) -> list[float]:
+    return [r["grad_norm"] for r in records if "consumed_samples" in r]
+
+
 def assert_losses_close(ref: list[float], got: list[float], rtol: float = 1e-5):
     assert len(ref) == len(got) and len(ref) > 0, (len(ref), len(got))
     worst = max(abs(a - b) / abs(a) for a, b in zip(ref, got))

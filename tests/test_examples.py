@@ -98,6 +98,7 @@ def test_environment_overrides_and_passthrough():
     assert "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2" in text
     assert "--data-path 0.3 /d/a 0.7 /d/b --split 969,30,1 --tokenizer-type GPT2BPETokenizer" in text
     assert "--wandb-project proj --wandb-exp-name gpt3_350M" in text and "--tensorboard-dir" not in flags
+    assert "--save runs/gpt3_350M/checkpoints --load runs/gpt3_350M/checkpoints --save-interval 1000" in text
     assert flags[-2:] == ["--eval-iters", "0"]
     assert "mock data" not in proc.stderr
 
@@ -158,7 +159,7 @@ def test_shrunk_125m_script_trains(tmp_path):
     env = dict(CPU_ENV, NUM_LAYERS="2", HIDDEN_SIZE="64", NUM_ATTENTION_HEADS="4", SEQ_LENGTH="64",
                MICRO_BATCH_SIZE="2", GLOBAL_BATCH_SIZE="4", TRAIN_ITERS="3", LOG_INTERVAL="1", EVAL_ITERS="1",
                GPUS_PER_NODE="2", TP="2", VOCAB_SIZE="1000", DISTRIBUTED_BACKEND="gloo", NUM_WORKERS="0",
-               OUTPUT_DIR=str(tmp_path), TENSORBOARD_DIR="",
+               OUTPUT_DIR=str(tmp_path), TENSORBOARD_DIR="", CHECKPOINT_PATH="",
                # flags another feature adds: used when the trainer has them
                USE_DISTRIBUTED_OPTIMIZER="1" if "--use-distributed-optimizer" in have else "0",
                OVERLAP_COMM="1" if "--overlap-param-gather" in have else "0",

@@ -2,7 +2,7 @@
 (fp32, dropout 0, 10 iterations, same global batch)."""
 import pytest
 
-from dist_helpers import assert_losses_close, run_pretrain, train_losses
+from dist_helpers import assert_losses_close, grad_norms, run_pretrain, train_losses
 
 BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -19,13 +19,15 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ref")
     base, _ = run_pretrain(1, BASE, tmp, "base")
     variant, _ = run_pretrain(1, BASE + VARIANT, tmp, "variant")
-    return {"base": train_losses(base), "variant": train_losses(variant)}
+    return {"base": train_losses(base), "variant": train_losses(variant), "base_records": base}
 
 
 @pytest.mark.parametrize("nproc,tp", [(2, 2), (2, 1), (4, 2)], ids=["tp2", "dp2", "tp2-dp2"])
 def test_layout_matches_single_process(reference, tmp_path, nproc, tp):
     records, _ = run_pretrain(nproc, BASE + ["--tensor-model-parallel-size", str(tp)], tmp_path)
     assert_losses_close(reference["base"], train_losses(records))
+    # the global gradient norm (what --clip-grad clips by) is the single-process norm
+    assert_losses_close(grad_norms(reference["base_records"]), grad_norms(records), rtol=1e-4)
     # the loss actually moves, so equality is not an artefact of a frozen model
     assert reference["base"][0] != reference["base"][-1]
 

@@ -73,6 +73,11 @@ def _worker(rank, world):
         result[f"hidden_mask_sp{sp}"] = hidden == 0
         result[f"embedding_shape_sp{sp}"] = tuple(emb.shape)
 
+    # the embedding's sequence shard owns its storage: a view would keep the whole [s, b, h] alive
+    # for as long as the first layer norm keeps its input (dropout 0: no copy hides it)
+    emb = GPTModel(config(sequence_parallel=True, position_embedding_type="rope"), group).embedding(ids, None)
+    result["embedding_storage_elements"] = (emb.untyped_storage().nbytes() // emb.element_size(), emb.numel())
+
     # (b) SP with dropout 0: the same loss and (after the TP all-reduce) the same gradients
     data = build_batch(torch.randint(0, 90, (b, s + 1), generator=torch.Generator().manual_seed(0)))
     for variant, kw in (("base", {}), ("options", dict(position_embedding_type="rope", normalization="RMSNorm",
@@ -107,6 +112,9 @@ def ranks():
 def test_dropout_masks_differ_per_tp_rank_only_on_sequence_shards(ranks):
     r0, r1 = ranks
     assert r0["embedding_shape_spTrue"] == (8, 2, 32) and r0["embedding_shape_spFalse"] == (16, 2, 32)
+    for r in ranks:
+        storage, numel = r["embedding_storage_elements"]
+        assert storage == numel == 8 * 2 * 32
     for what in ("embedding", "hidden"):
         for r in ranks:  # dropout p = 0.5 really acts
             assert 0.3 < r[f"{what}_mask_spTrue"].float().mean() < 0.7

@@ -1,0 +1,78 @@
+"""tools/plot_metrics.py: reads JSONL logs, draws runs side by side into a PNG."""
+import json
+import os
+import sys
+
+import pytest
+
+from dist_helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import plot_metrics  # noqa: E402
+
+
+def write_log(path, scale=1.0, tokens=1000.0, resumed=False):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [{"event": "memory_footprint", "ranks": []}]
+    for it in (10, 20, 30, 40):
+        lines.append({"iteration": it, "consumed_samples": it * 8, "lm_loss": scale * 8.0 / it ** 0.5,
+                      "tokens_per_sec": tokens + it, "lr": 1e-3, "grad_norm": 1.0})
+        if it % 20 == 0:
+            lines.append({"iteration": it, "split": "valid", "lm_loss": scale * 9.0 / it ** 0.5, "ppl": 1.0})
+    lines.append({"iteration": 40, "split": "test", "lm_loss": 0.1, "ppl": 1.1})
+    if resumed:  # a resumed run appends iteration 40 again: the later record wins
+        lines.append({"iteration": 40, "consumed_samples": 320, "lm_loss": 0.5, "tokens_per_sec": 5.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return str(path)
+
+
+def test_load_run(tmp_path):
+    run = plot_metrics.load_run(write_log(tmp_path / "a.jsonl", resumed=True))
+    assert [i for i, _ in run["train_loss"]] == [10, 20, 30, 40]
+    assert run["train_loss"][0][1] == pytest.approx(8.0 / 10 ** 0.5) and run["train_loss"][-1][1] == 0.5
+    assert run["valid_loss"] == [(20, pytest.approx(9.0 / 20 ** 0.5)), (40, pytest.approx(9.0 / 40 ** 0.5))]
+    assert run["tokens_per_sec"][-1] == (40, 5.0)
+
+
+def test_labels_tell_runs_apart():
+    assert plot_metrics.labels_for(["/x/a/metrics.jsonl", "/x/b/metrics.jsonl"]) == ["a/metrics.jsonl",
+                                                                                     "b/metrics.jsonl"]
+    assert plot_metrics.labels_for(["/x/one.jsonl", "/y/two.jsonl"]) == ["one.jsonl", "two.jsonl"]
+
+
+def test_plot_png_has_both_runs(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+    import numpy as np
+    a = write_log(tmp_path / "a" / "metrics.jsonl")
+    b = write_log(tmp_path / "b" / "metrics.jsonl", scale=1.5, tokens=3000.0)
+    out = tmp_path / "fig" / "compare.png"
+    assert plot_metrics.main([a, b, "--output", str(out), "--title", "test"]) == 0
+    assert "a/metrics.jsonl: 4 training points, last loss 1.2649 at iteration 40" in capsys.readouterr().out
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = matplotlib.image.imread(str(out))[..., :3]
+    assert img.shape[:2] == (450, 1800)  # three panels side by side
+
+    def count(rgb):  # pixels of a line colour (matplotlib's C0 blue, C1 orange)
+        return int((np.abs(img - np.array(rgb) / 255.0).max(axis=-1) < 0.05).sum())
+
+    width = img.shape[1] // 3
+    for panel in range(3):
+        part = img[:, panel * width:(panel + 1) * width]
+        blue = int((np.abs(part - np.array([31, 119, 180]) / 255.0).max(axis=-1) < 0.05).sum())
+        orange = int((np.abs(part - np.array([255, 127, 14]) / 255.0).max(axis=-1) < 0.05).sum())
+        assert blue > 50 and orange > 50, (panel, blue, orange)
+    assert count((31, 119, 180)) > 200
+
+
+def test_errors(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        plot_metrics.main([str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "x.png")])
+    assert e.value.code == 2 and "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"iteration": 1, "lm_loss": 2.0, "consumed_samples": 1}\nnot json\n')
+    assert plot_metrics.main([str(bad), "--output", str(tmp_path / "x.png")]) == 2
+    assert "bad.jsonl:2: not JSON" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit, match="needs matplotlib.*pip install matplotlib"):
+        plot_metrics.plot([write_log(tmp_path / "ok.jsonl")], str(tmp_path / "x.png"))
