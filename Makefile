@@ -15,7 +15,7 @@ STAMP := $(VENV)/.megalite-installed
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[test,hf,tensorboard]"
+	$(PY) -m pip install -q -e ".[test,hf]"
 	touch $(STAMP)
 
 setup: $(STAMP)

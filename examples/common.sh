@@ -37,7 +37,8 @@
 #              TENSORBOARD_DIR [$OUTPUT_DIR/tensorboard; empty: off] WANDB_PROJECT [unset: off]
 #              WANDB_EXP_NAME [$RUN_NAME] WANDB_SAVE_DIR [$OUTPUT_DIR] WANDB_ENTITY
 #              LOG_INTERVAL [10] EVAL_INTERVAL [1000] EVAL_ITERS [10]
-# (Checkpoint flags go after the script's name once the trainer has them: ... --save DIR.)
+#              CHECKPOINT_PATH [$OUTPUT_DIR/checkpoints; empty: off] (--save and --load: a rerun
+#              resumes from the latest checkpoint) SAVE_INTERVAL [1000]
 
 EXAMPLES_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 MEGALITE_ROOT=${MEGALITE_ROOT:-$(cd "$EXAMPLES_DIR/.." && pwd)}
@@ -114,6 +115,8 @@ WANDB_ENTITY=${WANDB_ENTITY:-}
 LOG_INTERVAL=${LOG_INTERVAL:-10}
 EVAL_INTERVAL=${EVAL_INTERVAL:-1000}
 EVAL_ITERS=${EVAL_ITERS:-10}
+CHECKPOINT_PATH=${CHECKPOINT_PATH-$OUTPUT_DIR/checkpoints}
+SAVE_INTERVAL=${SAVE_INTERVAL:-1000}
 
 # ---- the argument arrays ----------------------------------------------------------------------
 if [ "$NNODES" -gt 1 ]; then
@@ -204,6 +207,8 @@ OUTPUT_ARGS=(
     --eval-iters "$EVAL_ITERS"
     --log-jsonl "$LOG_JSONL"
 )
+[ -n "$CHECKPOINT_PATH" ] &&
+    OUTPUT_ARGS+=(--save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" --save-interval "$SAVE_INTERVAL")
 [ -n "$TENSORBOARD_DIR" ] && OUTPUT_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
 if [ -n "$WANDB_PROJECT" ]; then
     OUTPUT_ARGS+=(--wandb-project "$WANDB_PROJECT" --wandb-exp-name "$WANDB_EXP_NAME" --wandb-save-dir "$WANDB_SAVE_DIR")

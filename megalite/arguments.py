@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=100, help="global batches per evaluation (0: none)")
     g.add_argument("--wandb-project", help="log to this Weights & Biases project (needs wandb; WANDB_MODE=offline works)")
     g.add_argument("--wandb-exp-name", help="W&B run name (default: W&B's own)")
-    g.add_argument("--wandb-save-dir", help="local directory for W&B run files (default: ./wandb)")
+    g.add_argument("--wandb-save-dir", help="local directory for W&B run files (default: --save/wandb, else ./wandb)")
     g.add_argument("--wandb-entity", help="W&B team or user (default: your default entity)")
     g.add_argument("--tensorboard-dir", help="write TensorBoard event files here (needs tensorboard)")
     return p
