@@ -52,7 +52,7 @@ MODEL_FLAGS = {
     "vocab_size": "--vocab-size (the tokenizer's vocabulary)", "position_embedding_type": "--position-embedding-type",
     "normalization": "--normalization", "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "rotary_percent": "--rotary-percent",
+    "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon",
 }
 
 
@@ -98,6 +98,9 @@ def check_model_config(saved: dict, current: dict, where: str) -> None:
         if saved.get(key) != current.get(key):
             raise CheckpointError(f"checkpoint {where} does not match this model: {flag} is {saved.get(key)!r} in "
                                   f"the checkpoint and {current.get(key)!r} in this run")
+    if current.get("position_embedding_type") == "rope" and saved.get("rotary_base") != current.get("rotary_base"):
+        raise CheckpointError(f"checkpoint {where} does not match this model: --rotary-base is "
+                              f"{saved.get('rotary_base')} in the checkpoint and {current.get('rotary_base')} in this run")
     if current.get("position_embedding_type") == "learned_absolute" and \
             saved.get("max_position_embeddings") != current.get("max_position_embeddings"):
         raise CheckpointError(f"checkpoint {where} does not match this model: --max-position-embeddings is "

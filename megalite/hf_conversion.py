@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 
 import torch
 
@@ -187,15 +188,35 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
                               f"{', '.join(sorted(state)[:5])}")
     bos, eos = _special_ids(tokenizer)
     config = hf_config(cfg, bos, eos)
-    os.makedirs(out_dir, exist_ok=True)
-    config.save_pretrained(out_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-    # safetensors refuses shared or strided storage: give every tensor its own contiguous copy
-    save_file({k: v.detach().to(torch.float32).contiguous().clone() for k, v in tensors.items()},
-              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:
-        export_tokenizer(tokenizer, out_dir)
+    # written beside, renamed into place when complete: a failure leaves no half-written model
+    tmp = os.path.normpath(out_dir) + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        config.save_pretrained(tmp)
+        if arch == "llama":  # also the pre-v5 key, which older transformers and other readers use
+            _update_json(os.path.join(tmp, "config.json"), rope_theta=float(cfg["rotary_base"]))
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        # safetensors refuses shared or strided storage: give every tensor its own contiguous copy
+        save_file({k: v.detach().to(torch.float32).contiguous().clone() for k, v in tensors.items()},
+                  os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            export_tokenizer(tokenizer, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.isdir(out_dir) and not os.listdir(out_dir):
+        os.rmdir(out_dir)
+    os.replace(tmp, out_dir)
     return arch
+
+
+def _update_json(path: str, **values) -> None:
+    with open(path) as f:
+        d = json.load(f)
+    d.update(values)
+    with open(path, "w") as f:
+        json.dump(d, f, indent=2, sort_keys=True)
 
 
 def _special_ids(tokenizer) -> tuple[int | None, int | None]:
@@ -232,6 +253,8 @@ def export_tokenizer(tokenizer, out_dir: str) -> None:
         hf = PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True,
                                      clean_up_tokenization_spaces=False, **special)
         hf.save_pretrained(out_dir)
+        # a class name every transformers version knows (v5 writes its own "TokenizersBackend")
+        _update_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast")
     check_tokenizer(tokenizer, AutoTokenizer.from_pretrained(out_dir, local_files_only=True), out_dir)
 
 
@@ -239,8 +262,7 @@ def check_tokenizer(ours, theirs, where: str, texts: tuple[str, ...] = ()) -> No
     """Raise unless the Hugging Face tokenizer gives megalite's ids (and text back) on samples."""
     extra = ()
     if ours.name == "SentencePieceTokenizer":  # every piece, and so every merge, in one text
-        from sentencepiece import sentencepiece_model_pb2 as pb
-        proto = pb.ModelProto.FromString(ours._sp.serialized_model_proto())
+        proto = _sp_proto(ours._sp)
         extra = (" ".join(p.piece.replace("▁", " ") for p in proto.pieces if p.type in (_SP_NORMAL, _SP_USER)),)
     for text in (SAMPLE_TEXT, "", " leading space", "\nleading newline", *extra, *texts):
         a, b = ours.tokenize(text), list(theirs(text, add_special_tokens=True).input_ids)
@@ -256,6 +278,15 @@ def check_tokenizer(ours, theirs, where: str, texts: tuple[str, ...] = ()) -> No
                                   f"differently from megalite's {ours.name}")
 
 
+def _sp_proto(sp):
+    """The SentencePiece model's settings and pieces (its protobuf)."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2 as pb
+    except ImportError as e:  # the generated module needs the protobuf package
+        raise ConversionError(f"exporting a SentencePiece tokenizer needs protobuf ({e}): pip install protobuf") from e
+    return pb.ModelProto.FromString(sp.serialized_model_proto())
+
+
 def sentencepiece_to_tokenizers(sp):
     """A `tokenizers.Tokenizer` that encodes exactly as the SentencePiece processor `sp`
     (checked on text afterwards), and the special tokens for the Hugging Face wrapper.
@@ -263,10 +294,9 @@ def sentencepiece_to_tokenizers(sp):
     SentencePiece normalises (character map, optional whitespace cleanup), prepends the dummy
     "▁", turns spaces into "▁", keeps user-defined symbols whole, and then runs BPE (merges by
     piece score) or unigram over the rest, falling back to <0xNN> byte pieces."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    proto = pb.ModelProto.FromString(sp.serialized_model_proto())
+    proto = _sp_proto(sp)
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
     if trainer.treat_whitespace_as_suffix:
         raise ConversionError("SentencePiece model trained with treat_whitespace_as_suffix: not supported")

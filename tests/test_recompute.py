@@ -7,6 +7,9 @@
 - saved-tensor accounting: full recompute keeps exactly the chunk inputs, selective drops exactly
   what core attention saves, and a model whose activations dominate holds far less with full.
 """
+import functools
+import tempfile
+
 import pytest
 import torch
 
@@ -250,23 +253,31 @@ def test_full_recompute_lowers_peak_activation_memory_of_a_whole_model():
 
 
 # -- dropout 0: the same training run ----------------------------------------------------------------
-RUN = ["--mock-data", "--vocab-size", "1000", "--num-layers", "3", "--hidden-size", "64",
+RUN = ["--mock-data", "--vocab-size", "1000", "--num-layers", "4", "--hidden-size", "64",
        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
        "--train-iters", "10", "--lr", "5e-3", "--log-interval", "1", "--eval-iters", "0",
        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7"]
 
 
+@functools.cache
+def reference_losses() -> tuple[float, ...]:
+    """lm_loss per iteration of RUN in one process without recompute (shared with
+    test_sequence_parallel.py, so the pytest session runs it once)."""
+    with tempfile.TemporaryDirectory(prefix="megalite-ref-") as tmp:
+        records, _ = run_pretrain(1, RUN, tmp)
+    return tuple(train_losses(records))
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    records, _ = run_pretrain(1, RUN, tmp_path_factory.mktemp("ref"))
-    return train_losses(records)
+def reference():
+    return list(reference_losses())
 
 
 @pytest.mark.parametrize("flags", [
-    ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+    ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"],  # 3 + 1
     ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
     ["--recompute-activations"],
-], ids=["full-uniform-2", "full-block-2", "selective"])
+], ids=["full-uniform-3", "full-block-2", "selective"])
 def test_recompute_same_loss_curve(reference, tmp_path, flags):
     records, _ = run_pretrain(1, RUN + flags, tmp_path)
     assert_losses_close(reference, train_losses(records))

@@ -18,6 +18,8 @@ from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.data.batch import build_batch
 from megalite.model import GPTConfig, GPTModel
 from megalite.tensor_parallel import seed_everything
+from test_recompute import RUN as BASE
+from test_recompute import reference_losses
 
 RECOMPUTE = {"none": {}, "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform",
                                                  recompute_num_layers=1),
@@ -150,15 +152,9 @@ def test_sequence_parallel_flags():
 
 
 # -- pretrain_gpt.py: the same loss curve --------------------------------------------------------------
-BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "4", "--hidden-size", "64",
-        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", "10", "--lr", "5e-3", "--log-interval", "1", "--eval-iters", "0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7"]
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    records, _ = run_pretrain(1, BASE, tmp_path_factory.mktemp("ref"))
-    return train_losses(records)
+def reference():
+    return list(reference_losses())  # one process, no SP, no recompute (run once per session)
 
 
 def test_tp2_sp_same_loss(reference, tmp_path):

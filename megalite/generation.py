@@ -1,0 +1,121 @@
+"""Text generation from a checkpoint, in one process (TP = PP = 1), for trying a model out.
+
+Each new token re-runs the whole sequence through the model (no key-value cache): simple, and
+for the small models this is for, fast enough. Logits of padded vocabulary rows (ids >= the
+real vocabulary size) are never sampled: those rows are zeros, not tokens.
+"""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+from .checkpointing import CheckpointError, load_full_state_dict, local_shard, read_tracker
+from .model import GPTConfig, GPTModel, pad_vocab_size
+
+TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+
+
+def load_model(load_dir: str, iteration: int | None = None) -> tuple[GPTModel, dict]:
+    """(model in eval mode with fp32 weights, metadata) of the latest checkpoint under `load_dir`."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir}: directory not found")
+    if iteration is None and read_tracker(load_dir) is None:
+        raise CheckpointError(f"--load {load_dir}: no checkpoint there (latest_checkpointed_iteration.txt is missing)")
+    meta, state = load_full_state_dict(load_dir, iteration)
+    cfg = dict(meta["model_config"])
+    divisible_by = int(meta.get("args", {}).get("make_vocab_size_divisible_by") or 128)
+    # one process: no TP padding, no dropout, no recompute, no sequence parallelism
+    cfg.update(padded_vocab_size=pad_vocab_size(cfg["vocab_size"], divisible_by, 1), hidden_dropout=0.0,
+               attention_dropout=0.0, sequence_parallel=False, use_flash_attn=False, recompute_granularity=None,
+               recompute_method=None, recompute_num_layers=None, params_dtype="float32")
+    model = GPTModel(GPTConfig.from_dict(cfg))
+    names = dict(model.global_named_parameters())
+    missing, unexpected = sorted(set(names) - set(state)), sorted(set(state) - set(names))
+    if missing or unexpected:
+        raise CheckpointError(f"{meta['dir']} does not fit its own model_config: missing "
+                              f"{missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for name, p in names.items():
+            p.copy_(local_shard(state[name], p, 0, 1))  # pads the vocabulary rows with zeros
+    model.eval()
+    return model, meta
+
+
+def tokenizer_args(saved: dict, overrides: dict | None = None, where: str = "the checkpoint") -> SimpleNamespace:
+    """The tokenizer arguments to use: the command line's where given, else the saved ones."""
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if overrides.get("tokenizer_type"):
+        args = {k: None for k in TOKENIZER_KEYS}
+        args["vocab_size"] = saved.get("vocab_size")
+        args.update(overrides)
+    else:
+        args = {k: saved.get(k) for k in (*TOKENIZER_KEYS, "vocab_size")}
+        args.update(overrides)
+    if not args.get("tokenizer_type"):
+        raise ValueError(f"{where} was saved without a tokenizer (trained with --mock-data and no "
+                         "--tokenizer-type): give --tokenizer-type and its files (--vocab-file/--merge-file, "
+                         "--tokenizer-model) on the command line")
+    return SimpleNamespace(**args)
+
+
+def build_tokenizer_for(meta: dict, overrides: dict | None = None):
+    """The tokenizer a checkpoint was trained with (or the command line's), checked against the model."""
+    from .data.tokenizers import build_tokenizer
+
+    args = tokenizer_args(meta.get("args", {}), overrides, meta.get("dir", "the checkpoint"))
+    try:
+        tokenizer = build_tokenizer(args)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e} (as saved in {meta.get('dir', 'the checkpoint')}'s arguments; give the flag "
+                                "on the command line to use another path)") from None
+    vocab = meta["model_config"]["vocab_size"]
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type} has {tokenizer.vocab_size} tokens, more than the "
+                         f"model's vocabulary ({vocab}): not the tokenizer this model was trained with")
+    return tokenizer
+
+
+@torch.no_grad()
+def next_token_logits(model: GPTModel, ids: torch.Tensor) -> torch.Tensor:
+    """ids [b, s] -> logits [b, s, vocab] over the real vocabulary (padding rows dropped), fp32."""
+    s = ids.size(1)
+    position_ids = torch.arange(s).unsqueeze(0).expand_as(ids)
+    logits = model(ids, position_ids)  # [s, b, padded vocab]
+    return logits.transpose(0, 1)[..., : model.config.vocab_size].float()
+
+
+@torch.no_grad()
+def generate(model: GPTModel, prompt_ids: list[int], max_new_tokens: int, greedy: bool = False,
+             temperature: float = 1.0, top_k: int = 0, seed: int = 1234, eod: int | None = None) -> list[int]:
+    """The new token ids after `prompt_ids`: greedy (argmax) or sampled from softmax(logits / T)
+    over the top k (0: all). Stops after `eod` (included) or `max_new_tokens`."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: --prompt must give at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if not greedy and temperature <= 0:
+        raise ValueError(f"--temperature must be > 0, got {temperature} (use --greedy for argmax decoding)")
+    if top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0: no top-k filter), got {top_k}")
+    cfg = model.config
+    if cfg.position_embedding_type == "learned_absolute" and len(prompt_ids) + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
+                         f"model's learned positions (--max-position-embeddings {cfg.max_position_embeddings})")
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        logits = next_token_logits(model, torch.tensor([ids]))[0, -1]  # [vocab]: padding excluded
+        if greedy:
+            token = int(torch.argmax(logits))
+        else:
+            logits = logits / temperature
+            if 0 < top_k < logits.numel():
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            token = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen))
+        ids.append(token)
+        if token == eod:
+            break
+    return ids[len(prompt_ids):]

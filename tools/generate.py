@@ -1,0 +1,66 @@
+"""Continue a prompt with a trained checkpoint, in one process.
+
+    python tools/generate.py --load checkpoints/run1 --prompt "Once upon a time" --max-new-tokens 50 \\
+        [--greedy | --temperature 0.8 --top-k 40 --seed 1]
+
+The tokenizer is the one saved in the checkpoint's arguments (--tokenizer-type, --vocab-file,
+--merge-file, --tokenizer-model); give those flags here to override it, or when the run had none
+(--mock-data). Prints only the continuation, to stdout; stops early at the end-of-document token.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint directory (its latest iteration)")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores --temperature / --top-k)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=1234, help="sampling seed")
+    g = p.add_argument_group("tokenizer (default: as saved in the checkpoint)")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-file")
+    g.add_argument("--merge-file")
+    g.add_argument("--tokenizer-model")
+    g.add_argument("--vocab-size", type=int, help="for --tokenizer-type NullTokenizer")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = get_args(argv)
+    import torch
+
+    from megalite.checkpointing import CheckpointError
+    from megalite.generation import build_tokenizer_for, generate, load_model
+
+    torch.set_grad_enabled(False)
+    try:
+        model, meta = load_model(args.load)
+        tokenizer = build_tokenizer_for(meta, {k: getattr(args, k) for k in
+                                               ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
+                                                "vocab_size")})
+        prompt = tokenizer.tokenize(args.prompt) or [tokenizer.eod]  # as Megatron: an empty prompt starts a document
+        new = generate(model, prompt, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                       top_k=args.top_k, seed=args.seed, eod=tokenizer.eod)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if new and new[-1] == tokenizer.eod:
+        new = new[:-1]  # the end-of-document token is a stop, not text
+    sys.stdout.write(tokenizer.detokenize(new) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
