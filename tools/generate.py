@@ -43,15 +43,15 @@ def main(argv=None) -> int:
     from megalite.checkpointing import CheckpointError
     from megalite.generation import build_tokenizer_for, generate, load_model
 
-    torch.set_grad_enabled(False)
     try:
-        model, meta = load_model(args.load)
-        tokenizer = build_tokenizer_for(meta, {k: getattr(args, k) for k in
-                                               ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
-                                                "vocab_size")})
-        prompt = tokenizer.tokenize(args.prompt) or [tokenizer.eod]  # as Megatron: an empty prompt starts a document
-        new = generate(model, prompt, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed, eod=tokenizer.eod)
+        with torch.no_grad():  # scoped: main() is also called in-process (tests)
+            model, meta = load_model(args.load)
+            tokenizer = build_tokenizer_for(meta, {k: getattr(args, k) for k in
+                                                   ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
+                                                    "vocab_size")})
+            prompt = tokenizer.tokenize(args.prompt) or [tokenizer.eod]  # as Megatron: an empty prompt starts a document
+            new = generate(model, prompt, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                           top_k=args.top_k, seed=args.seed, eod=tokenizer.eod)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
