@@ -46,6 +46,10 @@ class ConversionError(ValueError):
 
 
 # -- which Hugging Face architecture a megalite model is ------------------------------------------
+# megalite's projection layers and GPT-2's Conv1D names for them (weights transposed both ways)
+GPT2_PROJECTIONS = (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
+                    ("mlp.linear_fc2", "mlp.c_proj"))
+
 def hf_architecture(cfg: dict) -> str:
     """"gpt2" or "llama" for a megalite model_config; ConversionError naming the flag otherwise."""
     def refuse(setting: str, target: str):
@@ -115,8 +119,7 @@ def _gpt2_tensors(cfg: dict, state: dict) -> dict:
         w, b = state.pop(m + "self_attention.linear_qkv.weight"), state.pop(m + "self_attention.linear_qkv.bias")
         out[h + "attn.c_attn.weight"] = torch.cat(split_qkv(w, heads, heads, hn)).t()
         out[h + "attn.c_attn.bias"] = torch.cat(split_qkv(b, heads, heads, hn))
-        for ours, theirs in (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
-                             ("mlp.linear_fc2", "mlp.c_proj")):
+        for ours, theirs in GPT2_PROJECTIONS:
             out[h + theirs + ".weight"] = state.pop(m + ours + ".weight").t()
             out[h + theirs + ".bias"] = state.pop(m + ours + ".bias")
     return out
@@ -429,8 +432,7 @@ def _gpt2_state(cfg: dict, hf: dict) -> dict:
         w, b = hf.pop(h + "attn.c_attn.weight").t(), hf.pop(h + "attn.c_attn.bias")
         out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(*w.split(hid), heads, heads, hn)
         out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(*b.split(hid), heads, heads, hn)
-        for ours, theirs in (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
-                             ("mlp.linear_fc2", "mlp.c_proj")):
+        for ours, theirs in GPT2_PROJECTIONS:
             out[m + ours + ".weight"] = hf.pop(h + theirs + ".weight").t()
             out[m + ours + ".bias"] = hf.pop(h + theirs + ".bias")
     return out
