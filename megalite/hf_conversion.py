@@ -45,11 +45,12 @@ class ConversionError(ValueError):
     """A model or tokenizer the other side cannot represent exactly, or a malformed input."""
 
 
-# -- which Hugging Face architecture a megalite model is ------------------------------------------
 # megalite's projection layers and GPT-2's Conv1D names for them (weights transposed both ways)
 GPT2_PROJECTIONS = (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
                     ("mlp.linear_fc2", "mlp.c_proj"))
 
+
+# -- which Hugging Face architecture a megalite model is ------------------------------------------
 def hf_architecture(cfg: dict) -> str:
     """"gpt2" or "llama" for a megalite model_config; ConversionError naming the flag otherwise."""
     def refuse(setting: str, target: str):
