@@ -48,9 +48,10 @@ class StandInChunk(torch.nn.Module):
     def set_input_tensor(self, t):
         self.input_tensor = t
 
-    def forward(self):
+    def forward(self, input_ids, position_ids, attention_mask, labels):
         x = torch.ones(self.shape) if self.pre_process else self.input_tensor
-        return _Sleep.apply(x * self.w, self.seconds, self.busy)
+        y = _Sleep.apply(x * self.w, self.seconds, self.busy)
+        return y.sum(-1) if self.post_process else y  # the last stage: "per-token losses"
 
 
 def _run(rank, world, m, v, tf):
@@ -66,10 +67,9 @@ def _run(rank, world, m, v, tf):
     chunks = [StandInChunk(shape, tf / v, busy, ps.is_first_stage and c == 0, ps.is_last_stage and c == v - 1)
               for c in range(v)]
 
-    def forward_step(_data, chunk):
-        y = chunk()
-        return (y.sum(), torch.tensor(1.0)) if chunk.post_process else y
-
+    # the schedule reads one micro-batch per chunk per step; the stand-ins ignore all but the mask
+    batch = {"input_ids": None, "position_ids": None, "attention_mask": None, "labels": None,
+             "loss_mask": torch.ones(shape[:2])}
     fb = get_forward_backward_func(world, v)
     comm = PipeComm(ps, shape, torch.float32, torch.device("cpu"))
     results = []
@@ -77,7 +77,7 @@ def _run(rank, world, m, v, tf):
         busy[0] = 0.0
         dist.barrier()
         start = time.perf_counter()
-        fb(forward_step=forward_step, data_iterator=[None] * v, model=chunks, num_microbatches=m,
+        fb(batches=[iter(lambda: batch, None) for _ in range(v)], model=chunks, num_microbatches=m,
            backward_scale=1.0, comm=comm)
         dist.barrier()
         wall = time.perf_counter() - start

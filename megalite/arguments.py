@@ -124,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --use-distributed-optimizer: all-gather each bucket's parameters during the next "
                         "forward, just before they are used")
     g.add_argument("--no-fused-optimizer", dest="fused_optimizer", action="store_false",
-                   help="use the unfused torch.optim update instead of the fused one (apex FusedAdam on CUDA when "
-                        "installed, else torch's fused AdamW / SGD), which is the default where the device has it")
+                   help="use the unfused torch.optim update instead of torch's fused AdamW / SGD, which is the "
+                        "default where the device has it")
     g.add_argument("--inject-overflow-at-iteration", type=int, metavar="N",
                    help="testing only: put an inf into one rank's gradients at iteration N, as an fp16 overflow")
 
@@ -373,3 +373,17 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         _fail("--distributed-backend nccl needs CUDA; use gloo on CPU")
     args.params_dtype = _str2dtype(args)
     return args
+
+
+def build_run_config(args: argparse.Namespace):
+    """The validated flags as typed configs, one per subsystem: the Namespace stops here."""
+    from .config import (CheckpointConfig, DataConfig, DDPConfig, OptimizerConfig, ParallelConfig, RunConfig,
+                         TrackingConfig, TrainingConfig, from_args)
+    from .model import GPTConfig
+    from .tracking import json_safe
+    model = from_args(GPTConfig, args, vocab_size=args.vocab_size or 0, padded_vocab_size=0,
+                      add_bias_linear=not args.disable_bias_linear)  # vocabulary: filled from the tokenizer
+    return RunConfig(model=model, parallel=from_args(ParallelConfig, args), ddp=from_args(DDPConfig, args),
+                     optimizer=from_args(OptimizerConfig, args), data=from_args(DataConfig, args),
+                     checkpoint=from_args(CheckpointConfig, args), tracking=from_args(TrackingConfig, args),
+                     training=from_args(TrainingConfig, args), flags=json_safe(vars(args)))

@@ -33,13 +33,15 @@ import random
 import shutil
 import threading
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from . import comm
 from .model.init import shard, unshard
+from .parallel_state import ParallelState, stage_layers
+from .tensor_parallel.param_info import ParamInfo, param_info
 
 FORMAT_VERSION = 1
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -58,6 +60,27 @@ MODEL_FLAGS = {
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, or does not fit this run."""
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint saves and restores: the model's parameters (global names), the optimizer
+    (masters and moments of the pieces it steps), the schedule and loss scaler, RNG states, and
+    where the run stands. `flags` is recorded in metadata.json for the tools."""
+    ps: ParallelState
+    model_config: object  # model.GPTConfig
+    named_params: list
+    optimizer: object  # optimizer.MixedPrecisionOptimizer
+    scheduler: object  # optimizer.LRScheduler
+    rng_tracker: object
+    device: torch.device
+    flags: dict
+    iteration: int = 0
+    consumed_samples: int = 0
+
+    def log(self, msg: str) -> None:
+        if self.ps.rank == self.ps.logging_rank:
+            print(msg, flush=True)
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -110,52 +133,31 @@ def check_model_config(saved: dict, current: dict, where: str) -> None:
 
 # -- how a local shard was cut from the whole tensor ----------------------------------------------
 def shard_layout(p: torch.nn.Parameter, tp_rank: int, tp_size: int, vocab_size: int) -> dict:
-    is_tp = bool(getattr(p, "tensor_model_parallel", False))
-    rows = vocab_size if getattr(p, "init_rows", None) is not None else None
-    return {"tp": is_tp, "dim": int(getattr(p, "partition_dim", 0)), "stride": int(getattr(p, "partition_stride", 1)),
+    info = param_info(p)
+    is_tp = info.tensor_parallel
+    return {"tp": is_tp, "dim": info.partition_dim, "stride": info.partition_stride,
             "tp_rank": tp_rank if is_tp else 0, "tp_size": tp_size if is_tp else 1,
-            "local_shape": list(p.shape), "rows": rows}
-
-
-def _as_param(layout: dict):
-    return SimpleNamespace(tensor_model_parallel=layout["tp"], partition_dim=layout["dim"],
-                           partition_stride=layout["stride"])
+            "local_shape": list(p.shape), "rows": vocab_size if info.init_rows is not None else None}
 
 
 def local_shard(full: torch.Tensor, p: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's shard of `full` (the whole tensor, vocabulary unpadded)."""
-    if getattr(p, "init_rows", None) is not None:  # pad the vocabulary rows to this layout's size
-        rows = p.shape[0] * (tp_size if getattr(p, "tensor_model_parallel", False) else 1)
+    info = param_info(p)
+    if info.init_rows is not None:  # pad the vocabulary rows to this layout's size
+        rows = p.shape[0] * (tp_size if info.tensor_parallel else 1)
         if full.shape[0] < rows:
             full = torch.cat([full, full.new_zeros((rows - full.shape[0],) + tuple(full.shape[1:]))])
-    return shard(full, p, tp_rank, tp_size)
+    return shard(full, info, tp_rank, tp_size)
 
 
 # -- what a rank saves ---------------------------------------------------------------------------
-def optimizer_pieces(optimizer) -> list[tuple]:
-    """(param, lo, hi, master) for every tensor the optimizer steps: [lo, hi) is the flat range
-    of the parameter's local shard that `master` holds."""
-    if getattr(optimizer, "distributed", False):
-        index = optimizer.grad_buffer.param_index
-        return [(p, lo - index[p][0], hi - index[p][0], m) for (p, lo, hi), m in zip(optimizer.pieces, optimizer.masters)]
-    return [(p, 0, p.numel(), m) for p, m in zip(optimizer.params, optimizer.masters)]
-
-
-def _is_saver(p, ps) -> bool:
-    """TP-replicated tensors are saved by TP rank 0 only; the tied embedding's copy on the last
-    stage is not saved at all (it equals the first stage's)."""
-    if getattr(p, "shared_embedding", False):
-        return False
-    return getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0
-
-
-def _rng_state(trainer) -> tuple[dict, dict]:
+def _rng_state(train_state: TrainState) -> tuple[dict, dict]:
     """RNG states as (tensors, JSON-safe values)."""
     np_state = np.random.get_state()
     tensors = {"rng/torch": torch.get_rng_state(), "rng/numpy": torch.from_numpy(np_state[1].astype(np.int64))}
-    if torch.cuda.is_available() and trainer.device.type == "cuda":
-        tensors["rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
-    for name, state in trainer.rng_tracker.get_states().items():
+    if torch.cuda.is_available() and train_state.device.type == "cuda":
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(train_state.device)
+    for name, state in train_state.rng_tracker.get_states().items():
         tensors[f"rng/tracker/{name}"] = state
     py = random.getstate()
     values = {"python": [py[0], list(py[1]), py[2]], "numpy": [np_state[0], int(np_state[2]), int(np_state[3]),
@@ -163,39 +165,41 @@ def _rng_state(trainer) -> tuple[dict, dict]:
     return tensors, values
 
 
-def _set_rng_state(trainer, tensors: dict, values: dict) -> None:
+def _set_rng_state(train_state: TrainState, tensors: dict, values: dict) -> None:
     py = values["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = values["numpy"]
     np.random.set_state((n[0], tensors["rng/numpy"].numpy().astype(np.uint32), n[1], n[2], n[3]))
     torch.set_rng_state(tensors["rng/torch"])
-    if "rng/cuda" in tensors and trainer.device.type == "cuda":
-        torch.cuda.set_rng_state(tensors["rng/cuda"], trainer.device)
-    trainer.rng_tracker.set_states({k[len("rng/tracker/"):]: v for k, v in tensors.items()
+    if "rng/cuda" in tensors and train_state.device.type == "cuda":
+        torch.cuda.set_rng_state(tensors["rng/cuda"], train_state.device)
+    train_state.rng_tracker.set_states({k[len("rng/tracker/"):]: v for k, v in tensors.items()
                                     if k.startswith("rng/tracker/")})
 
 
-def collect_rank_state(trainer) -> tuple[dict, dict]:
+def collect_rank_state(train_state: TrainState) -> tuple[dict, dict]:
     """This rank's tensors (host copies, safe to write from another thread) and their index."""
-    ps, args, opt = trainer.ps, trainer.args, trainer.optimizer
-    opt.finish_param_sync()
+    ps, opt = train_state.ps, train_state.optimizer
+    vocab_size = train_state.model_config.vocab_size
+    opt.dp.finish_param_sync()
     tensors, entries = {}, []
 
     def add(kind, name, p, lo, hi, tensor):
         key = f"{kind}/{name}/{lo}"
         tensors[key] = tensor.detach().reshape(-1)[: hi - lo].to("cpu", copy=True)
         entries.append({"key": key, "kind": kind, "name": name, "lo": lo, "hi": hi,
-                        "layout": shard_layout(p, ps.tp_rank, ps.tp_size, args.vocab_size)})
+                        "layout": shard_layout(p, ps.tp_rank, ps.tp_size, vocab_size)})
 
+    # TP-replicated tensors are saved by TP rank 0 only; the tied embedding's copy on the last
+    # stage is not saved at all (it equals the first stage's)
     if ps.dp_rank == 0:
-        for name, p in trainer.named_params:
-            if _is_saver(p, ps):
+        for name, p in train_state.named_params:
+            if param_info(p).is_owner(ps.tp_rank):
                 add("param", name, p, 0, p.numel(), p)
-    names = {id(p): n for n, p in trainer.named_params}
+    names = {id(p): n for n, p in train_state.named_params}
     saves_states = opt.distributed or ps.dp_rank == 0  # plain optimizer: DP replicas are identical
-    step = None
-    for p, lo, hi, master in optimizer_pieces(opt):
-        if not (saves_states and _is_saver(p, ps)):
+    for p, lo, hi, master in opt.pieces():
+        if not (saves_states and param_info(p).is_owner(ps.tp_rank)):
             continue
         name = names[id(p)]
         if not opt.fp32_params:
@@ -204,12 +208,10 @@ def collect_rank_state(trainer) -> tuple[dict, dict]:
         for kind in STATE_KINDS:
             if kind in state:
                 add(kind, name, p, lo, hi, state[kind])
-        if "step" in state:
-            step = float(state["step"])
-    rng_tensors, rng_values = _rng_state(trainer)
+    rng_tensors, rng_values = _rng_state(train_state)
     tensors.update(rng_tensors)
     index = {"rank": ps.rank, "tp": ps.tp_rank, "pp": ps.pp_rank, "dp": ps.dp_rank, "entries": entries,
-             "rng": rng_values, "optimizer_step": step}
+             "rng": rng_values, "optimizer_step": opt.step_count()}
     return tensors, index
 
 
@@ -225,16 +227,16 @@ def _json_safe(d: dict) -> dict:
     return out
 
 
-def build_metadata(trainer, iteration: int) -> dict:
-    ps, args, opt = trainer.ps, trainer.args, trainer.optimizer
+def build_metadata(train_state: TrainState, iteration: int) -> dict:
+    ps, opt = train_state.ps, train_state.optimizer
     return {
-        "format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": trainer.consumed_samples,
-        "args": _json_safe(vars(args)), "model_config": trainer.config.to_dict(),
+        "format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": train_state.consumed_samples,
+        "args": _json_safe(train_state.flags), "model_config": train_state.model_config.to_dict(),
         "layout": {"world_size": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vpp": ps.vpp,
                    "dp": ps.dp_size, "distributed_optimizer": bool(opt.distributed)},
-        "scheduler": trainer.scheduler.state_dict(),
+        "scheduler": train_state.scheduler.state_dict(),
         "grad_scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
-        "optimizer": {"type": args.optimizer, "fp32_params": bool(opt.fp32_params)},
+        "optimizer": {"type": train_state.flags.get("optimizer", "adam"), "fp32_params": bool(opt.fp32_params)},
         "has_optimizer_state": True,
     }
 
@@ -276,9 +278,9 @@ class CheckpointSaver:
         self.pending: tuple[int, threading.Thread] | None = None
         self.error: BaseException | None = None
 
-    def save(self, trainer, iteration: int) -> None:
+    def save(self, train_state: TrainState, iteration: int) -> None:
         self.finalize(blocking=True)  # at most one save in flight
-        ps = trainer.ps
+        ps = train_state.ps
         tmp = iteration_dir(self.root, iteration) + ".tmp"
         if ps.rank == 0:
             os.makedirs(self.root, exist_ok=True)
@@ -286,14 +288,14 @@ class CheckpointSaver:
                 shutil.rmtree(tmp)
             os.makedirs(tmp)
             with open(os.path.join(tmp, "metadata.json"), "w") as f:
-                json.dump(build_metadata(trainer, iteration), f, indent=1)
-        comm.barrier(trainer.world_group)
-        tensors, index = collect_rank_state(trainer)
+                json.dump(build_metadata(train_state, iteration), f, indent=1)
+        comm.barrier(comm.world_group())
+        tensors, index = collect_rank_state(train_state)
         start = time.perf_counter()
         if not self.async_save:
             _write_rank_files(tmp, ps.rank, tensors, index)
-            self._finish(trainer, iteration)
-            trainer.log(f"> saved checkpoint {iteration_dir(self.root, iteration)} "
+            self._finish(train_state, iteration)
+            train_state.log(f"> saved checkpoint {iteration_dir(self.root, iteration)} "
                         f"({time.perf_counter() - start:.2f} s)")
             return
 
@@ -306,17 +308,17 @@ class CheckpointSaver:
         thread = threading.Thread(target=write, name="megalite-async-save", daemon=True)
         thread.start()
         self.pending = (iteration, thread)
-        self.trainer = trainer
-        trainer.log(f"> saving checkpoint {iteration_dir(self.root, iteration)} in the background")
+        self.train_state = train_state
+        train_state.log(f"> saving checkpoint {iteration_dir(self.root, iteration)} in the background")
 
-    def _finish(self, trainer, iteration: int) -> None:
+    def _finish(self, train_state: TrainState, iteration: int) -> None:
         hook = os.environ.get("MEGALITE_TEST_SAVE_DELAY_S")  # tests: widen the window before publishing
         if hook:
             time.sleep(float(hook))
-        comm.barrier(trainer.world_group)
-        if trainer.ps.rank == 0:
+        comm.barrier(comm.world_group())
+        if train_state.ps.rank == 0:
             _publish(self.root, iteration)
-        comm.barrier(trainer.world_group)
+        comm.barrier(comm.world_group())
 
     def finalize(self, blocking: bool = False) -> None:
         """Publish a finished background save. Non-blocking calls ask every rank whether its
@@ -324,18 +326,18 @@ class CheckpointSaver:
         if self.pending is None:
             return
         iteration, thread = self.pending
-        trainer = self.trainer
+        train_state = self.train_state
         if not blocking:
-            done = torch.tensor([0.0 if thread.is_alive() else 1.0], device=trainer.device)
-            comm.all_reduce(done, trainer.world_group, op=torch.distributed.ReduceOp.MIN)
+            done = torch.tensor([0.0 if thread.is_alive() else 1.0], device=train_state.device)
+            comm.all_reduce(done, comm.world_group(), op=torch.distributed.ReduceOp.MIN)
             if done.item() < 1.0:
                 return
         thread.join()
         if self.error is not None:
             raise CheckpointError(f"background save of iteration {iteration} failed: {self.error}") from self.error
         self.pending = None
-        self._finish(trainer, iteration)
-        trainer.log(f"> saved checkpoint {iteration_dir(self.root, iteration)} (background)")
+        self._finish(train_state, iteration)
+        train_state.log(f"> saved checkpoint {iteration_dir(self.root, iteration)} (background)")
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -394,7 +396,9 @@ class CheckpointReader:
         for r in range(tp_size):
             if covered.get(r) != (shards[r].numel() if r in shards else -1):
                 raise CheckpointError(f"{self.directory}: {kind} of {name} is incomplete for TP rank {r}")
-        full = unshard([shards[r].view(layout0["local_shape"]) for r in range(tp_size)], _as_param(layout0))
+        info = ParamInfo(tensor_parallel=layout0["tp"], partition_dim=layout0["dim"],
+                         partition_stride=layout0["stride"])
+        full = unshard([shards[r].view(layout0["local_shape"]) for r in range(tp_size)], info)
         if layout0["rows"] is not None:
             full = full[: layout0["rows"]]
         return full
@@ -404,17 +408,17 @@ class CheckpointReader:
         return index, self._file(data)
 
 
-def load_checkpoint(trainer, root: str, finetune: bool = False, load_optim: bool = True,
+def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, load_optim: bool = True,
                     load_rng: bool = True) -> int:
-    """Load the latest checkpoint under `root` into `trainer`; returns its iteration (0 with
+    """Load the latest checkpoint under `root` into `train_state`; returns its iteration (0 with
     --finetune). No checkpoint there: a notice, and training starts from scratch."""
-    ps, args, opt = trainer.ps, trainer.args, trainer.optimizer
+    ps, opt = train_state.ps, train_state.optimizer
     if read_tracker(root) is None:
-        trainer.log(f"> no checkpoint found under {root} ({TRACKER} missing): training from scratch")
+        train_state.log(f"> no checkpoint found under {root} ({TRACKER} missing): training from scratch")
         return 0
     meta = read_metadata(root)
     where = meta["dir"]
-    check_model_config(meta["model_config"], trainer.config.to_dict(), where)
+    check_model_config(meta["model_config"], train_state.model_config.to_dict(), where)
     reader = CheckpointReader(where)
     tp_rank, tp_size = ps.tp_rank, ps.tp_size
     prefer_master = opt.fp32_params  # an fp32 run takes the fp32 masters of a 16-bit checkpoint
@@ -428,15 +432,15 @@ def load_checkpoint(trainer, root: str, finetune: bool = False, load_optim: bool
         return cache[key]
 
     with torch.no_grad():
-        for name, p in trainer.named_params:
+        for name, p in train_state.named_params:
             kind = "master" if prefer_master and reader.has(name, "master") else "param"
             p.copy_(local(name, p, kind).view(p.shape).to(p.dtype))
-        names = {id(p): n for n, p in trainer.named_params}
+        names = {id(p): n for n, p in train_state.named_params}
         restore_optim = load_optim and not finetune
         if restore_optim and not meta.get("has_optimizer_state", True):
             raise CheckpointError(f"{where} holds weights only (no optimizer state); "
                                   "load it with --no-load-optim or --finetune")
-        for p, lo, hi, master in optimizer_pieces(opt):
+        for p, lo, hi, master in opt.pieces():
             name = names[id(p)]
             if not opt.fp32_params:  # fp32: the master is the parameter (or a view of it), loaded above
                 kind = "master" if reader.has(name, "master") else "param"
@@ -453,28 +457,26 @@ def load_checkpoint(trainer, root: str, finetune: bool = False, load_optim: bool
                     state[kind].view(-1).copy_(local(name, p, kind)[lo:hi])
         cache.clear()
     if finetune:
-        trainer.log(f"> loaded weights from {where} (--finetune: iteration 0, fresh optimizer)")
+        train_state.log(f"> loaded weights from {where} (--finetune: iteration 0, fresh optimizer)")
         return 0
     iteration = int(meta["iteration"])
-    trainer.consumed_samples = int(meta["consumed_samples"])
+    train_state.consumed_samples = int(meta["consumed_samples"])
     if restore_optim:
         steps = [idx.get("optimizer_step") for idx, _ in reader.ranks.values() if idx.get("optimizer_step") is not None]
         if steps:
-            for state in opt.optimizer.state.values():
-                if "step" in state:
-                    state["step"].fill_(steps[0])
-        trainer.scheduler.load_state_dict(meta["scheduler"])
+            opt.set_step_count(steps[0])
+        train_state.scheduler.load_state_dict(meta["scheduler"])
         if opt.scaler is not None and meta.get("grad_scaler"):
             opt.scaler.load_state_dict(meta["grad_scaler"])
     lay = meta["layout"]
     same_layout = (lay["world_size"], lay["tp"], lay["pp"]) == (ps.world_size, ps.tp_size, ps.pp_size)
     if load_rng and same_layout and ps.rank in reader.ranks and reader.ranks[ps.rank][0].get("rng"):
         index, tensors = reader.rank_tensors(ps.rank)
-        _set_rng_state(trainer, {k: v for k, v in tensors.items() if k.startswith("rng/")}, index["rng"])
+        _set_rng_state(train_state, {k: v for k, v in tensors.items() if k.startswith("rng/")}, index["rng"])
     elif load_rng:
-        trainer.log(f"> checkpoint layout (world {lay['world_size']}, TP {lay['tp']}, PP {lay['pp']}) differs from "
+        train_state.log(f"> checkpoint layout (world {lay['world_size']}, TP {lay['tp']}, PP {lay['pp']}) differs from "
                     "this run's: RNG states are not restored (dropout masks will differ from an uninterrupted run)")
-    trainer.log(f"> loaded checkpoint {where} (iteration {iteration}, written with TP {lay['tp']} x PP {lay['pp']} "
+    train_state.log(f"> loaded checkpoint {where} (iteration {iteration}, written with TP {lay['tp']} x PP {lay['pp']} "
                 f"x DP {lay['dp']}{', distributed optimizer' if lay['distributed_optimizer'] else ''})")
     return iteration
 
@@ -496,7 +498,6 @@ def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config
     """Write whole-model weights as a weights-only megalite checkpoint for a TP x PP layout,
     one process playing every (tp, pp) rank; returns the iteration directory."""
     from .model import GPTConfig, pad_vocab_size
-    from .training import stage_layers
 
     cfg = dict(model_config)
     cfg["padded_vocab_size"] = pad_vocab_size(cfg["vocab_size"], int(args.get("make_vocab_size_divisible_by", 128)), tp)
@@ -515,7 +516,7 @@ def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config
             chunk = _build_chunk_on_meta(config, pp_rank == 0, pp_rank == pp - 1, offset, n, tp, tp_rank)
             tensors, entries = {}, []
             for name, p in chunk.global_named_parameters():
-                if getattr(p, "shared_embedding", False) or (not getattr(p, "tensor_model_parallel", False) and tp_rank):
+                if not param_info(p).is_owner(tp_rank):
                     continue
                 if name not in state:
                     missing.add(name)

@@ -13,7 +13,7 @@ import torch
 PEAK_TFLOPS_16BIT = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "V100": 125.0}
 
 
-def num_floating_point_operations(args, batch_size: int) -> float:
+def num_floating_point_operations(c, batch_size: int) -> float:
     """Model FLOPs of one iteration (forward + backward, no recompute), Megatron-LM's formula
     (Narayanan et al. 2021, Sec. 5.1, generalised to GQA and SwiGLU):
 
@@ -21,20 +21,20 @@ def num_floating_point_operations(args, batch_size: int) -> float:
 
     with g query groups, a heads, d = kv channels, f the MLP size, glu = 3/2 for SwiGLU.
     """
-    s, L, h = args.seq_length, args.num_layers, args.hidden_size
-    a, g, d = args.num_attention_heads, args.num_query_groups, args.kv_channels
-    glu = 1.5 if args.swiglu else 1.0
+    s, L, h = c.seq_length, c.num_layers, c.hidden_size
+    a, g, d = c.num_attention_heads, c.num_query_groups, c.kv_channels
+    glu = 1.5 if c.swiglu else 1.0
     return 12.0 * batch_size * s * L * h * h * (
         (1 + g / a + s / h) * (a * d / h)
-        + (args.ffn_hidden_size / h) * glu
-        + args.padded_vocab_size / (2 * L * h))
+        + (c.ffn_hidden_size / h) * glu
+        + c.padded_vocab_size / (2 * L * h))
 
 
-def peak_tflops(args) -> float | None:
-    """--peak-tflops, else the table entry for this GPU in 16-bit; None when unknown (CPU)."""
-    if args.peak_tflops:
-        return args.peak_tflops
-    if not torch.cuda.is_available() or not args.bf16:
+def peak_tflops(flag: float | None, dtype: torch.dtype) -> float | None:
+    """--peak-tflops, else the table entry for this GPU in bf16; None when unknown (CPU)."""
+    if flag:
+        return flag
+    if not torch.cuda.is_available() or dtype != torch.bfloat16:
         return None
     name = torch.cuda.get_device_name()
     for key, value in PEAK_TFLOPS_16BIT.items():

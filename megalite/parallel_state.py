@@ -164,6 +164,16 @@ class ParallelState:
                 + ")")
 
 
+def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int) -> list[tuple[int, int]]:
+    """(first layer, number of layers) of each model chunk on pipeline rank `pp_rank`.
+
+    Megatron-LM's interleaved assignment: with v chunks per rank, chunk c of rank r holds the
+    layers starting at c·L/v + r·L/(p·v); with v = 1 that is L/p contiguous layers per stage.
+    """
+    per_chunk = num_layers // (pp * vpp)
+    return [(c * num_layers // vpp + pp_rank * per_chunk, per_chunk) for c in range(vpp)]
+
+
 def single_process_state() -> ParallelState:
     """The trivial grid: every group has one member and no collective is issued."""
     return ParallelState(grid=RankGrid(1))

@@ -1,8 +1,19 @@
-"""From a micro-batch of token sequences to model inputs, labels and masks."""
+"""From a dataset to the micro-batches each model chunk consumes: inputs, labels and masks.
+
+The sample order is a function of the seed and `consumed_samples` only (samplers.py). TP rank 0
+of each model-parallel group reads; the other TP ranks receive each micro-batch by broadcast, so
+the TP ranks of one replica always see the same tokens.
+"""
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+from .. import comm
+from ..config import DataConfig
+from .samplers import PretrainingSampler
 
 
 def collate(samples: list[dict]) -> torch.Tensor:
@@ -40,3 +51,26 @@ def build_batch(tokens: torch.Tensor, eod: int | None = None, reset_position_ids
             attention_mask = (causal & (doc_id.unsqueeze(2) == doc_id.unsqueeze(1))).unsqueeze(1)
     return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask,
             "position_ids": position_ids, "attention_mask": attention_mask}
+
+
+def micro_batches(dataset, consumed_samples: int, cfg: DataConfig, ps, device: torch.device,
+                  eod: int | None) -> Iterator[dict]:
+    """This rank's micro-batches from `consumed_samples` on, built on `device`."""
+    loader = None
+    if ps.tp_rank == 0:
+        sampler = PretrainingSampler(len(dataset), consumed_samples, cfg.micro_batch_size, ps.dp_rank, ps.dp_size)
+        # its own generator: creating an iterator must not draw from the default stream that
+        # dropout uses (a resumed run would otherwise see shifted dropout masks)
+        loader = iter(torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, collate_fn=collate, num_workers=cfg.num_workers,
+            pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(cfg.seed)))
+    shape = (cfg.micro_batch_size, cfg.seq_length + 1)
+    while True:
+        if loader is not None:
+            tokens = next(loader).to(device, non_blocking=True)
+            if tuple(tokens.shape) != shape:
+                raise ValueError(f"data loader gave a batch of shape {tuple(tokens.shape)}, expected {shape}")
+        else:
+            tokens = torch.empty(shape, dtype=torch.int64, device=device)
+        comm.broadcast(tokens, ps.tp_ranks[0], ps.tp_group)
+        yield build_batch(tokens, eod, cfg.reset_position_ids, cfg.reset_attention_mask, cfg.eod_mask_loss)

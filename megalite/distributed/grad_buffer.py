@@ -1,6 +1,6 @@
 """Contiguous gradient (and parameter) buffers, split into buckets, reduced over data-parallel ranks.
 
-Every parameter's `main_grad` is a view into one flat fp32 buffer. Autograd's per-parameter
+Every parameter's `main_grad[p]` is a view into one flat fp32 buffer. Autograd's per-parameter
 `.grad` is added into it as soon as it is accumulated (post-accumulate hook) and then freed, so
 gradients accumulate across micro-batches in fp32 whatever the parameter dtype, and the DP
 reduction is a few large collectives (one per bucket) instead of one per parameter. Buckets
@@ -25,15 +25,16 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..tensor_parallel.param_info import param_info
 
 
 def _defers_grad_sync(p: torch.nn.Parameter) -> bool:
     """Gradients that another sum must reach before the DP reduction: the tied embedding's copies
-    across pipeline stages (`grad_sync_deferred`, summed over the embedding group in
-    finalize_model_grads). Their buffers have different layouts on the two stages, so the sum
-    cannot follow a reduce-scatter. Sequence-parallel weights need no deferral: TP ranks share
-    one buffer layout, so their TP sum can follow the DP reduction."""
-    return bool(getattr(p, "grad_sync_deferred", False))
+    across pipeline stages (summed over the embedding group by DataParallel.finish_grad_sync).
+    Their buffers have different layouts on the two stages, so the sum cannot follow a
+    reduce-scatter. Sequence-parallel weights need no deferral: TP ranks share one buffer
+    layout, so their TP sum can follow the DP reduction."""
+    return param_info(p).embedding_group_sync
 
 
 class GradBuffer:
@@ -77,9 +78,10 @@ class GradBuffer:
         self._started = [False] * len(self.buckets)
         self._ready_count: dict[torch.nn.Parameter, int] = {}
         self._bucket_waiting = [len(ps) for ps in self.bucket_params]
+        self.main_grad: dict[torch.nn.Parameter, torch.Tensor] = {}
         for p in self.params:
             start, end = self.param_index[p]
-            p.main_grad = self.data[start:end].view(p.shape)
+            self.main_grad[p] = self.data[start:end].view(p.shape)
             p.register_post_accumulate_grad_hook(self._accumulate)
 
     # -- layout --------------------------------------------------------------------------------
@@ -118,7 +120,7 @@ class GradBuffer:
 
     # -- accumulation ----------------------------------------------------------------------------
     def _accumulate(self, p: torch.nn.Parameter) -> None:
-        p.main_grad.add_(p.grad)
+        self.main_grad[p].add_(p.grad)
         p.grad = None
         if not self.overlap:
             return
@@ -140,9 +142,6 @@ class GradBuffer:
         self._ready_count.clear()
         self._bucket_waiting = [len(ps) for ps in self.bucket_params]
         self._started = [False] * len(self.buckets)
-
-    def scale(self, factor: float) -> None:
-        self.data.mul_(factor)
 
     # -- reduction -------------------------------------------------------------------------------
     def start_grad_sync(self, b: int) -> None:
@@ -171,7 +170,3 @@ class GradBuffer:
             if h is not None:
                 h.wait()
                 self._handles[b] = None
-
-    def all_reduce(self) -> None:
-        """Sum every bucket over the DP group (all-reduce mode)."""
-        self.finish_grad_sync()

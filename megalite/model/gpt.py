@@ -21,6 +21,7 @@ from .. import comm
 from ..tensor_parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sp, scatter_to_sp, set_init,
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel.layers import set_tp_attributes
+from ..tensor_parallel.param_info import param_info
 from .attention import RotaryEmbedding
 from .config import GPTConfig
 from .init import initialize_parameters
@@ -42,7 +43,6 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                     dtype=config.params_dtype, device=device)
             set_init(self.position_embeddings.weight, "normal", config.init_method_std)
-            self.position_embeddings.weight.sequence_parallel = False
         else:
             self.position_embeddings = None
 
@@ -96,13 +96,20 @@ class GPTModel(nn.Module):
             set_init(self.output_layer.weight, "normal", config.init_method_std, rows=config.vocab_size)
             # a tied copy on the last stage: same name as the first stage's word embedding for
             # init and checkpoints, gradient summed with it over the embedding group
-            self.output_layer.weight.shared_embedding = not config.untie_embeddings_and_output_weights
+            param_info(self.output_layer.weight).tied_copy = not config.untie_embeddings_and_output_weights
+        # tied embedding split over pipeline stages: both copies' gradients are summed over the
+        # embedding group (first and last stage) before the DP reduction
+        tied = not config.untie_embeddings_and_output_weights
+        if tied and pre_process and not post_process:
+            param_info(self.embedding.word_embeddings.weight).embedding_group_sync = True
+        if tied and post_process and not pre_process:
+            param_info(self.output_layer.weight).embedding_group_sync = True
 
     # -- names -------------------------------------------------------------------------------
     def global_name(self, local_name: str) -> str:
         """Name of a parameter in the whole (unsplit) model: layer indices become global, and a
         last-stage copy of the tied embedding takes the embedding's name."""
-        if local_name == "output_layer.weight" and getattr(self.output_layer.weight, "shared_embedding", False):
+        if local_name == "output_layer.weight" and param_info(self.output_layer.weight).tied_copy:
             return WORD_EMBEDDING
         return re.sub(r"^decoder\.layers\.(\d+)\.",
                       lambda m: f"decoder.layers.{int(m.group(1)) + self.layer_offset}.", local_name)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..tensor_parallel.param_info import ParamInfo, param_info
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -21,46 +22,47 @@ def name_seed(seed: int, name: str) -> int:
 
 
 def global_shape(param: nn.Parameter, tp_size: int) -> tuple[int, ...]:
-    shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp_size
+    shape, info = list(param.shape), param_info(param)
+    if info.tensor_parallel:
+        shape[info.partition_dim] *= tp_size
     return tuple(shape)
 
 
 def full_tensor(param: nn.Parameter, name: str, seed: int, shape: tuple[int, ...]) -> torch.Tensor:
     """The whole (unsharded) initial value of `param`, as fp32 on CPU."""
-    kind = getattr(param, "init_kind", None)
+    info = param_info(param)
+    kind = info.init
     if kind == "zeros":
         return torch.zeros(shape)
     if kind == "ones":
         return torch.ones(shape)
     if kind != "normal":
-        raise ValueError(f"parameter {name} has no initialisation rule (init_kind={kind!r})")
+        raise ValueError(f"parameter {name} has no initialisation rule (init={kind!r})")
     gen = torch.Generator().manual_seed(name_seed(seed, name))
-    rows = getattr(param, "init_rows", None)
+    rows = info.init_rows
     if rows is None or rows >= shape[0]:
-        return torch.randn(shape, generator=gen) * param.init_std
+        return torch.randn(shape, generator=gen) * info.init_std
     # padded vocabulary: only the real rows are random; the padding rows stay zero (and, being
     # masked out of the softmax, get no gradient), so the padding amount cannot matter.
     out = torch.zeros(shape)
-    out[:rows] = torch.randn((rows,) + tuple(shape[1:]), generator=gen) * param.init_std
+    out[:rows] = torch.randn((rows,) + tuple(shape[1:]), generator=gen) * info.init_std
     return out
 
 
-def shard(full: torch.Tensor, param: nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
+def shard(full: torch.Tensor, info: ParamInfo, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's slice of `full`, following the partition dimension and stride."""
-    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+    if not info.tensor_parallel or tp_size == 1:
         return full
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    dim, stride = info.partition_dim, info.partition_stride
     blocks = full.chunk(stride, dim=dim)
     return torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in blocks], dim=dim)
 
 
-def unshard(shards: list[torch.Tensor], param: nn.Parameter) -> torch.Tensor:
+def unshard(shards: list[torch.Tensor], info: ParamInfo) -> torch.Tensor:
     """Inverse of `shard` given every TP rank's slice (rank order)."""
-    if not getattr(param, "tensor_model_parallel", False) or len(shards) == 1:
+    if not info.tensor_parallel or len(shards) == 1:
         return shards[0]
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    dim, stride = info.partition_dim, info.partition_stride
     per_rank_blocks = [s.chunk(stride, dim=dim) for s in shards]
     return torch.cat([torch.cat([pb[j] for pb in per_rank_blocks], dim=dim) for j in range(stride)], dim=dim)
 
@@ -71,4 +73,4 @@ def initialize_parameters(named_params, seed: int, tp_group) -> None:
     tp_size, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
     for name, param in named_params:
         full = full_tensor(param, name, seed, global_shape(param, tp_size))
-        param.copy_(shard(full, param, tp_rank, tp_size))
+        param.copy_(shard(full, param_info(param), tp_rank, tp_size))

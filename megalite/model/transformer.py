@@ -14,6 +14,7 @@ from torch import nn
 
 from ..recompute import recompute
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
+from ..tensor_parallel.param_info import param_info
 from .attention import SelfAttention
 from .config import GPTConfig
 
@@ -31,11 +32,11 @@ class Norm(nn.Module):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {self.kind!r}")
         self.weight = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
         set_init(self.weight, "ones")
-        self.weight.sequence_parallel = config.sequence_parallel
+        param_info(self.weight).sequence_parallel = config.sequence_parallel
         if self.kind == "LayerNorm":
             self.bias = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
             set_init(self.bias, "zeros")
-            self.bias.sequence_parallel = config.sequence_parallel
+            param_info(self.bias).sequence_parallel = config.sequence_parallel
         else:
             self.register_parameter("bias", None)
 

@@ -3,44 +3,14 @@
 The norm is over the whole model: each rank sums the squares of the gradients it owns, the
 sums are all-reduced over the model-parallel (TP x PP) group, and every parameter that exists
 in several copies (replicated across TP: norms, biases of row-parallel layers; the tied
-embedding's copy on the last pipeline stage) is counted once. With the distributed optimizer a
-rank owns only slices of its model-parallel rank's gradients, so the sums are all-reduced over
-the data-parallel group too (the slices partition the buffer, so each element counts once).
+embedding's copy on the last pipeline stage) is counted once (`ParamInfo.is_owner`). With the
+distributed optimizer a rank owns only slices of its model-parallel rank's gradients, so the
+sums are all-reduced over the data-parallel group too (the slices partition the buffer, so each
+element counts once).
 """
 from __future__ import annotations
 
 import torch
-
-from .. import comm
-
-
-def is_counted(param, tp_rank: int) -> bool:
-    """False for the copies a gradient norm must skip."""
-    if getattr(param, "shared_embedding", False):
-        return False  # the first stage counts the tied embedding
-    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
-
-
-def global_grad_norm(grads: list[torch.Tensor], group, device=None) -> torch.Tensor:
-    """sqrt of the sum of squares of `grads` over every rank of `group` (fp32 scalar)."""
-    if grads:
-        norms = torch._foreach_norm([g.float() for g in grads])
-        sq = torch.stack(norms).pow(2).sum()
-    else:
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-    return comm.all_reduce(sq.reshape(1), group)[0].sqrt()
-
-
-def clip_grad_norm(params, max_norm: float, mp_group, tp_rank: int) -> float:
-    """Clip the params' `main_grad` in place to a global norm of `max_norm`; return the norm
-    before clipping."""
-    grads = [p.main_grad for p in params if is_counted(p, tp_rank)]
-    norm = global_grad_norm(grads, mp_group, params[0].device)
-    if max_norm > 0:
-        coeff = max_norm / (norm + 1e-6)
-        if coeff < 1.0:
-            torch._foreach_mul_([p.main_grad for p in params], coeff)
-    return float(norm)
 
 
 def local_grad_stats(grads: list[torch.Tensor], counted: list[bool], device=None) -> torch.Tensor:

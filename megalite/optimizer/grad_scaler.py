@@ -71,11 +71,11 @@ class DynamicGradScaler:
         self.hysteresis_tracker = int(state["hysteresis_tracker"])
 
 
-def build_grad_scaler(args):
-    """None without loss scaling (fp32, and bf16 unless --loss-scale is given)."""
-    if getattr(args, "loss_scale", None):
-        return ConstantGradScaler(args.loss_scale)
-    if getattr(args, "fp16", False):
-        return DynamicGradScaler(args.initial_loss_scale, args.min_loss_scale,
-                                 growth_interval=args.loss_scale_window, hysteresis=args.hysteresis)
+def build_grad_scaler(c):
+    """From an OptimizerConfig; None without loss scaling (fp32, and bf16 unless --loss-scale)."""
+    if c.loss_scale:
+        return ConstantGradScaler(c.loss_scale)
+    if c.fp16:
+        return DynamicGradScaler(c.initial_loss_scale, c.min_loss_scale,
+                                 growth_interval=c.loss_scale_window, hysteresis=c.hysteresis)
     return None

@@ -59,6 +59,7 @@ class LRScheduler:
         self.num_steps = int(state["num_steps"])
 
 
-def build_lr_scheduler(args) -> LRScheduler:
-    return LRScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters, args.lr_decay_style,
-                       args.lr_warmup_init, args.lr_wsd_decay_iters, args.lr_wsd_decay_style)
+def build_lr_scheduler(c) -> LRScheduler:
+    """From an OptimizerConfig."""
+    return LRScheduler(c.lr, c.min_lr, c.lr_warmup_iters, c.lr_decay_iters, c.lr_decay_style,
+                       c.lr_warmup_init, c.lr_wsd_decay_iters, c.lr_wsd_decay_style)

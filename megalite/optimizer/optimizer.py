@@ -6,14 +6,16 @@ the step reads the fp32 `main_grad` accumulated by the gradient buffer, updates 
 and the result is cast back into the 16-bit parameter. --fp16 adds loss scaling (grad_scaler.py):
 a step whose gradients overflowed is skipped on every rank.
 
-One step: DP reduction (reduce_gradients, called from finalize_model_grads) -> multiply by
-`grad_scale` (1 / loss scale, token renormalisation) -> one all-reduce of [squared norm,
-overflow count] -> skip on overflow -> clip -> update -> masters copied into the parameters.
+One step, after the data-parallel module has reduced the gradients: multiply by `grad_scale`
+(1 / loss scale, token renormalisation) -> one all-reduce of [squared norm, overflow count] ->
+skip on overflow -> clip -> update -> masters copied into the parameters.
 distributed_optimizer.py shards the masters and the optimizer state over DP (ZeRO-1).
 
-The update itself is torch.optim's AdamW / SGD, fused where the device has fused kernels
-(apex FusedAdam on CUDA when apex is importable), unless --no-fused-optimizer; both paths
-compute the same update up to float rounding. Adam's state is allocated eagerly at
+The update itself is torch.optim's AdamW / SGD, fused where the device has fused kernels (CUDA,
+and the CPU on recent torch), unless --no-fused-optimizer; both paths compute the same update
+up to float rounding. apex's FusedAdam is not used: torch's fused AdamW gives the same on CUDA.
+Optimizers count steps per parameter (torch) or per group (apex-style); `step_count` and
+`set_step_count` read and restore either, so checkpoints resume Adam's bias correction exactly. Adam's state is allocated eagerly at
 construction, so the memory footprint logged before the first step is the memory the run
 will really hold.
 """
@@ -24,7 +26,9 @@ import math
 import torch
 
 from .. import comm
-from .clip_grads import clip_by_norm, is_counted, local_grad_stats
+from ..config import OptimizerConfig
+from ..tensor_parallel.param_info import param_info
+from .clip_grads import clip_by_norm, local_grad_stats
 from .grad_scaler import build_grad_scaler
 
 
@@ -45,19 +49,11 @@ def _torch_fused_supported(device: torch.device) -> bool:
         return device.type == "cuda"
 
 
-def build_inner_optimizer(groups, args, device: torch.device, fused: bool | None = None):
+def build_inner_optimizer(groups, args: OptimizerConfig, device: torch.device, fused: bool | None = None):
     """(torch optimizer over `groups`, description). `fused` defaults to args.fused_optimizer."""
-    fused = getattr(args, "fused_optimizer", True) if fused is None else fused
+    fused = args.fused_optimizer if fused is None else fused
     if args.optimizer == "adam":
         betas = (args.adam_beta1, args.adam_beta2)
-        if fused and device.type == "cuda":
-            try:
-                from apex.optimizers import FusedAdam
-                # adam_w_mode: decoupled weight decay, as torch's AdamW
-                return (FusedAdam(groups, lr=args.lr, betas=betas, eps=args.adam_eps, adam_w_mode=True),
-                        "adam (apex FusedAdam)")
-            except ImportError:
-                pass
         use_fused = fused and _torch_fused_supported(device)
         # decoupled weight decay (AdamW), as Megatron-LM's Adam with weight decay
         opt = torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=args.adam_eps, fused=use_fused or None)
@@ -78,7 +74,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 continue
             state = {"exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
                      "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
-            if is_torch:  # apex FusedAdam counts steps per group instead
+            if is_torch:  # other optimizers (apex's FusedAdam) may count steps per group instead
                 fused = group.get("fused") or group.get("capturable")
                 state["step"] = (torch.zeros((), dtype=torch.float32, device=m.device) if fused
                                  else torch.tensor(0.0, dtype=torch.float32))
@@ -86,21 +82,21 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 class MixedPrecisionOptimizer:
-    """Owns everything from the accumulated gradients to updated parameters: the DP reduction
-    (through the gradient buffer), unscaling and normalisation, the overflow check, clipping and
-    the update. Subclasses change which tensors are stepped (`masters`, `main_grads`) and how
-    the result reaches the parameters."""
+    """Owns everything from the reduced gradients to updated parameters: unscaling and
+    normalisation, the overflow check, clipping and the update. The gradients and their
+    reduction belong to the data-parallel module `dp`. Subclasses change which tensors are
+    stepped (`masters`, `main_grads`) and how the result reaches the parameters."""
 
     distributed = False
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], args, grad_buffer, ps, model=None):
-        self.grad_buffer, self.ps, self.clip_grad = grad_buffer, ps, args.clip_grad
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], args: OptimizerConfig, dp, ps):
+        self.dp, self.ps, self.clip_grad = dp, ps, args.clip_grad
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.device = self.params[0].device
         self.fp32_params = all(p.dtype == torch.float32 for p in self.params)
         self.scaler = build_grad_scaler(args)
-        self.inject_overflow_at = getattr(args, "inject_overflow_at_iteration", None)
+        self.inject_overflow_at = args.inject_overflow_at_iteration
         self.skipped_iterations = 0  # steps skipped for overflow since the start of this run
         self._build_masters()
         groups = _param_groups(list(zip(self.masters, self.master_ndims)), args.weight_decay)
@@ -113,8 +109,8 @@ class MixedPrecisionOptimizer:
         self.masters = (self.params if self.fp32_params
                         else [p.detach().float().clone() for p in self.params])
         self.master_ndims = [p.ndim for p in self.params]
-        self.main_grads = [p.main_grad for p in self.params]
-        self.counted = [is_counted(p, self.ps.tp_rank) for p in self.params]
+        self.main_grads = [self.dp.main_grad(p) for p in self.params]
+        self.counted = [param_info(p).is_owner(self.ps.tp_rank) for p in self.params]
 
     def _master_bytes(self) -> int:
         return 0 if self.fp32_params else sum(m.numel() * m.element_size() for m in self.masters)
@@ -135,13 +131,7 @@ class MixedPrecisionOptimizer:
         """One line for the start-up log."""
         dtype = str(self.params[0].dtype).replace("torch.", "")
         parts = [self.impl, f"{dtype} params" + ("" if self.fp32_params else ", fp32 master weights")]
-        if self.distributed:
-            parts.append(f"distributed over DP {self.ps.dp_size} (ZeRO-1)")
-        if self.grad_buffer.overlap:
-            parts.append("overlapped grad reduce")
-        if getattr(self, "overlap_param_gather", False):
-            parts.append("overlapped param gather")
-        parts.append(f"{len(self.grad_buffer.buckets)} bucket(s)")
+        parts += self.dp.describe()
         if self.scaler is not None:
             parts.append(self.scaler.describe())
         return ", ".join(parts)
@@ -158,14 +148,6 @@ class MixedPrecisionOptimizer:
         """Factor the schedule multiplies the loss by before backward."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def zero_grad(self) -> None:
-        self.grad_buffer.zero()
-
-    def reduce_gradients(self) -> None:
-        """Sum gradients over the data-parallel group (what --overlap-grad-reduce has not
-        started yet is started now), and wait for the sums."""
-        self.grad_buffer.finish_grad_sync()
-
     def _inject_overflow(self, iteration) -> bool:
         """--inject-overflow-at-iteration (testing): the last rank writes an inf into a gradient."""
         return (self.inject_overflow_at is not None and iteration == self.inject_overflow_at
@@ -177,7 +159,7 @@ class MixedPrecisionOptimizer:
         skip the step if they overflowed (with loss scaling), clip them by the global norm,
         update. `iteration` (1-based) only serves --inject-overflow-at-iteration. Returns
         grad_norm (None when skipped), loss_scale (for the next iteration) and skipped."""
-        self.finish_param_sync()
+        self.dp.finish_param_sync()
         grads = self.main_grads
         if grad_scale != 1.0:
             torch._foreach_mul_(grads, grad_scale)
@@ -206,28 +188,26 @@ class MixedPrecisionOptimizer:
         self._update_params()
         return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": False}
 
-    def finish_param_sync(self) -> None:
-        """Wait until every parameter holds the latest update (a no-op without ZeRO-1)."""
+    def step_count(self) -> float | None:
+        """Updates taken so far, wherever the inner optimizer counts them (per group or per
+        parameter); None for an optimizer that keeps no count (SGD)."""
+        for group in self.optimizer.param_groups:
+            if "step" in group:
+                return float(group["step"])
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                return float(state["step"])
+        return None
 
-    def state_dict(self) -> dict:
-        self.finish_param_sync()
-        state = {"optimizer": self.optimizer.state_dict(), "skipped_iterations": self.skipped_iterations}
-        if self.scaler is not None:
-            state["grad_scaler"] = self.scaler.state_dict()
-        return state
+    def set_step_count(self, step: float) -> None:
+        per_param = [state["step"] for state in self.optimizer.state.values() if "step" in state]
+        for t in per_param:
+            t.fill_(step)
+        if not per_param:  # per-group counters (apex-style), created if no step has run yet
+            for group in self.optimizer.param_groups:
+                group["step"] = int(step)
 
-
-def build_optimizer(named_params, args, ps, model=None):
-    """The gradient buffer and the optimizer for the flags: --use-distributed-optimizer,
-    --overlap-grad-reduce, --overlap-param-gather, --ddp-bucket-size, --optimizer, mixed
-    precision and loss scaling."""
-    from ..distributed import GradBuffer
-    params = [p for _, p in named_params]
-    distributed = getattr(args, "use_distributed_optimizer", False)
-    buffer = GradBuffer(params, ps.dp_group, args.ddp_bucket_size, pad_to=ps.dp_size if distributed else 1,
-                        reduce_scatter=distributed, overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
-                        num_microbatches=args.num_microbatches)
-    if distributed:
-        from .distributed_optimizer import DistributedOptimizer
-        return DistributedOptimizer(named_params, args, buffer, ps, model)
-    return MixedPrecisionOptimizer(named_params, args, buffer, ps, model)
+    def pieces(self) -> list[tuple]:
+        """(param, lo, hi, master) for every tensor stepped: [lo, hi) is the flat range of the
+        parameter that `master` holds (the whole parameter here; a ZeRO-1 slice may cut it)."""
+        return [(p, 0, p.numel(), m) for p, m in zip(self.params, self.masters)]

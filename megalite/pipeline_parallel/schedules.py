@@ -1,12 +1,13 @@
 """Forward/backward over the micro-batches of one iteration.
 
-A schedule calls `forward_step(data_iterator, model_chunk)`. On the chunk that holds the loss
-(last stage, last virtual chunk) it returns (loss_sum, num_tokens) for one micro-batch: the
-loss summed over its tokens and the number of tokens with loss; elsewhere it returns the
-chunk's output activations. Backward runs on loss_sum x `backward_scale` (the loss scale over
-the nominal number of tokens in the global batch), so gradients summed over micro-batches and
-DP ranks are those of the global-batch mean loss. A schedule returns the per-micro-batch
-(loss_sum, num_tokens) on the last stage and [] elsewhere.
+A schedule takes the model chunks and, per chunk, an iterator of micro-batches (dicts from
+data.batch.build_batch, already on the device); each chunk consumes the iteration's
+micro-batches in order, at its own pace. The chunk that holds the loss (last stage, last
+virtual chunk) returns per-token losses; the schedule sums them over the loss mask. Backward
+runs on that sum x `backward_scale` (the loss scale over the nominal number of tokens in the
+global batch), so gradients summed over micro-batches and DP ranks are those of the
+global-batch mean loss. A schedule returns the per-micro-batch (loss_sum, num_tokens), as
+device tensors, on the last stage and [] elsewhere.
 
 Schedules (Narayanan et al. 2021, Sec. 2.2):
 - no pipelining: gradient accumulation on one stage;
@@ -25,21 +26,23 @@ from .p2p import PipeComm
 class _Step:
     """Forward and backward of one micro-batch on one chunk, shared by every schedule."""
 
-    def __init__(self, forward_step, data_iterators, model, backward_scale, forward_only):
-        self.forward_step, self.data_iterators, self.model = forward_step, data_iterators, model
+    def __init__(self, batches, model, backward_scale, forward_only):
+        self.batches, self.model = batches, model
         self.backward_scale, self.forward_only = backward_scale, forward_only
         self.stats = []
 
     def forward(self, chunk_id: int, input_tensor):
         chunk = self.model[chunk_id]
         chunk.set_input_tensor(input_tensor)
+        batch = next(self.batches[chunk_id])
         with torch.set_grad_enabled(not self.forward_only):
-            out = self.forward_step(self.data_iterators[chunk_id], chunk)
-        if chunk.post_process:
-            loss_sum, num_tokens = out
-            self.stats.append((loss_sum.detach(), num_tokens.detach()))
-            return loss_sum * self.backward_scale
-        return out
+            out = chunk(batch["input_ids"], batch["position_ids"], batch["attention_mask"], batch["labels"])
+            if not chunk.post_process:
+                return out  # activations for the next stage
+            mask = batch["loss_mask"]
+            loss_sum = (out.float() * mask).sum()  # [b, s] per-token losses -> the micro-batch's sum
+        self.stats.append((loss_sum.detach(), mask.sum()))
+        return loss_sum * self.backward_scale
 
     @staticmethod
     def backward(input_tensor, output_tensor, output_grad):
@@ -62,10 +65,10 @@ def release(t: torch.Tensor | None) -> None:
         t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
 
 
-def forward_backward_no_pipelining(forward_step, data_iterator, model, num_microbatches: int,
-                                   backward_scale: float, forward_only: bool = False, **_):
+def forward_backward_no_pipelining(batches, model, num_microbatches: int, backward_scale: float,
+                                   forward_only: bool = False, **_):
     """Gradient accumulation on one stage: forward and backward each micro-batch in turn."""
-    step = _Step(forward_step, data_iterator, model, backward_scale, forward_only)
+    step = _Step(batches, model, backward_scale, forward_only)
     for _ in range(num_microbatches):
         loss = step.forward(0, None)
         if not forward_only:
@@ -73,10 +76,10 @@ def forward_backward_no_pipelining(forward_step, data_iterator, model, num_micro
     return step.stats
 
 
-def forward_backward_1f1b(forward_step, data_iterator, model, num_microbatches: int, backward_scale: float,
+def forward_backward_1f1b(batches, model, num_microbatches: int, backward_scale: float,
                           forward_only: bool = False, comm: PipeComm = None, **_):
     ps = comm.ps
-    step = _Step(forward_step, data_iterator, model, backward_scale, forward_only)
+    step = _Step(batches, model, backward_scale, forward_only)
     first, last = ps.is_first_stage, ps.is_last_stage
     m = num_microbatches
     num_warmup = m if forward_only else min(ps.pp_size - ps.pp_rank - 1, m)
@@ -119,14 +122,14 @@ def forward_backward_1f1b(forward_step, data_iterator, model, num_microbatches: 
     return step.stats
 
 
-def forward_backward_interleaved(forward_step, data_iterator, model, num_microbatches: int,
-                                 backward_scale: float, forward_only: bool = False, comm: PipeComm = None, **_):
+def forward_backward_interleaved(batches, model, num_microbatches: int, backward_scale: float,
+                                 forward_only: bool = False, comm: PipeComm = None, **_):
     """Interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2.2), following Megatron-LM's
     forward_backward_pipelining_with_interleaving. Virtual micro-batch k runs on chunk
     (k // p) % v (reversed for backward); chunk c of rank p-1 feeds chunk c+1 of rank 0."""
     ps = comm.ps
     p, rank, v, m = ps.pp_size, ps.pp_rank, len(model), num_microbatches
-    step = _Step(forward_step, data_iterator, model, backward_scale, forward_only)
+    step = _Step(batches, model, backward_scale, forward_only)
     total = m * v
     all_warmup = forward_only or m == p
     num_warmup = total if all_warmup else min((p - rank - 1) * 2 + (v - 1) * p, total)

@@ -18,6 +18,7 @@ from torch import nn
 from .. import comm
 from .mappings import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
                        reduce_scatter_to_sp, scatter_to_tp)
+from .param_info import param_info
 
 
 def set_tp_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
@@ -27,15 +28,15 @@ def set_tp_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) 
     [gate; up] of SwiGLU's fc1) and each block is split across ranks separately, so a rank
     holds its slice of every block.
     """
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    param.partition_stride = stride
+    info = param_info(param)
+    info.tensor_parallel, info.partition_dim, info.partition_stride = True, partition_dim, stride
 
 
 def set_init(param: nn.Parameter, kind: str, std: float = 0.0, rows: int | None = None) -> None:
     """Record how `param` is initialised: kind in {"normal", "zeros", "ones"}. `rows` limits the
     random rows of a padded vocabulary (the padding stays zero)."""
-    param.init_kind, param.init_std, param.init_rows = kind, std, rows
+    info = param_info(param)
+    info.init, info.init_std, info.init_rows = kind, std, rows
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -92,7 +93,7 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype, device=device))
             set_init(self.bias, "zeros")
             # under SP each rank sees only its sequence shard: the bias gradient needs a TP all-reduce
-            self.bias.sequence_parallel = sequence_parallel
+            param_info(self.bias).sequence_parallel = sequence_parallel
         else:
             self.register_parameter("bias", None)
 

@@ -1,0 +1,47 @@
+"""One typed record per parameter: how it is sharded, initialised and synchronised.
+
+Every subsystem that treats parameters differently reads this record and nothing else:
+initialisation and checkpoints (how a shard was cut from the whole tensor), the gradient norm
+(which copies count), and the data-parallel module (which extra gradient sums a parameter needs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass
+class ParamInfo:
+    # sharded across TP along `partition_dim`; `partition_stride` > 1: the whole tensor is that
+    # many blocks stacked along the dimension, each split separately ([gate; up] of SwiGLU's fc1)
+    tensor_parallel: bool = False
+    partition_dim: int = 0
+    partition_stride: int = 1
+    # replicated across TP but fed sequence-sharded activations (norms, row-parallel biases under
+    # sequence parallelism): the gradient is summed over TP after the DP reduction
+    sequence_parallel: bool = False
+    # the last pipeline stage's copy of the tied word embedding: not saved and not counted in
+    # norms (the first stage's copy is), initialised from the embedding's name
+    tied_copy: bool = False
+    # gradient summed over the embedding group (first and last stage) before the DP reduction
+    embedding_group_sync: bool = False
+    # initialisation: "normal" (with std), "zeros" or "ones"; `init_rows` limits the random rows
+    # of a padded vocabulary table (the padding stays zero)
+    init: str | None = None
+    init_std: float = 0.0
+    init_rows: int | None = None
+
+    def is_owner(self, tp_rank: int) -> bool:
+        """Whether this rank's copy is the one that counts once: saved, and summed into norms.
+        TP-replicated tensors are owned by TP rank 0; the tied copy by the first stage."""
+        return not self.tied_copy and (self.tensor_parallel or tp_rank == 0)
+
+
+def param_info(p: nn.Parameter) -> ParamInfo:
+    """The record of `p`, created empty (replicated, no init rule) on first use."""
+    info = getattr(p, "megalite_info", None)
+    if info is None:
+        info = ParamInfo()
+        p.megalite_info = info
+    return info
