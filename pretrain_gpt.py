@@ -1,9 +1,22 @@
 #!/usr/bin/env python3
 """Pretrain a GPT model: one process (`python pretrain_gpt.py ...`) or many
-(`torchrun --nproc_per_node N pretrain_gpt.py ...`). Flags follow Megatron-LM; see --help."""
+(`torchrun --nproc_per_node N pretrain_gpt.py ...`). Flags follow Megatron-LM; see --help.
+
+Bad input (a flag, a missing or corrupt file, a checkpoint of another model) ends with one line
+`pretrain_gpt.py: error: ...` on stderr and exit status 2; a traceback means a bug."""
 import sys
 
-from megalite.training import main
+from megalite.errors import cli
+
+
+@cli("pretrain_gpt.py")
+def main(argv=None) -> int:
+    from megalite.arguments import parse_args, validate_args
+    args = validate_args(parse_args(argv))  # every flag and file, before torch.distributed starts
+    from megalite.training import pretrain
+    pretrain(args)
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,14 +11,12 @@ import argparse
 import datetime
 import os
 import signal
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from . import comm, parallel_state
-from .arguments import validate_args
 from .checkpointing import CheckpointSaver, load_checkpoint
 from .data.batch import build_batch, collate
 from .data.samplers import PretrainingSampler
@@ -79,13 +77,9 @@ class Trainer:
             self.tokenizer = None
             args.eod = None
             return
-        from .data.tokenizers import build_tokenizer
+        from .data.tokenizers import build_tokenizer, model_vocab_size
         self.tokenizer = build_tokenizer(args)
-        if args.vocab_size is None:
-            args.vocab_size = self.tokenizer.vocab_size
-        elif args.vocab_size < self.tokenizer.vocab_size:
-            raise ValueError(f"--vocab-size ({args.vocab_size}) is smaller than the tokenizer's vocabulary "
-                             f"({self.tokenizer.vocab_size})")
+        args.vocab_size = model_vocab_size(args, self.tokenizer)  # NullTokenizer: --vocab-size + 1 (its eod)
         args.eod = self.tokenizer.eod
 
     def model_config(self) -> GPTConfig:
@@ -429,15 +423,3 @@ def pretrain(args: argparse.Namespace) -> Trainer:
     trainer.train()
     trainer.close()
     return trainer
-
-
-def main(argv=None) -> int:
-    from .arguments import ArgumentError, parse_args
-    args = parse_args(argv)
-    try:
-        validate_args(args)
-    except ArgumentError as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
-        return 2
-    pretrain(args)
-    return 0
