@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from . import comm
+from .errors import UserError
 from .model.init import shard, unshard
 
 FORMAT_VERSION = 1
@@ -56,7 +57,7 @@ MODEL_FLAGS = {
 }
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is missing, incomplete, or does not fit this run."""
 
 
