@@ -22,6 +22,7 @@ import math
 import os
 
 from .data.data_paths import parse_and_normalize_split, parse_blend
+from .data.indexed_dataset import IndexedDataset
 from .data.tokenizers import TOKENIZER_FILE_FLAGS, TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, check_tokenizer_args
 from .errors import ArgumentParser, InputError
 
@@ -535,6 +536,14 @@ def check_paths(args) -> None:
                 if missing:
                     _fail(f"{_flag(dest)} {prefix}: dataset not found (missing {', '.join(missing)}); a prefix names "
                           f"a .bin/.idx pair made by tools/preprocess_data.py")
+                # header, sizes and dtype (memory-mapped: the same cost for any corpus size)
+                try:
+                    ds = IndexedDataset(prefix)
+                except InputError as e:
+                    _fail(f"{_flag(dest)} {prefix}: {e}")
+                if ds.dtype.kind not in "iu":
+                    _fail(f"{_flag(dest)} {prefix}: {prefix}.idx declares {ds.dtype.name} tokens; a GPT dataset "
+                          f"holds integer token ids")
     # tokenizer files
     for dest in TOKENIZER_FILE_FLAGS.get(args.tokenizer_type, ()):
         path = getattr(args, dest)

@@ -28,7 +28,10 @@ def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> di
     if not os.path.isdir(root):
         raise CheckpointError(f"{flag} {root}: directory not found")
     if iteration is None:
-        iteration = read_tracker(root)
+        try:
+            iteration = read_tracker(root)
+        except CheckpointError as e:
+            raise CheckpointError(f"{flag} {root}: {e}") from None
         if iteration is None:
             raise CheckpointError(f"{flag} {root}: no checkpoint there ({TRACKER} is missing)")
     directory = iteration_dir(root, iteration)
