@@ -173,10 +173,11 @@ def test_llama_export_matches_transformers_and_imports_back(llama_ckpt, tmp_path
     theirs = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     assert proc.stdout == theirs.decode([t for t in out_ids if t != theirs.eos_token_id]) + "\n"
 
-    # ... and pretrain_gpt.py continues from it (lr 0: the weights it saves are the ones it loaded)
+    # ... and pretrain_gpt.py continues from it (an Adam step of lr 1e-30 is below the fp32 spacing of every
+    # weight, so the weights it saves are the ones it loaded; --lr must be > 0)
     ft = str(tmp_path / "ft")
     flags = TINY + pretrain_flags(meta["model_config"]) + [
-        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir, "--lr", "0", "--train-iters", "1",
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir, "--lr", "1e-30", "--train-iters", "1",
         "--load", back, "--finetune", "--save", ft]
     records, proc = run_pretrain(1, flags, tmp_path, "finetune")
     assert "loaded weights from" in proc.stdout and [r["iteration"] for r in records if "lm_loss" in r] == [1]
