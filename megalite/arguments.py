@@ -173,7 +173,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--vocab-size", type=int,
                    help="(>= 1) the model's vocabulary for --mock-data without a tokenizer; the tokenizer's argument "
                         "for NullTokenizer (ids 0..N-1 plus an end-of-document id N: the model gets N+1, as in "
-                        "Megatron-LM); with another tokenizer, a vocabulary at least as large as its")
+                        "Megatron-LM); with another tokenizer, optional, at least the tokenizer's vocabulary")
     g.add_argument("--data-path", nargs="*", help="dataset prefix(es), or weight prefix pairs to blend")
     g.add_argument("--split", default=DEFAULT_SPLIT,
                    help="train, valid, test proportions of --data-path (non-negative numbers, not all 0)")

@@ -28,9 +28,9 @@ TOKENIZER_FILE_FLAGS = {
     "NullTokenizer": (),
 }
 TOKENIZER_TYPES = tuple(TOKENIZER_FILE_FLAGS)
-TOKENIZER_TYPES_HELP = ("one of " + ", ".join(TOKENIZER_TYPES) + "; GPTSentencePieceTokenizer is "
-                        "SentencePieceTokenizer; NullTokenizer reads whitespace-separated ids below --vocab-size "
-                        "and adds an end-of-document id, --vocab-size itself")
+TOKENIZER_TYPES_HELP = ("GPTSentencePieceTokenizer is SentencePieceTokenizer under Megatron-LM's name; "
+                        "NullTokenizer reads whitespace-separated ids below --vocab-size N and uses N as its "
+                        "end-of-document id")
 _FILE_FLAGS = ("vocab_file", "merge_file", "tokenizer_model")
 
 
