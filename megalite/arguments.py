@@ -551,13 +551,17 @@ def check_paths(args) -> None:
         if not (os.path.isdir(path) if want_dir else os.path.isfile(path)):
             _fail(f"{_flag(dest)} {path}: {'directory' if want_dir else 'file'} not found "
                   f"(--tokenizer-type {args.tokenizer_type})")
-    # outputs that must be directories, or files
+    # outputs that must be directories, or files, and that this process can create
     for dest in ("save", "load", "data_cache_path", "tensorboard_dir", "wandb_save_dir"):
         path = getattr(args, dest)
         if path and os.path.exists(path) and not os.path.isdir(path):
             _fail(f"{_flag(dest)} {path} exists and is not a directory")
     if args.log_jsonl and os.path.isdir(args.log_jsonl):
         _fail(f"--log-jsonl {args.log_jsonl} is a directory; give a file to append to")
+    for dest in ("save", "data_cache_path", "tensorboard_dir", "wandb_save_dir", "log_jsonl"):
+        path = getattr(args, dest)
+        if path:
+            _check_creatable(path, _flag(dest))
     # the checkpoint to resume from: readable before any process group exists
     if args.load and os.path.isfile(os.path.join(args.load, TRACKER)):
         inspect_checkpoint(args.load, "--load")
@@ -571,3 +575,15 @@ def check_paths(args) -> None:
         if args.finetune:
             _fail(f"--finetune restarts at iteration 0, so saving into --save {args.save} would overwrite its "
                   f"checkpoints; choose a new --save directory")
+
+
+def _check_creatable(path: str, flag: str) -> None:
+    """The nearest existing ancestor of `path` must be a writable directory (found at start-up,
+    not at the first save)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        _fail(f"{flag} {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        _fail(f"{flag} {path}: {parent} is not writable")

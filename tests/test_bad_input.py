@@ -189,6 +189,8 @@ CASES = [
                                                   "data/good_text_document"] + NULL + TINY, "--data-path"),
     # -- pretrain_gpt.py: checkpoints ------------------------------------------------------------------
     ("save-is-a-file", "pretrain_gpt.py", MOCK + ["--save", "notes.txt"], "--save notes.txt exists"),
+    ("log-jsonl-under-a-file", "pretrain_gpt.py", MOCK + ["--log-jsonl", "notes.txt/run.jsonl"],
+     "--log-jsonl notes.txt/run.jsonl"),
     ("save-over-other-run", "pretrain_gpt.py", MOCK + ["--save", "ck"], "--save ck already holds checkpoints"),
     ("load-corrupt-metadata", "pretrain_gpt.py", MOCK + ["--load", "ck_badmeta"], "metadata.json is corrupt"),
     ("load-other-model", "pretrain_gpt.py", MOCK + ["--load", "ck", "--hidden-size", "128"],
