@@ -1,20 +1,20 @@
 #!/usr/bin/env python3
 """Pretrain a GPT model: one process (`python pretrain_gpt.py ...`) or many
-(`torchrun --nproc_per_node N pretrain_gpt.py ...`). Flags follow Megatron-LM; see --help."""
+(`torchrun --nproc_per_node N pretrain_gpt.py ...`). Flags follow Megatron-LM; see --help.
+
+Bad input (a flag, a missing or corrupt file, a checkpoint of another model) ends with one line
+`pretrain_gpt.py: error: ...` on stderr and exit status 2; a traceback means a bug."""
 import sys
 
-from megalite.arguments import ArgumentError, build_run_config, parse_args, validate_args
+from megalite.errors import cli
 
 
+@cli("pretrain_gpt.py")
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        validate_args(args)
-    except ArgumentError as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
-        return 2
+    from megalite.arguments import build_run_config, parse_args, validate_args
+    args = validate_args(parse_args(argv))  # every flag and file, before torch.distributed starts
     from megalite.training import pretrain
-    pretrain(build_run_config(args))
+    pretrain(build_run_config(args))  # the Namespace stops here: typed configs from now on
     return 0
 
 

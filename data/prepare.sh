@@ -22,6 +22,7 @@ fi
 
 if [ ! -f "$TOKENIZER" ] || [ "$CORPUS" -nt "$TOKENIZER" ]; then
     echo "== training tokenizer -> $TOKENIZER (vocab $VOCAB_SIZE)"
+    rm -f "$TOKENIZER" "$BUILD/tokenizer.vocab"  # stale: the tools never overwrite an output
     "$PYTHON" tools/train_tokenizer.py --input "$CORPUS" --model-prefix "$BUILD/tokenizer" \
         --vocab-size "$VOCAB_SIZE" --model-type bpe
 else
@@ -31,6 +32,7 @@ fi
 if [ ! -f "$DATASET.idx" ] || [ ! -f "$DATASET.bin" ] \
         || [ "$TOKENIZER" -nt "$DATASET.idx" ] || [ "$CORPUS" -nt "$DATASET.idx" ]; then
     echo "== preprocessing -> $DATASET.{bin,idx}"
+    rm -f "$DATASET.bin" "$DATASET.idx"
     "$PYTHON" tools/preprocess_data.py --input "$CORPUS" --output-prefix "$PREFIX" \
         --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER" --append-eod --workers 2
 else

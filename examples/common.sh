@@ -194,11 +194,11 @@ if [ -n "$DATA_PATH" ]; then
     [ -n "$MERGE_FILE" ] && DATA_ARGS+=(--merge-file "$MERGE_FILE")
     [ -n "$TOKENIZER_MODEL" ] && DATA_ARGS+=(--tokenizer-model "$TOKENIZER_MODEL")
     [ -n "$VOCAB_SIZE" ] && DATA_ARGS+=(--vocab-size "$VOCAB_SIZE")
+    [ -n "$DATA_CACHE_PATH" ] && DATA_ARGS+=(--data-cache-path "$DATA_CACHE_PATH")
 else
     echo "$SCRIPT_NAME: DATA_PATH is not set: training on mock data (random tokens)" >&2
-    DATA_ARGS=(--mock-data --vocab-size "${VOCAB_SIZE:-50257}")
+    DATA_ARGS=(--mock-data --vocab-size "${VOCAB_SIZE:-50257}")  # no index cache: pretrain_gpt.py refuses one
 fi
-[ -n "$DATA_CACHE_PATH" ] && DATA_ARGS+=(--data-cache-path "$DATA_CACHE_PATH")
 DATA_ARGS+=(--num-workers "$NUM_WORKERS")
 
 OUTPUT_ARGS=(

@@ -2,67 +2,98 @@
 
 `validate_args` runs before torch.distributed is initialised, so a layout that cannot work
 stops every rank with the same message naming the flags, instead of hanging in a collective.
+It checks every flag, in three passes:
+
+1. each flag's own range (`_RANGES`): sizes and counts >= 1, learning rates > 0, probabilities
+   in [0, 1), ...; the message names the flag, the allowed values and the value given;
+2. combinations: the rank grid, batch and pipeline divisibility, model shape, recompute, data
+   source, learning-rate schedule, mixed precision, checkpointing, and flags that would have no
+   effect (with --mock-data, or without the flag they modify);
+3. files (`check_paths`, skipped by tools/plan.py, which plans for another machine): datasets,
+   tokenizer files, the checkpoint to load, and outputs that must not overwrite anything.
+
+This module imports torch only at the very end of a successful validation, so a bad flag is
+refused in a fraction of a second.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
-import torch
+from .data.data_paths import parse_and_normalize_split, parse_blend
+from .data.indexed_dataset import IndexedDataset
+from .data.tokenizers import TOKENIZER_FILE_FLAGS, TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, check_tokenizer_args
+from .errors import ArgumentParser, InputError
 
-from .parallel_state import RankGrid
+DEFAULT_SPLIT = "969, 30, 1"
 
 
-class ArgumentError(ValueError):
+class ArgumentError(InputError):
     """A flag, or a combination of flags, that cannot run."""
 
 
-def _str2dtype(args) -> torch.dtype:
+def _str2dtype(args):
+    import torch
     if getattr(args, "fp16", False):
         return torch.float16
     return torch.bfloat16 if args.bf16 else torch.float32
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pretrain_gpt.py", description="Pretrain a GPT model with tensor, pipeline and data parallelism.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ("not set" says nothing)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="pretrain_gpt.py", description="Pretrain a GPT model with tensor, pipeline and data parallelism. "
+        "Flags keep Megatron-LM's names; bad input is refused with one 'error:' line naming the flag.",
+        formatter_class=_HelpFormatter, allow_abbrev=False)
 
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, help="number of transformer layers")
-    g.add_argument("--hidden-size", type=int, help="transformer hidden size h")
-    g.add_argument("--ffn-hidden-size", type=int, help="MLP hidden size (default 4h)")
-    g.add_argument("--num-attention-heads", type=int, help="number of attention heads a")
-    g.add_argument("--kv-channels", type=int, help="per-head size (default h / a)")
+    g.add_argument("--num-layers", type=int, help="number of transformer layers (>= 1; required)")
+    g.add_argument("--hidden-size", type=int, help="transformer hidden size h (>= 1; required)")
+    g.add_argument("--ffn-hidden-size", type=int, help="MLP hidden size (>= 1; default 4h, 8h/3 with --swiglu)")
+    g.add_argument("--num-attention-heads", type=int, help="number of attention heads a (>= 1; required)")
+    g.add_argument("--kv-channels", type=int, help="per-head size (>= 1; default h / a)")
     g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention")
-    g.add_argument("--num-query-groups", type=int, help="key/value groups with --group-query-attention")
-    g.add_argument("--seq-length", type=int, help="sequence length s")
-    g.add_argument("--max-position-embeddings", type=int, help="size of the position table (default s)")
+    g.add_argument("--num-query-groups", type=int,
+                   help="key/value groups with --group-query-attention (>= 1, divides --num-attention-heads)")
+    g.add_argument("--seq-length", type=int, help="sequence length s (>= 1; required)")
+    g.add_argument("--max-position-embeddings", type=int,
+                   help="size of the learned position table (>= --seq-length; default s)")
     g.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
-    g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base")
-    g.add_argument("--rotary-percent", type=float, default=1.0, help="fraction of head channels rotated by RoPE")
+    g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base (> 0)")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of head channels rotated by RoPE, in (0, 1]")
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of the norms (> 0)")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP instead of GeLU")
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output layer instead of reusing the word embedding")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="dropout probability, in [0, 1)")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="dropout probability, in [0, 1)")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="std of the normal weight init (> 0)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this x TP")
+                   help="pad the vocabulary to a multiple of this x TP (>= 1)")
     g.add_argument("--use-flash-attn", action="store_true", help="flash-attn kernels (needs the flash-attn package and CUDA)")
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP (>= 1)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP (>= 1)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
-                   help="layers per model chunk: v = layers / (PP x this) chunks per rank (interleaved 1F1B)")
+                   help="layers per model chunk (>= 1): v = layers / (PP x this) chunks per rank (interleaved 1F1B)")
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
                    help="rank order TP-PP-DP instead of Megatron's default TP-DP-PP")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl with CUDA, gloo without")
-    g.add_argument("--ddp-bucket-size", type=int, default=40_000_000, help="elements per gradient all-reduce bucket")
+    g.add_argument("--ddp-bucket-size", type=int, default=40_000_000,
+                   help="elements per gradient all-reduce bucket (>= 1)")
 
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute-granularity", choices=["full", "selective"],
@@ -73,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "layers and recomputes the chunk; 'block' recomputes the first --recompute-num-layers "
                         "layers of each pipeline stage (model chunk) and keeps the rest")
     g.add_argument("--recompute-num-layers", type=int,
-                   help="layers per recomputed chunk (uniform) or recomputed layers per stage (block)")
+                   help="layers per recomputed chunk (uniform) or recomputed layers per stage (block); "
+                        "from 1 to the layers per stage")
     g.add_argument("--recompute-activations", action="store_true",
                    help="shorthand for --recompute-granularity selective")
     g.add_argument("--sequence-parallel", action="store_true",
@@ -81,41 +113,45 @@ def build_parser() -> argparse.ArgumentParser:
                         "(needs --tensor-model-parallel-size > 1)")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, help="samples per micro-batch per DP rank")
-    g.add_argument("--global-batch-size", type=int, help="samples per iteration (default micro x DP)")
-    g.add_argument("--train-iters", type=int, help="iterations to train")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--micro-batch-size", type=int, help="samples per micro-batch per DP rank (>= 1; required)")
+    g.add_argument("--global-batch-size", type=int,
+                   help="samples per iteration (>= 1, a multiple of micro x DP; default micro x DP)")
+    g.add_argument("--train-iters", type=int, help="iterations to train (>= 1; required)")
+    g.add_argument("--seed", type=int, default=1234, help="random seed, in [0, 2^31)")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations, fp32 grads and master weights")
 
     g = p.add_argument_group("optimizer and learning rate")
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
-    g.add_argument("--lr", type=float, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr", type=float, help="peak learning rate (> 0; required)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of decay (>= 0, <= --lr)")
     g.add_argument("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine", "WSD"])
-    g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of --lr-decay-iters")
-    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="learning rate at the start of warmup")
-    g.add_argument("--lr-wsd-decay-iters", type=int, help="WSD: length of the final decay phase")
-    g.add_argument("--lr-wsd-decay-style", default="exponential", choices=["linear", "cosine", "exponential", "minus_sqrt"])
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--lr-decay-iters", type=int, help="iterations of warmup + decay (>= 1; default --train-iters)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="warmup iterations (>= 0; 0: no warmup)")
+    g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of --lr-decay-iters, in [0, 1]")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="learning rate at the start of warmup (>= 0)")
+    g.add_argument("--lr-wsd-decay-iters", type=int,
+                   help="WSD: length of the final decay phase (>= 1, <= --lr-decay-iters)")
+    g.add_argument("--lr-wsd-decay-style", default="exponential", choices=["linear", "cosine", "exponential", "minus_sqrt"],
+                   help="WSD: shape of the final decay")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay (>= 0)")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (>= 0; 0: off)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="in [0, 1)")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="in [0, 1)")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="> 0")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="in [0, 1)")
 
     g = p.add_argument_group("mixed precision and distributed optimizer")
     g.add_argument("--fp16", action="store_true",
                    help="fp16 parameters and activations, fp32 grads and master weights, loss scaling")
     g.add_argument("--loss-scale", type=float,
-                   help="static loss scale (a power of 2 is exact); default with --fp16: dynamic scaling")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="--fp16: first dynamic loss scale")
-    g.add_argument("--min-loss-scale", type=float, default=1.0, help="--fp16: the dynamic scale never goes below this")
+                   help="static loss scale (> 0; a power of 2 is exact); default with --fp16: dynamic scaling")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="--fp16: first dynamic loss scale (> 0)")
+    g.add_argument("--min-loss-scale", type=float, default=1.0,
+                   help="--fp16: the dynamic scale never goes below this (> 0, <= --initial-loss-scale)")
     g.add_argument("--loss-scale-window", type=int, default=1000,
-                   help="--fp16: double the dynamic scale after this many steps without overflow")
+                   help="--fp16: double the dynamic scale after this many steps without overflow (>= 1)")
     g.add_argument("--hysteresis", type=int, default=2,
-                   help="--fp16: overflows tolerated before the dynamic scale is halved")
+                   help="--fp16: overflows tolerated before the dynamic scale is halved (>= 1)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="ZeRO-1: shard fp32 master weights and optimizer state over data-parallel ranks")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -127,45 +163,55 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the unfused torch.optim update instead of torch's fused AdamW / SGD, which is the "
                         "default where the device has it")
     g.add_argument("--inject-overflow-at-iteration", type=int, metavar="N",
-                   help="testing only: put an inf into one rank's gradients at iteration N, as an fp16 overflow")
+                   help="testing only: put an inf into one rank's gradients at iteration N (>= 1), as an fp16 overflow")
 
     g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true", help="random tokens (seeded); needs --vocab-size")
-    g.add_argument("--vocab-size", type=int, help="vocabulary size for --mock-data / NullTokenizer")
+    g.add_argument("--mock-data", action="store_true",
+                   help="uniform random tokens (seeded) instead of a dataset; the vocabulary comes from --vocab-size "
+                        "or --tokenizer-type. Refuses the flags that act on documents or dataset files "
+                        "(--split, --data-cache-path, --eod-mask-loss, --reset-position-ids, --reset-attention-mask)")
+    g.add_argument("--vocab-size", type=int,
+                   help="(>= 1) the model's vocabulary for --mock-data without a tokenizer; the tokenizer's argument "
+                        "for NullTokenizer (ids 0..N-1 plus an end-of-document id N: the model gets N+1, as in "
+                        "Megatron-LM); with another tokenizer, optional, at least the tokenizer's vocabulary")
     g.add_argument("--data-path", nargs="*", help="dataset prefix(es), or weight prefix pairs to blend")
-    g.add_argument("--split", default="969, 30, 1", help="train, valid, test proportions of --data-path")
+    g.add_argument("--split", default=DEFAULT_SPLIT,
+                   help="train, valid, test proportions of --data-path (non-negative numbers, not all 0)")
     g.add_argument("--train-data-path", nargs="*", help="dataset prefix(es) used whole for training")
     g.add_argument("--valid-data-path", nargs="*", help="dataset prefix(es) used whole for validation")
     g.add_argument("--test-data-path", nargs="*", help="dataset prefix(es) used whole for testing")
-    g.add_argument("--data-cache-path", help="where index caches go (default: beside the data)")
-    g.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer",
-                                                "NullTokenizer"])
-    g.add_argument("--vocab-file")
-    g.add_argument("--merge-file")
-    g.add_argument("--tokenizer-model", help="SentencePiece .model file, or a Hugging Face tokenizer directory")
+    g.add_argument("--data-cache-path", help="directory for index caches (default: cache/ beside the data)")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help=TOKENIZER_TYPES_HELP)
+    g.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--tokenizer-model",
+                   help="SentencePieceTokenizer / GPTSentencePieceTokenizer: the .model file; "
+                        "HuggingFaceTokenizer: a local tokenizer directory")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument("--reset-position-ids", action="store_true", help="positions restart after each end-of-document")
     g.add_argument("--reset-attention-mask", action="store_true", help="no attention across documents")
-    g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes")
+    g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes (>= 0; 0: none)")
 
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", help="directory to save checkpoints to")
-    g.add_argument("--save-interval", type=int, help="iterations between checkpoints (and one at the end)")
-    g.add_argument("--load", help="directory to resume from (its latest checkpoint)")
+    g.add_argument("--save", help="directory to save checkpoints to; one that already holds checkpoints must also "
+                                  "be --load (resume), so that nothing is overwritten")
+    g.add_argument("--save-interval", type=int, help="iterations between checkpoints (>= 1; and one at the end)")
+    g.add_argument("--load", help="directory to resume from (its latest checkpoint; none there: start from scratch)")
     g.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     g.add_argument("--finetune", action="store_true", help="load weights only; start at iteration 0")
     g.add_argument("--no-load-optim", action="store_true", help="do not load optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
     g.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM, save and exit cleanly")
-    g.add_argument("--exit-interval", type=int, help="exit (after saving) when the iteration is a multiple of this")
-    g.add_argument("--exit-duration-in-mins", type=float, help="exit (after saving) after this many minutes")
+    g.add_argument("--exit-interval", type=int,
+                   help="exit (after saving) when the iteration is a multiple of this (>= 1)")
+    g.add_argument("--exit-duration-in-mins", type=float, help="exit (after saving) after this many minutes (> 0)")
 
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--log-jsonl", help="append one JSON object per logged iteration / evaluation here")
-    g.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: known GPUs only)")
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100, help="global batches per evaluation (0: none)")
+    g.add_argument("--log-interval", type=int, default=100, help="iterations between log lines (>= 1)")
+    g.add_argument("--log-jsonl", help="append one JSON object per logged iteration / evaluation to this file")
+    g.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (> 0; default: known GPUs only)")
+    g.add_argument("--eval-interval", type=int, default=1000, help="iterations between evaluations (>= 1)")
+    g.add_argument("--eval-iters", type=int, default=100, help="global batches per evaluation (>= 0; 0: none)")
     g.add_argument("--wandb-project", help="log to this Weights & Biases project (needs wandb; WANDB_MODE=offline works)")
     g.add_argument("--wandb-exp-name", help="W&B run name (default: W&B's own)")
     g.add_argument("--wandb-save-dir", help="local directory for W&B run files (default: --save/wandb, else ./wandb)")
@@ -174,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
@@ -182,22 +228,79 @@ def _fail(msg: str):
     raise ArgumentError(msg)
 
 
-def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
-    """Check and complete `args` for `world_size` ranks. Pure: no collective, no file I/O."""
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _finite(v) -> bool:
+    return isinstance(v, int) or math.isfinite(v)
+
+
+# Each flag's own range: dest -> (test, the allowed values as the message says them). A flag left
+# unset (None) is not tested here; whether it is required is a combination rule.
+_AT_LEAST_1 = (lambda v: v >= 1, "an integer >= 1")
+_RANGES = {
+    **{d: _AT_LEAST_1 for d in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "num_query_groups",
+        "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+        "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "ddp_bucket_size",
+        "micro_batch_size", "global_batch_size", "train_iters", "lr_decay_iters",
+        "lr_wsd_decay_iters", "loss_scale_window", "hysteresis", "inject_overflow_at_iteration", "vocab_size",
+        "save_interval", "exit_interval", "log_interval", "eval_interval")},
+    "lr_warmup_iters": (lambda v: v >= 0, "an integer >= 0 (0: no warmup)"),
+    "num_workers": (lambda v: v >= 0, "an integer >= 0 (0: load in the main process)"),
+    "eval_iters": (lambda v: v >= 0, "an integer >= 0 (0: no evaluation)"),
+    "seed": (lambda v: 0 <= v < 2**31, "an integer in [0, 2^31)"),
+    "rotary_base": (lambda v: _finite(v) and v > 0, "a number > 0"),
+    "rotary_percent": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "norm_epsilon": (lambda v: _finite(v) and v > 0, "a number > 0"),
+    "hidden_dropout": (lambda v: 0 <= v < 1, "a probability in [0, 1)"),
+    "attention_dropout": (lambda v: 0 <= v < 1, "a probability in [0, 1)"),
+    "init_method_std": (lambda v: _finite(v) and v > 0, "a number > 0"),
+    "lr": (lambda v: _finite(v) and v > 0, "a number > 0"),
+    "min_lr": (lambda v: _finite(v) and v >= 0, "a number >= 0"),
+    "lr_warmup_fraction": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "lr_warmup_init": (lambda v: _finite(v) and v >= 0, "a number >= 0"),
+    "weight_decay": (lambda v: _finite(v) and v >= 0, "a number >= 0"),
+    "clip_grad": (lambda v: _finite(v) and v >= 0, "a number >= 0 (0: no clipping)"),
+    "adam_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "adam_beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "adam_eps": (lambda v: _finite(v) and v > 0, "a number > 0"),
+    "sgd_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "loss_scale": (lambda v: _finite(v) and v > 0, "a number > 0"),
+    "initial_loss_scale": (lambda v: _finite(v) and v > 0, "a number > 0"),
+    "min_loss_scale": (lambda v: _finite(v) and v > 0, "a number > 0"),
+    "peak_tflops": (lambda v: _finite(v) and v > 0, "a number > 0"),
+    "exit_duration_in_mins": (lambda v: _finite(v) and v > 0, "a number > 0"),
+}
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters", "lr")
+# flags whose effect is on documents: nothing to act on in uniform random tokens
+_DOCUMENT_FLAGS = ("eod_mask_loss", "reset_position_ids", "reset_attention_mask")
+
+
+def _check_ranges(args) -> None:
+    for dest in _REQUIRED:
+        if getattr(args, dest, None) is None:
+            _fail(f"{_flag(dest)} is required")
+    for dest, (ok, allowed) in _RANGES.items():
+        v = getattr(args, dest, None)
+        if v is not None and not ok(v):  # NaN fails every comparison, so it is refused too
+            _fail(f"{_flag(dest)} must be {allowed}, got {v}")
+
+
+def validate_args(args, world_size: int | None = None, check_files: bool = True):
+    """Check and complete `args` for `world_size` ranks. No collective; file checks (stat and
+    small reads, no writes) only with `check_files`."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "train_iters", "lr"):
-        if getattr(args, flag) is None:
-            _fail(f"--{flag.replace('_', '-')} is required")
+    _check_ranges(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    try:
-        grid = RankGrid(world_size, tp, pp, "tp-pp-dp" if args.use_tp_pp_dp_mapping else "tp-dp-pp")
-    except ValueError as e:
-        _fail(str(e))
-    args.data_parallel_size = dp = grid.dp
-    args.rank_order = grid.order
+    if world_size % (tp * pp):
+        _fail(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+              f"--pipeline-model-parallel-size ({pp})")
+    args.data_parallel_size = dp = world_size // (tp * pp)
+    args.rank_order = "tp-pp-dp" if args.use_tp_pp_dp_mapping else "tp-dp-pp"
 
     # batch
     if args.global_batch_size is None:
@@ -225,7 +328,49 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
                   f"(--micro-batch-size x DP) = {args.num_microbatches}) to be a multiple of "
                   f"--pipeline-model-parallel-size ({pp})")
 
-    # model shape
+    _check_model_shape(args, tp)
+    _check_recompute(args, pp)
+    _check_data(args)
+    _check_schedule(args)
+    _check_precision(args)
+
+    # experiment trackers (W&B, TensorBoard): optional packages, checked before any process starts
+    from .tracking import missing_packages
+    for msg in missing_packages(args):
+        _fail(msg)
+    for flag in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
+        if getattr(args, flag) and not args.wandb_project:
+            _fail(f"{_flag(flag)} needs --wandb-project")
+
+    # checkpointing
+    if args.save_interval and not args.save:
+        _fail("--save-interval needs --save")
+    if args.async_save and not args.save:
+        _fail("--async-save needs --save")
+    if (args.finetune or args.no_load_optim or args.no_load_rng) and not args.load:
+        _fail("--finetune / --no-load-optim / --no-load-rng need --load")
+
+    if check_files:
+        check_paths(args)
+
+    # last, the checks that need torch (imported only now: a bad flag above is refused fast)
+    import torch
+    if args.use_flash_attn:
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            _fail("--use-flash-attn needs the flash-attn package (pip install flash-attn); it is not installed")
+        if not torch.cuda.is_available() or not args.bf16:
+            _fail("--use-flash-attn needs CUDA and --bf16")
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        _fail("--distributed-backend nccl needs CUDA; use gloo on CPU")
+    args.params_dtype = _str2dtype(args)
+    return args
+
+
+def _check_model_shape(args, tp: int) -> None:
     heads = args.num_attention_heads
     if args.num_query_groups is not None and not args.group_query_attention:
         _fail("--num-query-groups needs --group-query-attention")
@@ -246,27 +391,26 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.kv_channels = args.hidden_size // heads
     if args.ffn_hidden_size is None:
         # SwiGLU keeps the MLP's parameter count near 8h² with ffn = 8h/3 (Megatron does the same)
-        args.ffn_hidden_size = int(8 * args.hidden_size / 3) if args.swiglu else 4 * args.hidden_size
+        args.ffn_hidden_size = max(1, int(8 * args.hidden_size / 3)) if args.swiglu else 4 * args.hidden_size
     if args.ffn_hidden_size % tp:
         _fail(f"--ffn-hidden-size ({args.ffn_hidden_size}) is not divisible by --tensor-model-parallel-size ({tp})")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
         _fail(f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings ({args.max_position_embeddings})")
-    for flag in ("hidden_dropout", "attention_dropout"):
-        if not 0.0 <= getattr(args, flag) < 1.0:
-            _fail(f"--{flag.replace('_', '-')} must be in [0, 1)")
-    if args.use_flash_attn:
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
-            _fail("--use-flash-attn needs the flash-attn package (pip install flash-attn); it is not installed")
-        if not torch.cuda.is_available() or not args.bf16:
-            _fail("--use-flash-attn needs CUDA and --bf16")
+    if args.position_embedding_type == "rope":
+        # RoPE rotates channel pairs: the rotated part of each head must be a positive even size
+        rot = int(args.kv_channels * args.rotary_percent)
+        if rot < 2 or rot % 2:
+            _fail(f"--rotary-percent {args.rotary_percent} x {args.kv_channels} channels per head = {rot} rotated "
+                  f"channels; RoPE needs a positive even number")
     if args.reset_attention_mask and args.use_flash_attn:
         _fail("--reset-attention-mask needs an explicit mask, which --use-flash-attn does not take")
 
-    # activation memory: recompute and sequence parallelism (Megatron-LM's rules)
+
+def _check_recompute(args, pp: int) -> None:
+    """Activation memory: recompute and sequence parallelism (Megatron-LM's rules)."""
+    tp = args.tensor_model_parallel_size
     if args.recompute_activations:
         if args.recompute_granularity == "full":
             _fail("--recompute-activations (selective recompute) conflicts with --recompute-granularity full")
@@ -291,22 +435,55 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
             _fail(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
                   f"--tensor-model-parallel-size ({tp})")
 
-    # data
-    paths = [args.data_path, args.train_data_path, args.valid_data_path, args.test_data_path]
-    if args.mock_data:
-        if any(paths):
-            _fail("--mock-data cannot be combined with --data-path / --*-data-path")
-        if args.vocab_size is None:
-            _fail("--mock-data needs --vocab-size")
-    else:
-        if not any(paths):
-            _fail("give --data-path (or --train-data-path ...) or --mock-data")
-        if args.data_path and any(paths[1:]):
-            _fail("use either --data-path with --split or --train/valid/test-data-path, not both")
-        if args.tokenizer_type is None:
-            _fail("--tokenizer-type is required with --data-path")
 
-    # learning rate
+def _check_data(args) -> None:
+    paths = {"data_path": args.data_path, "train_data_path": args.train_data_path,
+             "valid_data_path": args.valid_data_path, "test_data_path": args.test_data_path}
+    given = [d for d, v in paths.items() if v is not None]
+    try:
+        check_tokenizer_args(args)
+    except InputError as e:
+        _fail(str(e))
+    if args.mock_data:
+        if given:
+            _fail(f"--mock-data cannot be combined with {_flag(given[0])}: mock data replaces the dataset")
+        if args.vocab_size is None and args.tokenizer_type is None:
+            _fail("--mock-data needs --vocab-size (or a --tokenizer-type, whose vocabulary is used)")
+        # refused rather than ignored: each would change nothing, and a user who sets one expects it to
+        for dest in _DOCUMENT_FLAGS:
+            if getattr(args, dest):
+                _fail(f"{_flag(dest)} has no effect with --mock-data: mock samples are uniform random tokens "
+                      f"with no end-of-document markers; drop it, or train on a dataset (--data-path)")
+        if args.split != DEFAULT_SPLIT:
+            _fail("--split has no effect with --mock-data (there is no dataset to split); drop it")
+        if args.data_cache_path:
+            _fail("--data-cache-path has no effect with --mock-data (mock data builds no index); drop it")
+        return
+    if not given:
+        _fail("no training data: give --data-path (or --train-data-path ...) or --mock-data")
+    for dest in given:
+        if not paths[dest]:
+            _fail(f"{_flag(dest)} needs at least one dataset prefix")
+        try:
+            parse_blend(paths[dest], _flag(dest))
+        except InputError as e:
+            _fail(str(e))
+    if args.data_path is not None and len(given) > 1:
+        _fail(f"use either --data-path with --split or --train/valid/test-data-path, not both "
+              f"(got --data-path and {_flag(given[1])})")
+    if args.data_path is None and args.split != DEFAULT_SPLIT:
+        _fail("--split applies to --data-path only; --train/valid/test-data-path are used whole")
+    try:
+        parse_and_normalize_split(args.split)
+    except InputError as e:
+        _fail(str(e))
+    if args.tokenizer_type is None:
+        _fail("--tokenizer-type is required with a dataset (it gives the vocabulary and the end-of-document id)")
+    if args.train_data_path is None and args.data_path is None:
+        _fail("no training data: --valid-data-path / --test-data-path need --train-data-path")
+
+
+def _check_schedule(args) -> None:
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:
@@ -315,64 +492,101 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     if args.lr_warmup_iters > args.lr_decay_iters:
         _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) exceeds --lr-decay-iters ({args.lr_decay_iters})")
-    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
-        _fail("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    if args.lr_decay_style == "WSD":
+        if args.lr_wsd_decay_iters is None:
+            _fail("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+        if args.lr_wsd_decay_iters > args.lr_decay_iters:
+            _fail(f"--lr-wsd-decay-iters ({args.lr_wsd_decay_iters}) exceeds --lr-decay-iters ({args.lr_decay_iters})")
+    elif args.lr_wsd_decay_iters is not None:
+        _fail("--lr-wsd-decay-iters applies to --lr-decay-style WSD only")
     if args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) exceeds --lr ({args.lr})")
-    if args.log_interval < 1 or args.eval_interval < 1:
-        _fail("--log-interval and --eval-interval must be >= 1")
 
-    # mixed precision and distributed optimizer
+
+def _check_precision(args) -> None:
+    """Mixed precision and the distributed optimizer."""
     if args.fp16 and args.bf16:
         _fail("--fp16 and --bf16 are mutually exclusive")
-    if args.loss_scale is not None:
-        if not (args.fp16 or args.bf16):
-            _fail("--loss-scale needs --fp16 or --bf16 (fp32 training does not scale the loss)")
-        if args.loss_scale <= 0:
-            _fail(f"--loss-scale must be > 0, got {args.loss_scale}")
+    if args.loss_scale is not None and not (args.fp16 or args.bf16):
+        _fail("--loss-scale needs --fp16 or --bf16 (fp32 training does not scale the loss)")
     dynamic = {"initial_loss_scale": 2.0**32, "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2}
     for flag, default in dynamic.items():
         if getattr(args, flag) != default and (not args.fp16 or args.loss_scale is not None):
-            _fail(f"--{flag.replace('_', '-')} sets dynamic loss scaling, which only --fp16 without --loss-scale uses")
-    if args.fp16:
-        if not 0 < args.min_loss_scale <= args.initial_loss_scale:
-            _fail(f"need 0 < --min-loss-scale ({args.min_loss_scale}) <= --initial-loss-scale "
-                  f"({args.initial_loss_scale})")
-        if args.loss_scale_window < 1 or args.hysteresis < 1:
-            _fail("--loss-scale-window and --hysteresis must be >= 1")
+            _fail(f"{_flag(flag)} sets dynamic loss scaling, which only --fp16 without --loss-scale uses")
+    if args.fp16 and args.min_loss_scale > args.initial_loss_scale:
+        _fail(f"need 0 < --min-loss-scale ({args.min_loss_scale}) <= --initial-loss-scale "
+              f"({args.initial_loss_scale})")
     if args.inject_overflow_at_iteration is not None and not (args.fp16 or args.loss_scale is not None):
         _fail("--inject-overflow-at-iteration needs loss scaling (--fp16, or --loss-scale)")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         _fail("--overlap-param-gather needs --use-distributed-optimizer")
 
-    # experiment trackers (W&B, TensorBoard): optional packages, checked before any process starts
-    from .tracking import missing_packages
-    for msg in missing_packages(args):
-        _fail(msg)
-    for flag in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
-        if getattr(args, flag) and not args.wandb_project:
-            _fail(f"--{flag.replace('_', '-')} needs --wandb-project")
 
-    # checkpointing
-    if args.save_interval is not None and args.save_interval < 1:
-        _fail("--save-interval must be >= 1")
-    if args.save_interval and not args.save:
-        _fail("--save-interval needs --save")
-    if args.async_save and not args.save:
-        _fail("--async-save needs --save")
-    if (args.finetune or args.no_load_optim or args.no_load_rng) and not args.load:
-        _fail("--finetune / --no-load-optim / --no-load-rng need --load")
-    if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
-        _fail(f"--save {args.save} exists and is not a directory")
-    if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
-        _fail(f"--load {args.load} is not a directory")
+def check_paths(args) -> None:
+    """The files and directories the flags name: inputs must exist, outputs must not clobber
+    anything. Stats and small reads only; every rank sees the same answer on a shared file system."""
+    from .checkpoint_files import TRACKER, inspect_checkpoint
 
-    if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
-        _fail("--distributed-backend nccl needs CUDA; use gloo on CPU")
-    args.params_dtype = _str2dtype(args)
-    return args
+    # datasets
+    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, dest):
+            prefixes, _ = parse_blend(getattr(args, dest), _flag(dest))
+            for prefix in prefixes:
+                missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+                if missing:
+                    _fail(f"{_flag(dest)} {prefix}: dataset not found (missing {', '.join(missing)}); a prefix names "
+                          f"a .bin/.idx pair made by tools/preprocess_data.py")
+                # header, sizes and dtype (memory-mapped: the same cost for any corpus size)
+                try:
+                    ds = IndexedDataset(prefix)
+                except InputError as e:
+                    _fail(f"{_flag(dest)} {prefix}: {e}")
+                if ds.dtype.kind not in "iu":
+                    _fail(f"{_flag(dest)} {prefix}: {prefix}.idx declares {ds.dtype.name} tokens; a GPT dataset "
+                          f"holds integer token ids")
+    # tokenizer files
+    for dest in TOKENIZER_FILE_FLAGS.get(args.tokenizer_type, ()):
+        path = getattr(args, dest)
+        want_dir = dest == "tokenizer_model" and args.tokenizer_type == "HuggingFaceTokenizer"
+        if not (os.path.isdir(path) if want_dir else os.path.isfile(path)):
+            _fail(f"{_flag(dest)} {path}: {'directory' if want_dir else 'file'} not found "
+                  f"(--tokenizer-type {args.tokenizer_type})")
+    # outputs that must be directories, or files, and that this process can create
+    for dest in ("save", "load", "data_cache_path", "tensorboard_dir", "wandb_save_dir"):
+        path = getattr(args, dest)
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            _fail(f"{_flag(dest)} {path} exists and is not a directory")
+    if args.log_jsonl and os.path.isdir(args.log_jsonl):
+        _fail(f"--log-jsonl {args.log_jsonl} is a directory; give a file to append to")
+    for dest in ("save", "data_cache_path", "tensorboard_dir", "wandb_save_dir", "log_jsonl"):
+        path = getattr(args, dest)
+        if path:
+            _check_creatable(path, _flag(dest))
+    # the checkpoint to resume from: readable before any process group exists
+    if args.load and os.path.isfile(os.path.join(args.load, TRACKER)):
+        inspect_checkpoint(args.load, "--load")
+    # a run writes iter_N directories and moves the latest pointer: into a directory that holds
+    # another run's checkpoints it would replace them, so that needs --load of the same directory
+    if args.save and os.path.isfile(os.path.join(args.save, TRACKER)):
+        same = args.load and os.path.realpath(args.load) == os.path.realpath(args.save)
+        if not same:
+            _fail(f"--save {args.save} already holds checkpoints; saving into it without resuming from it would "
+                  f"overwrite them: add --load {args.save} to resume, or choose a new --save directory")
+        if args.finetune:
+            _fail(f"--finetune restarts at iteration 0, so saving into --save {args.save} would overwrite its "
+                  f"checkpoints; choose a new --save directory")
+
+
+def _check_creatable(path: str, flag: str) -> None:
+    """The nearest existing ancestor of `path` must be a writable directory (found at start-up,
+    not at the first save)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        _fail(f"{flag} {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        _fail(f"{flag} {path}: {parent} is not writable")
 
 
 def build_run_config(args: argparse.Namespace):

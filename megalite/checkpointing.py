@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from . import comm
+from .errors import UserError
 from .model.init import shard, unshard
 from .parallel_state import ParallelState, stage_layers
 from .tensor_parallel.param_info import ParamInfo, param_info
@@ -58,7 +59,7 @@ MODEL_FLAGS = {
 }
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is missing, incomplete, or does not fit this run."""
 
 

@@ -151,3 +151,12 @@ def all_gather_object(obj, group) -> list:
 def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def launcher_store(timeout_s: float):
+    """A client of the launcher's key-value store (torchrun's agent store at MASTER_ADDR:MASTER_PORT):
+    lets ranks exchange a few bytes without a process group, e.g. to report one error once."""
+    import datetime
+    import os
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))

@@ -6,12 +6,13 @@ real vocabulary size) are never sampled: those rows are zeros, not tokens.
 """
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
 
-from .checkpointing import CheckpointError, load_full_state_dict, local_shard, read_tracker
+from .checkpoint_files import inspect_checkpoint
+from .checkpointing import CheckpointError, load_full_state_dict, local_shard
+from .errors import InputError, InputNotFound
 from .model import GPTConfig, GPTModel, pad_vocab_size
 
 TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
@@ -19,10 +20,7 @@ TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model
 
 def load_model(load_dir: str, iteration: int | None = None) -> tuple[GPTModel, dict]:
     """(model in eval mode with fp32 weights, metadata) of the latest checkpoint under `load_dir`."""
-    if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load {load_dir}: directory not found")
-    if iteration is None and read_tracker(load_dir) is None:
-        raise CheckpointError(f"--load {load_dir}: no checkpoint there (latest_checkpointed_iteration.txt is missing)")
+    inspect_checkpoint(load_dir, "--load", iteration)  # one-line errors naming a missing or corrupt file
     meta, state = load_full_state_dict(load_dir, iteration)
     cfg = dict(meta["model_config"])
     divisible_by = int(meta.get("args", {}).get("make_vocab_size_divisible_by") or 128)
@@ -54,7 +52,7 @@ def tokenizer_args(saved: dict, overrides: dict | None = None, where: str = "the
         args = {k: saved.get(k) for k in (*TOKENIZER_KEYS, "vocab_size")}
         args.update(overrides)
     if not args.get("tokenizer_type"):
-        raise ValueError(f"{where} was saved without a tokenizer (trained with --mock-data and no "
+        raise InputError(f"{where} was saved without a tokenizer (trained with --mock-data and no "
                          "--tokenizer-type): give --tokenizer-type and its files (--vocab-file/--merge-file, "
                          "--tokenizer-model) on the command line")
     return SimpleNamespace(**args)
@@ -65,14 +63,16 @@ def build_tokenizer_for(meta: dict, overrides: dict | None = None):
     from .data.tokenizers import build_tokenizer
 
     args = tokenizer_args(meta.get("args", {}), overrides, meta.get("dir", "the checkpoint"))
+    vocab = meta["model_config"]["vocab_size"]
+    if args.tokenizer_type == "NullTokenizer" and not (overrides or {}).get("vocab_size"):
+        args.vocab_size = vocab - 1  # its ids and its eod id fill the model's vocabulary (as training sets it)
     try:
         tokenizer = build_tokenizer(args)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{e} (as saved in {meta.get('dir', 'the checkpoint')}'s arguments; give the flag "
-                                "on the command line to use another path)") from None
-    vocab = meta["model_config"]["vocab_size"]
+    except InputNotFound as e:
+        raise InputNotFound(f"{e} (as saved in {meta.get('dir', 'the checkpoint')}'s arguments; give the flag "
+                            "on the command line to use another path)") from None
     if tokenizer.vocab_size > vocab:
-        raise ValueError(f"--tokenizer-type {args.tokenizer_type} has {tokenizer.vocab_size} tokens, more than the "
+        raise InputError(f"--tokenizer-type {args.tokenizer_type} has {tokenizer.vocab_size} tokens, more than the "
                          f"model's vocabulary ({vocab}): not the tokenizer this model was trained with")
     return tokenizer
 
@@ -92,16 +92,16 @@ def generate(model: GPTModel, prompt_ids: list[int], max_new_tokens: int, greedy
     """The new token ids after `prompt_ids`: greedy (argmax) or sampled from softmax(logits / T)
     over the top k (0: all). Stops after `eod` (included) or `max_new_tokens`."""
     if not prompt_ids:
-        raise ValueError("the prompt is empty: --prompt must give at least one token")
+        raise InputError("the prompt is empty: --prompt must give at least one token")
     if max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+        raise InputError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     if not greedy and temperature <= 0:
-        raise ValueError(f"--temperature must be > 0, got {temperature} (use --greedy for argmax decoding)")
+        raise InputError(f"--temperature must be > 0, got {temperature} (use --greedy for argmax decoding)")
     if top_k < 0:
-        raise ValueError(f"--top-k must be >= 0 (0: no top-k filter), got {top_k}")
+        raise InputError(f"--top-k must be >= 0 (0: no top-k filter), got {top_k}")
     cfg = model.config
     if cfg.position_embedding_type == "learned_absolute" and len(prompt_ids) + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
+        raise InputError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
                          f"model's learned positions (--max-position-embeddings {cfg.max_position_embeddings})")
     gen = torch.Generator().manual_seed(seed)
     ids = list(prompt_ids)

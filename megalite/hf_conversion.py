@@ -27,9 +27,11 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 import torch
 
+from .errors import InputError
 from .model import pad_vocab_size
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -41,7 +43,7 @@ SAMPLE_TEXT = ("Hello world! The quick brown fox jumps over the lazy dog.\n\nA s
                "<|endoftext|> <s> </s> <unk> trailing spaces   ")
 
 
-class ConversionError(ValueError):
+class ConversionError(InputError):
     """A model or tokenizer the other side cannot represent exactly, or a malformed input."""
 
 
@@ -192,10 +194,15 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
                               f"{', '.join(sorted(state)[:5])}")
     bos, eos = _special_ids(tokenizer)
     config = hf_config(cfg, bos, eos)
-    # written beside, renamed into place when complete: a failure leaves no half-written model
-    tmp = os.path.normpath(out_dir) + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    # written beside, renamed into place when complete: a failure leaves no half-written model.
+    # A fresh name (never an existing directory, which could be someone's data) that dies with us.
+    out_dir = os.path.normpath(out_dir)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the model directory's
     try:
         config.save_pretrained(tmp)
         if arch == "llama":  # also the pre-v5 key, which older transformers and other readers use
@@ -371,7 +378,13 @@ def read_safetensors(in_dir: str) -> dict[str, torch.Tensor]:
                               "only safetensors weights are read (pickled .bin files are not trusted)")
     out = {}
     for name in files:
-        for k, v in load_file(os.path.join(in_dir, name)).items():
+        path = os.path.join(in_dir, name)
+        try:
+            tensors = load_file(path)
+        except Exception as e:  # safetensors' own error for a truncated or foreign file
+            raise ConversionError(f"--load-dir {in_dir}: {path} cannot be read as safetensors "
+                                  f"({type(e).__name__}: {e})") from None
+        for k, v in tensors.items():
             out[k] = v.float()
     return out
 
@@ -469,7 +482,11 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
 
     if not os.path.isfile(os.path.join(in_dir, "config.json")):
         raise ConversionError(f"--load-dir {in_dir}: no config.json (not a Hugging Face model directory)")
-    cfg = _config_from_hf(AutoConfig.from_pretrained(in_dir, local_files_only=True))
+    try:
+        hf_config_ = AutoConfig.from_pretrained(in_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:  # transformers' ways of saying the config is unreadable
+        raise ConversionError(f"--load-dir {in_dir}: config.json cannot be read ({type(e).__name__}: {e})") from None
+    cfg = _config_from_hf(hf_config_)
     hf = read_safetensors(in_dir)
     # GPT2LMHeadModel prefixes "transformer.", LlamaForCausalLM "model."; the original GPT-2 files have none
     prefix = "transformer." if cfg["position_embedding_type"] == "learned_absolute" else "model."

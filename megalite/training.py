@@ -78,13 +78,9 @@ def resolve_vocab(cfg: RunConfig) -> tuple[GPTConfig, int | None]:
     data, tp = cfg.data, cfg.parallel.tensor_model_parallel_size
     vocab_size, eod = data.vocab_size, None
     if not (data.mock_data and data.tokenizer_type is None):
-        from .data.tokenizers import build_tokenizer
+        from .data.tokenizers import build_tokenizer, model_vocab_size
         tokenizer = build_tokenizer(data)
-        if vocab_size is None:
-            vocab_size = tokenizer.vocab_size
-        elif vocab_size < tokenizer.vocab_size:
-            raise ValueError(f"--vocab-size ({vocab_size}) is smaller than the tokenizer's vocabulary "
-                             f"({tokenizer.vocab_size})")
+        vocab_size = model_vocab_size(data, tokenizer)  # NullTokenizer: --vocab-size + 1 (its eod)
         eod = tokenizer.eod
     padded = pad_vocab_size(vocab_size, data.make_vocab_size_divisible_by, tp)
     cfg.flags.update(vocab_size=vocab_size, padded_vocab_size=padded)

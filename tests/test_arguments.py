@@ -1,5 +1,6 @@
 """Layouts that cannot run fail at start-up, before any collective, naming the flags."""
-import time
+import math
+import os
 
 import pytest
 
@@ -43,10 +44,43 @@ def test_data_source_required():
         validate_args(parse_args(OK[3:]), 1)
 
 
-def test_torchrun_bad_layout_exits_fast_with_message(tmp_path):
-    start = time.time()
+@pytest.mark.parametrize("extra,pattern", [
+    (["--train-iters", "0"], r"--train-iters must be an integer >= 1, got 0"),
+    (["--micro-batch-size", "0"], r"--micro-batch-size must be an integer >= 1, got 0"),
+    (["--lr", "-1"], r"--lr must be a number > 0, got -1\.0"),
+    (["--min-lr=-1e-4"], r"--min-lr must be a number >= 0"),
+    (["--global-batch-size", "0"], r"--global-batch-size must be an integer >= 1"),
+    (["--lr-warmup-fraction", "1.5"], r"--lr-warmup-fraction must be in \[0, 1\]"),
+])
+def test_value_out_of_range_names_the_flag(extra, pattern):
+    check(extra, 1, pattern)
+
+
+def test_null_tokenizer_mock_data_trains(tmp_path):
+    """Megatron-LM's own launch line: --mock-data --tokenizer-type NullTokenizer --vocab-size N. The
+    tokenizer has N ids plus its end-of-document id, so the model's vocabulary is N + 1 (padded to
+    a multiple of 128: 1024)."""
+    records, proc = run_pretrain(1, ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+                                     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                     "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
+                                     "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0"], tmp_path)
+    train = [r for r in records if "consumed_samples" in r]
+    assert [r["iteration"] for r in train] == [1, 2]
+    assert all(math.isfinite(r["lm_loss"]) for r in train)
+    assert abs(train[0]["lm_loss"] - math.log(1001)) < 0.5  # about uniform over the 1001 real ids at the start
+    assert "vocab 1001 (padded 1024)" in proc.stdout
+    # the embedding holds the padded vocabulary: 1024 x 64 of the model's parameters
+    h, s, L = 64, 16, 2
+    layer = 12 * h * h + 13 * h  # QKV, proj, fc1, fc2 (+ biases) and two LayerNorms
+    assert records[0]["ranks"][0]["num_params"] == 1024 * h + s * h + L * layer + 2 * h
+
+
+def test_torchrun_bad_layout_stops_every_rank_before_the_process_group(tmp_path):
     _, proc = run_pretrain(2, OK + ["--tensor-model-parallel-size", "2", "--num-attention-heads", "3",
                                     "--hidden-size", "48"], tmp_path, check=False, timeout=120)
     assert proc.returncode != 0
-    assert "--num-attention-heads (3) is not divisible by --tensor-model-parallel-size (2)" in proc.stderr
-    assert time.time() - start < 60  # no rank waits in a collective
+    ours = [line for line in proc.stderr.splitlines() if "pretrain_gpt.py: error:" in line]
+    assert ours == ["pretrain_gpt.py: error: --num-attention-heads (3) is not divisible by "
+                    "--tensor-model-parallel-size (2)"]  # once, from rank 0: both ranks fail alike
+    assert "> megalite:" not in proc.stdout  # no rank got as far as the model
+    assert not os.path.exists(tmp_path / "run.jsonl")

@@ -85,7 +85,11 @@ def test_failed_run_keeps_existing_dataset(tmp_path):
     run("--input", tmp_path / "good.jsonl", "--output-prefix", tmp_path / "out", *NULL)
     before = {n: (tmp_path / n).read_bytes() for n in ("out_text_document.bin", "out_text_document.idx")}
     write_jsonl(tmp_path / "bad.jsonl", [{"text": "9 9 9"}] * 200 + ["not json"])
-    p = run("--input", tmp_path / "bad.jsonl", "--output-prefix", tmp_path / "out", "--workers", 2, *NULL,
+    # an existing output is refused up front (nothing is overwritten) ...
+    p = run("--input", tmp_path / "good.jsonl", "--output-prefix", tmp_path / "out", *NULL, check=False)
+    assert p.returncode == 2 and "out_text_document.bin already exists" in p.stderr
+    # ... and a run that fails half-way beside it leaves no file of its own
+    p = run("--input", tmp_path / "bad.jsonl", "--output-prefix", tmp_path / "other", "--workers", 2, *NULL,
             check=False)
     assert p.returncode != 0 and "line 201" in p.stderr
     assert {n: (tmp_path / n).read_bytes() for n in before} == before

@@ -87,11 +87,12 @@ def test_padded_vocabulary_is_never_generated():
 
 def test_cli_errors_name_the_problem(checkpoint, tmp_path, capsys):
     root, _ = checkpoint
-    assert generate_cli.main(["--load", str(tmp_path / "nowhere"), "--prompt", "1 2"]) == 1
+    # a user error: one `error:` line on stderr, status 2
+    assert generate_cli.main(["--load", str(tmp_path / "nowhere"), "--prompt", "1 2"]) == 2
     assert f"--load {tmp_path / 'nowhere'}: directory not found" in capsys.readouterr().err
-    assert generate_cli.main(["--load", str(tmp_path), "--prompt", "1 2"]) == 1
+    assert generate_cli.main(["--load", str(tmp_path), "--prompt", "1 2"]) == 2
     assert "no checkpoint there" in capsys.readouterr().err
-    assert generate_cli.main(["--load", root, "--prompt", "1 2"]) == 1
+    assert generate_cli.main(["--load", root, "--prompt", "1 2"]) == 2
     err = capsys.readouterr().err
     assert "saved without a tokenizer" in err and "give --tokenizer-type" in err
     # a tokenizer given on the command line; NullTokenizer reads and writes ids
@@ -102,5 +103,9 @@ def test_cli_errors_name_the_problem(checkpoint, tmp_path, capsys):
     assert capsys.readouterr().out.split() == [str(t) for t in expected if t != VOCAB - 1]
     # a tokenizer larger than the model's vocabulary is not this model's
     assert generate_cli.main(["--load", root, "--prompt", "1", "--tokenizer-type", "NullTokenizer",
-                              "--vocab-size", str(VOCAB + 10)]) == 1
+                              "--vocab-size", str(VOCAB + 10)]) == 2
     assert "more than the model's vocabulary (50)" in capsys.readouterr().err
+    # without --vocab-size, NullTokenizer fills the model's vocabulary: ids 0..48 and eod 49
+    assert generate_cli.main(["--load", root, "--prompt", "1 2 3", "--max-new-tokens", "5", "--greedy",
+                              "--tokenizer-type", "NullTokenizer"]) == 0
+    assert capsys.readouterr().out.split() == [str(t) for t in expected if t != VOCAB - 1]

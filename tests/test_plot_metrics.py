@@ -9,6 +9,7 @@ from dist_helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import plot_metrics  # noqa: E402
+from megalite.errors import MissingPackage  # noqa: E402
 
 
 def write_log(path, scale=1.0, tokens=1000.0, resumed=False):
@@ -66,13 +67,12 @@ def test_plot_png_has_both_runs(tmp_path, capsys):
 
 
 def test_errors(tmp_path, monkeypatch, capsys):
-    with pytest.raises(SystemExit) as e:
-        plot_metrics.main([str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "x.png")])
-    assert e.value.code == 2 and "no such file" in capsys.readouterr().err
+    assert plot_metrics.main([str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "x.png")]) == 2
+    assert "error: no such file" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"iteration": 1, "lm_loss": 2.0, "consumed_samples": 1}\nnot json\n')
     assert plot_metrics.main([str(bad), "--output", str(tmp_path / "x.png")]) == 2
     assert "bad.jsonl:2: not JSON" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(SystemExit, match="needs matplotlib.*pip install matplotlib"):
+    with pytest.raises(MissingPackage, match="needs matplotlib.*pip install matplotlib"):
         plot_metrics.plot([write_log(tmp_path / "ok.jsonl")], str(tmp_path / "x.png"))

@@ -6,6 +6,8 @@
 The tokenizer is the one saved in the checkpoint's arguments (--tokenizer-type, --vocab-file,
 --merge-file, --tokenizer-model); give those flags here to override it, or when the run had none
 (--mock-data). Prints only the continuation, to stdout; stops early at the end-of-document token.
+Bad input (a flag, a missing or corrupt checkpoint, a tokenizer that does not fit) ends with one
+`error:` line and exit status 2.
 """
 from __future__ import annotations
 
@@ -15,46 +17,61 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+from megalite.data.tokenizers import TOKENIZER_TYPES, TOKENIZER_TYPES_HELP  # noqa: E402
+from megalite.errors import ArgumentParser, UserError, cli  # noqa: E402
+
+PROG = "tools/generate.py"
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory (its latest iteration)")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (>= 0)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores --temperature / --top-k)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--seed", type=int, default=1234, help="sampling seed")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (>= 0; 0: all)")
+    p.add_argument("--seed", type=int, default=1234, help="sampling seed (>= 0)")
     g = p.add_argument_group("tokenizer (default: as saved in the checkpoint)")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help=TOKENIZER_TYPES_HELP)
     g.add_argument("--vocab-file")
     g.add_argument("--merge-file")
     g.add_argument("--tokenizer-model")
-    g.add_argument("--vocab-size", type=int, help="for --tokenizer-type NullTokenizer")
-    return p.parse_args(argv)
+    g.add_argument("--vocab-size", type=int,
+                   help="for --tokenizer-type NullTokenizer (default: the model's vocabulary - 1, its eod)")
+    args = p.parse_args(argv)
+    # refused here, before the model is loaded
+    if args.max_new_tokens < 0:
+        p.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not args.greedy and not args.temperature > 0:
+        p.error(f"--temperature must be > 0, got {args.temperature} (use --greedy for argmax decoding)")
+    if args.top_k < 0:
+        p.error(f"--top-k must be >= 0 (0: no top-k filter), got {args.top_k}")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        p.error(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    return args
 
 
+@cli(PROG)
 def main(argv=None) -> int:
     args = get_args(argv)
     import torch
 
-    from megalite.checkpointing import CheckpointError
     from megalite.generation import build_tokenizer_for, generate, load_model
 
-    try:
-        with torch.no_grad():  # scoped: main() is also called in-process (tests)
-            model, meta = load_model(args.load)
-            tokenizer = build_tokenizer_for(meta, {k: getattr(args, k) for k in
-                                                   ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
-                                                    "vocab_size")})
-            prompt = tokenizer.tokenize(args.prompt) or [tokenizer.eod]  # as Megatron: an empty prompt starts a document
-            new = generate(model, prompt, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
-                           top_k=args.top_k, seed=args.seed, eod=tokenizer.eod)
-    except (CheckpointError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    with torch.no_grad():  # scoped: main() is also called in-process (tests)
+        model, meta = load_model(args.load)
+        tokenizer = build_tokenizer_for(meta, {k: getattr(args, k) for k in
+                                               ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
+                                                "vocab_size")})
+        prompt = tokenizer.tokenize(args.prompt) or [tokenizer.eod]  # as Megatron: an empty prompt starts a document
+        if max(prompt) >= model.config.vocab_size:
+            raise UserError(f"--prompt gives token id {max(prompt)}, outside the model's vocabulary "
+                            f"({model.config.vocab_size})")
+        new = generate(model, prompt, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                       top_k=args.top_k, seed=args.seed, eod=tokenizer.eod)
     if new and new[-1] == tokenizer.eod:
         new = new[:-1]  # the end-of-document token is a stop, not text
     sys.stdout.write(tokenizer.detokenize(new) + "\n")

@@ -46,7 +46,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.arguments import ArgumentError, build_parser, validate_args  # noqa: E402
+from megalite.arguments import DEFAULT_SPLIT, build_parser, validate_args  # noqa: E402
+from megalite.errors import cli  # noqa: E402
 from megalite.metrics import num_floating_point_operations  # noqa: E402
 from megalite.model import pad_vocab_size  # noqa: E402
 
@@ -110,14 +111,17 @@ def parse(argv=None):
         args.min_lr = min(args.min_lr, args.lr)
     args.vocab_size = _vocab_size(args)
     if not any([args.data_path, args.train_data_path, args.valid_data_path, args.test_data_path]):
+        # planned on mock data: the flags about documents and dataset files change nothing here
         args.mock_data = True
+        args.split, args.data_cache_path = DEFAULT_SPLIT, None
+        args.eod_mask_loss = args.reset_position_ids = args.reset_attention_mask = False
     # conditions of the machine that runs the job, not of the layout
     args.plan_flash_attn, args.use_flash_attn = args.use_flash_attn, False
     args.distributed_backend = None
     for flag in ("wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity", "tensorboard_dir"):
         setattr(args, flag, None)
     world = args.world_size or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    validate_args(args, world)
+    validate_args(args, world, check_files=False)  # the files are on the machine that will run it
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
     return args
@@ -344,12 +348,9 @@ def format_plan(plan: dict) -> str:
     return "\n".join(lines)
 
 
+@cli("tools/plan.py")
 def main(argv=None) -> int:
-    try:
-        args = parse(argv)
-    except ArgumentError as e:
-        print(f"tools/plan.py: error: {e}", file=sys.stderr)
-        return 2
+    args = parse(argv)
     plan = plan_from_args(args)
     print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
     return 0 if plan["fits"] else 1  # scripts can test the exit status

@@ -15,6 +15,12 @@ import math
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.errors import ArgumentParser, InputError, MissingPackage, cli  # noqa: E402
+
+PROG = "tools/plot_metrics.py"
+
 
 def load_run(path: str) -> dict[str, list[tuple[int, float]]]:
     """{'train_loss', 'valid_loss', 'tokens_per_sec'} -> [(iteration, value), ...] from a JSONL
@@ -29,8 +35,8 @@ def load_run(path: str) -> dict[str, list[tuple[int, float]]]:
             try:
                 r = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            if "iteration" not in r or "lm_loss" not in r:
+                raise InputError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            if not isinstance(r, dict) or "iteration" not in r or "lm_loss" not in r:
                 continue  # memory footprint and other events
             it = int(r["iteration"])
             if r.get("split") == "valid":
@@ -61,13 +67,19 @@ def plot(paths: list[str], output: str, title: str | None = None) -> dict:
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("tools/plot_metrics.py needs matplotlib, which is not installed: pip install matplotlib")
+        raise MissingPackage("tools/plot_metrics.py needs matplotlib, which is not installed: pip install matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    ext = os.path.splitext(output)[1].lstrip(".").lower()
+    if ext not in FigureCanvasBase.get_supported_filetypes():
+        raise InputError(f"--output {output}: unknown image format {ext!r}; use one of "
+                         f"{', '.join(sorted(FigureCanvasBase.get_supported_filetypes()))}")
 
     runs = {label: load_run(p) for label, p in zip(labels_for(paths), paths)}
     if not any(s for run in runs.values() for s in run.values()):
-        raise SystemExit(f"tools/plot_metrics.py: no training or validation records in {', '.join(paths)}")
+        raise InputError(f"no training or validation records in {', '.join(paths)}")
     from matplotlib.ticker import FuncFormatter
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     fig, axes = plt.subplots(1, len(PANELS), figsize=(6 * len(PANELS), 4.5), sharex=True)
@@ -101,8 +113,9 @@ def plot(paths: list[str], output: str, title: str | None = None) -> dict:
     return runs
 
 
+@cli(PROG)
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="RUN.jsonl", help="JSONL logs written by --log-jsonl")
     p.add_argument("--output", "-o", required=True, help="image to write (.png, .svg, .pdf)")
     p.add_argument("--title", help="figure title")
@@ -110,11 +123,9 @@ def main(argv=None) -> int:
     for path in args.runs:
         if not os.path.isfile(path):
             p.error(f"no such file: {path}")
-    try:
-        runs = plot(args.runs, args.output, args.title)
-    except ValueError as e:
-        print(f"tools/plot_metrics.py: {e}", file=sys.stderr)
-        return 2
+        if os.path.exists(args.output) and os.path.samefile(path, args.output):
+            p.error(f"--output {args.output} is one of the logs to plot: choose another file")
+    runs = plot(args.runs, args.output, args.title)
     for label, run in runs.items():
         last = run["train_loss"][-1] if run["train_loss"] else None
         print(f"{label}: {len(run['train_loss'])} training points"

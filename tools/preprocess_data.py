@@ -6,8 +6,9 @@
 
 writes ``out/corpus_text_document.{bin,idx}``. Flags keep Megatron-LM's names. Input is streamed
 (memory stays flat whatever its size) and output is written under temporary names, renamed into
-place only after the whole input succeeded, so a failed run never leaves a half-written dataset
-and never clobbers an existing one.
+place only after the whole input succeeded, so a failed run never leaves a half-written dataset.
+An output that already exists is refused (nothing is overwritten). Bad input ends with one
+`error:` line and a non-zero exit status.
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: E402
-from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megalite.data.tokenizers import TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, build_tokenizer  # noqa: E402
+from megalite.errors import ArgumentParser, cli  # noqa: E402
+
+PROG = "tools/preprocess_data.py"
 
 _CHUNK_LINES = 64  # lines per task sent to a worker: large enough to amortise IPC
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSONL file (one document per line), optionally .gz")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one dataset per key")
@@ -40,7 +44,7 @@ def get_args(argv=None):
                    help="skip malformed lines / lines missing a key (counted in the summary) "
                         "instead of stopping with an error")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES, help=TOKENIZER_TYPES_HELP)
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
     g.add_argument("--tokenizer-model", default=None,
@@ -59,6 +63,12 @@ def get_args(argv=None):
         p.error(f"--log-interval must be >= 1, got {args.log_interval}")
     if not os.path.isfile(args.input):
         p.error(f"--input {args.input}: file not found")
+    for key in args.json_keys:
+        for ext in (".bin", ".idx"):
+            path = f"{args.output_prefix}_{key}_document{ext}"
+            if os.path.exists(path):
+                p.error(f"--output-prefix {args.output_prefix}: {path} already exists; nothing is overwritten: "
+                        f"remove it or choose another prefix")
     return args
 
 
@@ -160,6 +170,7 @@ def _results(args, stats):
                 throttle.release()
 
 
+@cli(PROG)
 def main(argv=None):
     args = get_args(argv)
     tokenizer = build_tokenizer(args)  # fail fast on bad tokenizer flags, before any worker starts
@@ -223,4 +234,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    status = main()
+    sys.exit(status if isinstance(status, int) else 0)  # main returns its statistics on success

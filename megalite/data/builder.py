@@ -19,26 +19,16 @@ from __future__ import annotations
 
 import math
 import os
-import re
+
+import numpy as np
 
 from megalite.data.blended_dataset import BlendedDataset
+from megalite.data.data_paths import parse_and_normalize_split, parse_blend  # noqa: F401 (also imported from here)
 from megalite.data.gpt_dataset import GPTDataset, _rank
 from megalite.data.indexed_dataset import IndexedDataset, dataset_exists
+from megalite.errors import InputError, InputNotFound
 
 SPLIT_NAMES = ("train", "valid", "test")
-
-
-def parse_and_normalize_split(split: str) -> list[float]:
-    """``"969,30,1"`` -> ``[0.969, 0.03, 0.001]`` (also ``/`` separators; missing entries are 0)."""
-    try:
-        parts = [float(s) for s in re.split(r"[,/]", str(split).strip()) if s.strip() != ""]
-    except ValueError:
-        raise ValueError(f"--split {split!r}: expected up to three numbers like '969,30,1'") from None
-    if not 1 <= len(parts) <= 3 or any(p < 0 or not math.isfinite(p) for p in parts) or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers, not all 0")
-    parts += [0.0] * (3 - len(parts))
-    total = sum(parts)
-    return [p / total for p in parts]
 
 
 def split_document_ranges(split: list[float], num_documents: int) -> list[tuple[int, int] | None]:
@@ -51,31 +41,30 @@ def split_document_ranges(split: list[float], num_documents: int) -> list[tuple[
     return ranges
 
 
-def parse_blend(paths, flag: str) -> tuple[list[str], list[float] | None]:
-    """``["0.3", "A", "0.7", "B"]`` -> (prefixes, weights); ``["A", "B"]`` -> (prefixes, None)."""
-    if isinstance(paths, str):
-        paths = [paths]
-    items = [tok for p in paths for tok in str(p).split()]
-    if not items:
-        raise ValueError(f"{flag} is empty")
-    if len(items) % 2 == 0:
-        try:
-            weights = [float(x) for x in items[0::2]]
-        except ValueError:
-            weights = None
-        if weights is not None:
-            if any(w < 0 for w in weights) or sum(weights) <= 0:
-                raise ValueError(f"{flag}: weights must be non-negative and not all 0, got {weights}")
-            return items[1::2], weights
-    return items, None
+# tokens read per dataset to check their ids against the vocabulary: a bounded cost at any corpus size
+_TOKEN_CHECK_LIMIT = 1 << 22
 
 
-def _open(prefix: str, flag: str) -> IndexedDataset:
+def _open(prefix: str, flag: str, vocab_size: int | None = None) -> IndexedDataset:
     if not dataset_exists(prefix):
         missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
-        raise FileNotFoundError(f"{flag} {prefix}: dataset not found (missing {', '.join(missing)}); "
-                                f"a prefix names a .bin/.idx pair made by tools/preprocess_data.py")
-    return IndexedDataset(prefix)
+        raise InputNotFound(f"{flag} {prefix}: dataset not found (missing {', '.join(missing)}); "
+                            f"a prefix names a .bin/.idx pair made by tools/preprocess_data.py")
+    ds = IndexedDataset(prefix)
+    if not np.issubdtype(ds.dtype, np.integer):
+        raise InputError(f"{flag} {prefix}: {prefix}.idx declares {ds.dtype.name} tokens; a GPT dataset holds "
+                         f"integer token ids")
+    n = min(int(ds.sequence_lengths.sum(dtype=np.int64)), _TOKEN_CHECK_LIMIT)
+    if vocab_size is not None and n:
+        # an id outside the embedding would fail deep inside the model; a dataset made with another
+        # tokenizer is the usual cause
+        head = np.frombuffer(ds._bin_map, dtype=ds.dtype, count=n)
+        lo, hi = int(head.min()), int(head.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InputError(f"{flag} {prefix}: token id {bad} in {prefix}.bin is outside the model's vocabulary "
+                             f"[0, {vocab_size}); was the dataset made with another tokenizer (--tokenizer-type)?")
+    return ds
 
 
 def _cache_dir(args, prefix: str) -> str:
@@ -87,7 +76,7 @@ def _cache_dir(args, prefix: str) -> str:
 
 def _build_split(args, prefixes, weights, ranges, num_samples, split_name, flag):
     """One split's dataset: a GPTDataset, or a BlendedDataset over several."""
-    indexed = [_open(p, flag) for p in prefixes]
+    indexed = [_open(p, flag, getattr(args, "vocab_size", None)) for p in prefixes]
     doc_ranges = [r if r is not None else (0, len(d)) for r, d in zip(ranges, indexed)]
     seq_length, seed = int(args.seq_length), int(args.seed)
 
@@ -132,13 +121,14 @@ def build_train_valid_test_datasets(args, train_valid_test_num_samples):
     data_path = getattr(args, "data_path", None)
     per_split = [getattr(args, f"{n}_data_path", None) for n in SPLIT_NAMES]
     if data_path and any(per_split):
-        raise ValueError("give either --data-path (with --split) or --train-data-path/--valid-data-path/"
+        raise InputError("give either --data-path (with --split) or --train-data-path/--valid-data-path/"
                          "--test-data-path, not both")
     out = [None, None, None]
     if data_path:
         prefixes, weights = parse_blend(data_path, "--data-path")
         split = parse_and_normalize_split(getattr(args, "split", None) or "969,30,1")
-        indexed = [_open(p, "--data-path") for p in prefixes]  # all files checked before any build
+        # all files checked before any build
+        indexed = [_open(p, "--data-path", getattr(args, "vocab_size", None)) for p in prefixes]
         ranges = [split_document_ranges(split, len(d)) for d in indexed]
         for i, name in enumerate(SPLIT_NAMES):
             if ranges[0][i] is None or num_samples[i] == 0:
@@ -150,7 +140,7 @@ def build_train_valid_test_datasets(args, train_valid_test_num_samples):
         for (name, blend) in zip(SPLIT_NAMES, parsed):
             if blend:
                 for p in blend[0]:
-                    _open(p, f"--{name}-data-path")
+                    _open(p, f"--{name}-data-path", getattr(args, "vocab_size", None))
         for i, (name, blend) in enumerate(zip(SPLIT_NAMES, parsed)):
             if blend is None or num_samples[i] == 0:
                 continue
@@ -158,6 +148,6 @@ def build_train_valid_test_datasets(args, train_valid_test_num_samples):
             out[i] = _build_split(args, prefixes, weights, [None] * len(prefixes), num_samples[i], name,
                                   f"--{name}-data-path")
     else:
-        raise ValueError("no training data: pass --data-path (or --train-data-path/--valid-data-path/"
+        raise InputError("no training data: pass --data-path (or --train-data-path/--valid-data-path/"
                          "--test-data-path)")
     return tuple(out)

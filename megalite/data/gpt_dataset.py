@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from megalite.data.indexed_dataset import IndexedDataset
+from megalite.errors import InputError
 
 # Bump when the index algorithm changes, so stale caches are never reused.
 INDEX_FORMAT_VERSION = 1
@@ -146,11 +147,11 @@ class GPTDataset(torch.utils.data.Dataset):
         self.seq_length = int(seq_length)
         self.documents = np.arange(doc_begin, doc_end, dtype=np.int32)
         if self.seq_length < 1:
-            raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
+            raise InputError(f"--seq-length must be >= 1, got {seq_length}")
         prefix = indexed_dataset.path_prefix
         tokens_per_epoch = int(indexed_dataset.sequence_lengths[doc_begin:doc_end].sum(dtype=np.int64))
         if tokens_per_epoch < self.seq_length + 1:
-            raise ValueError(f"dataset {prefix}: the {split_name} split (documents [{doc_begin}, {doc_end})) "
+            raise InputError(f"dataset {prefix}: the {split_name} split (documents [{doc_begin}, {doc_end})) "
                              f"has {tokens_per_epoch} tokens, fewer than one sample of --seq-length "
                              f"{self.seq_length} + 1; use a larger dataset, a smaller --seq-length, or change --split")
         self.tokens_per_epoch = tokens_per_epoch

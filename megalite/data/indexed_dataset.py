@@ -27,6 +27,8 @@ from array import array
 
 import numpy as np
 
+from megalite.errors import InputError, InputNotFound
+
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
 # magic, version (u64), dtype code (u8), sequence count (u64), document count (u64)
@@ -118,7 +120,7 @@ class IndexedDatasetBuilder:
             lo, hi = int(tokens.min()), int(tokens.max())
             # Silent wrap-around (e.g. id 70000 into uint16) would corrupt the corpus.
             if lo < self._lo or hi > self._hi:
-                raise ValueError(f"{self.bin_path}: token id range [{lo}, {hi}] does not fit "
+                raise InputError(f"{self.bin_path}: token id range [{lo}, {hi}] does not fit "
                                  f"dtype {self.dtype}; use a wider dtype (see best_dtype)")
         self._file.write(tokens.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(tokens.size)
@@ -162,24 +164,24 @@ class IndexedDataset:
         idx_path, bin_path = index_file_path(self.path_prefix), data_file_path(self.path_prefix)
         for p in (idx_path, bin_path):
             if not os.path.isfile(p):
-                raise FileNotFoundError(f"indexed dataset '{self.path_prefix}': missing file {p} "
+                raise InputNotFound(f"indexed dataset '{self.path_prefix}': missing file {p} "
                                         f"(a dataset is a .bin/.idx pair; see tools/preprocess_data.py)")
         idx_size = os.path.getsize(idx_path)
         with open(idx_path, "rb") as f:
             header = f.read(_HEADER.size)
         if len(header) < 9 or header[:9] != _MAGIC:
-            raise ValueError(f"{idx_path}: not a Megatron indexed-dataset index (bad magic "
+            raise InputError(f"{idx_path}: not a Megatron indexed-dataset index (bad magic "
                              f"{header[:9]!r}, expected {_MAGIC!r})")
         if len(header) < _HEADER.size:
-            raise ValueError(f"{idx_path}: truncated header ({idx_size} bytes, need {_HEADER.size})")
+            raise InputError(f"{idx_path}: truncated header ({idx_size} bytes, need {_HEADER.size})")
         _, version, code, num_seqs, num_docs = _HEADER.unpack(header)
         if version != _VERSION:
-            raise ValueError(f"{idx_path}: unsupported index version {version} (expected {_VERSION})")
+            raise InputError(f"{idx_path}: unsupported index version {version} (expected {_VERSION})")
         if code not in DTYPE_CODES:
-            raise ValueError(f"{idx_path}: unknown dtype code {code} (expected one of {sorted(DTYPE_CODES)})")
+            raise InputError(f"{idx_path}: unknown dtype code {code} (expected one of {sorted(DTYPE_CODES)})")
         expected = _HEADER.size + num_seqs * (4 + 8) + num_docs * 8
         if idx_size < expected:
-            raise ValueError(f"{idx_path}: truncated index: {idx_size} bytes, but its header "
+            raise InputError(f"{idx_path}: truncated index: {idx_size} bytes, but its header "
                              f"({num_seqs} sequences, {num_docs} document boundaries) needs {expected}")
         self.dtype = np.dtype(DTYPE_CODES[code]).newbyteorder("<")
         self._idx_map = np.memmap(idx_path, mode="r", dtype=np.uint8)
@@ -190,7 +192,7 @@ class IndexedDataset:
         off += num_seqs * 8
         self.document_indices = np.frombuffer(buf, dtype="<i8", count=num_docs, offset=off)
         if num_docs < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != num_seqs:
-            raise ValueError(f"{idx_path}: corrupt document indices (must start at 0 and end at "
+            raise InputError(f"{idx_path}: corrupt document indices (must start at 0 and end at "
                              f"the sequence count {num_seqs})")
 
         bin_size = os.path.getsize(bin_path)
@@ -198,7 +200,7 @@ class IndexedDataset:
         if num_seqs:
             needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
         if bin_size < needed:
-            raise ValueError(f"{bin_path}: data file is {bin_size} bytes but {idx_path} addresses "
+            raise InputError(f"{bin_path}: data file is {bin_size} bytes but {idx_path} addresses "
                              f"{needed} bytes (truncated .bin, or .bin/.idx from different runs)")
         # mmap cannot map an empty file; an empty dataset simply has no data buffer.
         self._bin_map = np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.empty(0, np.uint8)

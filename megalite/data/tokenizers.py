@@ -4,18 +4,84 @@ Every tokenizer has ``name``, ``vocab_size`` (unpadded; the model pads it), ``eo
 end-of-document id that ``--append-eod`` writes), ``tokenize(str) -> list[int]`` and
 ``detokenize(list[int]) -> str``. The optional libraries are imported only by the tokenizer that
 needs them, so the core install works without them.
+
+``TOKENIZER_TYPES`` is the one list of types every tool accepts (pretrain_gpt.py,
+tools/preprocess_data.py, tools/checkpoint/convert.py, tools/generate.py, tools/plan.py).
+A file that is missing or that the library cannot read is an ``InputNotFound`` / ``InputError``
+naming the flag and the file.
 """
 
 from __future__ import annotations
 
 import os
 
+from megalite.errors import InputError, InputNotFound, MissingPackage
+
+# --tokenizer-type -> the flags (argparse dests) whose files it reads. GPTSentencePieceTokenizer is
+# Megatron's name for SentencePiece used for GPT; here it is the same tokenizer as
+# SentencePieceTokenizer (see that class), accepted under both names by every tool.
+TOKENIZER_FILE_FLAGS = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "NullTokenizer": (),
+}
+TOKENIZER_TYPES = tuple(TOKENIZER_FILE_FLAGS)
+TOKENIZER_TYPES_HELP = ("GPTSentencePieceTokenizer is SentencePieceTokenizer under Megatron-LM's name; "
+                        "NullTokenizer reads whitespace-separated ids below --vocab-size N and uses N as its "
+                        "end-of-document id")
+_FILE_FLAGS = ("vocab_file", "merge_file", "tokenizer_model")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_tokenizer_args(args) -> None:
+    """Refuse tokenizer flags that cannot work together, without reading any file: a type without
+    its files, files the type does not read, NullTokenizer without --vocab-size."""
+    kind = getattr(args, "tokenizer_type", None)
+    if kind is None:
+        given = [_flag(d) for d in _FILE_FLAGS if getattr(args, d, None)]
+        if given:
+            raise InputError(f"{given[0]} is only read by a tokenizer: give --tokenizer-type too "
+                             f"({', '.join(TOKENIZER_TYPES)})")
+        return
+    if kind not in TOKENIZER_FILE_FLAGS:
+        raise InputError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
+    needs = TOKENIZER_FILE_FLAGS[kind]
+    for dest in needs:
+        if not getattr(args, dest, None):
+            raise InputError(f"--tokenizer-type {kind} needs {_flag(dest)}")
+    for dest in _FILE_FLAGS:
+        if dest not in needs and getattr(args, dest, None):
+            readers = [k for k, v in TOKENIZER_FILE_FLAGS.items() if dest in v]
+            raise InputError(f"{_flag(dest)} is not read by --tokenizer-type {kind} (only by {', '.join(readers)}); "
+                             f"drop it or change --tokenizer-type")
+    if kind == "NullTokenizer" and getattr(args, "vocab_size", None) is None:
+        raise InputError("--tokenizer-type NullTokenizer needs --vocab-size N (ids 0..N-1; N is the end-of-document id)")
+
+
+def model_vocab_size(args, tokenizer) -> int:
+    """The model's (unpadded) vocabulary for `tokenizer` and --vocab-size.
+
+    NullTokenizer: --vocab-size N is the tokenizer's own argument (ids 0..N-1 plus the eod id N), so
+    the model gets N + 1, as in Megatron-LM. Other tokenizers: their vocabulary, or a larger
+    --vocab-size (extra rows never seen in the data)."""
+    if tokenizer.name == "NullTokenizer" or getattr(args, "vocab_size", None) is None:
+        return tokenizer.vocab_size
+    if args.vocab_size < tokenizer.vocab_size:
+        raise InputError(f"--vocab-size ({args.vocab_size}) is smaller than the vocabulary of --tokenizer-type "
+                         f"{args.tokenizer_type} ({tokenizer.vocab_size}); drop --vocab-size to use the tokenizer's")
+    return args.vocab_size
+
 
 def _require_file(path, flag: str, what: str) -> str:
     if not path:
-        raise ValueError(f"{flag} is required for this --tokenizer-type ({what})")
+        raise InputError(f"{flag} is required for this --tokenizer-type ({what})")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path}: file not found ({what})")
+        raise InputNotFound(f"{flag} {path}: file not found ({what})")
     return path
 
 
@@ -24,7 +90,7 @@ def _import(module: str, extra: str):
         return __import__(module)
     except ImportError as e:
         hint = f"pip install megalite[{extra}]" if extra else f"pip install {module}"
-        raise ImportError(f"this tokenizer needs the '{module}' package: {hint}") from e
+        raise MissingPackage(f"this tokenizer needs the '{module}' package: {hint}") from e
 
 
 class NullTokenizer:
@@ -38,17 +104,22 @@ class NullTokenizer:
 
     def __init__(self, vocab_size: int):
         if vocab_size is None or int(vocab_size) <= 0:
-            raise ValueError(f"--vocab-size must be a positive integer for NullTokenizer, got {vocab_size}")
+            raise InputError(f"--vocab-size must be a positive integer for NullTokenizer, got {vocab_size}")
         self._vocab_size_without_eod = int(vocab_size)
         self.eod = self._vocab_size_without_eod
         self.vocab_size = self._vocab_size_without_eod + 1
 
     def tokenize(self, text: str) -> list[int]:
         # Megatron splits on a single space; any whitespace is accepted here (same result on its input).
-        ids = [int(x) for x in text.split()]
+        ids = []
+        for word in text.split():
+            try:
+                ids.append(int(word))
+            except ValueError:
+                raise InputError(f"NullTokenizer reads whitespace-separated integer ids, got {word[:40]!r}") from None
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise ValueError(f"NullTokenizer: token id {bad[0]} outside [0, {self.vocab_size}) "
+            raise InputError(f"NullTokenizer: token id {bad[0]} outside [0, {self.vocab_size}) "
                              f"(--vocab-size {self._vocab_size_without_eod})")
         return ids
 
@@ -73,12 +144,15 @@ class GPT2BPETokenizer:
         tk = _import("tokenizers", "hf")
         from tokenizers import decoders, models, pre_tokenizers
 
-        self._tok = tk.Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        try:
+            self._tok = tk.Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        except Exception as e:  # the library's own message says what is wrong with the file
+            raise InputError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not GPT-2 BPE files ({e})") from e
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = decoders.ByteLevel()
         eod = self._tok.token_to_id("<|endoftext|>")
         if eod is None:
-            raise ValueError(f"--vocab-file {vocab_file}: no '<|endoftext|>' token, not a GPT-2 vocabulary")
+            raise InputError(f"--vocab-file {vocab_file}: no '<|endoftext|>' token, not a GPT-2 vocabulary")
         self.eod = eod
         self.vocab_size = self._tok.get_vocab_size()
 
@@ -102,11 +176,14 @@ class SentencePieceTokenizer:
     def __init__(self, model_file: str):
         _require_file(model_file, "--tokenizer-model", "SentencePiece .model file")
         spm = _import("sentencepiece", None)
-        self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        except Exception as e:
+            raise InputError(f"--tokenizer-model {model_file}: not a SentencePiece model ({e})") from e
         self.vocab_size = self._sp.vocab_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
-            raise ValueError(f"--tokenizer-model {model_file}: the model has no eos piece to use as "
+            raise InputError(f"--tokenizer-model {model_file}: the model has no eos piece to use as "
                              f"end-of-document (train it with eos_id >= 0, e.g. tools/train_tokenizer.py)")
 
     def tokenize(self, text: str) -> list[int]:
@@ -127,17 +204,21 @@ class HuggingFaceTokenizer:
 
     def __init__(self, model_dir: str):
         if not model_dir:
-            raise ValueError("--tokenizer-model (a local tokenizer directory) is required for HuggingFaceTokenizer")
+            raise InputError("--tokenizer-model (a local tokenizer directory) is required for HuggingFaceTokenizer")
         if not os.path.isdir(model_dir):
-            raise FileNotFoundError(f"--tokenizer-model {model_dir}: not a directory (HuggingFaceTokenizer "
-                                    f"loads a local tokenizer directory; nothing is downloaded)")
+            raise InputNotFound(f"--tokenizer-model {model_dir}: not a directory (HuggingFaceTokenizer "
+                                f"loads a local tokenizer directory; nothing is downloaded)")
         _import("transformers", "hf")
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        try:
+            self._tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        except Exception as e:
+            raise InputError(f"--tokenizer-model {model_dir}: not a Hugging Face tokenizer directory "
+                             f"({type(e).__name__}: {e})") from e
         self.vocab_size = len(self._tok)
         if self._tok.eos_token_id is None:
-            raise ValueError(f"--tokenizer-model {model_dir}: tokenizer has no eos token to use as end-of-document")
+            raise InputError(f"--tokenizer-model {model_dir}: tokenizer has no eos token to use as end-of-document")
         self.eod = self._tok.eos_token_id
 
     def tokenize(self, text: str) -> list[int]:
@@ -145,10 +226,6 @@ class HuggingFaceTokenizer:
 
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
-
-
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                   "HuggingFaceTokenizer", "NullTokenizer")
 
 
 def build_tokenizer(args):
@@ -162,4 +239,4 @@ def build_tokenizer(args):
         return HuggingFaceTokenizer(getattr(args, "tokenizer_model", None))
     if kind == "NullTokenizer":
         return NullTokenizer(getattr(args, "vocab_size", None))
-    raise ValueError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
+    raise InputError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")

@@ -12,6 +12,8 @@
         --save-dir ckpt_from_hf --target-tensor-parallel-size 2
 
 Only the model weights travel (no optimizer state). The mapping lives in megalite/hf_conversion.py.
+--save-dir must be new or empty: nothing existing is overwritten. Bad input ends with one `error:`
+line and exit status 2.
 """
 from __future__ import annotations
 
@@ -21,20 +23,25 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megalite.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+from megalite.data.tokenizers import TOKENIZER_TYPES, TOKENIZER_TYPES_HELP  # noqa: E402
+from megalite.errors import ArgumentParser, InputError, cli  # noqa: E402
+
+PROG = "tools/checkpoint/convert.py"
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", required=True, choices=["GPT"])
     p.add_argument("--loader", required=True, choices=["megalite", "hf"], help="format of --load-dir")
     p.add_argument("--saver", required=True, choices=["megalite", "hf"], help="format to write to --save-dir")
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True, help="a new (or empty) directory")
-    p.add_argument("--target-tensor-parallel-size", type=int, help="--saver megalite: TP of the written layout (default 1)")
-    p.add_argument("--target-pipeline-parallel-size", type=int, help="--saver megalite: PP of the written layout (default 1)")
+    p.add_argument("--target-tensor-parallel-size", type=int,
+                   help="--saver megalite: TP of the written layout (>= 1; default 1)")
+    p.add_argument("--target-pipeline-parallel-size", type=int,
+                   help="--saver megalite: PP of the written layout (>= 1; default 1)")
     g = p.add_argument_group("tokenizer for --saver hf (default: as saved in the checkpoint's arguments)")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help=TOKENIZER_TYPES_HELP)
     g.add_argument("--vocab-file")
     g.add_argument("--merge-file")
     g.add_argument("--tokenizer-model")
@@ -50,8 +57,16 @@ def get_args(argv=None):
             p.error(f"{flag} must be >= 1, got {value}")
     if not os.path.isdir(args.load_dir):
         p.error(f"--load-dir {args.load_dir}: directory not found")
+    if os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
+        p.error(f"--save-dir {args.save_dir} exists and is not a directory: choose a new directory "
+                "(nothing is overwritten)")
     if os.path.isdir(args.save_dir) and os.listdir(args.save_dir):
         p.error(f"--save-dir {args.save_dir} is not empty: choose a new directory (nothing is overwritten)")
+    if os.path.realpath(args.save_dir) == os.path.realpath(args.load_dir):
+        p.error("--save-dir is --load-dir: choose a new directory (nothing is overwritten)")
+    if args.no_tokenizer and any(getattr(args, k) for k in ("tokenizer_type", "vocab_file", "merge_file",
+                                                             "tokenizer_model")):
+        p.error("--no-tokenizer writes no tokenizer: drop the tokenizer flags, or --no-tokenizer")
     return args
 
 
@@ -61,51 +76,50 @@ def check_layout(cfg: dict, tp: int, pp: int) -> None:
                     ("--num-query-groups", cfg.get("num_query_groups") or cfg["num_attention_heads"]),
                     ("--ffn-hidden-size", cfg["ffn_hidden_size"])):
         if n % tp:
-            raise ValueError(f"--target-tensor-parallel-size {tp} does not divide the model's {what} ({n})")
+            raise InputError(f"--target-tensor-parallel-size {tp} does not divide the model's {what} ({n})")
     if cfg["num_layers"] % pp:
-        raise ValueError(f"--target-pipeline-parallel-size {pp} does not divide the model's --num-layers "
+        raise InputError(f"--target-pipeline-parallel-size {pp} does not divide the model's --num-layers "
                          f"({cfg['num_layers']})")
 
 
+@cli(PROG)
 def main(argv=None) -> int:
     args = get_args(argv)
-    from megalite.checkpointing import CheckpointError, load_full_state_dict, save_full_state_dict
-    from megalite.hf_conversion import ConversionError, from_hf, pretrain_flags, to_hf
+    from megalite.checkpoint_files import inspect_checkpoint
+    from megalite.checkpointing import load_full_state_dict, save_full_state_dict
+    from megalite.hf_conversion import from_hf, pretrain_flags, to_hf
 
     tp, pp = args.target_tensor_parallel_size or 1, args.target_pipeline_parallel_size or 1
-    try:
-        if args.loader == "megalite":
-            meta, state = load_full_state_dict(args.load_dir)
-            if args.saver == "hf":
-                tokenizer = None
-                if not args.no_tokenizer:
-                    from megalite.generation import build_tokenizer_for
-                    tokenizer = build_tokenizer_for(meta, {k: getattr(args, k) for k in
-                                                           ("tokenizer_type", "vocab_file", "merge_file",
-                                                            "tokenizer_model")})
-                arch = to_hf(meta, state, args.save_dir, tokenizer)
-                print(f"wrote {args.save_dir}: {'GPT2LMHeadModel' if arch == 'gpt2' else 'LlamaForCausalLM'}"
-                      f"{' and ' + tokenizer.name + ' tokenizer' if tokenizer else ''}")
-                return 0
-            cfg, saved_args = meta["model_config"], dict(meta["args"])
-            check_layout(cfg, tp, pp)
-            saved_args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-            where = save_full_state_dict(args.save_dir, state, cfg, saved_args, int(meta["iteration"]), tp, pp)
-            print(f"wrote {where} (TP {tp} x PP {pp}, weights only: continue with --finetune or --no-load-optim)")
+    if args.loader == "megalite":
+        inspect_checkpoint(args.load_dir, "--load-dir")  # one-line errors naming a missing or corrupt file
+        meta, state = load_full_state_dict(args.load_dir)
+        if args.saver == "hf":
+            tokenizer = None
+            if not args.no_tokenizer:
+                from megalite.generation import build_tokenizer_for
+                tokenizer = build_tokenizer_for(meta, {k: getattr(args, k) for k in
+                                                       ("tokenizer_type", "vocab_file", "merge_file",
+                                                        "tokenizer_model")})
+            arch = to_hf(meta, state, args.save_dir, tokenizer)
+            print(f"wrote {args.save_dir}: {'GPT2LMHeadModel' if arch == 'gpt2' else 'LlamaForCausalLM'}"
+                  f"{' and ' + tokenizer.name + ' tokenizer' if tokenizer else ''}")
             return 0
-        cfg, saved_args, state = from_hf(args.load_dir)
+        cfg, saved_args = meta["model_config"], dict(meta["args"])
         check_layout(cfg, tp, pp)
         saved_args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        where = save_full_state_dict(args.save_dir, state, cfg, saved_args, 0, tp, pp)
-        tok = (f" --tokenizer-type HuggingFaceTokenizer --tokenizer-model {saved_args['tokenizer_model']}"
-               if "tokenizer_type" in saved_args else "")
-        print(f"wrote {where} (TP {tp} x PP {pp}). Continue training with:\n  pretrain_gpt.py --load {args.save_dir} "
-              f"--finetune --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
-              f"{' '.join(pretrain_flags(cfg))}{tok} ...")
+        where = save_full_state_dict(args.save_dir, state, cfg, saved_args, int(meta["iteration"]), tp, pp)
+        print(f"wrote {where} (TP {tp} x PP {pp}, weights only: continue with --finetune or --no-load-optim)")
         return 0
-    except (CheckpointError, ConversionError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    cfg, saved_args, state = from_hf(args.load_dir)
+    check_layout(cfg, tp, pp)
+    saved_args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    where = save_full_state_dict(args.save_dir, state, cfg, saved_args, 0, tp, pp)
+    tok = (f" --tokenizer-type HuggingFaceTokenizer --tokenizer-model {saved_args['tokenizer_model']}"
+           if "tokenizer_type" in saved_args else "")
+    print(f"wrote {where} (TP {tp} x PP {pp}). Continue training with:\n  pretrain_gpt.py --load {args.save_dir} "
+          f"--finetune --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
+          f"{' '.join(pretrain_flags(cfg))}{tok} ...")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,337 @@
+"""Bad input never crashes and never destroys anything.
+
+Each case runs a real entry point (pretrain_gpt.py or a tool) as a subprocess on one shared
+directory of good and broken files, and checks that it
+  - exits with status 2,
+  - prints exactly one line containing `error:`, which names the culprit flag or file,
+  - prints no traceback,
+  - leaves every file of the directory as it was (and creates none).
+Most cases stop before torch is imported; those that need a checkpoint or a model take a few
+seconds each.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dist_helpers import ROOT
+
+from megalite.data.indexed_dataset import IndexedDatasetBuilder, write_index
+
+PY = sys.executable
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0"]
+MOCK = ["--mock-data", "--vocab-size", "100"] + TINY
+NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+DATA = ["--data-path", "data/good_text_document"] + NULL + TINY
+
+
+def _write_dataset(prefix: str, docs, dtype=np.uint16) -> None:
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype)
+    for d in docs:
+        builder.add_document(np.asarray(d, dtype=dtype))
+    builder.finalize(prefix + ".idx")
+
+
+def _run(tool: str, args: list[str], cwd: str, timeout: float = 120.0, nproc: int = 1):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                          "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false")
+    launcher = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return subprocess.run(launcher + [os.path.join(ROOT, tool), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _tree(root: str) -> dict[str, str]:
+    """relative path -> sha256 of every file under root."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(d, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """One directory of good and broken inputs, shared by every case (read-only for them)."""
+    root = str(tmp_path_factory.mktemp("bad_input"))
+    p = lambda *parts: os.path.join(root, *parts)  # noqa: E731
+    os.makedirs(p("data"))
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 100, 40) for _ in range(30)]
+    _write_dataset(p("data", "good_text_document"), docs)
+    # truncated .bin: the index addresses more bytes than there are
+    shutil.copy(p("data", "good_text_document.idx"), p("data", "trunc_text_document.idx"))
+    with open(p("data", "good_text_document.bin"), "rb") as f:
+        data = f.read()
+    with open(p("data", "trunc_text_document.bin"), "wb") as f:
+        f.write(data[: len(data) // 2])
+    # garbage .idx
+    shutil.copy(p("data", "good_text_document.bin"), p("data", "garbage_text_document.bin"))
+    with open(p("data", "garbage_text_document.idx"), "wb") as f:
+        f.write(rng.bytes(200))
+    # a float "token" dataset, well formed
+    lengths = np.full(4, 10)
+    np.zeros(40, np.float32).tofile(p("data", "float_text_document.bin"))
+    write_index(p("data", "float_text_document.idx"), np.float32, lengths, np.arange(5))
+    # ids beyond a 100-token vocabulary (made with another tokenizer)
+    _write_dataset(p("data", "bigids_text_document"), [rng.integers(0, 5000, 40) for _ in range(30)])
+    # tokenizer files that exist but are not what they claim
+    with open(p("garbage.model"), "wb") as f:
+        f.write(rng.bytes(300))
+    with open(p("vocab.json"), "w") as f:
+        f.write("{not json")
+    with open(p("merges.txt"), "w") as f:
+        f.write("#version: 0.2\na b\n")
+    # a plain file where a directory is expected, and a directory with someone's data in it
+    with open(p("notes.txt"), "w") as f:
+        f.write("precious\n")
+    os.makedirs(p("busy"))
+    with open(p("busy", "keep.txt"), "w") as f:
+        f.write("precious\n")
+    # a Hugging Face directory whose config is garbage
+    os.makedirs(p("hf_bad"))
+    with open(p("hf_bad", "config.json"), "w") as f:
+        f.write("{\"model_type\": ")
+    # JSONL inputs
+    with open(p("corpus.jsonl"), "w") as f:
+        f.write(json.dumps({"text": "1 2 3"}) + "\n" + json.dumps({"text": "4 5000"}) + "\n")
+    with open(p("bad.jsonl"), "w") as f:
+        f.write(json.dumps({"text": "hello world"}) + "\nnot json\n")
+    with open(p("tok.model"), "wb") as f:  # stands for an existing train_tokenizer.py output
+        f.write(b"existing")
+    # a real checkpoint, and broken copies of it
+    proc = _run("pretrain_gpt.py", MOCK + ["--save", "ck"], root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ck_iter = p("ck", "iter_0000001")
+    for name, breaks in [("ck_badmeta", "iter_0000001/metadata.json"), ("ck_badtracker", None),
+                         ("ck_norank", "iter_0000001/rank_00000.pt"), ("ck_badrankjson", "iter_0000001/rank_00000.json")]:
+        shutil.copytree(p("ck"), p(name))
+        if name == "ck_badtracker":
+            with open(p(name, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("latest\n")
+        elif name == "ck_norank":
+            os.remove(p(name, breaks))
+        else:
+            with open(p(name, breaks), "w") as f:
+                f.write("{\"truncated\": ")
+    assert os.path.isdir(ck_iter)
+    return root
+
+
+G = "tools/generate.py"
+C = "tools/checkpoint/convert.py"
+P = "tools/preprocess_data.py"
+T = "tools/train_tokenizer.py"
+CONVERT = ["--model-type", "GPT", "--loader", "megalite", "--saver", "megalite"]
+
+# (id, entry point, arguments, what the error line must name)
+CASES = [
+    # -- pretrain_gpt.py: one flag out of range ------------------------------------------------------
+    ("train-iters-0", "pretrain_gpt.py", MOCK + ["--train-iters", "0"], "--train-iters must be an integer >= 1"),
+    ("micro-batch-0", "pretrain_gpt.py", MOCK + ["--micro-batch-size", "0"], "--micro-batch-size must be"),
+    ("lr-negative", "pretrain_gpt.py", MOCK + ["--lr", "-1"], "--lr must be a number > 0"),
+    ("lr-nan", "pretrain_gpt.py", MOCK + ["--lr", "nan"], "--lr must be"),
+    ("dropout-1", "pretrain_gpt.py", MOCK + ["--hidden-dropout", "1"], "--hidden-dropout must be a probability"),
+    ("beta2-1", "pretrain_gpt.py", MOCK + ["--adam-beta2", "1.0"], "--adam-beta2 must be in [0, 1)"),
+    ("eps-0", "pretrain_gpt.py", MOCK + ["--adam-eps", "0"], "--adam-eps must be a number > 0"),
+    ("clip-negative", "pretrain_gpt.py", MOCK + ["--clip-grad", "-1"], "--clip-grad must be"),
+    ("weight-decay-negative", "pretrain_gpt.py", MOCK + ["--weight-decay", "-0.1"], "--weight-decay must be"),
+    ("rotary-percent-0", "pretrain_gpt.py", MOCK + ["--position-embedding-type", "rope", "--rotary-percent", "0"],
+     "--rotary-percent must be in (0, 1]"),
+    ("seed-negative", "pretrain_gpt.py", MOCK + ["--seed", "-1"], "--seed must be"),
+    ("eval-iters-negative", "pretrain_gpt.py", MOCK + ["--eval-iters", "-1"], "--eval-iters must be"),
+    ("num-layers-missing", "pretrain_gpt.py", MOCK[:3] + MOCK[5:], "--num-layers is required"),
+    ("unknown-flag", "pretrain_gpt.py", MOCK + ["--no-such-flag"], "--no-such-flag"),
+    ("wsd-iters-without-wsd", "pretrain_gpt.py", MOCK + ["--lr-wsd-decay-iters", "1"], "--lr-wsd-decay-iters"),
+    ("split-unparseable", "pretrain_gpt.py", DATA + ["--split", "90,x,10"], "--split"),
+    # -- pretrain_gpt.py: flags that would do nothing with --mock-data --------------------------------
+    ("mock-eod-mask-loss", "pretrain_gpt.py", MOCK + ["--eod-mask-loss"], "--eod-mask-loss has no effect with --mock-data"),
+    ("mock-reset-position-ids", "pretrain_gpt.py", MOCK + ["--reset-position-ids"], "--reset-position-ids"),
+    ("mock-split", "pretrain_gpt.py", MOCK + ["--split", "98,2,0"], "--split has no effect with --mock-data"),
+    ("mock-data-cache-path", "pretrain_gpt.py", MOCK + ["--data-cache-path", "cache"], "--data-cache-path"),
+    # -- pretrain_gpt.py: tokenizers -------------------------------------------------------------------
+    ("tokenizer-type-unknown", "pretrain_gpt.py", MOCK + ["--tokenizer-type", "Llama2Tokenizer"], "--tokenizer-type"),
+    ("null-tokenizer-no-vocab", "pretrain_gpt.py", ["--mock-data", "--tokenizer-type", "NullTokenizer"] + TINY,
+     "NullTokenizer needs --vocab-size"),
+    ("vocab-file-without-type", "pretrain_gpt.py", MOCK + ["--vocab-file", "vocab.json"], "--vocab-file"),
+    ("merge-file-for-sentencepiece", "pretrain_gpt.py",
+     ["--data-path", "data/good_text_document", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+      "garbage.model", "--merge-file", "merges.txt"] + TINY, "--merge-file is not read by"),
+    ("tokenizer-model-missing", "pretrain_gpt.py",
+     ["--data-path", "data/good_text_document", "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+      "nope.model"] + TINY, "--tokenizer-model nope.model"),
+    ("tokenizer-model-garbage", "pretrain_gpt.py",
+     ["--data-path", "data/good_text_document", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+      "garbage.model"] + TINY, "--tokenizer-model garbage.model: not a SentencePiece model"),
+    # -- pretrain_gpt.py: datasets ---------------------------------------------------------------------
+    ("data-missing", "pretrain_gpt.py", ["--data-path", "data/nope_text_document"] + NULL + TINY,
+     "data/nope_text_document.bin"),
+    ("data-bin-truncated", "pretrain_gpt.py", ["--data-path", "data/trunc_text_document"] + NULL + TINY,
+     "trunc_text_document.bin"),
+    ("data-idx-garbage", "pretrain_gpt.py", ["--data-path", "data/garbage_text_document"] + NULL + TINY,
+     "garbage_text_document.idx"),
+    ("data-float-dtype", "pretrain_gpt.py", ["--data-path", "data/float_text_document"] + NULL + TINY,
+     "float32 tokens"),
+    ("data-ids-beyond-vocab", "pretrain_gpt.py", ["--data-path", "data/bigids_text_document"] + NULL + TINY,
+     "bigids_text_document.bin is outside the model's vocabulary"),
+    ("blend-weight-negative", "pretrain_gpt.py", ["--data-path", "-1", "data/good_text_document", "1",
+                                                  "data/good_text_document"] + NULL + TINY, "--data-path"),
+    # -- pretrain_gpt.py: checkpoints ------------------------------------------------------------------
+    ("save-is-a-file", "pretrain_gpt.py", MOCK + ["--save", "notes.txt"], "--save notes.txt exists"),
+    ("log-jsonl-under-a-file", "pretrain_gpt.py", MOCK + ["--log-jsonl", "notes.txt/run.jsonl"],
+     "--log-jsonl notes.txt/run.jsonl"),
+    ("save-over-other-run", "pretrain_gpt.py", MOCK + ["--save", "ck"], "--save ck already holds checkpoints"),
+    ("load-corrupt-metadata", "pretrain_gpt.py", MOCK + ["--load", "ck_badmeta"], "metadata.json is corrupt"),
+    ("load-other-model", "pretrain_gpt.py", MOCK + ["--load", "ck", "--hidden-size", "128"],
+     "--hidden-size is 64 in the checkpoint and 128 in this run"),
+    # -- tools/generate.py ---------------------------------------------------------------------------
+    ("generate-load-missing", G, ["--load", "nowhere", "--prompt", "1"], "--load nowhere"),
+    ("generate-bad-tracker", G, ["--load", "ck_badtracker", "--prompt", "1"], "latest_checkpointed_iteration.txt"),
+    ("generate-rank-file-missing", G, ["--load", "ck_norank", "--prompt", "1", "--tokenizer-type", "NullTokenizer"],
+     "rank_00000.pt is missing"),
+    ("generate-temperature-0", G, ["--load", "ck", "--prompt", "1", "--temperature", "0"], "--temperature"),
+    ("generate-prompt-not-ids", G, ["--load", "ck", "--prompt", "hello", "--tokenizer-type", "NullTokenizer"],
+     "'hello'"),
+    ("generate-tokenizer-model-missing", G, ["--load", "ck", "--prompt", "1", "--tokenizer-type",
+                                             "SentencePieceTokenizer", "--tokenizer-model", "nope.model"],
+     "--tokenizer-model nope.model"),
+    # -- tools/checkpoint/convert.py -------------------------------------------------------------------
+    ("convert-into-nonempty-dir", C, CONVERT + ["--load-dir", "ck", "--save-dir", "busy"], "--save-dir busy"),
+    ("convert-into-a-file", C, CONVERT + ["--load-dir", "ck", "--save-dir", "notes.txt"], "--save-dir notes.txt"),
+    ("convert-corrupt-rank-index", C, CONVERT + ["--load-dir", "ck_badrankjson", "--save-dir", "out"],
+     "rank_00000.json is corrupt"),
+    ("convert-tp-does-not-divide", C, CONVERT + ["--load-dir", "ck", "--save-dir", "out",
+                                                 "--target-tensor-parallel-size", "3"], "--target-tensor-parallel-size 3"),
+    ("convert-hf-bad-config", C, ["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir", "hf_bad",
+                                  "--save-dir", "out"], "hf_bad: config.json"),
+    ("convert-tokenizer-type-unknown", C, CONVERT[:4] + ["--saver", "hf", "--load-dir", "ck", "--save-dir", "out",
+                                                         "--tokenizer-type", "TikTokenizer"], "--tokenizer-type"),
+    # -- tools/preprocess_data.py ------------------------------------------------------------------------
+    ("preprocess-output-exists", P, ["--input", "corpus.jsonl", "--output-prefix", "data/good"] + NULL,
+     "good_text_document.bin already exists"),
+    ("preprocess-input-missing", P, ["--input", "nope.jsonl", "--output-prefix", "x"] + NULL, "--input nope.jsonl"),
+    ("preprocess-vocab-file-garbage", P, ["--input", "corpus.jsonl", "--output-prefix", "x", "--tokenizer-type",
+                                          "GPT2BPETokenizer", "--vocab-file", "vocab.json", "--merge-file", "merges.txt"],
+     "--vocab-file vocab.json"),
+    ("preprocess-id-beyond-vocab", P, ["--input", "corpus.jsonl", "--output-prefix", "x"] + NULL, "token id 5000"),
+    ("preprocess-workers-0", P, ["--input", "corpus.jsonl", "--output-prefix", "x", "--workers", "0"] + NULL,
+     "--workers"),
+    # -- tools/train_tokenizer.py, tools/plan.py -------------------------------------------------------------
+    ("train-tokenizer-output-exists", T, ["--input", "corpus.jsonl", "--model-prefix", "tok"], "tok.model already exists"),
+    ("train-tokenizer-bad-json", T, ["--input", "bad.jsonl", "--model-prefix", "newtok", "--vocab-size", "300"],
+     "bad.jsonl line 2"),
+    ("plan-heads-not-divisible", "tools/plan.py", TINY + ["--tensor-model-parallel-size", "3", "--world-size", "3"],
+     "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
+]
+
+
+def _check_refused(proc, culprit: str) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, f"status {proc.returncode}\n{out[-3000:]}"
+    assert "Traceback" not in out, out[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert culprit in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("tool,args,culprit", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_and_changes_nothing(world, tool, args, culprit):
+    before = _tree(world)
+    proc = _run(tool, args, world)
+    _check_refused(proc, culprit)
+    assert _tree(world) == before
+
+
+def test_torchrun_reports_a_bad_flag_once(world):
+    """Two ranks fail alike: one line (from rank 0), no traceback from either rank."""
+    before = _tree(world)
+    proc = _run("pretrain_gpt.py", MOCK + ["--micro-batch-size", "0"], world, nproc=2)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if "pretrain_gpt.py: error:" in line]
+    assert ours == ["pretrain_gpt.py: error: --micro-batch-size must be an integer >= 1, got 0"], proc.stderr[-3000:]
+    # torchrun prints its own launcher traceback (ChildFailedError); none comes from our ranks
+    ours = [f'File "{os.path.join(ROOT, d)}' for d in ("megalite", "pretrain_gpt.py", "tools")]
+    assert not any(frame in proc.stderr for frame in ours), proc.stderr[-3000:]
+    assert _tree(world) == before
+
+
+def _load_tool(path: str):
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3] + "_under_test", os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_tool_takes_the_same_tokenizer_types(world, tmp_path):
+    """One list: every name in TOKENIZER_TYPES parses in every tool, and an unknown one nowhere."""
+    from megalite.arguments import parse_args
+    from megalite.data.tokenizers import TOKENIZER_TYPES
+    from megalite.errors import UserError
+
+    assert "GPTSentencePieceTokenizer" in TOKENIZER_TYPES and "NullTokenizer" in TOKENIZER_TYPES
+    (tmp_path / "in.jsonl").write_text('{"text": "1"}\n')
+    parsers = {
+        "pretrain_gpt.py": lambda t: parse_args(["--tokenizer-type", t]),
+        P: lambda t: _load_tool(P).get_args(["--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                                             str(tmp_path / "o"), "--tokenizer-type", t]),
+        G: lambda t: _load_tool(G).get_args(["--load", "x", "--prompt", "1", "--tokenizer-type", t]),
+        C: lambda t: _load_tool(C).get_args(CONVERT[:4] + ["--saver", "hf", "--load-dir", str(tmp_path),
+                                                           "--save-dir", str(tmp_path / "new"), "--tokenizer-type", t]),
+    }
+    for tool, parse in parsers.items():
+        for t in TOKENIZER_TYPES:
+            assert parse(t).tokenizer_type == t, tool
+        with pytest.raises(UserError, match="--tokenizer-type"):
+            parse("Llama2Tokenizer")
+
+
+def test_gpt_sentencepiece_tokenizer_is_sentencepiece(world, tmp_path):
+    """Megatron's GPTSentencePieceTokenizer: the same tokenizer, accepted by pretrain_gpt.py too."""
+    from types import SimpleNamespace
+
+    from megalite.arguments import parse_args, validate_args
+    from megalite.data.tokenizers import SentencePieceTokenizer, build_tokenizer
+    model = str(tmp_path / "sp.model")
+    assert _load_tool(T).main(["--input", os.path.join(ROOT, "data", "corpus.jsonl"), "--model-prefix",
+                               str(tmp_path / "sp"), "--vocab-size", "400", "--input-sentence-size", "500",
+                               "--num-threads", "1"]) == 0
+    a = build_tokenizer(SimpleNamespace(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=model))
+    b = build_tokenizer(SimpleNamespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=model))
+    assert isinstance(a, SentencePieceTokenizer)
+    assert a.tokenize("Once upon a time") == b.tokenize("Once upon a time") and a.eod == b.eod == 2
+    args = validate_args(parse_args(["--data-path", os.path.join(world, "data", "good_text_document"),
+                                     "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model]
+                                    + TINY), 1)
+    assert args.tokenizer_type == "GPTSentencePieceTokenizer"
+
+
+def test_tracker_name_agrees_with_checkpointing():
+    from megalite import checkpoint_files, checkpointing
+    assert checkpoint_files.TRACKER == checkpointing.TRACKER
+
+
+def test_a_bug_keeps_its_traceback(capsys):
+    """Only UserError becomes one line: anything else is a bug and must show where it happened."""
+    from megalite.errors import UserError, cli
+
+    @cli("prog")
+    def main(argv=None):
+        if argv == ["user"]:
+            raise UserError("--flag must be >= 1\nsecond line")
+        raise KeyError("internal")
+
+    assert main(["user"]) == 2
+    assert capsys.readouterr().err == "prog: error: --flag must be >= 1 second line\n"
+    with pytest.raises(KeyError):
+        main(["bug"])
