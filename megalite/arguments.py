@@ -13,6 +13,12 @@ import torch
 from .parallel_state import RankGrid
 
 
+# model flags that map one to one onto the GPTConfig field of the same name
+MODEL_EXTRA_FLAGS = ("openai_gelu", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+                     "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
+                     "rotary_seq_len_interpolation_factor")
+
+
 class ArgumentError(ValueError):
     """A flag, or a combination of flags, that cannot run."""
 
@@ -53,6 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP")
     g.add_argument("--use-flash-attn", action="store_true", help="flash-attn kernels (needs the flash-attn package and CUDA)")
+    g.add_argument("--openai-gelu", action="store_true", help="GPT-2's tanh-approximated GeLU (transformers' gelu_new)")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.1 RoPE scaling of the rotary frequencies")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="--use-rope-scaling: context stretch factor")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0, help="--use-rope-scaling: low_freq_factor")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0,
+                   help="--use-rope-scaling: high_freq_factor")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="--use-rope-scaling: the context length the model was pretrained at")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float,
+                   help="RoPE position interpolation: positions are divided by this")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -265,6 +281,12 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
             _fail("--use-flash-attn needs CUDA and --bf16")
     if args.reset_attention_mask and args.use_flash_attn:
         _fail("--reset-attention-mask needs an explicit mask, which --use-flash-attn does not take")
+    if args.openai_gelu and args.swiglu:
+        _fail("--openai-gelu selects the GeLU MLP's activation; --swiglu has none (choose one)")
+    if (args.use_rope_scaling or args.rotary_seq_len_interpolation_factor) and args.position_embedding_type != "rope":
+        _fail("--use-rope-scaling / --rotary-seq-len-interpolation-factor need --position-embedding-type rope")
+    if args.use_rope_scaling and not args.rope_scaling_low_freq_factor < args.rope_scaling_high_freq_factor:
+        _fail("--rope-scaling-low-freq-factor must be below --rope-scaling-high-freq-factor")
 
     # activation memory: recompute and sequence parallelism (Megatron-LM's rules)
     if args.recompute_activations:

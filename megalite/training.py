@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, parallel_state
-from .arguments import validate_args
+from .arguments import MODEL_EXTRA_FLAGS, validate_args
 from .checkpointing import CheckpointSaver, load_checkpoint
 from .data.batch import build_batch, collate
 from .data.samplers import PretrainingSampler
@@ -103,7 +103,8 @@ class Trainer:
             hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
             init_method_std=a.init_method_std, use_flash_attn=a.use_flash_attn, params_dtype=a.params_dtype,
             sequence_parallel=a.sequence_parallel, recompute_granularity=a.recompute_granularity,
-            recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers)
+            recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers,
+            **{k: getattr(a, k) for k in MODEL_EXTRA_FLAGS})
 
     def build_model(self) -> None:
         args, ps = self.args, self.ps
