@@ -126,6 +126,8 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.hn, config.hidden_size,
                                              init_std=out_std, **common)
         self.recompute_core_attention = False  # set by activation recompute ("selective")
+        # while generating: a cache of this rank's keys and values (megalite.generation.KVCache)
+        self.inference_cache = None
 
     def forward(self, x, rotary=None, attention_mask=None):
         qkv = self.linear_qkv(x)  # [s, b, ng·(np/ng + 2)·hn] for this rank's groups
@@ -135,6 +137,9 @@ class SelfAttention(nn.Module):
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, ng, hn]
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.inference_cache is not None:
+            # the new tokens' keys/values join the cached ones; queries see every earlier position
+            k, v, attention_mask = self.inference_cache.update(k, v, attention_mask)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             # selective recompute: keep q, k, v; redo softmax(QKᵀ)·V (and its dropout) in backward
             ctx = recompute(self.core_attention, q, k, v, attention_mask,
