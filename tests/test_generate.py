@@ -165,3 +165,27 @@ def test_kv_cache_under_tensor_parallelism(checkpoint):
         assert cached == recomputed == expected
     assert results[0][3] == results[1][3]  # sampling: every rank draws the same tokens
     assert len(set(expected)) > 3, expected
+
+
+def test_cli_under_torchrun_shards_the_model(checkpoint, tmp_path):
+    """tools/generate.py on 2 processes (TP 2) writes what one process does, with the cache or without."""
+    import subprocess
+    import sys
+
+    from dist_helpers import free_port
+
+    root, _ = checkpoint
+    flags = ["--load", root, "--prompt", "1 2 3", "--max-new-tokens", "10", "--greedy", "--tokenizer-type",
+             "NullTokenizer", "--vocab-size", str(VOCAB - 1)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    outs = []
+    for nproc, extra in ((1, []), (1, ["--no-kv-cache"]), (2, [])):
+        cmd = [sys.executable, os.path.join(ROOT, "tools/generate.py"), *flags, *extra]
+        if nproc > 1:
+            cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port",
+                        str(free_port())]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert f"TP {nproc})" in p.stderr and ("cache off" in p.stderr) == bool(extra)
+        outs.append(p.stdout)
+    assert outs[0] == outs[1] == outs[2] and len(outs[0].split()) >= 5
