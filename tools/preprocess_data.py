@@ -152,6 +152,12 @@ def _check_json(raw: bytes, keys):
         doc = _parse_json(raw)
     except (UnicodeDecodeError, ValueError) as e:
         return None, f"invalid JSON ({e})"
+    try:  # the common case, cheaply; the checks below name what is wrong
+        texts = [doc[k] for k in keys]
+        if type(doc) is dict and all(type(t) is str for t in texts):
+            return texts, None
+    except (KeyError, TypeError, IndexError):
+        pass
     if not isinstance(doc, dict):
         return None, f"expected a JSON object, got {type(doc).__name__}"
     missing = [k for k in keys if k not in doc]
@@ -172,17 +178,17 @@ def _check_row(values, keys):
 
 
 def _encode_chunk(chunk):
-    """A chunk of records -> (numbers, byte counts, errors, {key: (tokens, sequence lengths,
-    sequences per document)}) for its good documents, tokenized with one call per key."""
-    kind, numbers, payload = chunk
+    """A chunk of records -> (numbers, bytes, errors, {key: (tokens, sequence lengths, sequences per
+    document)}) for its good documents, tokenized with one call per key."""
+    kind, numbers, payload, nbytes = chunk
     tok, keys, split, dtype = _worker["tokenizer"], _worker["keys"], _worker["split"], _worker["dtype"]
     if kind == "json":
         checked = [_check_json(raw, keys) for raw in payload]
-        nbytes = [len(raw) for raw in payload]
-    else:  # "rows": one list of values per key, row-aligned
-        rows = list(zip(*payload))
-        checked = [_check_row(values, keys) for values in rows]
-        nbytes = [sum(len(v.encode("utf-8")) if isinstance(v, str) else 0 for v in values) for values in rows]
+        nbytes = sum(map(len, payload))
+    elif all(type(v) is str for column in payload for v in column):  # "rows": values by column
+        checked = [(list(values), None) for values in zip(*payload)]
+    else:
+        checked = [_check_row(values, keys) for values in zip(*payload)]
     errors = [err for _, err in checked]
     good = [texts for texts, err in checked if err is None]
     encoded = {}
@@ -241,15 +247,16 @@ def _json_chunks(path: str, fmt: str, stats: dict):
             lines.append(raw)
             size += len(raw)
             if len(lines) == _CHUNK_DOCS or size >= _CHUNK_BYTES:
-                yield "json", numbers, lines
+                yield "json", numbers, lines, None
                 numbers, lines, size = [], [], 0
     if lines:
-        yield "json", numbers, lines
+        yield "json", numbers, lines, None
 
 
 def _parquet_chunks(path: str, keys: list[str]):
     """Chunks of rows (values per column) with their 1-based row numbers, a record batch at a time."""
     try:
+        import pyarrow.compute as pc
         import pyarrow.parquet as pq
     except ImportError:
         raise SystemExit(f"error: --input {path}: reading Parquet needs the pyarrow package (pip install pyarrow)") \
@@ -263,8 +270,15 @@ def _parquet_chunks(path: str, keys: list[str]):
     row = 1
     for batch in pf.iter_batches(batch_size=_CHUNK_DOCS, columns=keys):
         columns = [batch.column(k).to_pylist() for k in keys]
-        yield "rows", list(range(row, row + batch.num_rows)), columns
+        nbytes = sum(int(pc.sum(pc.binary_length(batch.column(k))).as_py() or 0)
+                     for k in keys if pa_is_text(batch.column(k).type))
+        yield "rows", list(range(row, row + batch.num_rows)), columns, nbytes
         row += batch.num_rows
+
+
+def pa_is_text(t) -> bool:
+    import pyarrow as pa
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
 def _chunks(args, stats, throttle=None, stop=None):
@@ -330,7 +344,7 @@ def main(argv=None):
     results = _results(args, stats, dtype, tokenizer)
     try:
         for numbers, nbytes, errors, encoded in results:
-            stats["bytes"] += sum(nbytes)
+            stats["bytes"] += nbytes
             for number, err in zip(numbers, errors):
                 if err is not None:
                     if not args.skip_bad_lines:
