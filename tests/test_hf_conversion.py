@@ -144,7 +144,7 @@ def check_export(ck, out, arch, capsys):
 def test_gpt2_export_matches_transformers(gpt2_ckpt, tmp_path, capsys):
     hf_dir, _ = check_export(gpt2_ckpt, tmp_path / "hf", "GPT2LMHeadModel", capsys)
     config = json.load(open(os.path.join(hf_dir, "config.json")))
-    assert config["activation_function"] == "gelu" and config["tie_word_embeddings"] is True
+    assert config["activation_function"] == "gelu" and config.get("tie_word_embeddings", True) is True  # 4.x omits defaults
     assert config["vocab_size"] == read_metadata(gpt2_ckpt)["model_config"]["vocab_size"]  # unpadded
 
 
@@ -371,26 +371,40 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 16}
 
 
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
 def _llama_dir(path, **rope):
+    """A random LlamaForCausalLM with rope theta 5e5 and `rope` scaling, saved by the installed
+    transformers (in its own config layout)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    layout = (dict(rope_parameters=dict(rope or {"rope_type": "default"}, rope_theta=500000.0)) if TRANSFORMERS_5
+              else dict(rope_theta=500000.0, rope_scaling=rope or None))
     config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         rope_parameters=dict(rope, rope_theta=500000.0), initializer_range=0.3)
+                         initializer_range=0.3, **layout)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(path)
     return model
 
 
-def _as_transformers4_layout(src, dst, key="rope_type"):
-    """A copy of a transformers 5 Llama directory whose config.json uses 4.x's rope_theta + rope_scaling."""
+def _with_layout(src, dst, layout, key="rope_type"):
+    """A copy of a Llama directory whose config.json states RoPE in one layout only: "5"
+    (rope_parameters) or "4" (rope_theta + rope_scaling, the type under `key`)."""
     shutil.copytree(src, dst)
     raw = json.load(open(os.path.join(dst, "config.json")))
-    params = raw.pop("rope_parameters")
-    raw["rope_theta"] = params.pop("rope_theta")
-    kind = params.pop("rope_type")
-    raw["rope_scaling"] = dict(params, **{key: kind}) if kind != "default" else None
+    params = raw.pop("rope_parameters", None) or dict(raw.get("rope_scaling") or {}, rope_theta=raw["rope_theta"])
+    raw.pop("rope_theta", None), raw.pop("rope_scaling", None)
+    params = dict(params)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if layout == "5":
+        raw["rope_parameters"] = dict(params, rope_type=kind)
+    else:
+        raw["rope_theta"] = params.pop("rope_theta")
+        raw["rope_scaling"] = dict(params, **{key: kind}) if kind != "default" else None
     json.dump(raw, open(os.path.join(dst, "config.json"), "w"))
     return dst
 
@@ -410,18 +424,19 @@ def test_llama3_rope_scaling_imports_in_both_config_layouts(tmp_path, capsys):
     model.rotary = type(model.rotary)(model.config.kv_channels, 1.0, 500000.0)
     assert (next_token_logits(model, ids) - theirs).abs().max().item() > 1e-3
 
-    # the same model written in transformers 4.x's layout ("rope_type" or the older "type") imports the same
-    for key in ("rope_type", "type"):
-        v4 = _as_transformers4_layout(tmp_path / "hf", tmp_path / f"hf4_{key}", key)
-        assert "rope_parameters" not in json.load(open(os.path.join(v4, "config.json")))
-        ck4, flags4 = _import(v4, tmp_path / f"ck4_{key}", capsys)
-        assert flags4 == flags
-        assert read_metadata(ck4)["model_config"] == meta["model_config"]
+    # the same model written in either transformers layout (4.x: "rope_type" or the older "type") imports the same
+    for layout, key in (("5", None), ("4", "rope_type"), ("4", "type")):
+        d = _with_layout(tmp_path / "hf", tmp_path / f"hf{layout}_{key}", layout, key)
+        assert ("rope_parameters" in json.load(open(os.path.join(d, "config.json")))) == (layout == "5")
+        ck2, flags2 = _import(d, tmp_path / f"ck{layout}_{key}", capsys)
+        assert flags2 == flags
+        assert read_metadata(ck2)["model_config"] == meta["model_config"]
 
     # exported back: both layouts in config.json, and transformers computes the same
     hf_dir = export(ck, tmp_path / "hf_back", "--no-tokenizer")
     raw = json.load(open(os.path.join(hf_dir, "config.json")))
-    assert raw["rope_parameters"] == dict(LLAMA3_ROPE, rope_theta=500000.0)
+    if TRANSFORMERS_5:
+        assert raw["rope_parameters"] == dict(LLAMA3_ROPE, rope_theta=500000.0)
     assert (raw["rope_theta"], raw["rope_scaling"]) == (500000.0, LLAMA3_ROPE)
     back = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     assert (back(ids).logits - theirs).abs().max().item() < 1e-5
@@ -446,7 +461,7 @@ def test_linear_rope_scaling_round_trips(tmp_path, capsys):
 def test_unrepresentable_rope_is_refused_naming_the_field(rope, message, tmp_path, capsys):
     hf = _llama_dir(tmp_path / "hf")
     raw = json.load(open(tmp_path / "hf" / "config.json"))
-    raw.pop("rope_parameters")
+    raw.pop("rope_parameters", None)
     raw.update(rope_theta=10000.0, rope_scaling=rope)
     json.dump(raw, open(tmp_path / "hf" / "config.json", "w"))
     del hf
