@@ -551,10 +551,10 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     if raw.get("model_type") == "llama":
         rope_from_hf(raw)  # refuse what megalite cannot compute before transformers validates (or drops) it
     try:
-        hf_config_ = AutoConfig.from_pretrained(in_dir, local_files_only=True)
+        hf_cfg = AutoConfig.from_pretrained(in_dir, local_files_only=True)
     except (KeyError, ValueError) as e:
         raise ConversionError(f"--load-dir {in_dir}: transformers cannot read its config.json ({e})") from None
-    cfg = _config_from_hf(hf_config_, raw)
+    cfg = _config_from_hf(hf_cfg, raw)
     hf = read_safetensors(in_dir)
     # GPT2LMHeadModel prefixes "transformer.", LlamaForCausalLM "model."; the original GPT-2 files have none
     prefix = "transformer." if cfg["position_embedding_type"] == "learned_absolute" else "model."

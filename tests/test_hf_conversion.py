@@ -487,3 +487,26 @@ def test_gpt2_reference_vocabulary_exports(tmp_path):
     assert theirs(SAMPLE_TEXT).input_ids == ours.tokenize(SAMPLE_TEXT)
     assert theirs("Hello world").input_ids == [15496, 995]  # GPT-2's published ids
     assert theirs.eos_token_id == ours.eod == 50256
+
+
+def test_checkpoints_refuse_another_activation_or_rope_scaling():
+    from megalite.checkpointing import CheckpointError, check_model_config
+
+    scaled = _config(**ROPE, use_rope_scaling=True).to_dict()
+    check_model_config(scaled, dict(scaled), "ck")
+    for key, value, flag in (("use_rope_scaling", False, "--use-rope-scaling"),
+                             ("rope_scaling_factor", 32.0, "--rope-scaling-factor"),
+                             ("rope_scaling_original_max_position_embeddings", 4096,
+                              "--rope-scaling-original-max-position-embeddings"),
+                             ("rotary_seq_len_interpolation_factor", 2.0, "--rotary-seq-len-interpolation-factor")):
+        with pytest.raises(CheckpointError, match=f"{flag} is "):
+            check_model_config(scaled, dict(scaled, **{key: value}), "ck")
+    gpt2 = _config(openai_gelu=True).to_dict()
+    with pytest.raises(CheckpointError, match="--openai-gelu is True in the checkpoint and False in this run"):
+        check_model_config(gpt2, dict(gpt2, openai_gelu=False), "ck")
+    # a checkpoint written before these settings existed is a default (exact GeLU, unscaled) model
+    new_keys = ("openai_gelu", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+                "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
+                "rotary_seq_len_interpolation_factor")
+    for cfg in (_config().to_dict(), _config(**ROPE).to_dict()):
+        check_model_config({k: v for k, v in cfg.items() if k not in new_keys}, cfg, "old")
