@@ -474,8 +474,9 @@ def test_unrepresentable_rope_is_refused_naming_the_field(rope, message, tmp_pat
 
 def test_gpt2_reference_vocabulary_exports(tmp_path):
     """The real GPT-2 vocabulary (when the shared copy is present) round-trips through AutoTokenizer."""
-    vocab = os.path.join(ROOT, "..", "shared", "tokenizers", "gpt2-vocab.json")
-    merges = os.path.join(ROOT, "..", "shared", "tokenizers", "gpt2-merges.txt")
+    shared = os.environ.get("MEGALITE_SHARED", os.path.join(ROOT, "..", "shared"))
+    vocab = os.path.join(shared, "tokenizers", "gpt2-vocab.json")
+    merges = os.path.join(shared, "tokenizers", "gpt2-merges.txt")
     if not (os.path.isfile(vocab) and os.path.isfile(merges)):
         pytest.skip("../shared/tokenizers/gpt2-vocab.json / gpt2-merges.txt not present")
     from megalite.data.tokenizers import GPT2BPETokenizer
