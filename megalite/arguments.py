@@ -83,6 +83,16 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP (>= 1)")
     g.add_argument("--use-flash-attn", action="store_true", help="flash-attn kernels (needs the flash-attn package and CUDA)")
+    g.add_argument("--openai-gelu", action="store_true", help="GPT-2's tanh-approximated GeLU (transformers' gelu_new)")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.1 RoPE scaling of the rotary frequencies")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="--use-rope-scaling: context stretch factor")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0, help="--use-rope-scaling: low_freq_factor")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0,
+                   help="--use-rope-scaling: high_freq_factor")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="--use-rope-scaling: the context length the model was pretrained at")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float,
+                   help="RoPE position interpolation: positions are divided by this")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP (>= 1)")
@@ -406,6 +416,12 @@ def _check_model_shape(args, tp: int) -> None:
                   f"channels; RoPE needs a positive even number")
     if args.reset_attention_mask and args.use_flash_attn:
         _fail("--reset-attention-mask needs an explicit mask, which --use-flash-attn does not take")
+    if args.openai_gelu and args.swiglu:
+        _fail("--openai-gelu selects the GeLU MLP's activation; --swiglu has none (choose one)")
+    if (args.use_rope_scaling or args.rotary_seq_len_interpolation_factor) and args.position_embedding_type != "rope":
+        _fail("--use-rope-scaling / --rotary-seq-len-interpolation-factor need --position-embedding-type rope")
+    if args.use_rope_scaling and not args.rope_scaling_low_freq_factor < args.rope_scaling_high_freq_factor:
+        _fail("--rope-scaling-low-freq-factor must be below --rope-scaling-high-freq-factor")
 
 
 def _check_recompute(args, pp: int) -> None:
