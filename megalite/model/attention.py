@@ -29,17 +29,18 @@ except ImportError:  # pragma: no cover - depends on the environment
 class RotaryEmbedding(nn.Module):
     """RoPE (Su et al. 2021, Eq. 34), in the rotate-half form used by Megatron-LM and Llama."""
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000.0):
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000.0, device=None):
         super().__init__()
         self.dim = int(kv_channels * rotary_percent)
         if self.dim % 2:
             raise ValueError(f"rotary dimension {self.dim} (kv channels x --rotary-percent) must be even")
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+        # on the model's device: a CPU buffer would meet CUDA activations in forward
+        inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [b, s] -> (cos, sin), each [s, b, 1, dim] in fp32."""
-        freqs = position_ids.to(self.inv_freq.device).float().unsqueeze(-1) * self.inv_freq  # [b, s, dim/2]
+        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq  # [b, s, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1).transpose(0, 1).unsqueeze(2)
         return emb.cos(), emb.sin()
 
