@@ -117,6 +117,9 @@ class Trainer:
                              layer_offset=offset, num_layers=n, device=self.device)
             chunk.initialize(args.seed)
             self.model.append(chunk)
+        if args.compile:  # --compile: each transformer layer, in place (megalite/model/compile.py)
+            from .model.compile import compile_layers
+            self.log(f"> compile: torch.compile of {compile_layers(self.model)} transformer layers (Inductor)")
         # the tied embedding on the first stage and its copy on the last must be summed over the
         # embedding group before any DP reduction (see finalize_model_grads)
         self.tied_embedding = None
@@ -364,6 +367,10 @@ class Trainer:
         while self.iteration < args.train_iters:
             out = self.train_step()
             self.iteration += 1
+            if args.compile and not getattr(self, "_compile_reported", False):  # compiled during this first step
+                from .model.compile import compile_report
+                self.log(f"> compile: {compile_report()}")
+                self._compile_reported = True
             self.consumed_samples += args.global_batch_size
             window["iters"] += 1
             if not out.get("skipped"):  # a step skipped for fp16 overflow does not enter the average
