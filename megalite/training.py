@@ -233,6 +233,9 @@ class Trainer:
     def log_startup(self) -> None:
         args, ps = self.args, self.ps
         total = self.count_parameters()
+        from .cpu import slow_bf16_warning  # --bf16 on a CPU without native bf16: say it once
+        if (warning := slow_bf16_warning(self.device, args.params_dtype)) is not None:
+            self.log(warning)
         attention = "flash-attn" if args.use_flash_attn else "torch scaled_dot_product_attention"
         self.log(f"> megalite: {ps.describe()}, {args.num_microbatches} micro-batches of {args.micro_batch_size} "
                  f"per iteration (global batch {args.global_batch_size})")
