@@ -11,12 +11,14 @@ where megalite deliberately differs from Megatron-LM, whose padded logits take p
 softmax).
 
 Memory (Megatron-LM's --cross-entropy-loss-fusion serves the same end): the logits are the
-largest activation of a GPT step (s·b·v/tp, e.g. 2048 x 8 x 50k = 0.8G elements). Forward
-saves for backward only the logits themselves, in their own dtype (bf16 in bf16 training), plus
-[s, b] row statistics; backward recomputes the softmax from them, a memory-bound pass that costs
-far less than the output-layer GEMM. fp32 work is done on slices of at most `CHUNK_ELEMENTS`
-logits, so neither pass makes an fp32 copy of the whole logits (the unfused form kept an fp32
-softmax and briefly three fp32 copies in bf16 training).
+largest activation of a GPT step (s·b·v/tp, e.g. 2048 x 8 x 50k = 0.8G elements), so backward
+keeps exactly one logits-sized tensor. fp32 logits: their softmax, computed into one new buffer
+that also becomes the gradient (the logits themselves can then be freed). 16-bit logits: the
+logits, in their dtype, plus [s, b] row statistics; backward recomputes the softmax in fp32 on
+slices of at most `CHUNK_ELEMENTS` logits. In bf16 that keeps 2 instead of 4 bytes per logit
+for backward and holds about 2 instead of 10 bytes per logit at the forward's peak (the unfused
+form made an fp32 copy, shifted it into a second one and kept that as the softmax), for one
+more exp pass in backward. Padded columns are sliced off, never copied.
 """
 from __future__ import annotations
 
@@ -58,34 +60,50 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             target_logit.masked_fill_(outside.reshape(-1), 0.0)
         comm.all_reduce(target_logit, group)
 
-        sum_exp = torch.zeros(n, dtype=torch.float32, device=logits.device)
-        for lo, hi in _row_chunks(n, valid):
-            sum_exp[lo:hi] = (rows[lo:hi].float() - logits_max[lo:hi, None]).exp_().sum(dim=-1)
+        # fp32 logits: the softmax replaces them for backward (same bytes, no recompute); 16-bit
+        # logits: they are kept and the softmax is recomputed, slice by slice, in backward
+        keep_softmax = logits.dtype == torch.float32
+        if keep_softmax:
+            softmax = torch.empty(n, part, dtype=torch.float32, device=logits.device)
+            softmax[:, valid:] = 0.0  # padded columns took no part in the softmax
+            exp_logits = torch.sub(rows, logits_max.unsqueeze(-1), out=softmax[:, :valid]).exp_()
+            sum_exp = exp_logits.sum(dim=-1)
+        else:
+            sum_exp = torch.zeros(n, dtype=torch.float32, device=logits.device)
+            for lo, hi in _row_chunks(n, valid):
+                sum_exp[lo:hi] = (rows[lo:hi] - logits_max[lo:hi, None]).exp_().sum(dim=-1)  # fp32 by promotion
         comm.all_reduce(sum_exp, group)
         loss = sum_exp.log() - target_logit
 
-        ctx.valid = valid
-        ctx.save_for_backward(logits, logits_max, sum_exp, outside, local_target)
+        ctx.valid, ctx.keep_softmax, ctx.logits_shape = valid, keep_softmax, logits.shape
+        if keep_softmax:
+            exp_logits.div_(sum_exp.unsqueeze(-1))
+            ctx.save_for_backward(softmax, outside, local_target)
+        else:
+            ctx.save_for_backward(logits, (logits_max + sum_exp.log()).unsqueeze(-1), outside, local_target)
         return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # d loss / d logit_j = softmax_j - 1[j == target], the softmax recomputed slice by slice
-        logits, logits_max, sum_exp, outside, local_target = ctx.saved_tensors
+        # d loss / d logit_j = softmax_j - 1[j == target]
+        inside = (~ctx.saved_tensors[-2]).reshape(-1, 1).float()
+        grad_loss = grad_loss.reshape(-1, 1).float()
+        if ctx.keep_softmax:  # the saved fp32 softmax becomes the gradient in place
+            softmax, _, local_target = ctx.saved_tensors
+            softmax.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
+            return softmax.mul_(grad_loss).view(ctx.logits_shape), None, None, None
+        logits, lse, _, local_target = ctx.saved_tensors
         valid, part = ctx.valid, logits.size(-1)
         grad = torch.empty_like(logits)
         grad_rows = grad.view(-1, part)
         if valid < part:
-            grad_rows[:, valid:] = 0  # padded columns took no part in the softmax
+            grad_rows[:, valid:] = 0
         rows = logits.reshape(-1, part)[:, :valid]
-        inside = (~outside).reshape(-1, 1).float()
-        grad_loss = grad_loss.reshape(-1, 1).float()
         for lo, hi in _row_chunks(rows.size(0), valid) if valid else ():
-            g = (rows[lo:hi].float() - logits_max[lo:hi, None]).exp_().div_(sum_exp[lo:hi, None])
+            g = (rows[lo:hi] - lse[lo:hi]).exp_()  # fp32 softmax of this slice, by promotion
             g.scatter_add_(-1, local_target[lo:hi, None], -inside[lo:hi])
             grad_rows[lo:hi, :valid] = g.mul_(grad_loss[lo:hi])
         return grad, None, None, None
-
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
                                  vocab_size: int | None = None) -> torch.Tensor:
