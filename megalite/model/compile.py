@@ -8,6 +8,18 @@ vocabulary-parallel loss, recompute of whole chunks and the pipeline schedule st
 Inside a layer Inductor fuses what sits between the matrix multiplies (norm, residual add,
 dropout, rotary, GeLU / SwiGLU), which PyTorch's eager fused kernels cover only op by op
 (PyTorch 2 paper, Ansel et al. 2024, Sec. 4-5).
+
+What Dynamo makes of the rest of megalite (torch 2.13, tests/test_compile.py):
+- one process, no recompute: each layer is one graph, 0 graph breaks;
+- tensor parallelism: the f/g autograd Functions call torch.distributed, which Dynamo does not
+  trace inside an autograd.Function, so each runs eagerly and splits the layer's graph around
+  it (a 2-layer TP=2 + SP run logs 16 graph breaks); results are unchanged;
+- recompute() is excluded from tracing (its checkpoint passes a context_fn, which Dynamo's
+  checkpoint operator rejects): under selective recompute core attention runs eagerly, under
+  full recompute the compiled layers run inside the eager checkpoint;
+- dropout > 0: masks inside compiled graphs come from Inductor's generator, not eager's, so
+  losses differ from an eager run by dropout noise; the RNG tracker's fork (attention dropout
+  under TP) reads and sets generator states, which Dynamo leaves to eager code.
 """
 from __future__ import annotations
 
