@@ -129,6 +129,8 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--train-iters", type=int, help="iterations to train (>= 1; required)")
     g.add_argument("--seed", type=int, default=1234, help="random seed, in [0, 2^31)")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations, fp32 grads and master weights")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer (Inductor); compiled during the first iteration")
 
     g = p.add_argument_group("optimizer and learning rate")
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])

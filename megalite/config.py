@@ -113,6 +113,7 @@ class TrainingConfig:
     micro_batch_size: int = 1
     num_microbatches: int = 1
     seed: int = 1234
+    compile: bool = False  # torch.compile of the transformer layers
     log_interval: int = 100
     log_jsonl: str | None = None
     peak_tflops: float | None = None

@@ -30,12 +30,13 @@ class RotaryEmbedding(nn.Module):
     """RoPE (Su et al. 2021, Eq. 34), in the rotate-half form used by Megatron-LM and Llama."""
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000.0,
-                 scaling: dict | None = None, seq_len_interpolation_factor: float | None = None):
+                 scaling: dict | None = None, seq_len_interpolation_factor: float | None = None, device=None):
         super().__init__()
         self.dim = int(kv_channels * rotary_percent)
         if self.dim % 2:
             raise ValueError(f"rotary dimension {self.dim} (kv channels x --rotary-percent) must be even")
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+        # on the model's device: a CPU buffer would meet CUDA activations in forward
+        inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim))
         if scaling is not None:
             inv_freq = llama3_scale_inv_freq(inv_freq, **scaling)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
@@ -43,7 +44,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [b, s] -> (cos, sin), each [s, b, 1, dim] in fp32."""
-        pos = position_ids.to(self.inv_freq.device).float()
+        pos = position_ids.float()
         if self.seq_len_interpolation_factor is not None:
             pos = pos / self.seq_len_interpolation_factor
         freqs = pos.unsqueeze(-1) * self.inv_freq  # [b, s, dim/2]
