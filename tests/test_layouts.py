@@ -7,10 +7,10 @@ every parameter after the last step, read back whole from the --save checkpoint 
 scale). The reference's loss must fall clearly over the compared iterations, so that equality is
 not an artefact of a model that learns nothing (random mock tokens keep a small model at ln V).
 
-Families: TP, DP, TP x DP, PP (1F1B), interleaved PP, TP x PP x DP; ZeRO-1 over DP with and without
-overlap, and on TP x PP x DP with overlap, sequence parallelism and full recompute; sequence
-parallelism on TP; each recompute mode; and the model variant (RoPE, RMSNorm, SwiGLU, GQA, no
-biases, untied output) on TP x interleaved PP.
+Families: TP, DP, TP x DP, PP (1F1B, 2 and 4 stages), interleaved PP, TP x PP x DP; ZeRO-1 over DP
+(unfused Adam) and with overlap, and on TP x PP x DP with overlap, sequence parallelism and full
+recompute; sequence parallelism on TP; each recompute mode; and the model variant (RoPE, RMSNorm,
+SwiGLU, GQA, no biases, untied output) on TP x interleaved PP.
 """
 import pytest
 
@@ -50,6 +50,7 @@ LAYOUTS = {  # id: (processes, flags, reference model)
     "tp2-dp2": (4, TP2, "base"),
     "pp2": (2, PP2, "base"),
     "pp2-vpp2": (2, PP2 + VPP, "base"),
+    "pp4": (4, ["--pipeline-model-parallel-size", "4"], "base"),  # one layer a stage, as many micro-batches
     "tp2-pp2-dp2": (8, TP2 + PP2, "base"),
     "zero1-dp2-unfused": (2, ZERO + ["--no-fused-optimizer"], "base"),  # against a fused Adam reference
     "zero1-dp2-overlap": (2, ZERO + OVERLAP, "base"),
