@@ -134,7 +134,7 @@ STORIES = [
 
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
-    spm = pytest.importorskip("sentencepiece")
+    import sentencepiece as spm  # a dependency of megalite, not optional
     d = tmp_path_factory.mktemp("sp")
     write_jsonl(d / "corpus.jsonl", [{"text": t} for t in STORIES])
     tool = os.path.join(ROOT, "tools", "train_tokenizer.py")
@@ -163,7 +163,7 @@ def _tinyshakespeare_paragraphs(n):
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, "tokenizers")), reason="../shared/tokenizers absent")
 def test_gpt2_bpe_matches_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # installed by `make test` (.[hf]); only the shared vocabulary may be absent
     vocab = os.path.join(SHARED, "tokenizers", "gpt2-vocab.json")
     merges = os.path.join(SHARED, "tokenizers", "gpt2-merges.txt")
     hf_dir = tmp_path / "hf"

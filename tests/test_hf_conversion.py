@@ -17,14 +17,14 @@ import torch
 
 from dist_helpers import ROOT, run_pretrain
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+# transformers (and safetensors, which the conversion writes) are what this file tests against:
+# `make test` installs them (.[hf]), so their absence is an error, not a skip
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megalite.checkpointing import load_full_state_dict, read_metadata, save_full_state_dict  # noqa: E402
-from megalite.generation import build_tokenizer_for, generate, load_model, next_token_logits  # noqa: E402
-from megalite.hf_conversion import ConversionError, hf_architecture, pretrain_flags  # noqa: E402
-from megalite.model import GPTConfig, GPTModel, pad_vocab_size  # noqa: E402
+from megalite.checkpointing import load_full_state_dict, read_metadata, save_full_state_dict
+from megalite.generation import build_tokenizer_for, generate, load_model, next_token_logits
+from megalite.hf_conversion import ConversionError, hf_architecture, pretrain_flags
+from megalite.model import GPTConfig, GPTModel, pad_vocab_size
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",

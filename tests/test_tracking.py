@@ -76,8 +76,6 @@ def read_wandb_file(path: str) -> list:
 
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory):
-    pytest.importorskip("wandb")
-    pytest.importorskip("tensorboard")
     tmp = tmp_path_factory.mktemp("tracked")
     os.environ["WANDB_MODE"] = "offline"  # inherited by the run; restored below
     os.environ.setdefault("WANDB_SILENT", "true")
