@@ -19,17 +19,15 @@ OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 
 
 # -- buffer layout and overlap, in process ---------------------------------------------------------
-def _trainer(rank, world, extra):
-    from megalite.training import Trainer
-    args = validate_args(parse_args(BASE + extra), world)
-    t = Trainer(args)
-    t.setup()
-    return t
+def _run(rank, world, extra):
+    from megalite.arguments import build_run_config
+    from megalite.training import setup
+    return setup(build_run_config(validate_args(parse_args(BASE + extra), world)))
 
 
 def _layout_and_early_reductions(rank, world, extra):
-    t = _trainer(rank, world, extra)
-    args, buf = t.args, t.grad_buffer
+    run = _run(rank, world, extra)
+    buf, params = run.dp.buffer, [p for _, p in run.state.named_params]
     cuts = 0
     for b, (start, end) in enumerate(buf.buckets):
         assert (end - start) % buf.dp_size == 0 if buf.reduce_scatter else True
@@ -37,17 +35,17 @@ def _layout_and_early_reductions(rank, world, extra):
             s, e = buf.shard_range(b, r)
             cuts += any(ps < s < pe for ps, pe in (buf.param_index[p] for p in buf.bucket_params[b]))
     if buf.reduce_scatter:  # parameters are views into a flat buffer with the gradients' layout
-        for p in t.params:
+        for p in params:
             start, end = buf.param_index[p]
             assert p.data_ptr() == buf.param_data[start:end].data_ptr()
-    t.optimizer.zero_grad()
-    t.forward_backward(forward_step=t.forward_step, data_iterator=t.train_iter, model=t.model,
-                       num_microbatches=args.num_microbatches, comm=t.pipe_comm, backward_scale=1e-3)
-    started = sum(buf._started)  # started from the backward hooks, before finalize_model_grads
-    t.finalize_model_grads()
-    owned = sum(m.numel() for m in t.optimizer.masters)
+    run.dp.zero_grad()
+    run.forward_backward(batches=run.train_batches, model=run.model,
+                         num_microbatches=run.cfg.training.num_microbatches, comm=run.pipe_comm, backward_scale=1e-3)
+    started = sum(buf._started)  # started from the backward hooks, before finish_grad_sync
+    run.dp.finish_grad_sync()
+    owned = sum(m.numel() for m in run.state.optimizer.masters)
     return {"buckets": len(buf.buckets), "cuts": cuts, "started": started, "owned": owned,
-            "params": sum(p.numel() for p in t.params)}
+            "params": sum(p.numel() for p in params)}
 
 
 @pytest.mark.parametrize("zero", [True, False], ids=["zero1", "all-reduce"])

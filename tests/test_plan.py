@@ -30,13 +30,16 @@ GPT3_175B = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-he
                          ids=["gpt2", "variant", "untied", "odd-padding"])
 @pytest.mark.parametrize("pp,vpp_layers", [(1, None), (2, None), (2, 1)], ids=["pp1", "pp2", "pp2-vpp"])
 def test_stage_params_match_built_model(options, pp, vpp_layers):
+    import dataclasses
+
+    from megalite.arguments import build_run_config
     from megalite.model import GPTModel
-    from megalite.training import Trainer, stage_layers
+    from megalite.parallel_state import stage_layers
     argv = SMALL + options + ["--pipeline-model-parallel-size", str(pp), "--world-size", str(pp)]
     if vpp_layers:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers), "--global-batch-size", "4"]
     args = plan.parse(argv)
-    config = Trainer(args).model_config()
+    config = dataclasses.replace(build_run_config(args).model, padded_vocab_size=args.padded_vocab_size)
     v = args.virtual_pipeline_model_parallel_size
     built = []
     for r in range(pp):
