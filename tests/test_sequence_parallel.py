@@ -34,6 +34,7 @@ def config(**kw):
 def run_model(cfg, group, rank, data, rng_seed=11, reduce_sp=False):
     """Loss and parameter gradients (by global name) of one forward/backward on this TP rank."""
     from megalite import comm
+    from megalite.tensor_parallel.param_info import param_info
     model = GPTModel(cfg, group, seed_everything(rng_seed, rank, 0, torch.device("cpu")))
     model.initialize(5)
     model.train()
@@ -46,7 +47,7 @@ def run_model(cfg, group, rank, data, rng_seed=11, reduce_sp=False):
     out = {}
     for name, p in model.global_named_parameters():
         g = p.grad.clone()
-        if reduce_sp and getattr(p, "sequence_parallel", False):
+        if reduce_sp and param_info(p).sequence_parallel:
             comm.all_reduce(g, group)  # what finalize_model_grads does
         out[name] = g
     return loss.detach(), out
