@@ -15,8 +15,8 @@ fp32 master, or an optimizer moment), recorded with how that shard was cut from 
 tensor (TP partition dimension, stride, TP size, the real vocabulary rows of padded tables).
 Which rank saves what ("ownership", `owned_pieces`): with the distributed optimizer every rank
 its own ZeRO-1 slices of parameters, masters and moments; with the plain optimizer whole
-parameters round-robin over the data-parallel ranks (parameter i on DP rank i mod DP), so DP
-replicas write disjoint parts in parallel. A TP-replicated tensor is saved by TP rank 0 only.
+parameters spread over the data-parallel ranks by size, so DP replicas write (and read) disjoint,
+about equal parts in parallel. A TP-replicated tensor is saved by TP rank 0 only.
 Every element is saved once, plus the last pipeline stage's optimizer state for its copy of the
 tied embedding (so that stage never reads the first stage's files).
 
@@ -196,13 +196,25 @@ def _tp_owner(p, tp_rank: int) -> bool:
 
 def owned_pieces(train_state: TrainState) -> list[tuple]:
     """(param, lo, hi, master) pieces this rank saves, and on load reads: with the distributed
-    optimizer its own slices; with the plain one whole parameters, parameter i on DP rank
-    i mod DP. The same rule on every layout (see the module docstring)."""
+    optimizer its own slices; with the plain one whole parameters, spread over the DP ranks by
+    size (`dp_owners`). The same rule on every layout (see the module docstring)."""
     ps, opt = train_state.ps, train_state.optimizer
     pieces = opt.pieces()
     if not opt.distributed:
-        pieces = [pc for i, pc in enumerate(pieces) if i % ps.dp_size == ps.dp_rank]
+        owners = dp_owners([p.numel() for p, *_ in pieces], ps.dp_size)
+        pieces = [pc for pc, owner in zip(pieces, owners) if owner == ps.dp_rank]
     return [pc for pc in pieces if _tp_owner(pc[0], ps.tp_rank)]
+
+
+def dp_owners(sizes: list[int], dp_size: int) -> list[int]:
+    """The DP rank that owns each whole tensor: largest first, each to the least loaded rank
+    (ties: the lowest), so DP replicas read and write about equal shares. A function of the
+    sizes alone, hence the same on every DP rank."""
+    load, owners = [0] * dp_size, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owners[i] = min(range(dp_size), key=lambda r: (load[r], r))
+        load[owners[i]] += sizes[i]
+    return owners
 
 
 def collect_rank_state(train_state: TrainState) -> tuple[dict, dict]:
