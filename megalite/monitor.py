@@ -123,7 +123,7 @@ class CommMonitor:
             last = self.last
             issued = f"; the last collective issued was {last[0]} over {self.group_description(last[1])}" if last else ""
             stalled = (self.step_start, f"the iteration has run for {now - self.step_start:.0f} s{issued}")
-        if stalled is None or stalled[0] is self._reported or stalled[0] == self._reported:
+        if stalled is None or stalled[0] == self._reported:  # once per stall
             return None
         self._reported = stalled[0]
         msg = (f"{self.rank_description()} {self.where}: {stalled[1]}, longer than --distributed-timeout-minutes "
