@@ -296,7 +296,7 @@ def build_metadata(train_state: TrainState, iteration: int) -> dict:
 
 def _write_metadata_and_index(directory: str, meta: dict, optimizer_step, records: list[dict]) -> None:
     """Rank 0: metadata.json (for people and tools) and the global index (for loads)."""
-    records = [{k: v for k, v in r.items() if k != "head"} for r in sorted(records, key=lambda r: r["rank"])]
+    records = sorted(records, key=lambda r: r["rank"])
     with open(os.path.join(directory, "metadata.json"), "w") as f:
         json.dump(meta, f, indent=1)
     with open(os.path.join(directory, INDEX), "wb") as f:
@@ -346,6 +346,7 @@ class CheckpointSaver:
                 where = "; ".join(f"rank {r}: {', '.join(keys)}" for r, keys in enumerate(bad) if keys)
                 raise CheckpointError(f"refusing to save the checkpoint of iteration {iteration}: non-finite values "
                                       f"in {where}. The latest checkpoint stays the previous one")
+        head = record.pop("head")  # this rank's file header: not needed by rank 0
         records = comm.gather_object(record, 0, comm.world_group())
         tmp = iteration_dir(self.root, iteration) + ".tmp"
         if ps.rank == 0:
@@ -359,7 +360,7 @@ class CheckpointSaver:
         path = os.path.join(tmp, record["file"])
         start = time.perf_counter()
         if not self.async_save:
-            write(path, tensors, record["head"])
+            write(path, tensors, head)
             self._finish(train_state, iteration)
             train_state.log(f"> saved checkpoint {iteration_dir(self.root, iteration)} "
                             f"({time.perf_counter() - start:.2f} s)")
@@ -367,7 +368,7 @@ class CheckpointSaver:
 
         def write_in_background():
             try:
-                write(path, tensors, record["head"])
+                write(path, tensors, head)
             except BaseException as e:  # reported at finalisation, on the training thread
                 self.error = e
 

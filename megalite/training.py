@@ -137,7 +137,8 @@ def setup(cfg: RunConfig) -> Run:
     # every blocking collective from here on is seen by the monitor (timeouts name where the run
     # stood; --log-straggler times the waits)
     monitor = CommMonitor(ps, device, cfg.parallel.distributed_timeout_minutes, time_waits=t.log_straggler)
-    comm.set_monitor(monitor)
+    comm.set_monitor(monitor)  # pretrain() stops it and uninstalls it, whatever happens
+    monitor.start_watchdog()
     model_config, eod = resolve_vocab(cfg)
     model, rng_tracker = build_model(model_config, ps, cfg.training.seed, device)
     named_params = [(n, p) for m in model for n, p in m.global_named_parameters()]
@@ -446,7 +447,6 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
 def pretrain(cfg: RunConfig) -> TrainState:
     try:
         run = setup(cfg)
-        run.monitor.start_watchdog()
         train(run)
         run.monitor.where = "at the end of training"
         comm.barrier()
