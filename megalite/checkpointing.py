@@ -43,7 +43,7 @@ import random
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ from .checkpoint_index import INDEX, CheckpointError, build_index, open_index
 from .model.init import global_shape, shard
 from .parallel_state import ParallelState, stage_layers
 from .reshard import ShardLayout, coalesce, locate, runs, split_at
-from .tensor_file import RangeReader, plan, write
+from .tensor_file import DTYPES, RangeReader, element_size, plan, write
 from .tensor_parallel.param_info import param_info
 
 FORMAT_VERSION = 2  # 2: global index, safetensors-layout data files; 1: per-rank index + torch.save
@@ -254,7 +254,6 @@ def collect_rank_state(train_state: TrainState) -> tuple[dict, dict]:
 
 
 def _dtype_name(t: torch.Tensor) -> str:
-    from .tensor_file import DTYPES
     return DTYPES[t.dtype]
 
 
@@ -414,7 +413,6 @@ class LoadStats:
     bytes_read: int = 0
     files_opened: int = 0
     seconds: float = 0.0
-    files: list = field(default_factory=list)
 
 
 def open_checkpoint(root: str, iteration: int | None = None, io: RangeReader | None = None):
@@ -479,18 +477,13 @@ def read_region(index, name: str, kind: str, target: ShardLayout, tp_rank: int, 
         for k in np.unique(which):
             pc, sk = mine[k], which == k
             s_k, n_k, d_k = s[sk] - pc.lo, n[sk], d[sk]
-            gap = READ_GAP_BYTES // (4 if pc.dtype is None else torch.empty((), dtype=_torch_dtype(pc.dtype)).element_size())
+            gap = READ_GAP_BYTES // (4 if pc.dtype is None else element_size(pc.dtype))  # format 1: dtype unknown
             for a, b, members in coalesce(s_k, n_k, gap):
                 data = index.read(pc, a, b)
                 for m in members:
                     o = int(s_k[m]) - a
                     out[int(d_k[m]):int(d_k[m]) + int(n_k[m])] = data[o:o + int(n_k[m])]
     return out
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    from .tensor_file import BY_NAME
-    return BY_NAME[name]
 
 
 def target_layout(p: torch.nn.Parameter, tp_size: int) -> ShardLayout:
@@ -592,7 +585,7 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
 
 def _finish_stats(train_state: TrainState, io: RangeReader, start: float) -> None:
     io.close()
-    train_state.load_stats = LoadStats(io.bytes_read, len(io.opened), time.perf_counter() - start, sorted(io.opened))
+    train_state.load_stats = LoadStats(io.bytes_read, len(io.opened), time.perf_counter() - start)
 
 
 def _sum_to_all(params: list, ps, replicated_over_dp: bool) -> None:
