@@ -18,6 +18,8 @@
 # Knobs (defaults in brackets; a size script may change the default):
 #   cluster    GPUS_PER_NODE [8] NNODES [1] NODE_RANK [0] MASTER_ADDR MASTER_PORT [6000]
 #              TORCHRUN [torchrun] DISTRIBUTED_BACKEND [nccl with CUDA, else gloo]
+#              MAX_RESTARTS [0] (torchrun --max-restarts: a failed worker group is restarted and
+#              resumes from the latest checkpoint; needs CHECKPOINT_PATH)
 #   parallel   TP [1] PP [1] NUM_LAYERS_PER_VIRTUAL_PIPELINE_STAGE [unset: no interleaving]
 #              SEQUENCE_PARALLEL [auto: on when TP > 1]
 #   memory     PRECISION [bf16] (bf16|fp16|fp32)  USE_DISTRIBUTED_OPTIMIZER [1]  OVERLAP_COMM [1]
@@ -53,6 +55,7 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-}
 MASTER_PORT=${MASTER_PORT:-6000}
 TORCHRUN=${TORCHRUN:-torchrun}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 DISTRIBUTED_BACKEND=${DISTRIBUTED_BACKEND:-}
 WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
 
@@ -125,6 +128,10 @@ if [ "$NNODES" -gt 1 ]; then
                       --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
 else
     DISTRIBUTED_ARGS=(--standalone --nproc_per_node "$GPUS_PER_NODE")
+fi
+if [ "$MAX_RESTARTS" != 0 ]; then
+    [ -n "$CHECKPOINT_PATH" ] || _fail "MAX_RESTARTS=$MAX_RESTARTS needs CHECKPOINT_PATH: a restart resumes from a checkpoint"
+    DISTRIBUTED_ARGS+=(--max-restarts "$MAX_RESTARTS")
 fi
 
 MODEL_ARGS=(

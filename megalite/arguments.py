@@ -229,6 +229,27 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--wandb-save-dir", help="local directory for W&B run files (default: --save/wandb, else ./wandb)")
     g.add_argument("--wandb-entity", help="W&B team or user (default: your default entity)")
     g.add_argument("--tensorboard-dir", help="write TensorBoard event files here (needs tensorboard)")
+
+    g = p.add_argument_group("operations: timeouts, NaN checks, stragglers, garbage collection")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="timeout of every collective and of start-up (fractions allowed, e.g. 0.5); when it fires, "
+                        "every rank still running dumps its Python stacks and the error names the collective, its "
+                        "group, the iteration and the pipeline stage")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop the run, naming the iteration and the rank(s), when the loss or the gradients hold a "
+                        "NaN or Inf, before the optimizer writes them into the weights; a checkpoint with non-finite "
+                        "weights is refused. With --fp16 an overflow still just skips the step (loss scaling)")
+    g.add_argument("--log-straggler", action="store_true",
+                   help="add each rank's compute time (step time minus time blocked in collectives) and data-wait "
+                        "time, min and max with their ranks, to every log line, and a 'straggler' JSONL record with "
+                        "every rank's; on CUDA also GPU power, temperature and clock (needs pynvml)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="disable Python's automatic garbage collector; collect at the same iterations on every rank "
+                        "(--manual-gc-interval) and around each evaluation, so no rank stalls the others at random")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: collect every this many iterations (>= 0; 0: only around evaluations)")
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="with --manual-gc: do not collect at the start and end of each evaluation")
     return p
 
 
@@ -361,6 +382,7 @@ def validate_args(args, world_size: int | None = None, check_files: bool = True)
         _fail("--async-save needs --save")
     if (args.finetune or args.no_load_optim or args.no_load_rng) and not args.load:
         _fail("--finetune / --no-load-optim / --no-load-rng need --load")
+    _check_operations(args)
 
     if check_files:
         check_paths(args)
@@ -538,6 +560,17 @@ def _check_precision(args) -> None:
         _fail("--inject-overflow-at-iteration needs loss scaling (--fp16, or --loss-scale)")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         _fail("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+def _check_operations(args) -> None:
+    """The operations group: timeouts and garbage collection."""
+    m = args.distributed_timeout_minutes
+    if not (_finite(m) and m > 0):
+        _fail(f"--distributed-timeout-minutes must be a number > 0 (fractions allowed), got {m}")
+    if args.manual_gc_interval < 0:
+        _fail(f"--manual-gc-interval must be an integer >= 0 (0: only around evaluations), got {args.manual_gc_interval}")
+    if not args.manual_gc and (args.manual_gc_interval or not args.manual_gc_eval):
+        _fail("--manual-gc-interval / --no-manual-gc-eval need --manual-gc")
 
 
 def check_paths(args) -> None:

@@ -23,7 +23,8 @@ def _read_json(path: str, flag: str, root: str):
 
 def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> dict:
     """metadata.json of the latest (or given) checkpoint under `root`, after checking that it and
-    every rank's index parse and every rank's tensor file exists. Raises CheckpointError."""
+    the global index parse (format 2), or every rank's index and tensor file (format 1). Raises
+    CheckpointError."""
     from .checkpointing import CheckpointError, iteration_dir, read_metadata, read_tracker
     if not os.path.isdir(root):
         raise CheckpointError(f"{flag} {root}: directory not found")
@@ -45,6 +46,15 @@ def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> di
         meta = read_metadata(root, iteration)  # missing metadata, format version
     except CheckpointError as e:
         raise CheckpointError(f"{flag} {root}: {e}") from None
+    if int(meta["format_version"]) >= 2:
+        # one global index: its header must parse (the data files it names are opened, and a
+        # missing one reported, by the ranks that need them: no rank stats every rank's file)
+        from .checkpoint_index import CheckpointIndex
+        try:
+            CheckpointIndex(directory).io.close()
+        except CheckpointError as e:
+            raise CheckpointError(f"{flag} {root}: {e}") from None
+        return meta
     indexes = sorted(glob.glob(os.path.join(directory, "rank_*.json")))
     if not indexes:
         raise CheckpointError(f"{flag} {root}: {directory} holds no rank files: not a complete checkpoint")

@@ -1,33 +1,43 @@
-"""Checkpoints that resume exactly, on the layout that wrote them or any other.
+"""Checkpoints that resume exactly, on the layout that wrote them or any other, reading only
+what each rank needs.
 
 Layout on disk (Megatron-LM's directory names):
 
     DIR/latest_checkpointed_iteration.txt      the iteration of the newest complete checkpoint
     DIR/iter_0000100/metadata.json             iteration, consumed samples, arguments, model config,
                                                the layout that wrote it, scheduler and loss scaler
-    DIR/iter_0000100/rank_00003.pt             rank 3's tensors (torch.save, loaded weights_only)
-    DIR/iter_0000100/rank_00003.json           what each of them is (below) and rank 3's RNG states
+    DIR/iter_0000100/index.jsonl               the global index (checkpoint_index.py): the metadata
+                                               again, and where every saved piece of every tensor is
+    DIR/iter_0000100/rank_00003.safetensors    rank 3's tensors (tensor_file.py; nothing pickled)
 
-Every rank writes its own files in parallel; nothing is gathered. Each saved tensor is a flat
-range [lo, hi) of one parameter's *local shard* (of the weight, its fp32 master, or an optimizer
-moment), recorded with how that shard was cut from the whole tensor: TP partition dimension,
-stride, TP rank and size, and the real vocabulary rows for padded tables. With the plain
-optimizer a range is the whole shard; the distributed optimizer's slices cut through parameters
-and each DP rank saves its own.
+Each saved tensor is a flat range [lo, hi) of one parameter's *local shard* (of the weight, its
+fp32 master, or an optimizer moment), recorded with how that shard was cut from the whole
+tensor (TP partition dimension, stride, TP size, the real vocabulary rows of padded tables).
+Which rank saves what ("ownership", `owned_pieces`): with the distributed optimizer every rank
+its own ZeRO-1 slices of parameters, masters and moments; with the plain optimizer whole
+parameters spread over the data-parallel ranks by size, so DP replicas write (and read) disjoint,
+about equal parts in parallel. A TP-replicated tensor is saved by TP rank 0 only.
+Every element is saved once, plus the last pipeline stage's optimizer state for its copy of the
+tied embedding (so that stage never reads the first stage's files).
 
-Loading on any layout rebuilds one whole tensor at a time from the pieces that cover it and
-slices it to this rank's new shard (and flat range, for a ZeRO-1 slice). A rank materialises at
-most one full parameter at once, never the model.
+Loading applies the same ownership rule to the *new* layout: each rank reads the elements it
+owns there, from the saved pieces that overlap them (byte ranges computed by reshard.py, read
+with pread), and the rest arrives by summing over the group where the others hold zeros: TP for
+TP-replicated tensors, DP for parameters (and for the plain optimizer's state), the embedding
+group for the tied copy. On the layout that saved it a rank therefore reads exactly its own
+file, plus the index header and its sections; on another layout, only the saved pieces that
+overlap what it owns. Each rank counts the bytes it read and the files it opened
+(`LoadStats`; the loop writes one `checkpoint_load` JSONL record per rank).
 
 Saves are atomic: files go to `iter_N.tmp`, which is renamed once every rank has finished, and
 only then does the latest pointer move, so a run killed mid-save leaves the previous checkpoint
 as the latest. `async_save` copies the tensors to host memory, writes them from a thread while
-training goes on, and finalises at a later iteration.
+training goes on, and finalises at a later iteration. With `check_finite` (the default), a
+save whose weights or optimizer state hold a NaN or an Inf is refused on every rank.
 """
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import random
@@ -40,14 +50,17 @@ import numpy as np
 import torch
 
 from . import comm
-from .errors import UserError
-from .model.init import shard, unshard
+from .checkpoint_index import INDEX, CheckpointError, build_index, open_index
+from .model.init import global_shape, shard
 from .parallel_state import ParallelState, stage_layers
-from .tensor_parallel.param_info import ParamInfo, param_info
+from .reshard import ShardLayout, coalesce, locate, runs, split_at
+from .tensor_file import DTYPES, RangeReader, element_size, plan, write
+from .tensor_parallel.param_info import param_info
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: global index, safetensors-layout data files; 1: per-rank index + torch.save
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+READ_GAP_BYTES = 4096  # two ranges of one piece closer than this are read as one (a page)
 
 # model settings that must agree between a checkpoint and the run loading it: config key -> flag
 MODEL_FLAGS = {
@@ -66,10 +79,6 @@ ROPE_FLAGS = {"use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "
               "rotary_seq_len_interpolation_factor": "--rotary-seq-len-interpolation-factor"}
 
 
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that is missing, incomplete, or does not fit this run."""
-
-
 @dataclass
 class TrainState:
     """What a checkpoint saves and restores: the model's parameters (global names), the optimizer
@@ -85,6 +94,7 @@ class TrainState:
     flags: dict
     iteration: int = 0
     consumed_samples: int = 0
+    load_stats: object = None  # LoadStats of the checkpoint load, if any
 
     def log(self, msg: str) -> None:
         if self.ps.rank == self.ps.logging_rank:
@@ -117,8 +127,8 @@ def read_metadata(root: str, iteration: int | None = None) -> dict:
         raise CheckpointError(f"{path} is missing: {iteration_dir(root, iteration)} is not a complete checkpoint")
     with open(path) as f:
         meta = json.load(f)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {meta.get('format_version')}, expected {FORMAT_VERSION}")
+    if meta.get("format_version") not in (1, FORMAT_VERSION):
+        raise CheckpointError(f"{path}: format version {meta.get('format_version')}, expected 1 or {FORMAT_VERSION}")
     meta["dir"] = iteration_dir(root, iteration)
     return meta
 
@@ -190,42 +200,83 @@ def _set_rng_state(train_state: TrainState, tensors: dict, values: dict) -> None
                                     if k.startswith("rng/tracker/")})
 
 
+def _tp_owner(p, tp_rank: int) -> bool:
+    """The copy that is saved: TP-sharded tensors on every TP rank, replicated ones on TP rank 0
+    (the tied embedding's last-stage copy counts: its optimizer state is saved, tagged tied)."""
+    return param_info(p).tensor_parallel or tp_rank == 0
+
+
+def owned_pieces(train_state: TrainState) -> list[tuple]:
+    """(param, lo, hi, master) pieces this rank saves, and on load reads: with the distributed
+    optimizer its own slices; with the plain one whole parameters, spread over the DP ranks by
+    size (`dp_owners`). The same rule on every layout (see the module docstring)."""
+    ps, opt = train_state.ps, train_state.optimizer
+    pieces = opt.pieces()
+    if not opt.distributed:
+        owners = dp_owners([p.numel() for p, *_ in pieces], ps.dp_size)
+        pieces = [pc for pc, owner in zip(pieces, owners) if owner == ps.dp_rank]
+    return [pc for pc in pieces if _tp_owner(pc[0], ps.tp_rank)]
+
+
+def dp_owners(sizes: list[int], dp_size: int) -> list[int]:
+    """The DP rank that owns each whole tensor: largest first, each to the least loaded rank
+    (ties: the lowest), so DP replicas read and write about equal shares. A function of the
+    sizes alone, hence the same on every DP rank."""
+    load, owners = [0] * dp_size, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owners[i] = min(range(dp_size), key=lambda r: (load[r], r))
+        load[owners[i]] += sizes[i]
+    return owners
+
+
 def collect_rank_state(train_state: TrainState) -> tuple[dict, dict]:
-    """This rank's tensors (host copies, safe to write from another thread) and their index."""
+    """This rank's tensors (host copies, safe to write from another thread) and its record for
+    the global index: entries, with byte offsets in its file, and RNG states."""
     ps, opt = train_state.ps, train_state.optimizer
     vocab_size = train_state.model_config.vocab_size
     opt.dp.finish_param_sync()
+    names = {id(p): n for n, p in train_state.named_params}
     tensors, entries = {}, []
 
-    def add(kind, name, p, lo, hi, tensor):
-        key = f"{kind}/{name}/{lo}"
+    def add(kind, name, p, lo, hi, tensor, tied):
+        key = f"{kind}/{name}/{lo}" + ("/tied" if tied else "")
         tensors[key] = tensor.detach().reshape(-1)[: hi - lo].to("cpu", copy=True)
-        entries.append({"key": key, "kind": kind, "name": name, "lo": lo, "hi": hi,
+        entries.append({"key": key, "kind": kind, "name": name, "lo": lo, "hi": hi, "tied": tied,
                         "layout": shard_layout(p, ps.tp_rank, ps.tp_size, vocab_size)})
 
-    # TP-replicated tensors are saved by TP rank 0 only; the tied embedding's copy on the last
-    # stage is not saved at all (it equals the first stage's)
-    if ps.dp_rank == 0:
-        for name, p in train_state.named_params:
-            if param_info(p).is_owner(ps.tp_rank):
-                add("param", name, p, 0, p.numel(), p)
-    names = {id(p): n for n, p in train_state.named_params}
-    saves_states = opt.distributed or ps.dp_rank == 0  # plain optimizer: DP replicas are identical
-    for p, lo, hi, master in opt.pieces():
-        if not (saves_states and param_info(p).is_owner(ps.tp_rank)):
-            continue
-        name = names[id(p)]
+    for p, lo, hi, master in owned_pieces(train_state):
+        name, tied = names[id(p)], param_info(p).tied_copy
+        if not tied:  # the tied copy's weight is the first stage's; its optimizer state is saved
+            add("param", name, p, lo, hi, p.detach().reshape(-1)[lo:hi], False)
         if not opt.fp32_params:
-            add("master", name, p, lo, hi, master)
+            add("master", name, p, lo, hi, master, tied)
         state = opt.optimizer.state.get(master, {})
         for kind in STATE_KINDS:
             if kind in state:
-                add(kind, name, p, lo, hi, state[kind])
+                add(kind, name, p, lo, hi, state[kind], tied)
     rng_tensors, rng_values = _rng_state(train_state)
     tensors.update(rng_tensors)
-    index = {"rank": ps.rank, "tp": ps.tp_rank, "pp": ps.pp_rank, "dp": ps.dp_rank, "entries": entries,
-             "rng": rng_values, "optimizer_step": opt.step_count()}
-    return tensors, index
+    head, offsets = plan(tensors)
+    for e in entries:
+        e["offset"], e["dtype"] = offsets[e["key"]], _dtype_name(tensors[e["key"]])
+    record = {"rank": ps.rank, "file": _data_file(ps.rank), "entries": entries, "rng": rng_values,
+              "tensors": {k: [offsets[k], _dtype_name(t), list(t.shape)] for k, t in rng_tensors.items()},
+              "head": head}
+    return tensors, record
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return DTYPES[t.dtype]
+
+
+def _data_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def non_finite(tensors: dict) -> list[str]:
+    """Keys of saved weights and optimizer state that hold a NaN or an Inf."""
+    return [k for k, t in tensors.items() if not k.startswith("rng/") and t.is_floating_point()
+            and not bool(torch.isfinite(t).all())]
 
 
 def _json_safe(d: dict) -> dict:
@@ -254,10 +305,15 @@ def build_metadata(train_state: TrainState, iteration: int) -> dict:
     }
 
 
-def _write_rank_files(directory: str, rank: int, tensors: dict, index: dict) -> None:
-    torch.save(tensors, os.path.join(directory, f"rank_{rank:05d}.pt"))
-    with open(os.path.join(directory, f"rank_{rank:05d}.json"), "w") as f:
-        json.dump(index, f)
+def _write_metadata_and_index(directory: str, meta: dict, optimizer_step, records: list[dict]) -> None:
+    """Rank 0: metadata.json (for people and tools) and the global index (for loads)."""
+    records = sorted(records, key=lambda r: r["rank"])
+    with open(os.path.join(directory, "metadata.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    with open(os.path.join(directory, INDEX), "wb") as f:
+        f.write(build_index(meta, optimizer_step, records))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_text_atomic(path: str, text: str) -> None:
@@ -286,39 +342,48 @@ def _publish(root: str, iteration: int) -> None:
 class CheckpointSaver:
     """Synchronous or asynchronous (--async-save) atomic saves."""
 
-    def __init__(self, root: str, async_save: bool = False):
-        self.root, self.async_save = root, async_save
+    def __init__(self, root: str, async_save: bool = False, check_finite: bool = True):
+        self.root, self.async_save, self.check_finite = root, async_save, check_finite
         self.pending: tuple[int, threading.Thread] | None = None
         self.error: BaseException | None = None
 
     def save(self, train_state: TrainState, iteration: int) -> None:
         self.finalize(blocking=True)  # at most one save in flight
         ps = train_state.ps
+        tensors, record = collect_rank_state(train_state)
+        if self.check_finite:  # before anything is written: a diverged run keeps its last good checkpoint
+            bad = comm.all_gather_object(non_finite(tensors)[:3], comm.world_group())
+            if any(bad):
+                where = "; ".join(f"rank {r}: {', '.join(keys)}" for r, keys in enumerate(bad) if keys)
+                raise CheckpointError(f"refusing to save the checkpoint of iteration {iteration}: non-finite values "
+                                      f"in {where}. The latest checkpoint stays the previous one")
+        head = record.pop("head")  # this rank's file header: not needed by rank 0
+        records = comm.gather_object(record, 0, comm.world_group())
         tmp = iteration_dir(self.root, iteration) + ".tmp"
         if ps.rank == 0:
             os.makedirs(self.root, exist_ok=True)
             if os.path.isdir(tmp):  # left by a run killed mid-save
                 shutil.rmtree(tmp)
             os.makedirs(tmp)
-            with open(os.path.join(tmp, "metadata.json"), "w") as f:
-                json.dump(build_metadata(train_state, iteration), f, indent=1)
+            _write_metadata_and_index(tmp, build_metadata(train_state, iteration), train_state.optimizer.step_count(),
+                                      records)
         comm.barrier(comm.world_group())
-        tensors, index = collect_rank_state(train_state)
+        path = os.path.join(tmp, record["file"])
         start = time.perf_counter()
         if not self.async_save:
-            _write_rank_files(tmp, ps.rank, tensors, index)
+            write(path, tensors, head)
             self._finish(train_state, iteration)
             train_state.log(f"> saved checkpoint {iteration_dir(self.root, iteration)} "
-                        f"({time.perf_counter() - start:.2f} s)")
+                            f"({time.perf_counter() - start:.2f} s)")
             return
 
-        def write():
+        def write_in_background():
             try:
-                _write_rank_files(tmp, ps.rank, tensors, index)
+                write(path, tensors, head)
             except BaseException as e:  # reported at finalisation, on the training thread
                 self.error = e
 
-        thread = threading.Thread(target=write, name="megalite-async-save", daemon=True)
+        thread = threading.Thread(target=write_in_background, name="megalite-async-save", daemon=True)
         thread.start()
         self.pending = (iteration, thread)
         self.train_state = train_state
@@ -354,155 +419,237 @@ class CheckpointSaver:
 
 
 # -- loading ---------------------------------------------------------------------------------------
-class CheckpointReader:
-    """Rebuilds whole tensors from the pieces of a checkpoint written on any layout."""
+@dataclass
+class LoadStats:
+    """What one rank's load cost: bytes read and files opened (the tracker file included)."""
+    bytes_read: int = 0
+    files_opened: int = 0
+    seconds: float = 0.0
 
-    def __init__(self, directory: str):
-        self.directory = directory
-        self.index_files = sorted(glob.glob(os.path.join(directory, "rank_*.json")))
-        if not self.index_files:
-            raise CheckpointError(f"{directory} holds no rank files: not a complete checkpoint")
-        self.ranks = {}
-        self.pieces: dict[tuple[str, str], list[tuple[str, dict]]] = {}
-        for path in self.index_files:
-            with open(path) as f:
-                index = json.load(f)
-            data = path[:-len(".json")] + ".pt"
-            if not os.path.isfile(data):
-                raise CheckpointError(f"{data} is missing (its index {path} exists)")
-            self.ranks[index["rank"]] = (index, data)
-            for e in index["entries"]:
-                self.pieces.setdefault((e["name"], e["kind"]), []).append((data, e))
-        self._files: dict[str, dict] = {}
 
-    def _file(self, path: str) -> dict:
-        if path not in self._files:
-            try:
-                self._files[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:
-                raise CheckpointError(f"cannot read {path}: {e}") from e
-        return self._files[path]
+def open_checkpoint(root: str, iteration: int | None = None, io: RangeReader | None = None):
+    """(metadata, index) of the latest (or given) checkpoint under `root`: format 2 reads the
+    global index only (its header holds the metadata); format 1 every rank index."""
+    io = io or RangeReader()
+    if iteration is None:
+        tracker = os.path.join(root, TRACKER)
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise CheckpointError(f"no checkpoint under {root}: {TRACKER} is missing")
+        io.opened.add(tracker)
+        io.bytes_read += os.path.getsize(tracker)
+    directory = iteration_dir(root, iteration)
+    if os.path.isfile(os.path.join(directory, INDEX)):
+        index = open_index(directory, {"format_version": FORMAT_VERSION}, io)
+        meta = dict(index.metadata)
+    else:
+        meta = read_metadata(root, iteration)
+        if int(meta["format_version"]) >= 2:
+            raise CheckpointError(f"{directory}/{INDEX} is missing: {directory} is not a complete checkpoint")
+        io.opened.add(os.path.join(directory, "metadata.json"))
+        index = open_index(directory, meta, io)
+    meta["dir"] = directory
+    return meta, index
 
-    def has(self, name: str, kind: str) -> bool:
-        return (name, kind) in self.pieces
 
-    def names(self, kind: str = "param") -> list[str]:
-        return sorted(n for n, k in self.pieces if k == kind)
+def read_region(index, name: str, kind: str, target: ShardLayout, tp_rank: int, lo: int, hi: int,
+                tied: bool = False) -> torch.Tensor:
+    """Elements [lo, hi) of TP rank `tp_rank`'s local shard of `kind` of `name`, in the layout
+    `target`, read from the saved pieces that overlap them (fp32; zeros in padded vocabulary
+    rows). `tied`: prefer the pieces saved for the tied embedding's last-stage copy."""
+    found = index.entry(name)
+    pieces = [pc for pc in (found[1] if found else []) if pc.kind == kind]
+    pieces = ([pc for pc in pieces if pc.tied] if tied else []) or [pc for pc in pieces if not pc.tied]
+    if not pieces:
+        raise CheckpointError(f"{index.directory} has no {kind} for {name}")
+    lay = found[0]
+    old = ShardLayout(tuple(lay["full_shape"]), lay["dim"], lay["stride"], lay["tp_size"])
+    row_elems = int(np.prod(target.full_shape[1:], dtype=np.int64))
+    if lay["rows"] is None and tuple(target.full_shape) != old.full_shape:
+        raise CheckpointError(f"{index.directory}: {name} has shape {old.full_shape} in the checkpoint and "
+                              f"{tuple(target.full_shape)} in this run")
+    out = torch.zeros(hi - lo, dtype=torch.float32)
+    full_start, length = runs(target, tp_rank, lo, hi)
+    dest = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+    if lay["rows"] is not None:  # padded vocabulary: rows past the real ones stay zero
+        limit = lay["rows"] * row_elems
+        length = np.clip(limit - full_start, 0, length)
+        keep = length > 0
+        full_start, length, dest = full_start[keep], length[keep], dest[keep]
+    old_rank, start, length, dest = locate(old, full_start, length, dest)
+    for r in np.unique(old_rank):
+        mine = sorted((pc for pc in pieces if pc.tp_rank == r), key=lambda pc: pc.lo)
+        if not mine or mine[0].lo != 0 or mine[-1].hi != old.local_numel or \
+                any(a.hi != b.lo for a, b in zip(mine, mine[1:])):
+            raise CheckpointError(f"{index.directory}: the saved pieces of {kind} of {name} do not cover TP rank "
+                                  f"{int(r)}'s shard (incomplete or duplicated)")
+        sel = old_rank == r
+        cuts = np.array([pc.lo for pc in mine] + [mine[-1].hi], dtype=np.int64)
+        which, s, n, d = split_at(cuts, start[sel], length[sel], dest[sel])
+        for k in np.unique(which):
+            pc, sk = mine[k], which == k
+            s_k, n_k, d_k = s[sk] - pc.lo, n[sk], d[sk]
+            gap = READ_GAP_BYTES // (4 if pc.dtype is None else element_size(pc.dtype))  # format 1: dtype unknown
+            for a, b, members in coalesce(s_k, n_k, gap):
+                data = index.read(pc, a, b)
+                for m in members:
+                    o = int(s_k[m]) - a
+                    out[int(d_k[m]):int(d_k[m]) + int(n_k[m])] = data[o:o + int(n_k[m])]
+    return out
 
-    def full(self, name: str, kind: str = "param") -> torch.Tensor:
-        """The whole tensor (vocabulary rows unpadded), rebuilt from every piece of it."""
-        pieces = self.pieces.get((name, kind))
-        if not pieces:
-            raise CheckpointError(f"{self.directory} has no {kind} for {name}")
-        layout0 = pieces[0][1]["layout"]
-        shards: dict[int, torch.Tensor] = {}
-        covered: dict[int, int] = {}
-        for path, e in pieces:
-            lay = e["layout"]
-            r = lay["tp_rank"]
-            if r not in shards:
-                shards[r] = torch.empty(int(np.prod(lay["local_shape"])), dtype=torch.float32)
-                covered[r] = 0
-            shards[r][e["lo"]:e["hi"]] = self._file(path)[e["key"]].float()
-            covered[r] += e["hi"] - e["lo"]
-        tp_size = layout0["tp_size"]
-        for r in range(tp_size):
-            if covered.get(r) != (shards[r].numel() if r in shards else -1):
-                raise CheckpointError(f"{self.directory}: {kind} of {name} is incomplete for TP rank {r}")
-        info = ParamInfo(tensor_parallel=layout0["tp"], partition_dim=layout0["dim"],
-                         partition_stride=layout0["stride"])
-        full = unshard([shards[r].view(layout0["local_shape"]) for r in range(tp_size)], info)
-        if layout0["rows"] is not None:
-            full = full[: layout0["rows"]]
-        return full
 
-    def rank_tensors(self, rank: int) -> tuple[dict, dict]:
-        index, data = self.ranks[rank]
-        return index, self._file(data)
+def target_layout(p: torch.nn.Parameter, tp_size: int) -> ShardLayout:
+    """How this run cut `p`'s shard from the whole tensor (vocabulary padded as this run pads it)."""
+    info = param_info(p)
+    if not info.tensor_parallel or tp_size == 1:
+        return ShardLayout(global_shape(p, tp_size if info.tensor_parallel else 1))
+    return ShardLayout(global_shape(p, tp_size), info.partition_dim, info.partition_stride, tp_size)
 
 
 def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, load_optim: bool = True,
                     load_rng: bool = True) -> int:
     """Load the latest checkpoint under `root` into `train_state`; returns its iteration (0 with
-    --finetune). No checkpoint there: a notice, and training starts from scratch."""
+    --finetune). No checkpoint there: a notice, and training starts from scratch. What this rank
+    read is left in `train_state.load_stats`."""
     ps, opt = train_state.ps, train_state.optimizer
     if read_tracker(root) is None:
         train_state.log(f"> no checkpoint found under {root} ({TRACKER} missing): training from scratch")
         return 0
-    meta = read_metadata(root)
+    start = time.perf_counter()
+    io = RangeReader()
+    meta, index = open_checkpoint(root, io=io)
     where = meta["dir"]
     check_model_config(meta["model_config"], train_state.model_config.to_dict(), where)
-    reader = CheckpointReader(where)
-    tp_rank, tp_size = ps.tp_rank, ps.tp_size
-    prefer_master = opt.fp32_params  # an fp32 run takes the fp32 masters of a 16-bit checkpoint
-    cache: dict[tuple[str, str], torch.Tensor] = {}
+    restore_optim = load_optim and not finetune
+    if restore_optim and not meta.get("has_optimizer_state", True):
+        raise CheckpointError(f"{where} holds weights only (no optimizer state); "
+                              "load it with --no-load-optim or --finetune")
+    lay = meta["layout"]
+    same_layout = (lay["world_size"], lay["tp"], lay["pp"]) == (ps.world_size, ps.tp_size, ps.pp_size)
+    names = {id(p): n for n, p in train_state.named_params}
+    owned = owned_pieces(train_state)
+    index.prefetch([f"param/{names[id(pc[0])]}" for pc in owned] + ([f"rank/{ps.rank}"] if same_layout else []))
 
-    def local(name, p, kind):
-        key = (name, kind)
-        if key not in cache:
-            cache.clear()  # one whole tensor at a time
-            cache[key] = local_shard(reader.full(name, kind), p, tp_rank, tp_size).reshape(-1)
-        return cache[key]
+    def has(name, kind):
+        found = index.entry(name)
+        return found is not None and any(pc.kind == kind for pc in found[1])
+
+    prefer_master = opt.fp32_params  # an fp32 run takes the fp32 masters of a 16-bit checkpoint
+
+    def read(p, kind, lo, hi):
+        return read_region(index, names[id(p)], kind, target_layout(p, ps.tp_size), ps.tp_rank, lo, hi,
+                           tied=param_info(p).tied_copy)
 
     with torch.no_grad():
-        for name, p in train_state.named_params:
-            kind = "master" if prefer_master and reader.has(name, "master") else "param"
-            p.copy_(local(name, p, kind).view(p.shape).to(p.dtype))
-        names = {id(p): n for n, p in train_state.named_params}
-        restore_optim = load_optim and not finetune
-        if restore_optim and not meta.get("has_optimizer_state", True):
-            raise CheckpointError(f"{where} holds weights only (no optimizer state); "
-                                  "load it with --no-load-optim or --finetune")
+        # weights: owners read, the group sums bring them to everyone else (who hold zeros)
+        params = [p for _, p in train_state.named_params]
+        for p in params:
+            p.zero_()
+        for p, lo, hi, _ in owned:
+            if param_info(p).tied_copy:
+                continue  # arrives from the first stage over the embedding group
+            kind = "master" if prefer_master and has(names[id(p)], "master") else "param"
+            p.view(-1)[lo:hi].copy_(read(p, kind, lo, hi).to(p.dtype))
+        _sum_to_all(params, ps, replicated_over_dp=True)
+        # optimizer: masters (16-bit runs) and moments of the pieces this rank steps, read where
+        # this rank owns them, summed over the groups that share them
+        owned_ids = {(id(p), lo) for p, lo, _, _ in owned}
+        to_sum = []
         for p, lo, hi, master in opt.pieces():
-            name = names[id(p)]
-            if not opt.fp32_params:  # fp32: the master is the parameter (or a view of it), loaded above
-                kind = "master" if reader.has(name, "master") else "param"
-                master.view(-1).copy_(local(name, p, kind)[lo:hi])
-            if not restore_optim:
-                continue
-            state = opt.optimizer.state.get(master, {})
-            for kind in STATE_KINDS:
-                if kind in state:
-                    if not reader.has(name, kind):
-                        raise CheckpointError(f"{where} has no optimizer state {kind!r} for {name} "
-                                              f"(written with --optimizer {meta['optimizer']['type']}); "
-                                              "use --no-load-optim")
-                    state[kind].view(-1).copy_(local(name, p, kind)[lo:hi])
-        cache.clear()
+            name, state = names[id(p)], opt.optimizer.state.get(master, {})
+            mine = (id(p), lo) in owned_ids
+            # fp32 runs: the master is the parameter (or a view of it), loaded above
+            tensors = [] if opt.fp32_params else [(master, "master" if mine and has(name, "master") else "param")]
+            tensors += [(state[k], k) for k in STATE_KINDS if restore_optim and k in state]
+            for t, kind in tensors:
+                if not mine:
+                    t.zero_()
+                    continue
+                if not has(name, kind):
+                    raise CheckpointError(f"{where} has no optimizer state {kind!r} for {name} (written with "
+                                          f"--optimizer {meta['optimizer']['type']}); use --no-load-optim")
+                t.view(-1).copy_(read(p, kind, lo, hi))
+            to_sum.append((p, [t for t, _ in tensors]))
+        _sum_optimizer_state(to_sum, ps, replicated_over_dp=not opt.distributed)
     if finetune:
+        _finish_stats(train_state, io, start)
         train_state.log(f"> loaded weights from {where} (--finetune: iteration 0, fresh optimizer)")
         return 0
     iteration = int(meta["iteration"])
     train_state.consumed_samples = int(meta["consumed_samples"])
     if restore_optim:
-        steps = [idx.get("optimizer_step") for idx, _ in reader.ranks.values() if idx.get("optimizer_step") is not None]
-        if steps:
-            opt.set_step_count(steps[0])
+        if index.optimizer_step is not None:
+            opt.set_step_count(index.optimizer_step)
         train_state.scheduler.load_state_dict(meta["scheduler"])
         if opt.scaler is not None and meta.get("grad_scaler"):
             opt.scaler.load_state_dict(meta["grad_scaler"])
-    lay = meta["layout"]
-    same_layout = (lay["world_size"], lay["tp"], lay["pp"]) == (ps.world_size, ps.tp_size, ps.pp_size)
-    if load_rng and same_layout and ps.rank in reader.ranks and reader.ranks[ps.rank][0].get("rng"):
-        index, tensors = reader.rank_tensors(ps.rank)
-        _set_rng_state(train_state, {k: v for k, v in tensors.items() if k.startswith("rng/")}, index["rng"])
+    saved_rng = index.rank_state(ps.rank) if load_rng and same_layout else None
+    if saved_rng is not None and saved_rng[0]:
+        _set_rng_state(train_state, saved_rng[1], saved_rng[0])
     elif load_rng:
         train_state.log(f"> checkpoint layout (world {lay['world_size']}, TP {lay['tp']}, PP {lay['pp']}) differs from "
-                    "this run's: RNG states are not restored (dropout masks will differ from an uninterrupted run)")
+                        "this run's: RNG states are not restored (dropout masks will differ from an uninterrupted run)")
+    _finish_stats(train_state, io, start)
     train_state.log(f"> loaded checkpoint {where} (iteration {iteration}, written with TP {lay['tp']} x PP {lay['pp']} "
-                f"x DP {lay['dp']}{', distributed optimizer' if lay['distributed_optimizer'] else ''})")
+                    f"x DP {lay['dp']}{', distributed optimizer' if lay['distributed_optimizer'] else ''})")
     return iteration
+
+
+def _finish_stats(train_state: TrainState, io: RangeReader, start: float) -> None:
+    io.close()
+    train_state.load_stats = LoadStats(io.bytes_read, len(io.opened), time.perf_counter() - start)
+
+
+def _sum_to_all(params: list, ps, replicated_over_dp: bool) -> None:
+    """Complete tensors that only their owners filled (zeros elsewhere): over TP for the
+    TP-replicated, over DP, then over the embedding group for the tied pair. Each phase walks
+    the same list in the same order on every member of its groups."""
+    for p in params:
+        if not param_info(p).tensor_parallel:
+            _sum(p, ps.tp_group)
+    if replicated_over_dp:
+        for p in params:
+            _sum(p, ps.dp_group)
+    for p in params:
+        if param_info(p).embedding_group_sync:
+            _sum(p, ps.embedding_group)
+
+
+def _sum_optimizer_state(pieces: list, ps, replicated_over_dp: bool) -> None:
+    """Masters and moments: over TP for TP-replicated parameters; over DP with the plain
+    optimizer (whose state every DP rank holds whole)."""
+    for p, tensors in pieces:
+        if not param_info(p).tensor_parallel:
+            for t in tensors:
+                _sum(t, ps.tp_group)
+    if replicated_over_dp:
+        for _, tensors in pieces:
+            for t in tensors:
+                _sum(t, ps.dp_group)
+
+
+def _sum(t: torch.Tensor, group) -> None:
+    if comm.group_size(group) > 1:
+        comm.all_reduce(t.data, group)
 
 
 # -- whole-model state, offline (converters, generation) ------------------------------------------
 def load_full_state_dict(root: str, iteration: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(metadata, {global name: whole fp32 tensor}) of a checkpoint, in one process. Prefers the
-    fp32 masters of a 16-bit run."""
-    meta = read_metadata(root, iteration)
-    reader = CheckpointReader(meta["dir"])
+    """(metadata, {global name: whole fp32 tensor, vocabulary unpadded}) of a checkpoint, in one
+    process. Prefers the fp32 masters of a 16-bit run."""
+    meta, index = open_checkpoint(root, iteration)
     state = {}
-    for name in reader.names("param"):
-        state[name] = reader.full(name, "master" if reader.has(name, "master") else "param")
+    for name in index.names():
+        lay, pieces = index.entry(name)
+        kinds = {pc.kind for pc in pieces}
+        if "param" not in kinds:
+            continue
+        shape = list(lay["full_shape"])
+        if lay["rows"] is not None:
+            shape[0] = lay["rows"]
+        whole = ShardLayout(tuple(shape))
+        kind = "master" if "master" in kinds else "param"
+        state[name] = read_region(index, name, kind, whole, 0, 0, whole.local_numel).view(shape)
     return meta, state
 
 
@@ -521,7 +668,7 @@ def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config
     if os.path.isdir(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    missing = set()
+    missing, records = set(), []
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             rank = tp_rank + tp * pp_rank  # DP = 1: Megatron's order
@@ -536,10 +683,13 @@ def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config
                     continue
                 key = f"param/{name}/0"
                 tensors[key] = local_shard(state[name].float(), p, tp_rank, tp).reshape(-1).clone()
-                entries.append({"key": key, "kind": "param", "name": name, "lo": 0, "hi": p.numel(),
-                                "layout": shard_layout(p, tp_rank, tp, config.vocab_size)})
-            _write_rank_files(tmp, rank, tensors, {"rank": rank, "tp": tp_rank, "pp": pp_rank, "dp": 0,
-                                                   "entries": entries, "rng": None, "optimizer_step": None})
+                entries.append({"key": key, "kind": "param", "name": name, "lo": 0, "hi": p.numel(), "tied": False,
+                                "layout": shard_layout(p, tp_rank, tp, config.vocab_size), "dtype": "F32"})
+            head, offsets = plan(tensors)
+            for e in entries:
+                e["offset"] = offsets[e["key"]]
+            write(os.path.join(tmp, _data_file(rank)), tensors, head)
+            records.append({"rank": rank, "file": _data_file(rank), "entries": entries, "rng": None, "tensors": {}})
     if missing:
         shutil.rmtree(tmp)
         raise CheckpointError(f"weights missing for: {', '.join(sorted(missing)[:5])}")
@@ -549,8 +699,7 @@ def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config
             "scheduler": {"num_steps": iteration}, "grad_scaler": None,
             "optimizer": {"type": args.get("optimizer", "adam"), "fp32_params": True},
             "has_optimizer_state": False}
-    with open(os.path.join(tmp, "metadata.json"), "w") as f:
-        json.dump(meta, f, indent=1)
+    _write_metadata_and_index(tmp, meta, None, records)
     os.makedirs(root, exist_ok=True)
     _publish(root, iteration)
     return iteration_dir(root, iteration)

@@ -1,7 +1,11 @@
 """The one place that talks to torch.distributed.
 
 Every collective in megalite goes through here, so that (a) a group of size one costs nothing
-and needs no initialised process group, and (b) the gaps of the gloo backend are bridged once.
+and needs no initialised process group, (b) the gaps of the gloo backend are bridged once, and
+(c) every blocking wait is seen by one monitor (`set_monitor`, installed by the training loop): it
+times the waits for --log-straggler, and when a collective fails or outlives
+--distributed-timeout-minutes it dumps this rank's stacks and names the collective, its group,
+the iteration and the pipeline stage (`CollectiveError`).
 
 Flat reduce-scatter and all-gather (`reduce_scatter_tensor`, `all_gather_into_tensor`: one
 contiguous buffer in, one out) are what NCCL runs for sequence parallelism and the distributed
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -24,6 +29,69 @@ import torch.distributed as dist
 # torch >= 2.10 renames the flat collectives (the old names warn); same arguments
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+from .rendezvous import attempt_store
+
+
+class CollectiveError(RuntimeError):
+    """A collective that failed or timed out, named with where the run stood."""
+
+
+# The loop's monitor.CommMonitor, told about every blocking call below; None: no bookkeeping
+# (tools and tests that call these functions directly).
+_monitor = None
+
+
+def set_monitor(monitor):
+    """Install `monitor` (None: none); returns the one it replaces."""
+    global _monitor
+    previous, _monitor = _monitor, monitor
+    return previous
+
+
+def _blocking(name: str, group, fn, /, *args, **kwargs):
+    """Run a call that blocks until the collective completes, under the monitor."""
+    m = _monitor
+    if m is None:
+        return fn(*args, **kwargs)
+    token = m.enter(name, group)
+    try:
+        out = fn(*args, **kwargs)
+    except RuntimeError as e:  # gloo/NCCL errors and timeouts (DistBackendError is one)
+        raise m.failed(token, e) from e
+    m.exit(token)
+    return out
+
+
+class _Watched:
+    """Handle of an asynchronous collective whose wait() the monitor sees (time blocked, failures)."""
+
+    def __init__(self, work, name: str, group):
+        self.work, self.name, self.group = work, name, group
+
+    def wait(self) -> None:
+        if self.work is not None:
+            _blocking(self.name, self.group, self.work.wait)
+            self.work = None
+
+
+def _watch(work, name: str, group):
+    return work if work is None or _monitor is None else _Watched(work, name, group)
+
+
+def init_distributed(backend: str, timeout_minutes: float, device_id=None) -> None:
+    """Initialise the default process group (torchrun's env:// variables). Under torchrun the
+    store is this attempt's own (rendezvous.py), so a restarted worker never reads a dead
+    worker's address. `timeout_minutes` bounds every collective of every group built later too
+    (parallel_state passes it to new_group)."""
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = attempt_store(rank, timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+    else:
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device_id)
 
 
 class OfflineGroup:
@@ -74,7 +142,7 @@ def native_tensor_collectives(group) -> bool:
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In place; returns `tensor` for chaining."""
     if group_size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
+        _blocking("all_reduce", group, dist.all_reduce, tensor, op=op, group=group)
     return tensor
 
 
@@ -86,11 +154,11 @@ def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     tensor = tensor.contiguous()
     if not native_tensor_collectives(group):
         parts = [torch.empty_like(tensor) for _ in range(n)]
-        dist.all_gather(parts, tensor, group=group)
+        _blocking("all_gather", group, dist.all_gather, parts, tensor, group=group)
         return torch.cat(parts, dim=dim)
     # ranks' blocks end to end along dim 0 (the output shape gloo and NCCL both accept)
     out = torch.empty((n * tensor.size(0),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _all_gather_into_tensor(out, tensor, group=group)
+    _blocking("all_gather", group, _all_gather_into_tensor, out, tensor, group=group)
     if dim % tensor.dim() == 0:
         return out
     return torch.cat(out.view((n,) + tuple(tensor.shape)).unbind(0), dim=dim)
@@ -106,13 +174,13 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     if not native_tensor_collectives(group):
         # all-reduce and keep our chunk (same result, twice the traffic)
         full = tensor.clone()
-        dist.all_reduce(full, group=group)
+        _blocking("reduce_scatter (all_reduce on gloo)", group, dist.all_reduce, full, group=group)
         return full.chunk(n, dim=dim)[group_rank(group)].contiguous()
     if dim != 0:
         tensor = tensor.movedim(dim, 0)
     tensor = tensor.contiguous()
     out = torch.empty((tensor.size(0) // n,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _reduce_scatter_tensor(out, tensor, group=group)
+    _blocking("reduce_scatter", group, _reduce_scatter_tensor, out, tensor, group=group)
     return out.movedim(0, dim) if dim != 0 else out
 
 
@@ -128,10 +196,16 @@ def reduce_scatter_flat(full: torch.Tensor, out: torch.Tensor, group, async_op: 
         return None
     if not native_tensor_collectives(group):
         rank = group_rank(group)
-        work = dist.all_reduce(full, group=group, async_op=async_op)
+        name = "reduce_scatter (all_reduce on gloo)"
+        if async_op:
+            work = _watch(dist.all_reduce(full, group=group, async_op=True), name, group)
+        else:
+            work = _blocking(name, group, dist.all_reduce, full, group=group)
         pending = _Pending(work, lambda: out.copy_(full.view(n, -1)[rank]))
         return pending if async_op else pending.wait()
-    return _reduce_scatter_tensor(out, full, group=group, async_op=async_op)
+    if async_op:
+        return _watch(_reduce_scatter_tensor(out, full, group=group, async_op=True), "reduce_scatter", group)
+    return _blocking("reduce_scatter", group, _reduce_scatter_tensor, out, full, group=group)
 
 
 def all_gather_flat(shard: torch.Tensor, full: torch.Tensor, group, async_op: bool = False):
@@ -142,15 +216,19 @@ def all_gather_flat(shard: torch.Tensor, full: torch.Tensor, group, async_op: bo
         full.copy_(shard)
         return None
     if not native_tensor_collectives(group):
-        return dist.all_gather(list(full.view(n, -1).unbind(0)), shard, group=group, async_op=async_op)
-    return _all_gather_into_tensor(full, shard, group=group, async_op=async_op)
+        fn, args = dist.all_gather, (list(full.view(n, -1).unbind(0)), shard)
+    else:
+        fn, args = _all_gather_into_tensor, (full, shard)
+    if async_op:
+        return _watch(fn(*args, group=group, async_op=True), "all_gather", group)
+    return _blocking("all_gather", group, fn, *args, group=group)
 
 
 def all_reduce_async(tensor: torch.Tensor, group):
     """Start an in-place sum over the group; returns a handle to wait() on (None for size one)."""
     if group_size(group) == 1:
         return None
-    return dist.all_reduce(tensor, group=group, async_op=True)
+    return _watch(dist.all_reduce(tensor, group=group, async_op=True), "all_reduce", group)
 
 
 class _Pending:
@@ -172,7 +250,7 @@ class _Pending:
 def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
     """`src` is a global rank, as torch.distributed expects."""
     if group_size(group) > 1:
-        dist.broadcast(tensor, src=src, group=group)
+        _blocking("broadcast", group, dist.broadcast, tensor, src=src, group=group)
     return tensor
 
 
@@ -185,13 +263,30 @@ def all_gather_object(obj, group) -> list:
     if group_size(group) == 1:
         return [obj]
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    _blocking("all_gather_object", group, dist.all_gather_object, out, obj, group=group)
+    return out
+
+
+def gather_object(obj, dst: int, group) -> list | None:
+    """Every rank's `obj` on global rank `dst` (a list in group order), None elsewhere."""
+    if group_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    _blocking("gather_object", group, dist.gather_object, obj, out, dst=dst, group=group)
     return out
 
 
 def barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier(group=group)
+        _blocking("barrier", group if group is not None else dist.group.WORLD, dist.barrier, group=group)
+
+
+def exchange(ops: list) -> None:
+    """Post point-to-point sends and receives (dist.P2POp) as one batch and wait for all of them."""
+    if ops:
+        works = dist.batch_isend_irecv(ops)
+        peers = sorted({op.peer for op in ops})
+        _blocking(f"send/recv with rank(s) {peers}", None, lambda: [w.wait() for w in works])
 
 
 def launcher_store(timeout_s: float):

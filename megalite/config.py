@@ -18,6 +18,7 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int = 1
     rank_order: str = "tp-dp-pp"
     distributed_backend: str = "gloo"
+    distributed_timeout_minutes: float = 10.0
 
 
 @dataclass
@@ -122,6 +123,12 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
+    # operations (the flags' last group)
+    check_for_nan_in_loss_and_grad: bool = True
+    log_straggler: bool = False
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
+    manual_gc_eval: bool = True
 
 
 @dataclass

@@ -13,7 +13,6 @@ are zeros, not tokens.
 from __future__ import annotations
 
 import contextlib
-import os
 from types import SimpleNamespace
 
 import torch

@@ -14,6 +14,7 @@ builds one `ParallelState` and passes it to whatever needs it.
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 from dataclasses import dataclass, field
 
@@ -179,9 +180,11 @@ def single_process_state() -> ParallelState:
     return ParallelState(grid=RankGrid(1))
 
 
-def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-dp-pp") -> ParallelState:
+def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-dp-pp",
+               timeout_minutes: float | None = None) -> ParallelState:
     """Create every process group of the grid; torch.distributed must already be initialised
-    (or the world must be a single process)."""
+    (or the world must be a single process). `timeout_minutes` bounds each group's collectives
+    (new groups do not inherit the default group's timeout: torch gives them its own default)."""
     if not dist.is_initialized():
         grid = RankGrid(1, tp, pp, order)
         return ParallelState(grid=grid, vpp=vpp)
@@ -189,10 +192,12 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-dp-pp") 
     grid = RankGrid(world, tp, pp, order)
     ps = ParallelState(grid=grid, rank=rank, vpp=vpp)
 
+    timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes is not None else None
+
     def make(groups: list[list[int]]):
         mine = None
         for ranks in groups:  # every rank creates every group, in the same order
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine = (g, ranks)
         return mine

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
+import math
 import os
 import signal
 import time
@@ -22,12 +24,15 @@ from .checkpointing import CheckpointSaver, TrainState, load_checkpoint
 from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
 from .distributed import DataParallel
+from .errors import UserError
 from .metrics import (JsonlWriter, Timer, console_line, memory_string, num_floating_point_operations, peak_tflops,
                       perplexity)
 from .model import GPTConfig, GPTModel, pad_vocab_size
+from .monitor import CommMonitor
 from .optimizer import build_lr_scheduler, build_optimizer
 from .pipeline_parallel import get_forward_backward_func
 from .pipeline_parallel.p2p import PipeComm
+from .straggler import StragglerDetector
 from .tensor_parallel import seed_everything
 from .tensor_parallel.param_info import param_info
 from .tracking import Tracker
@@ -50,6 +55,8 @@ class Run:
     saver: CheckpointSaver | None
     flops_per_iteration: float
     peak: float | None
+    monitor: CommMonitor
+    straggler: StragglerDetector | None = None  # --log-straggler
     signal_received: list = field(default_factory=lambda: [False])
 
     def log(self, msg: str) -> None:
@@ -65,10 +72,11 @@ def initialize_distributed(cfg: ParallelConfig) -> tuple[parallel_state.Parallel
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=cfg.distributed_backend, timeout=datetime.timedelta(minutes=30),
-                                device_id=device if use_cuda else None)
+        comm.init_distributed(cfg.distributed_backend, cfg.distributed_timeout_minutes,
+                              device_id=device if use_cuda else None)
     ps = parallel_state.initialize(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                                   cfg.virtual_pipeline_model_parallel_size, cfg.rank_order)
+                                   cfg.virtual_pipeline_model_parallel_size, cfg.rank_order,
+                                   timeout_minutes=cfg.distributed_timeout_minutes)
     return ps, device
 
 
@@ -115,14 +123,22 @@ def build_datasets(cfg: RunConfig) -> list:
     return list(build_train_valid_test_datasets(data, num_samples))
 
 
-def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod) -> list:
+def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod, straggler=None) -> list:
     """One micro-batch iterator per model chunk: every chunk consumes the iteration's
-    micro-batches in order, at its own pace in the schedule."""
-    return [micro_batches(dataset, consumed, cfg.data, ps, device, eod) for _ in range(ps.vpp)]
+    micro-batches in order, at its own pace in the schedule. With a straggler detector, the
+    time spent in them is timed as data wait."""
+    its = [micro_batches(dataset, consumed, cfg.data, ps, device, eod) for _ in range(ps.vpp)]
+    return [straggler.data_iterator(it) for it in its] if straggler is not None else its
 
 
 def setup(cfg: RunConfig) -> Run:
     ps, device = initialize_distributed(cfg.parallel)
+    t = cfg.training
+    # every blocking collective from here on is seen by the monitor (timeouts name where the run
+    # stood; --log-straggler times the waits)
+    monitor = CommMonitor(ps, device, cfg.parallel.distributed_timeout_minutes, time_waits=t.log_straggler)
+    comm.set_monitor(monitor)  # pretrain() stops it and uninstalls it, whatever happens
+    monitor.start_watchdog()
     model_config, eod = resolve_vocab(cfg)
     model, rng_tracker = build_model(model_config, ps, cfg.training.seed, device)
     if cfg.training.compile:  # --compile: each transformer layer, in place (model/compile.py)
@@ -138,23 +154,30 @@ def setup(cfg: RunConfig) -> Run:
     state.log(f"> optimizer: {optimizer.describe()}")
     ck = cfg.checkpoint
     if ck.load:
+        monitor.where = "in the checkpoint load"
         state.iteration = load_checkpoint(state, ck.load, finetune=ck.finetune, load_optim=not ck.no_load_optim,
                                           load_rng=not ck.no_load_rng)
+        monitor.where = "at start-up"
     datasets = build_datasets(cfg)
     s = cfg.data.seq_length // (ps.tp_size if model_config.sequence_parallel else 1)
     logging_rank = ps.rank == ps.logging_rank
+    straggler = StragglerDetector(ps, device, monitor) if t.log_straggler else None
     run = Run(cfg=cfg, state=state, model=model, dp=dp, datasets=datasets, eod=eod,
-              train_batches=batch_iterators(cfg, datasets[0], state.consumed_samples, ps, device, eod),
+              train_batches=batch_iterators(cfg, datasets[0], state.consumed_samples, ps, device, eod, straggler),
               forward_backward=get_forward_backward_func(ps.pp_size, ps.vpp),
               pipe_comm=PipeComm(ps, (s, cfg.data.micro_batch_size, model_config.hidden_size),
                                  model_config.params_dtype, device),
               jsonl=JsonlWriter(cfg.training.log_jsonl if logging_rank else None),
               tracker=Tracker(cfg.tracking, enabled=logging_rank),  # W&B / TensorBoard
-              saver=CheckpointSaver(ck.save, ck.async_save) if ck.save else None,
+              saver=CheckpointSaver(ck.save, ck.async_save, check_finite=t.check_for_nan_in_loss_and_grad)
+              if ck.save else None,
               flops_per_iteration=num_floating_point_operations(model_config, cfg.training.global_batch_size),
-              peak=peak_tflops(cfg.training.peak_tflops, model_config.params_dtype))
+              peak=peak_tflops(cfg.training.peak_tflops, model_config.params_dtype), monitor=monitor,
+              straggler=straggler)
     run.tracker.log_config(cfg.flags)
     log_startup(run)
+    if state.load_stats is not None:
+        log_checkpoint_load(run)
     return run
 
 
@@ -177,6 +200,27 @@ def log_startup(run: Run) -> None:
             "grad_bytes": run.dp.grad_bytes,
             "optimizer_bytes": run.state.optimizer.state_bytes()}  # fp32 masters + Adam m, v (this rank's shard)
     run.jsonl.write({"event": "memory_footprint", "ranks": comm.all_gather_object(mine, comm.world_group())})
+    if run.straggler is not None and run.state.device.type == "cuda" and run.straggler.gpu_unavailable:
+        run.log(f"> --log-straggler: GPU power, temperature and clock not reported ({run.straggler.gpu_unavailable}; "
+                "pip install nvidia-ml-py)")
+
+
+def log_checkpoint_load(run: Run) -> None:
+    """One `checkpoint_load` JSONL record per rank (gathered to the logging rank, which owns the
+    JSONL file) and a summary line: what each rank read to resume."""
+    ps, stats = run.state.ps, run.state.load_stats
+    mine = {"event": "checkpoint_load", "rank": ps.rank, "bytes_read": stats.bytes_read,
+            "files_opened": stats.files_opened, "seconds": round(stats.seconds, 3)}
+    records = comm.gather_object(mine, ps.logging_rank, comm.world_group())
+    if records is None:
+        return
+    for r in records:
+        run.jsonl.write(r)
+    most = max(records, key=lambda r: r["bytes_read"])
+    files = max(records, key=lambda r: r["files_opened"])
+    run.log(f"> checkpoint load: {sum(r['bytes_read'] for r in records) / 2**20:.2f} MiB read by {len(records)} "
+            f"rank(s); at most {most['bytes_read'] / 2**20:.2f} MiB (rank {most['rank']}) and "
+            f"{files['files_opened']} files (rank {files['rank']}) on one rank")
 
 
 def count_parameters(state: TrainState) -> int:
@@ -188,17 +232,54 @@ def count_parameters(state: TrainState) -> int:
 
 
 # -- one iteration ----------------------------------------------------------------------------------
-def global_loss(run: Run, stats) -> tuple[float, float]:
+class NonFiniteError(UserError):
+    """--check-for-nan-in-loss-and-grad: the loss or the gradients hold a NaN or an Inf."""
+
+
+def global_loss(run: Run, stats, grads: list | None = None) -> tuple[float, float, list, list]:
     """(sum of token losses, number of loss tokens) over the global batch: only the last
     stage's TP rank 0 of each DP replica contributes, so every sample counts once. Summed on
-    the device; one host read per call."""
+    the device; one host read per call.
+
+    With `grads` (--check-for-nan-in-loss-and-grad) the same all-reduce also carries, per global
+    rank, whether its own loss sum is finite and the largest magnitude in its reduced gradients
+    (each rank writes its own slot, the rest are zeros): every rank learns which ranks hold a
+    NaN/Inf without another collective. Returns those two lists too (empty without `grads`)."""
     ps = run.state.ps
-    t = torch.zeros(2, dtype=torch.float64, device=run.state.device)
+    world = ps.world_size if grads is not None else 0
+    t = torch.zeros(2 + 2 * world, dtype=torch.float64, device=run.state.device)
     if ps.is_last_stage and ps.tp_rank == 0 and stats:
-        t += torch.stack([torch.stack([s.double(), n.double()]) for s, n in stats]).sum(0)
+        mine = torch.stack([torch.stack([s.double(), n.double()]) for s, n in stats]).sum(0)
+        t[:2] += mine
+        if grads is not None:
+            t[2 + ps.rank] = (~torch.isfinite(mine[0])).double()
+    if grads:  # max |g| (NaN wins, as torch.max propagates it)
+        t[2 + world + ps.rank] = torch.stack(torch._foreach_norm(grads, float("inf"))).max().double()
     comm.all_reduce(t, comm.world_group())
-    loss_sum, num_tokens = t.tolist()
-    return loss_sum, num_tokens
+    values = t.tolist()
+    return values[0], values[1], values[2:2 + world], values[2 + world:]
+
+
+def check_finite(run: Run, loss_sum: float, bad_loss: list, grad_max: list, grad_scale: float) -> None:
+    """Stop before the optimizer step when the loss, or (without loss scaling, whose skip path
+    owns overflows) the gradients the step would apply, hold a NaN or an Inf."""
+    iteration = run.state.iteration + 1
+    losses = [r for r, flag in enumerate(bad_loss) if flag]
+    # the step multiplies the gradients by grad_scale in fp32: an overflow there counts too
+    grads = [] if run.state.optimizer.scaler is not None else \
+        [r for r, m in enumerate(grad_max) if not math.isfinite(m) or m * grad_scale > torch.finfo(torch.float32).max]
+    if not (losses or grads):
+        return
+    what = []
+    if losses:
+        what.append(f"the loss is {loss_sum} (non-finite on rank(s) {losses}, the last pipeline stage)")
+    if grads:
+        what.append(f"the gradients hold NaN/Inf on rank(s) {grads} (after the data-parallel reduction, which spreads "
+                    "them to every rank of that data-parallel group)")
+    raise NonFiniteError(
+        f"iteration {iteration}: {' and '.join(what)}; stopped before the optimizer step, so the weights and the "
+        f"latest checkpoint are finite. Lower --lr or set --clip-grad, or resume from an earlier checkpoint "
+        f"(--no-check-for-nan-in-loss-and-grad turns this check off)")
 
 
 def train_step(run: Run) -> dict:
@@ -210,14 +291,25 @@ def train_step(run: Run) -> dict:
     stats = run.forward_backward(batches=run.train_batches, model=run.model, num_microbatches=t.num_microbatches,
                                  comm=run.pipe_comm, backward_scale=optimizer.loss_scale / nominal_tokens)
     run.dp.finish_grad_sync()
-    loss_sum, num_tokens = global_loss(run, stats)
+    check = t.check_for_nan_in_loss_and_grad
+    loss_sum, num_tokens, bad_loss, grad_max = global_loss(run, stats, optimizer.main_grads if check else None)
     if num_tokens == 0:
         raise RuntimeError(f"iteration {state.iteration + 1}: the global batch has no token with loss "
                            "(every token masked by --eod-mask-loss?)")
-    lr = state.scheduler.get_lr()
     # undo the loss scale; masked tokens: renormalise from the nominal to the true token count
-    update = optimizer.step(lr, grad_scale=nominal_tokens / num_tokens / optimizer.loss_scale,
-                            iteration=state.iteration + 1)
+    grad_scale = nominal_tokens / num_tokens / optimizer.loss_scale
+    if check:
+        check_finite(run, loss_sum, bad_loss, grad_max, grad_scale)
+    lr = state.scheduler.get_lr()
+    update = optimizer.step(lr, grad_scale=grad_scale, iteration=state.iteration + 1)
+    if check and not update["skipped"] and not math.isfinite(update["grad_norm"]):
+        # finite gradients whose squares overflow fp32: the update itself stayed finite (clipping
+        # zeroes it; Adam divides by the overflowed second moment), but training has diverged
+        worst = max(range(len(grad_max)), key=grad_max.__getitem__)
+        raise NonFiniteError(
+            f"iteration {state.iteration + 1}: the global gradient norm is {update['grad_norm']} (largest gradient "
+            f"{grad_max[worst]:.3e}, on rank {worst}): training has diverged; stopped before any checkpoint of it. "
+            f"Lower --lr or set --clip-grad (--no-check-for-nan-in-loss-and-grad turns this check off)")
     if not update["skipped"]:  # a step skipped for fp16 overflow does not advance the schedule
         state.scheduler.step()
     return {"lm_loss": loss_sum / num_tokens, "lr": lr, **update}
@@ -229,6 +321,10 @@ def evaluate(run: Run, split: str) -> dict | None:
     dataset = run.datasets[1 if split == "valid" else 2]
     if dataset is None or t.eval_iters == 0:
         return None
+    run.monitor.where = f"in the {split} evaluation after iteration {state.iteration}"
+    manual_gc = t.manual_gc and t.manual_gc_eval  # as Megatron-LM: collect at both ends of an evaluation
+    if manual_gc:
+        gc.collect()
     for m in run.model:
         m.eval()
     batches = batch_iterators(run.cfg, dataset, 0, state.ps, state.device, run.eod)
@@ -236,7 +332,7 @@ def evaluate(run: Run, split: str) -> dict | None:
     for _ in range(t.eval_iters):
         stats = run.forward_backward(batches=batches, model=run.model, num_microbatches=t.num_microbatches,
                                      comm=run.pipe_comm, backward_scale=0.0, forward_only=True)
-        loss_sum, num_tokens = global_loss(run, stats)
+        loss_sum, num_tokens, _, _ = global_loss(run, stats)
         totals[0] += loss_sum
         totals[1] += num_tokens
     loss = totals[0] / max(totals[1], 1.0)
@@ -245,6 +341,8 @@ def evaluate(run: Run, split: str) -> dict | None:
     run.tracker.log(record, state.iteration, split)
     line = f" {split} loss at iteration {state.iteration} | lm loss: {loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |"
     run.log("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+    if manual_gc:
+        gc.collect()
     return record
 
 
@@ -268,6 +366,7 @@ def exit_reason(run: Run, start_time: float) -> str | None:
 
 def save_checkpoint(run: Run, last_saved: list) -> None:
     if run.saver is not None and last_saved[0] != run.state.iteration:
+        run.monitor.where = f"in the checkpoint save at iteration {run.state.iteration}"
         run.saver.save(run.state, run.state.iteration)
         last_saved[0] = run.state.iteration
 
@@ -280,13 +379,27 @@ def train(run: Run) -> None:
     start_time, last_saved, first_iteration = time.time(), [state.iteration], state.iteration
     if t.exit_signal_handler:
         signal.signal(signal.SIGTERM, lambda signum, frame: run.signal_received.__setitem__(0, True))
+    if t.manual_gc:
+        # no automatic collection: a rank that collects stalls all the others at its next
+        # collective; collecting at the same iterations everywhere makes the pause common
+        gc.disable()
+        gc.collect()
     reason = None
     while state.iteration < t.train_iters and reason is None:
+        run.monitor.where = f"in iteration {state.iteration + 1}"
+        run.monitor.step_start = time.perf_counter()
+        if run.straggler is not None:
+            run.straggler.start_step()
         out = train_step(run)
+        if run.straggler is not None:
+            run.straggler.end_step()
+        run.monitor.step_start = None
         state.iteration += 1
         if t.compile and state.iteration == first_iteration + 1:
             from .model.compile import compile_report  # compiled during this first step
             run.log(f"> compile: {compile_report()}")
+        if t.manual_gc and t.manual_gc_interval and state.iteration % t.manual_gc_interval == 0:
+            gc.collect()  # the same iterations on every rank
         state.consumed_samples += t.global_batch_size
         window["iters"] += 1
         if out["skipped"]:  # a step skipped for fp16 overflow does not enter the average
@@ -313,6 +426,8 @@ def train(run: Run) -> None:
         run.saver.finalize(blocking=True)
     if reason is not None:
         run.log(f"> exiting at iteration {state.iteration}: {reason}")
+    if t.manual_gc:
+        gc.enable()  # leave an in-process caller the collector it had
     run.jsonl.close()
     run.tracker.close()
 
@@ -332,14 +447,24 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
     run.jsonl.write(record)
     run.tracker.log(record, state.iteration, "train")
     eta = (t.train_iters - state.iteration) * sec_per_iter
-    run.log(f"[{datetime.datetime.now():%Y-%m-%d %H:%M:%S}]" + console_line(
-        record, t.train_iters, memory_string(state.device), eta))
+    line = console_line(record, t.train_iters, memory_string(state.device), eta)
+    if run.straggler is not None:  # a collective: every rank reports at the same iterations
+        text, straggler_record = run.straggler.report(state.iteration)
+        run.jsonl.write(straggler_record)
+        line += f" {text} |"
+    run.log(f"[{datetime.datetime.now():%Y-%m-%d %H:%M:%S}]" + line)
 
 
 def pretrain(cfg: RunConfig) -> TrainState:
-    run = setup(cfg)
-    train(run)
+    try:
+        run = setup(cfg)
+        train(run)
+        run.monitor.where = "at the end of training"
+        comm.barrier()
+    finally:  # the watchdog thread must be gone before torch.distributed is torn down
+        monitor = comm.set_monitor(None)
+        if monitor is not None:
+            monitor.stop()
     if dist.is_initialized():
-        dist.barrier()
         dist.destroy_process_group()
     return run.state

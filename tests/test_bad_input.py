@@ -115,7 +115,7 @@ def world(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     ck_iter = p("ck", "iter_0000001")
     for name, breaks in [("ck_badmeta", "iter_0000001/metadata.json"), ("ck_badtracker", None),
-                         ("ck_norank", "iter_0000001/rank_00000.pt"), ("ck_badrankjson", "iter_0000001/rank_00000.json")]:
+                         ("ck_norank", "iter_0000001/rank_00000.safetensors"), ("ck_badindex", "iter_0000001/index.jsonl")]:
         shutil.copytree(p("ck"), p(name))
         if name == "ck_badtracker":
             with open(p(name, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -199,7 +199,7 @@ CASES = [
     ("generate-load-missing", G, ["--load", "nowhere", "--prompt", "1"], "--load nowhere"),
     ("generate-bad-tracker", G, ["--load", "ck_badtracker", "--prompt", "1"], "latest_checkpointed_iteration.txt"),
     ("generate-rank-file-missing", G, ["--load", "ck_norank", "--prompt", "1", "--tokenizer-type", "NullTokenizer"],
-     "rank_00000.pt is missing"),
+     "rank_00000.safetensors (FileNotFoundError"),
     ("generate-temperature-0", G, ["--load", "ck", "--prompt", "1", "--temperature", "0"], "--temperature"),
     ("generate-prompt-not-ids", G, ["--load", "ck", "--prompt", "hello", "--tokenizer-type", "NullTokenizer"],
      "'hello'"),
@@ -209,8 +209,8 @@ CASES = [
     # -- tools/checkpoint/convert.py -------------------------------------------------------------------
     ("convert-into-nonempty-dir", C, CONVERT + ["--load-dir", "ck", "--save-dir", "busy"], "--save-dir busy"),
     ("convert-into-a-file", C, CONVERT + ["--load-dir", "ck", "--save-dir", "notes.txt"], "--save-dir notes.txt"),
-    ("convert-corrupt-rank-index", C, CONVERT + ["--load-dir", "ck_badrankjson", "--save-dir", "out"],
-     "rank_00000.json is corrupt"),
+    ("convert-corrupt-index", C, CONVERT + ["--load-dir", "ck_badindex", "--save-dir", "out"],
+     "index.jsonl: cannot read the checkpoint index"),
     ("convert-tp-does-not-divide", C, CONVERT + ["--load-dir", "ck", "--save-dir", "out",
                                                  "--target-tensor-parallel-size", "3"], "--target-tensor-parallel-size 3"),
     ("convert-hf-bad-config", C, ["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir", "hf_bad",

@@ -68,7 +68,7 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tmp_dir = os.path.join(ck, "iter_0000010.tmp")
     deadline = time.time() + 120
-    while not os.path.exists(os.path.join(tmp_dir, "rank_00000.json")) and time.time() < deadline:
+    while not os.path.exists(os.path.join(tmp_dir, "rank_00000.safetensors")) and time.time() < deadline:
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -19,6 +19,7 @@ from dist_helpers import ROOT, run_pretrain
 
 # transformers (and safetensors, which the conversion writes) are what this file tests against:
 # `make test` installs them (.[hf]), so their absence is an error, not a skip
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megalite.checkpointing import load_full_state_dict, read_metadata, save_full_state_dict
@@ -198,9 +199,10 @@ def test_reshard_roundtrip_is_exact(which, gpt2_ckpt, llama_ckpt, tmp_path):
                              "--target-pipeline-parallel-size", str(p)]) == 0
     m = read_metadata(sharded)
     assert (m["layout"]["tp"], m["layout"]["pp"], m["iteration"]) == (2, 2, meta["iteration"])
-    assert len([f for f in os.listdir(m["dir"]) if f.endswith(".pt")]) == 4
+    assert len([f for f in os.listdir(m["dir"]) if f.startswith("rank_")]) == 4  # one data file per (tp, pp) rank
     # a 2-way TP shard really is half: the padded vocabulary and the heads are split
-    shard0 = torch.load(os.path.join(m["dir"], "rank_00000.pt"), weights_only=True)
+    from safetensors.torch import load_file  # rank files are plain safetensors
+    shard0 = load_file(os.path.join(m["dir"], "rank_00000.safetensors"))
     emb = shard0["param/embedding.word_embeddings.weight/0"]
     assert emb.numel() == pad_vocab_size(meta["model_config"]["vocab_size"], 128, 2) // 2 * 64
     for d in (sharded, back):

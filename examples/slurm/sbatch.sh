@@ -6,6 +6,10 @@
 #   sbatch --nodes 128 --time 14-00:00:00 --export ALL,DATA_PATH=/data/pile_text_document \
 #       examples/slurm/sbatch.sh examples/gpt3_175B.sh
 #
+# Requeue near the time limit (and, where the cluster allows it, after a node failure): the job
+# comes back with the same command line and resumes from the latest checkpoint (--save D --load D):
+#   sbatch --nodes 16 --requeue --signal=B:USR1@600 examples/slurm/sbatch.sh examples/gpt3_13B.sh
+#
 # Submit from the repository root (paths are taken relative to the submission directory). Every
 # variable of examples/common.sh (DATA_PATH, TP, PP, MICRO_BATCH_SIZE, OUTPUT_DIR, ...) passes
 # through the environment; NNODES, NODE_RANK, MASTER_ADDR and GPUS_PER_NODE come from SLURM.
@@ -31,6 +35,18 @@ export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
 export RUN_NAME=${RUN_NAME:-$(basename "${SCRIPT%.sh}")-${SLURM_JOB_ID:-local}}
 echo "sbatch.sh: $SCRIPT on $NNODES node(s) x $GPUS_PER_NODE GPUs, rendezvous $MASTER_ADDR:$MASTER_PORT" >&2
 
-# one task per node; SLURM_NODEID (0..NNODES-1) becomes torchrun's --node_rank
+# --signal=B:USR1@N sends USR1 to this shell N seconds before the time limit: requeue the job
+# (SLURM then stops the step and queues the job again; the next start resumes from a checkpoint)
+trap 'echo "sbatch.sh: time limit near: requeueing job $SLURM_JOB_ID" >&2; scontrol requeue "$SLURM_JOB_ID"' USR1
+
+# one task per node; SLURM_NODEID (0..NNODES-1) becomes torchrun's --node_rank. In the background,
+# so that the trap runs while it works: wait returns early for a trapped signal, so wait again
 srun --nodes "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 \
-    bash -c 'NODE_RANK=$SLURM_NODEID exec bash "$0" "$@"' "$SCRIPT" "$@"
+    bash -c 'NODE_RANK=$SLURM_NODEID exec bash "$0" "$@"' "$SCRIPT" "$@" &
+SRUN=$!
+status=0
+while :; do
+    wait "$SRUN" && { status=0; break; } || status=$?
+    kill -0 "$SRUN" 2>/dev/null || break  # srun itself has ended (not a trapped signal)
+done
+exit "$status"

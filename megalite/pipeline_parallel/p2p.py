@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 
 class PipeComm:
     def __init__(self, ps, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
@@ -34,9 +36,7 @@ class PipeComm:
         if recv_next:
             from_next = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, from_next, self.ps.next_pp_rank))
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+        comm.exchange(ops)  # posts all, waits for all (a timeout or a dead peer names this exchange)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # batch_isend_irecv runs on its own stream
         if from_prev is not None:

@@ -1,0 +1,38 @@
+"""--log-straggler names the slow rank: a worker the test keeps pausing (SIGSTOP/SIGCONT, while
+it computes) shows the largest compute time; the others only wait longer in collectives."""
+import os
+import re
+import signal
+import time
+
+from proc_helpers import kill_all, output, records, start_torchrun, state, wait_for, workers
+
+FLAGS = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "16",
+         "--train-iters", "40", "--lr", "1e-3", "--log-interval", "5", "--eval-iters", "0", "--log-straggler",
+         "--tensor-model-parallel-size", "2"]
+SLOW = 2
+
+
+def test_paused_rank_is_named_slowest_in_compute(tmp_path):
+    proc, jsonl = start_torchrun(4, FLAGS, tmp_path, "straggler")
+    try:
+        pid = workers(proc, 4)[SLOW]
+        wait_for(lambda: any("consumed_samples" in r for r in records(jsonl)), 300, proc, "the first iteration")
+        while proc.poll() is None:
+            if state(pid) == "R":  # computing (a rank blocked in a collective sleeps): pause it there
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.1)
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(0.02)
+        assert proc.returncode == 0, output(proc)[1][-3000:]
+    finally:
+        kill_all(proc)
+    reports = [r for r in records(jsonl) if r.get("event") == "straggler"]
+    assert len(reports) == 8 and all(len(r["compute_ms"]) == 4 and len(r["data_wait_ms"]) == 4 for r in reports)
+    later = reports[1:]  # the first window may end before the pauses start
+    total = [sum(r["compute_ms"][k] for r in later) for k in range(4)]
+    assert max(range(4), key=total.__getitem__) == SLOW, total
+    lines = [m.group(1) for m in re.finditer(r"compute \(ms\) min/max: [\d.]+ \(rank \d\) / [\d.]+ \(rank (\d)\)",
+                                             output(proc)[0])]
+    assert len(lines) == 8 and sum(int(k) == SLOW for k in lines[1:]) > len(lines[1:]) / 2, lines
