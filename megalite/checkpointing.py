@@ -56,7 +56,10 @@ MODEL_FLAGS = {
     "normalization": "--normalization", "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon",
+    "apply_layernorm_1p": "--apply-layernorm-1p",
 }
+# the value of a model setting in checkpoints written before it existed
+MODEL_FLAG_DEFAULTS = {"apply_layernorm_1p": False}
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -119,9 +122,11 @@ def read_metadata(root: str, iteration: int | None = None) -> dict:
 def check_model_config(saved: dict, current: dict, where: str) -> None:
     """Raise naming the first model setting that differs."""
     for key, flag in MODEL_FLAGS.items():
-        if saved.get(key) != current.get(key):
-            raise CheckpointError(f"checkpoint {where} does not match this model: {flag} is {saved.get(key)!r} in "
-                                  f"the checkpoint and {current.get(key)!r} in this run")
+        default = MODEL_FLAG_DEFAULTS.get(key)
+        if saved.get(key, default) != current.get(key, default):
+            raise CheckpointError(f"checkpoint {where} does not match this model: {flag} is "
+                                  f"{saved.get(key, default)!r} in the checkpoint and {current.get(key, default)!r} "
+                                  f"in this run")
     if current.get("position_embedding_type") == "rope" and saved.get("rotary_base") != current.get("rotary_base"):
         raise CheckpointError(f"checkpoint {where} does not match this model: --rotary-base is "
                               f"{saved.get('rotary_base')} in the checkpoint and {current.get('rotary_base')} in this run")
