@@ -132,6 +132,7 @@ class TrainingConfig:
     step_batch_size_schedule: str | None = None
     seq_length: int = 1024
     calculate_per_token_loss: bool = False
+    deterministic_mode: bool = False
     empty_unused_memory_level: int = 0
     seed: int = 1234
     log_interval: int = 100

@@ -22,12 +22,14 @@ from .checkpointing import CheckpointSaver, TrainState, load_checkpoint
 from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
 from .distributed import DataParallel
-from .metrics import (JsonlWriter, Timer, console_line, memory_string, num_floating_point_operations, peak_tflops,
-                      perplexity)
+from .metrics import (JsonlWriter, Timer, console_line, memory_record, memory_string, num_floating_point_operations,
+                      peak_tflops, perplexity)
 from .model import GPTConfig, GPTModel, pad_vocab_size
+from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
 from .optimizer import build_lr_scheduler, build_optimizer
 from .pipeline_parallel import get_forward_backward_func
 from .pipeline_parallel.p2p import PipeComm
+from .profiling import Profiler
 from .tensor_parallel import seed_everything
 from .tensor_parallel.param_info import param_info
 from .tracking import Tracker
@@ -48,7 +50,8 @@ class Run:
     jsonl: JsonlWriter
     tracker: Tracker
     saver: CheckpointSaver | None
-    flops_per_iteration: float
+    batch: NumMicroBatchesCalculator  # the global batch for each iteration, from consumed_samples
+    profiler: Profiler
     peak: float | None
     signal_received: list = field(default_factory=lambda: [False])
 
@@ -103,10 +106,11 @@ def build_model(config: GPTConfig, ps, seed: int, device: torch.device):
 
 
 def build_datasets(cfg: RunConfig) -> list:
-    """(train, valid, test) sized for --train-iters and --eval-iters global batches."""
+    """(train, valid, test) sized for --train-samples (or --train-iters global batches) and
+    --eval-iters global batches."""
     t, data = cfg.training, cfg.data
-    num_samples = (t.train_iters * t.global_batch_size, t.eval_iters * t.global_batch_size,
-                   t.eval_iters * t.global_batch_size)
+    train = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
+    num_samples = (train, t.eval_iters * t.global_batch_size, t.eval_iters * t.global_batch_size)
     if data.mock_data:
         from .data.mock import MockGPTDataset
         return [MockGPTDataset(n, data.seq_length, data.vocab_size, data.seed + i) if n else None
@@ -122,6 +126,8 @@ def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod) -> 
 
 
 def setup(cfg: RunConfig) -> Run:
+    if cfg.training.deterministic_mode:
+        torch.use_deterministic_algorithms(True)
     ps, device = initialize_distributed(cfg.parallel)
     model_config, eod = resolve_vocab(cfg)
     model, rng_tracker = build_model(model_config, ps, cfg.training.seed, device)
@@ -146,7 +152,8 @@ def setup(cfg: RunConfig) -> Run:
               jsonl=JsonlWriter(cfg.training.log_jsonl if logging_rank else None),
               tracker=Tracker(cfg.tracking, enabled=logging_rank),  # W&B / TensorBoard
               saver=CheckpointSaver(ck.save, ck.async_save) if ck.save else None,
-              flops_per_iteration=num_floating_point_operations(model_config, cfg.training.global_batch_size),
+              batch=build_num_microbatches_calculator(cfg.training, ps.dp_size),
+              profiler=Profiler(cfg.training, ps.rank, device),
               peak=peak_tflops(cfg.training.peak_tflops, model_config.params_dtype))
     run.tracker.log_config(cfg.flags)
     log_startup(run)
@@ -155,9 +162,15 @@ def setup(cfg: RunConfig) -> Run:
 
 def log_startup(run: Run) -> None:
     ps, c, t = run.state.ps, run.state.model_config, run.cfg.training
-    attention = "flash-attn" if c.use_flash_attn else "torch scaled_dot_product_attention"
+    attention = ("flash-attn" if c.use_flash_attn else "megalite's local softmax(QK^T)V" if c.attention_backend == "local"
+                 else "torch scaled_dot_product_attention" + ("" if c.attention_backend == "auto"
+                                                                else f" ({c.attention_backend} kernels)"))
+    for notice in run.cfg.notices:
+        run.log(f"> note: {notice}")
     run.log(f"> megalite: {ps.describe()}, {t.num_microbatches} micro-batches of {t.micro_batch_size} "
             f"per iteration (global batch {t.global_batch_size})")
+    if run.batch.steps is not None or run.batch.rampup is not None:
+        run.log(f"> batch schedule: {run.batch.describe()}; {t.train_iters} iterations")
     run.log(f"> model: {count_parameters(run.state) / 1e6:.2f}M parameters, {c.num_layers} layers, "
             f"hidden {c.hidden_size}, {c.num_attention_heads} heads, vocab {c.vocab_size} (padded "
             f"{c.padded_vocab_size}), seq {c.seq_length}, {str(c.params_dtype).replace('torch.', '')}, attention: "
@@ -193,26 +206,50 @@ def global_loss(run: Run, stats) -> tuple[float, float]:
     return loss_sum, num_tokens
 
 
+def empty_unused_memory(run: Run, level: int) -> None:
+    """--empty-unused-memory-level: return cached CUDA blocks at Megatron-LM's points (level 1
+    after forward-backward, level 2 also after the optimizer step); nothing to do on CPU."""
+    if run.cfg.training.empty_unused_memory_level >= level and run.state.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def train_step(run: Run) -> dict:
     t, state, optimizer = run.cfg.training, run.state, run.state.optimizer
     for m in run.model:
         m.train()
+    # the global batch follows consumed_samples (ramp-up / step schedule; constant otherwise)
+    global_batch = run.batch.current_global_batch_size(state.consumed_samples)
+    num_microbatches = global_batch // (t.micro_batch_size * state.ps.dp_size)
+    run.dp.set_num_microbatches(num_microbatches)
     run.dp.zero_grad()
-    nominal_tokens = t.global_batch_size * run.cfg.data.seq_length
-    stats = run.forward_backward(batches=run.train_batches, model=run.model, num_microbatches=t.num_microbatches,
-                                 comm=run.pipe_comm, backward_scale=optimizer.loss_scale / nominal_tokens)
+    nominal_tokens = global_batch * run.cfg.data.seq_length
+    if t.calculate_per_token_loss:  # d(sum of token losses)/d(tokens of the global batch)
+        backward_scale = optimizer.loss_scale / nominal_tokens
+    else:  # Megatron-LM's default: the mean over micro-batches (and DP ranks) of each one's token mean
+        backward_scale = optimizer.loss_scale / (num_microbatches * state.ps.dp_size)
+    stats = run.forward_backward(batches=run.train_batches, model=run.model, num_microbatches=num_microbatches,
+                                 comm=run.pipe_comm, backward_scale=backward_scale,
+                                 microbatch_mean=not t.calculate_per_token_loss)
+    empty_unused_memory(run, 1)
     run.dp.finish_grad_sync()
     loss_sum, num_tokens = global_loss(run, stats)
     if num_tokens == 0:
         raise RuntimeError(f"iteration {state.iteration + 1}: the global batch has no token with loss "
                            "(every token masked by --eod-mask-loss?)")
-    lr = state.scheduler.get_lr()
-    # undo the loss scale; masked tokens: renormalise from the nominal to the true token count
-    update = optimizer.step(lr, grad_scale=nominal_tokens / num_tokens / optimizer.loss_scale,
-                            iteration=state.iteration + 1)
+    scheduler, c = state.scheduler, run.cfg.optimizer
+    lr = scheduler.get_lr()
+    decoupled_lr = (scheduler.get_lr(max_lr=c.decoupled_lr, min_lr=c.decoupled_min_lr)
+                    if c.decoupled_lr is not None else None)
+    # undo the loss scale; per-token loss with masked tokens: renormalise from the nominal to the
+    # true token count
+    renormalise = nominal_tokens / num_tokens if t.calculate_per_token_loss else 1.0
+    update = optimizer.step(lr, grad_scale=renormalise / optimizer.loss_scale, iteration=state.iteration + 1,
+                            decoupled_lr=decoupled_lr)
     if not update["skipped"]:  # a step skipped for fp16 overflow does not advance the schedule
-        state.scheduler.step()
-    return {"lm_loss": loss_sum / num_tokens, "lr": lr, **update}
+        scheduler.step(global_batch if scheduler.unit == "samples" else 1)
+    empty_unused_memory(run, 2)
+    return {"lm_loss": loss_sum / num_tokens, "lr": lr, "decoupled_lr": decoupled_lr,
+            "global_batch_size": global_batch, **update}
 
 
 @torch.no_grad()
@@ -228,6 +265,7 @@ def evaluate(run: Run, split: str) -> dict | None:
     for _ in range(t.eval_iters):
         stats = run.forward_backward(batches=batches, model=run.model, num_microbatches=t.num_microbatches,
                                      comm=run.pipe_comm, backward_scale=0.0, forward_only=True)
+        empty_unused_memory(run, 1)
         loss_sum, num_tokens = global_loss(run, stats)
         totals[0] += loss_sum
         totals[1] += num_tokens
@@ -268,16 +306,19 @@ def train(run: Run) -> None:
     t, state = run.cfg.training, run.state
     timer = Timer(state.device)
     timer.reset()
-    window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0}
+    window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0, "samples": 0}
     start_time, last_saved = time.time(), [state.iteration]
     if t.exit_signal_handler:
         signal.signal(signal.SIGTERM, lambda signum, frame: run.signal_received.__setitem__(0, True))
     reason = None
     while state.iteration < t.train_iters and reason is None:
+        run.profiler.before_iteration(state.iteration)
         out = train_step(run)
         state.iteration += 1
-        state.consumed_samples += t.global_batch_size
+        state.consumed_samples += out["global_batch_size"]
+        run.profiler.after_iteration(state.iteration)
         window["iters"] += 1
+        window["samples"] += out["global_batch_size"]
         if out["skipped"]:  # a step skipped for fp16 overflow does not enter the average
             window["skipped"] += 1
         else:
@@ -285,7 +326,7 @@ def train(run: Run) -> None:
             window["loss_iters"] += 1
         if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
             report(run, out, window, timer.elapsed())
-            window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0}
+            window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0, "samples": 0}
             timer.reset()
         if state.iteration % t.eval_interval == 0 and state.iteration != t.train_iters:
             evaluate(run, "valid")
@@ -294,6 +335,7 @@ def train(run: Run) -> None:
             if run.cfg.checkpoint.save_interval and state.iteration % run.cfg.checkpoint.save_interval == 0:
                 save_checkpoint(run, last_saved)
         reason = exit_reason(run, start_time)
+    run.profiler.stop()
     if reason is None:
         evaluate(run, "valid")
         evaluate(run, "test")
@@ -306,23 +348,45 @@ def train(run: Run) -> None:
     run.tracker.close()
 
 
+def params_norm(run: Run) -> float:
+    """--log-params-norm: the L2 norm of the whole model's parameters, each counted once."""
+    ps = run.state.ps
+    t = torch.zeros(1, dtype=torch.float64, device=run.state.device)
+    if ps.dp_rank == 0:
+        for _, p in run.state.named_params:
+            if param_info(p).is_owner(ps.tp_rank):
+                t += p.detach().double().pow(2).sum()
+    comm.all_reduce(t, comm.world_group())
+    return float(t.sqrt())
+
+
 def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
     t, state = run.cfg.training, run.state
     sec_per_iter = elapsed_s / window["iters"]
-    tflops = run.flops_per_iteration / (sec_per_iter * state.ps.world_size) / 1e12
+    # FLOPs are linear in the batch: the window's samples give the mean over a changing batch
+    flops = num_floating_point_operations(state.model_config, window["samples"]) / window["iters"]
+    tflops = flops / (sec_per_iter * state.ps.world_size) / 1e12
     record = {
         "iteration": state.iteration, "consumed_samples": state.consumed_samples,
+        "global_batch_size": out["global_batch_size"],
         "lm_loss": window["lm_loss"] / window["loss_iters"] if window["loss_iters"] else out["lm_loss"],
         "lr": out["lr"], "grad_norm": out["grad_norm"], "loss_scale": out.get("loss_scale", 1.0),
-        "elapsed_ms": 1000.0 * sec_per_iter, "tokens_per_sec": t.global_batch_size * run.cfg.data.seq_length / sec_per_iter,
+        "elapsed_ms": 1000.0 * sec_per_iter,
+        "tokens_per_sec": window["samples"] * run.cfg.data.seq_length / elapsed_s,
         "tflops_per_gpu": tflops, "mfu": (tflops / run.peak) if run.peak else None,
         "skipped_iterations": window["skipped"],  # steps skipped for fp16 overflow since the last report
     }
+    if out.get("decoupled_lr") is not None:
+        record["decoupled_lr"] = out["decoupled_lr"]
+    if t.log_params_norm:
+        record["params_norm"] = params_norm(run)
+    if t.log_memory_to_tensorboard:
+        record.update(memory_record(state.device))
     run.jsonl.write(record)
     run.tracker.log(record, state.iteration, "train")
     eta = (t.train_iters - state.iteration) * sec_per_iter
     run.log(f"[{datetime.datetime.now():%Y-%m-%d %H:%M:%S}]" + console_line(
-        record, t.train_iters, memory_string(state.device), eta))
+        record, t.train_iters, memory_string(state.device), eta, throughput=t.log_throughput))
 
 
 def pretrain(cfg: RunConfig) -> TrainState:
