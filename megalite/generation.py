@@ -15,7 +15,8 @@ from .checkpointing import CheckpointError, load_full_state_dict, local_shard
 from .errors import InputError, InputNotFound
 from .model import GPTConfig, GPTModel, pad_vocab_size
 
-TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "tiktoken_pattern",
+                  "tiktoken_num_special_tokens", "tiktoken_special_tokens")
 
 
 def load_model(load_dir: str, iteration: int | None = None) -> tuple[GPTModel, dict]:

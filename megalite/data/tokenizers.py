@@ -38,11 +38,12 @@ TIKTOKEN_FLAGS = {"tiktoken_pattern": None, "tiktoken_num_special_tokens": 1000,
 TIKTOKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 
 
-def add_tiktoken_args(group) -> None:
-    """TikTokenizer's flags, for every tool that builds tokenizers."""
+def add_tiktoken_args(group, num_special_default: int | None = 1000) -> None:
+    """TikTokenizer's flags, for every tool that builds tokenizers (tools/generate.py: None, the
+    checkpoint's value)."""
     group.add_argument("--tiktoken-pattern", choices=["v1", "v2"],
                        help="TikTokenizer (required there): the pre-tokenisation regex, Megatron-LM's v1 or v2")
-    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=num_special_default,
                        help="TikTokenizer: ids 0..N-1 are special tokens, the vocabulary file's ranks follow")
     group.add_argument("--tiktoken-special-tokens", nargs="+",
                        help="TikTokenizer: the first special tokens (must include <unk> <s> </s>; default those "
@@ -81,10 +82,10 @@ def check_tokenizer_args(args) -> None:
         if getattr(args, "tiktoken_pattern", None) is None:
             raise InputError("--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2")
         _check_special_tokens(getattr(args, "tiktoken_special_tokens", None),
-                              getattr(args, "tiktoken_num_special_tokens", 1000), getattr(args, "vocab_size", None))
+                              (getattr(args, "tiktoken_num_special_tokens", None) or 1000), getattr(args, "vocab_size", None))
     else:
         for dest, default in TIKTOKEN_FLAGS.items():
-            if getattr(args, dest, default) != default:
+            if getattr(args, dest, None) not in (None, default):
                 raise InputError(f"{_flag(dest)} is only read by --tokenizer-type TikTokenizer, not {kind}; drop it")
 
 
@@ -344,6 +345,6 @@ def build_tokenizer(args):
         return NullTokenizer(getattr(args, "vocab_size", None))
     if kind == "TikTokenizer":
         return TikTokenizer(getattr(args, "tokenizer_model", None), getattr(args, "tiktoken_pattern", None),
-                            getattr(args, "vocab_size", None), getattr(args, "tiktoken_num_special_tokens", 1000),
+                            getattr(args, "vocab_size", None), (getattr(args, "tiktoken_num_special_tokens", None) or 1000),
                             getattr(args, "tiktoken_special_tokens", None))
     raise InputError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
