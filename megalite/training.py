@@ -105,9 +105,10 @@ def build_model(config: GPTConfig, ps, seed: int, device: torch.device):
     return chunks, rng_tracker
 
 
-def build_datasets(cfg: RunConfig) -> list:
+def build_datasets(cfg: RunConfig, model_vocab_size: int | None = None) -> list:
     """(train, valid, test) sized for --train-samples (or --train-iters global batches) and
-    --eval-iters global batches."""
+    --eval-iters global batches. Token ids are checked against `model_vocab_size` (NullTokenizer's
+    --vocab-size N leaves out its eod id N)."""
     t, data = cfg.training, cfg.data
     train = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
     num_samples = (train, t.eval_iters * t.global_batch_size, t.eval_iters * t.global_batch_size)
@@ -116,6 +117,8 @@ def build_datasets(cfg: RunConfig) -> list:
         return [MockGPTDataset(n, data.seq_length, data.vocab_size, data.seed + i) if n else None
                 for i, n in enumerate(num_samples)]
     from .data.builder import build_train_valid_test_datasets
+    if model_vocab_size is not None:
+        data = dataclasses.replace(data, vocab_size=model_vocab_size)
     return list(build_train_valid_test_datasets(data, num_samples))
 
 
@@ -141,7 +144,7 @@ def setup(cfg: RunConfig) -> Run:
     if ck.load:
         state.iteration = load_checkpoint(state, ck.load, finetune=ck.finetune, load_optim=not ck.no_load_optim,
                                           load_rng=not ck.no_load_rng)
-    datasets = build_datasets(cfg)
+    datasets = build_datasets(cfg, model_config.vocab_size)
     s = cfg.data.seq_length // (ps.tp_size if model_config.sequence_parallel else 1)
     logging_rank = ps.rank == ps.logging_rank
     run = Run(cfg=cfg, state=state, model=model, dp=dp, datasets=datasets, eod=eod,
