@@ -834,8 +834,8 @@ def _check_schedule(args) -> None:
     if args.decoupled_lr is not None:
         low = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
         if low > args.decoupled_lr:
-            _fail(f"the decoupled minimum learning rate ({low}{'' if args.decoupled_min_lr is not None else ', --min-lr'}) "
-                  f"exceeds --decoupled-lr ({args.decoupled_lr})")
+            which = "--decoupled-min-lr" if args.decoupled_min_lr is not None else "--min-lr"
+            _fail(f"the decoupled minimum learning rate ({which} {low}) exceeds --decoupled-lr ({args.decoupled_lr})")
 
 
 def _check_precision(args) -> None:
@@ -900,6 +900,8 @@ def check_paths(args) -> None:
         path = getattr(args, dest)
         if path:
             _check_creatable(path, _flag(dest))
+    if getattr(args, "profile_dir", None):
+        _check_creatable(args.profile_dir, "--profile (its trace directory)")
     # the checkpoint to resume from: readable before any process group exists
     if args.load and os.path.isfile(os.path.join(args.load, TRACKER)):
         inspect_checkpoint(args.load, "--load")

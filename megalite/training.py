@@ -165,9 +165,13 @@ def setup(cfg: RunConfig) -> Run:
 
 def log_startup(run: Run) -> None:
     ps, c, t = run.state.ps, run.state.model_config, run.cfg.training
-    attention = ("flash-attn" if c.use_flash_attn else "megalite's local softmax(QK^T)V" if c.attention_backend == "local"
-                 else "torch scaled_dot_product_attention" + ("" if c.attention_backend == "auto"
-                                                                else f" ({c.attention_backend} kernels)"))
+    if c.use_flash_attn:
+        attention = "flash-attn"
+    elif c.attention_backend == "local":
+        attention = "megalite's local softmax(QK^T)V"
+    else:
+        kernels = "" if c.attention_backend == "auto" else f" ({c.attention_backend} kernels)"
+        attention = "torch scaled_dot_product_attention" + kernels
     for notice in run.cfg.notices:
         run.log(f"> note: {notice}")
     run.log(f"> megalite: {ps.describe()}, {t.num_microbatches} micro-batches of {t.micro_batch_size} "

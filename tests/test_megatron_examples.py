@@ -146,10 +146,9 @@ def test_scripts_as_written_are_refused_with_the_reason(script, changes, world, 
 def test_llama_mock_branch_flags_that_would_do_nothing_are_refused(flag, pattern):
     """The mock-data branch passes four flags that act on nothing there (Megatron-LM ignores them):
     each is refused alone."""
-    flags = {f: v for f, v in LLAMA3_8B.items() if f not in ELSEWHERE | {"--fp8-format", "--fp8-amax-history-len",
-                                                                         "--fp8-amax-compute-algo", "--fp8-param-gather",
-                                                                         "--ckpt-format", "--data-path",
-                                                                         "--tokenizer-model"}}
+    drop = ELSEWHERE | {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
+                        "--ckpt-format", "--data-path", "--tokenizer-model"}
+    flags = {f: v for f, v in LLAMA3_8B.items() if f not in drop}
     mock = {**LLAMA3_MOCK_DATA}
     for other in ("--tiktoken-pattern", "--split", "--data-cache-path", "--no-mmap-bin-files"):
         if other != flag:

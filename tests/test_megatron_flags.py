@@ -81,9 +81,12 @@ def lrs(extra, iterations, batch=4):
 
 
 @pytest.mark.parametrize("style,iters,samples", [
-    ("cosine", ["--lr-warmup-iters", "3", "--lr-decay-iters", "10"], ["--lr-warmup-samples", "12", "--lr-decay-samples", "40"]),
-    ("linear", ["--lr-warmup-fraction", "0.25", "--lr-decay-iters", "9"], ["--lr-warmup-fraction", "0.25", "--lr-decay-samples", "36"]),
-    ("WSD", ["--lr-decay-iters", "12", "--lr-wsd-decay-iters", "4"], ["--lr-decay-samples", "48", "--lr-wsd-decay-samples", "16"]),
+    ("cosine", ["--lr-warmup-iters", "3", "--lr-decay-iters", "10"],
+     ["--lr-warmup-samples", "12", "--lr-decay-samples", "40"]),
+    ("linear", ["--lr-warmup-fraction", "0.25", "--lr-decay-iters", "9"],
+     ["--lr-warmup-fraction", "0.25", "--lr-decay-samples", "36"]),
+    ("WSD", ["--lr-decay-iters", "12", "--lr-wsd-decay-iters", "4"],
+     ["--lr-decay-samples", "48", "--lr-wsd-decay-samples", "16"]),
 ])
 def test_sample_schedule_equals_iteration_schedule(style, iters, samples):
     by_iter = lrs(["--train-iters", "12", "--lr-decay-style", style, "--min-lr", "1e-4"] + iters, 12)
@@ -281,7 +284,8 @@ def test_per_token_loss_and_megatron_default():
 def test_sequence_parallel_at_tp1_is_switched_off_with_a_notice():
     a = args_of(["--train-iters", "1", "--sequence-parallel"])
     assert not a.sequence_parallel and any("--sequence-parallel switched off" in n for n in a.notices)
-    assert args_of(["--train-iters", "1", "--sequence-parallel", "--tensor-model-parallel-size", "2"], 2).sequence_parallel
+    assert args_of(["--train-iters", "1", "--sequence-parallel", "--tensor-model-parallel-size", "2"],
+                   2).sequence_parallel
 
 
 def test_attention_mask_flag():

@@ -27,7 +27,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: E402
-from megalite.data.tokenizers import TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, add_tiktoken_args, build_tokenizer  # noqa: E402
+from megalite.data.tokenizers import (TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, add_tiktoken_args,  # noqa: E402
+                                      build_tokenizer)
 from megalite.errors import ArgumentParser, cli  # noqa: E402
 
 PROG = "tools/preprocess_data.py"

@@ -82,7 +82,8 @@ def check_tokenizer_args(args) -> None:
         if getattr(args, "tiktoken_pattern", None) is None:
             raise InputError("--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2")
         _check_special_tokens(getattr(args, "tiktoken_special_tokens", None),
-                              (getattr(args, "tiktoken_num_special_tokens", None) or 1000), getattr(args, "vocab_size", None))
+                              getattr(args, "tiktoken_num_special_tokens", None) or 1000,
+                              getattr(args, "vocab_size", None))
     else:
         for dest, default in TIKTOKEN_FLAGS.items():
             if getattr(args, dest, None) not in (None, default):
@@ -107,8 +108,8 @@ def model_vocab_size(args, tokenizer) -> int:
     """The model's (unpadded) vocabulary for `tokenizer` and --vocab-size.
 
     NullTokenizer: --vocab-size N is the tokenizer's own argument (ids 0..N-1 plus the eod id N), so
-    the model gets N + 1, as in Megatron-LM. TikTokenizer: --vocab-size is its whole vocabulary. Other tokenizers: their vocabulary, or a larger
-    --vocab-size (extra rows never seen in the data)."""
+    the model gets N + 1, as in Megatron-LM. TikTokenizer: --vocab-size is its whole vocabulary.
+    Other tokenizers: their vocabulary, or a larger --vocab-size (extra rows never seen in the data)."""
     if tokenizer.name in ("NullTokenizer", "TikTokenizer") or getattr(args, "vocab_size", None) is None:
         return tokenizer.vocab_size
     if args.vocab_size < tokenizer.vocab_size:
@@ -345,6 +346,7 @@ def build_tokenizer(args):
         return NullTokenizer(getattr(args, "vocab_size", None))
     if kind == "TikTokenizer":
         return TikTokenizer(getattr(args, "tokenizer_model", None), getattr(args, "tiktoken_pattern", None),
-                            getattr(args, "vocab_size", None), (getattr(args, "tiktoken_num_special_tokens", None) or 1000),
+                            getattr(args, "vocab_size", None),
+                            getattr(args, "tiktoken_num_special_tokens", None) or 1000,
                             getattr(args, "tiktoken_special_tokens", None))
     raise InputError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")

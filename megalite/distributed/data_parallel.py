@@ -165,6 +165,8 @@ class DataParallel:
             parts.append("overlapped grad reduce")
         if self.overlap_param_gather:
             parts.append("overlapped param gather")
+        if self.buffer.data.dtype != torch.float32:
+            parts.append(f"{str(self.buffer.data.dtype).replace('torch.', '')} grads")
         return parts + [f"{len(self.buffer.buckets)} bucket(s)"]
 
     @property

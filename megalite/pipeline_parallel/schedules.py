@@ -8,8 +8,9 @@ runs on that sum x `backward_scale` (the loss scale over the nominal number of t
 global batch), so gradients summed over micro-batches and DP ranks are those of the
 global-batch mean loss. With `microbatch_mean` (Megatron-LM's default loss) the sum is first
 divided by the micro-batch's own token count, and `backward_scale` is the loss scale over the
-number of micro-batches in the global batch: the mean of the micro-batches' token means. A schedule returns the per-micro-batch (loss_sum, num_tokens), as
-device tensors, on the last stage and [] elsewhere.
+number of micro-batches in the global batch: the mean of the micro-batches' token means. A
+schedule returns the per-micro-batch (loss_sum, num_tokens), as device tensors, on the last
+stage and [] elsewhere.
 
 Schedules (Narayanan et al. 2021, Sec. 2.2):
 - no pipelining: gradient accumulation on one stage;
