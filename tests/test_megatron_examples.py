@@ -240,3 +240,14 @@ def test_per_token_loss_changes_training_when_tokens_are_masked(tmp_path):
     assert a[0] == b[0]  # same weights, and the reported loss is the token mean either way
     # different gradients (micro-batch means vs the token mean), so different weights after the step
     assert abs(a[1] - b[1]) > 0.01 * abs(a[1] - a[0])
+
+
+@pytest.mark.slow
+def test_step_schedule_down_with_overlapped_reduction(tmp_path):
+    """--overlap-grad-reduce starts a bucket after the iteration's last micro-batch: the count
+    must follow the schedule (DataParallel.set_num_microbatches), here 4 then 2 micro-batches."""
+    recs, _ = run_pretrain(1, MOCK + ["--step-batch-size-schedule", "0:8 128:4", "--train-samples", "20",
+                                      "--overlap-grad-reduce"], tmp_path)
+    train = [r for r in recs if "iteration" in r]
+    assert [r["global_batch_size"] for r in train] == [8, 4, 4, 4]
+    assert [r["consumed_samples"] for r in train] == [8, 12, 16, 20]
