@@ -311,6 +311,13 @@ def test_no_mmap_reads_the_same_tokens_without_a_map(tmp_path):
     assert read._bin_map is None and isinstance(mapped._bin_map, np.memmap)
     for i in range(3):
         assert np.array_equal(mapped[i], read[i]) and np.array_equal(mapped.get(i, 1, 2), read.get(i, 1, 2))
+    # the flag reaches the datasets the builder makes
+    from megalite.data.builder import build_train_valid_test_datasets
+    for mmap in (True, False):
+        args = SimpleNamespace(data_path=[prefix], split="100,0,0", data_cache_path=str(tmp_path / "cache"),
+                               seq_length=4, seed=1, vocab_size=1000, mmap_bin_files=mmap)
+        train = build_train_valid_test_datasets(args, (4, 0, 0))[0]
+        assert (train.dataset._bin_map is not None) == mmap and len(train[0]["text"]) == 5
 
 
 def test_log_throughput_adds_tflops_to_the_line():
