@@ -127,6 +127,16 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--use-mcore-models", action="store_true",
                    help="accepted for Megatron-LM scripts, changes nothing: megalite has one model "
                         "implementation, laid out and named as Megatron Core's GPTModel")
+    g.add_argument("--openai-gelu", action="store_true", help="GPT-2's tanh-approximated GeLU (transformers' gelu_new)")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.1 RoPE scaling of the rotary frequencies")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="--use-rope-scaling: context stretch factor")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0, help="--use-rope-scaling: low_freq_factor")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0,
+                   help="--use-rope-scaling: high_freq_factor")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="--use-rope-scaling: the context length the model was pretrained at")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float,
+                   help="RoPE position interpolation: positions are divided by this")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP (>= 1)")
@@ -186,6 +196,8 @@ def build_parser() -> ArgumentParser:
                         "(training and evaluation), 2 also after the optimizer step; a no-op on CPU")
     g.add_argument("--seed", type=int, default=1234, help="random seed, in [0, 2^31)")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations, fp32 grads and master weights")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer (Inductor); compiled during the first iteration")
 
     g = p.add_argument_group("optimizer and learning rate")
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
@@ -707,6 +719,12 @@ def _check_model_shape(args, tp: int) -> None:
     if args.use_flash_attn and args.attention_backend not in ("auto", "flash"):
         _fail(f"--use-flash-attn selects the flash-attn package, which --attention-backend "
               f"{args.attention_backend} excludes; use --attention-backend flash (or auto)")
+    if args.openai_gelu and args.swiglu:
+        _fail("--openai-gelu selects the GeLU MLP's activation; --swiglu has none (choose one)")
+    if (args.use_rope_scaling or args.rotary_seq_len_interpolation_factor) and args.position_embedding_type != "rope":
+        _fail("--use-rope-scaling / --rotary-seq-len-interpolation-factor need --position-embedding-type rope")
+    if args.use_rope_scaling and not args.rope_scaling_low_freq_factor < args.rope_scaling_high_freq_factor:
+        _fail("--rope-scaling-low-freq-factor must be below --rope-scaling-high-freq-factor")
 
 
 def _check_recompute(args, pp: int) -> None:

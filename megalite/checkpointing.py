@@ -26,6 +26,7 @@ training goes on, and finalises at a later iteration.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -55,11 +56,15 @@ MODEL_FLAGS = {
     "vocab_size": "--vocab-size (the tokenizer's vocabulary)", "position_embedding_type": "--position-embedding-type",
     "normalization": "--normalization", "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon",
+    "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon", "openai_gelu": "--openai-gelu",
     "apply_layernorm_1p": "--apply-layernorm-1p",
 }
-# the value of a model setting in checkpoints written before it existed
-MODEL_FLAG_DEFAULTS = {"apply_layernorm_1p": False}
+# RoPE settings, compared for RoPE models only; a key older checkpoints lack means its default
+ROPE_FLAGS = {"use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "--rope-scaling-factor",
+              "rope_scaling_low_freq_factor": "--rope-scaling-low-freq-factor",
+              "rope_scaling_high_freq_factor": "--rope-scaling-high-freq-factor",
+              "rope_scaling_original_max_position_embeddings": "--rope-scaling-original-max-position-embeddings",
+              "rotary_seq_len_interpolation_factor": "--rotary-seq-len-interpolation-factor"}
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -121,12 +126,15 @@ def read_metadata(root: str, iteration: int | None = None) -> dict:
 
 def check_model_config(saved: dict, current: dict, where: str) -> None:
     """Raise naming the first model setting that differs."""
-    for key, flag in MODEL_FLAGS.items():
-        default = MODEL_FLAG_DEFAULTS.get(key)
-        if saved.get(key, default) != current.get(key, default):
-            raise CheckpointError(f"checkpoint {where} does not match this model: {flag} is "
-                                  f"{saved.get(key, default)!r} in the checkpoint and {current.get(key, default)!r} "
-                                  f"in this run")
+    from .model import GPTConfig
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    flags = dict(MODEL_FLAGS, **(ROPE_FLAGS if current.get("position_embedding_type") == "rope" else {}))
+    if not current.get("use_rope_scaling"):  # the scaling parameters matter only when scaling is on
+        flags = {k: f for k, f in flags.items() if not k.startswith("rope_scaling_")}
+    for key, flag in flags.items():
+        if saved.get(key, defaults.get(key)) != current.get(key, defaults.get(key)):
+            raise CheckpointError(f"checkpoint {where} does not match this model: {flag} is {saved.get(key)!r} in "
+                                  f"the checkpoint and {current.get(key)!r} in this run")
     if current.get("position_embedding_type") == "rope" and saved.get("rotary_base") != current.get("rotary_base"):
         raise CheckpointError(f"checkpoint {where} does not match this model: --rotary-base is "
                               f"{saved.get('rotary_base')} in the checkpoint and {current.get('rotary_base')} in this run")

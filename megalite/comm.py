@@ -1,13 +1,29 @@
 """The one place that talks to torch.distributed.
 
 Every collective in megalite goes through here, so that (a) a group of size one costs nothing
-and needs no initialised process group, and (b) the gaps of the gloo backend (no
-reduce-scatter, no all_gather_into_tensor on older builds) are bridged once.
+and needs no initialised process group, and (b) the gaps of the gloo backend are bridged once.
+
+Flat reduce-scatter and all-gather (`reduce_scatter_tensor`, `all_gather_into_tensor`: one
+contiguous buffer in, one out) are what NCCL runs for sequence parallelism and the distributed
+optimizer. gloo has them too (its `_reduce_scatter_base` and `_allgather_base`, since about
+torch 2.3, so in every torch setup.cfg admits), and using them makes the CPU tests run the very
+calls NCCL runs. Whether the installed gloo has them is measured once, on a private one-rank gloo
+group (no peers, no traffic), not assumed; without them, reduce-scatter is emulated by an
+all-reduce and all-gather by a list all-gather. Note that
+a native reduce-scatter leaves the rest of its input as it was (this rank's unreduced values),
+on gloo as on NCCL: only the returned / `out` chunk holds the sum.
 """
 from __future__ import annotations
 
+import datetime
+import functools
+
 import torch
 import torch.distributed as dist
+
+# torch >= 2.10 renames the flat collectives (the old names warn); same arguments
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class OfflineGroup:
@@ -34,8 +50,25 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
-def _is_gloo(group) -> bool:
-    return dist.get_backend(group) == "gloo"
+@functools.cache
+def gloo_has_tensor_collectives() -> bool:
+    """True when this torch's gloo backend implements the flat reduce-scatter and all-gather.
+    Asked once per process of a one-rank gloo group built on a private store: an unsupported
+    operation raises there at once, without peers that could hang."""
+    try:
+        pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
+        x = torch.ones(2)
+        pg._reduce_scatter_base(torch.empty(2), x).wait()
+        pg._allgather_base(torch.empty(2), x).wait()
+        return True
+    except Exception:  # noqa: BLE001 - "does not support", or no gloo device here: emulate
+        return False
+
+
+def native_tensor_collectives(group) -> bool:
+    """Whether `group` runs reduce-scatter and all-gather natively (NCCL, and gloo on torch that
+    has them) rather than through the gloo emulation below."""
+    return dist.get_backend(group) != "gloo" or gloo_has_tensor_collectives()
 
 
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -51,9 +84,16 @@ def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     if n == 1:
         return tensor
     tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(n)]
-    dist.all_gather(parts, tensor, group=group)
-    return torch.cat(parts, dim=dim)
+    if not native_tensor_collectives(group):
+        parts = [torch.empty_like(tensor) for _ in range(n)]
+        dist.all_gather(parts, tensor, group=group)
+        return torch.cat(parts, dim=dim)
+    # ranks' blocks end to end along dim 0 (the output shape gloo and NCCL both accept)
+    out = torch.empty((n * tensor.size(0),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _all_gather_into_tensor(out, tensor, group=group)
+    if dim % tensor.dim() == 0:
+        return out
+    return torch.cat(out.view((n,) + tuple(tensor.shape)).unbind(0), dim=dim)
 
 
 def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -63,8 +103,8 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
         return tensor
     if tensor.size(dim) % n:
         raise ValueError(f"reduce_scatter: size {tensor.size(dim)} along dim {dim} not divisible by {n}")
-    if _is_gloo(group):
-        # gloo has no reduce-scatter: all-reduce and keep our chunk (same result, more traffic)
+    if not native_tensor_collectives(group):
+        # all-reduce and keep our chunk (same result, twice the traffic)
         full = tensor.clone()
         dist.all_reduce(full, group=group)
         return full.chunk(n, dim=dim)[group_rank(group)].contiguous()
@@ -72,25 +112,26 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
         tensor = tensor.movedim(dim, 0)
     tensor = tensor.contiguous()
     out = torch.empty((tensor.size(0) // n,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.reduce_scatter_tensor(out, tensor, group=group)
+    _reduce_scatter_tensor(out, tensor, group=group)
     return out.movedim(0, dim) if dim != 0 else out
 
 
 def reduce_scatter_flat(full: torch.Tensor, out: torch.Tensor, group, async_op: bool = False):
-    """Flat reduce-scatter of `full` (numel = n * out.numel()) into `out`; on gloo emulated with
-    an all-reduce of `full` in place (so `full` is clobbered there, which callers accept).
-    `out` may be this rank's chunk of `full` (in place). With async_op, returns a handle whose
-    wait() completes the operation (gloo included); otherwise None."""
+    """Flat reduce-scatter of `full` (numel = n * out.numel()) into `out`; `out` may be this
+    rank's chunk of `full` (in place). Only `out` is defined afterwards: the rest of `full` keeps
+    this rank's unreduced values (native) or holds the full sum (the old-gloo emulation, an
+    all-reduce of `full` in place). With async_op, returns a handle whose wait() completes the
+    operation; otherwise None."""
     n = group_size(group)
     if n == 1:
         out.copy_(full)
         return None
-    if _is_gloo(group):
+    if not native_tensor_collectives(group):
         rank = group_rank(group)
         work = dist.all_reduce(full, group=group, async_op=async_op)
         pending = _Pending(work, lambda: out.copy_(full.view(n, -1)[rank]))
         return pending if async_op else pending.wait()
-    return dist.reduce_scatter_tensor(out, full, group=group, async_op=async_op)
+    return _reduce_scatter_tensor(out, full, group=group, async_op=async_op)
 
 
 def all_gather_flat(shard: torch.Tensor, full: torch.Tensor, group, async_op: bool = False):
@@ -100,9 +141,9 @@ def all_gather_flat(shard: torch.Tensor, full: torch.Tensor, group, async_op: bo
     if n == 1:
         full.copy_(shard)
         return None
-    if _is_gloo(group):
+    if not native_tensor_collectives(group):
         return dist.all_gather(list(full.view(n, -1).unbind(0)), shard, group=group, async_op=async_op)
-    return dist.all_gather_into_tensor(full, shard, group=group, async_op=async_op)
+    return _all_gather_into_tensor(full, shard, group=group, async_op=async_op)
 
 
 def all_reduce_async(tensor: torch.Tensor, group):
@@ -113,8 +154,8 @@ def all_reduce_async(tensor: torch.Tensor, group):
 
 
 class _Pending:
-    """Handle of a collective emulated as another one plus a local step (gloo's reduce-scatter:
-    an all-reduce, then keep our chunk): wait() waits for the collective, then runs `finish`."""
+    """Handle of a collective emulated as another one plus a local step (old gloo's
+    reduce-scatter: an all-reduce, then keep our chunk): wait() waits for the collective, then runs `finish`."""
 
     def __init__(self, work, finish):
         self.work, self.finish = work, finish

@@ -135,6 +135,7 @@ class TrainingConfig:
     deterministic_mode: bool = False
     empty_unused_memory_level: int = 0
     seed: int = 1234
+    compile: bool = False  # torch.compile of the transformer layers
     log_interval: int = 100
     log_jsonl: str | None = None
     log_throughput: bool = False

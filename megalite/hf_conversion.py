@@ -2,9 +2,12 @@
 
 Two architectures cover what megalite trains, and each maps tensor by tensor, with no loss:
 
-    GPT-2 style   learned absolute positions, LayerNorm, exact GeLU, biases, multi-head attention
-                  -> GPT2LMHeadModel (activation_function "gelu", not GPT-2's tanh "gelu_new")
-    Llama style   RoPE (rotate-half), RMSNorm, SwiGLU, optional GQA / biases / untied output
+    GPT-2 style   learned absolute positions, LayerNorm, GeLU, biases, multi-head attention
+                  -> GPT2LMHeadModel (activation_function "gelu" for exact GeLU, GPT-2's own
+                  "gelu_new" for --openai-gelu's tanh approximation)
+    Llama style   RoPE (rotate-half), RMSNorm, SwiGLU, optional GQA / biases / untied output,
+                  Llama 3.1 RoPE scaling (--use-rope-scaling) or position interpolation
+                  (--rotary-seq-len-interpolation-factor)
                   -> LlamaForCausalLM
 
 Anything else (RoPE with LayerNorm, partial rotary, GQA in a GPT-2 model, ...) is refused with
@@ -82,6 +85,10 @@ def hf_architecture(cfg: dict) -> str:
             refuse("a GeLU MLP (no --swiglu) with --position-embedding-type rope", llama)
         if cfg.get("rotary_percent", 1.0) != 1.0:
             refuse(f"--rotary-percent {cfg['rotary_percent']} (Llama rotates every head channel)", llama)
+        if cfg.get("use_rope_scaling") and cfg.get("rotary_seq_len_interpolation_factor"):
+            refuse("--use-rope-scaling with --rotary-seq-len-interpolation-factor (one rope_type at a time)", llama)
+        if cfg.get("openai_gelu"):
+            refuse("--openai-gelu with --swiglu", llama)
         return "llama"
     raise ConversionError(f"--position-embedding-type {cfg['position_embedding_type']!r} has no Hugging Face mapping")
 
@@ -150,6 +157,74 @@ def _llama_tensors(cfg: dict, state: dict) -> dict:
     return out
 
 
+# GPT2Config.activation_function -> megalite's openai_gelu. gelu_new, gelu_pytorch_tanh and
+# gelu_fast are one function (0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), Hendrycks & Gimpel 2016),
+# written three ways; "gelu" is the exact erf form.
+GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}
+# keys each transformers rope_type may carry, besides rope_type / type / rope_theta
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def hf_rope(cfg: dict) -> tuple[dict, dict | None]:
+    """(transformers 5 `rope_parameters`, transformers 4.x `rope_scaling`) of a megalite model_config."""
+    if cfg.get("use_rope_scaling"):
+        scaling = {"rope_type": "llama3", "factor": float(cfg["rope_scaling_factor"]),
+                   "low_freq_factor": float(cfg["rope_scaling_low_freq_factor"]),
+                   "high_freq_factor": float(cfg["rope_scaling_high_freq_factor"]),
+                   "original_max_position_embeddings": int(cfg["rope_scaling_original_max_position_embeddings"])}
+    elif cfg.get("rotary_seq_len_interpolation_factor"):
+        scaling = {"rope_type": "linear", "factor": float(cfg["rotary_seq_len_interpolation_factor"])}
+    else:
+        scaling = None
+    params = dict(scaling or {"rope_type": "default"}, rope_theta=float(cfg["rotary_base"]))
+    return params, scaling
+
+
+def rope_from_hf(raw: dict, model_type: str = "llama") -> dict:
+    """megalite's RoPE settings of a config.json in either layout: transformers 5's `rope_parameters`,
+    or 4.x's `rope_theta` + `rope_scaling` (with "rope_type" or the older "type"). Read from the
+    file itself, so that the installed transformers version cannot drop or default a field."""
+    def refuse(what: str):
+        raise ConversionError(f"cannot import {model_type} model: {what}, which megalite does not implement")
+
+    def parse(field: str, d: dict) -> dict:
+        kind = d.get("rope_type", d.get("type", "default"))
+        if "type" in d and "rope_type" in d and d["type"] != d["rope_type"]:
+            refuse(f"{field}.type {d['type']!r} with {field}.rope_type {d['rope_type']!r}")
+        if kind not in ROPE_TYPES:
+            refuse(f"{field}.rope_type {kind!r} (megalite implements default, linear and llama3 RoPE)")
+        allowed = {"rope_type", "type", "rope_theta", *ROPE_TYPES[kind]}
+        if d.get("partial_rotary_factor", 1.0) == 1.0:
+            allowed.add("partial_rotary_factor")  # every channel rotated: plain RoPE
+        extra = sorted(set(d) - allowed)
+        if extra:
+            refuse(f"{field}.{extra[0]} = {d[extra[0]]!r} with rope_type {kind!r}")
+        needed = [k for k in ROPE_TYPES[kind] if k != "original_max_position_embeddings" and d.get(k) is None]
+        if needed:
+            refuse(f"{field}.rope_type {kind!r} without {field}.{needed[0]}")
+        out = dict(rotary_base=float(d.get("rope_theta") or raw.get("rope_theta") or 10000.0),
+                   use_rope_scaling=kind == "llama3", rotary_seq_len_interpolation_factor=None)
+        if kind == "linear":
+            out["rotary_seq_len_interpolation_factor"] = float(d["factor"])
+        if kind == "llama3":  # transformers falls back to max_position_embeddings, as here
+            out.update(rope_scaling_factor=float(d["factor"]), rope_scaling_low_freq_factor=float(d["low_freq_factor"]),
+                       rope_scaling_high_freq_factor=float(d["high_freq_factor"]),
+                       rope_scaling_original_max_position_embeddings=int(
+                           d.get("original_max_position_embeddings") or raw["max_position_embeddings"]))
+        return out
+
+    layouts = [(f, raw[f]) for f in ("rope_parameters", "rope_scaling") if raw.get(f) is not None]
+    for f, d in layouts:
+        if not isinstance(d, dict) or any(isinstance(v, dict) for v in d.values()):
+            refuse(f"{f} {d!r} (one RoPE setting for every layer expected)")
+    parsed = [parse(f, d) for f, d in layouts] or [parse("rope_scaling", {})]
+    if len(parsed) == 2 and parsed[0] != parsed[1]:
+        raise ConversionError(f"cannot import {model_type} model: its config.json's rope_parameters {raw['rope_parameters']} "
+                              f"and rope_scaling {raw['rope_scaling']} (with rope_theta {raw.get('rope_theta')}) disagree")
+    return parsed[0]
+
+
 def hf_config(cfg: dict, bos_id: int | None = None, eos_id: int | None = None):
     """The transformers config of a megalite model_config (raises if it has none)."""
     from transformers import GPT2Config, LlamaConfig
@@ -162,15 +237,16 @@ def hf_config(cfg: dict, bos_id: int | None = None, eos_id: int | None = None):
         return GPT2Config(
             n_embd=cfg["hidden_size"], n_layer=cfg["num_layers"], n_head=cfg["num_attention_heads"],
             n_inner=cfg["ffn_hidden_size"], n_positions=cfg["max_position_embeddings"],
-            activation_function="gelu",  # exact erf GeLU, as megalite's F.gelu
+            activation_function="gelu_new" if cfg.get("openai_gelu") else "gelu",  # tanh approximation or exact erf
             layer_norm_epsilon=cfg["norm_epsilon"], resid_pdrop=cfg.get("hidden_dropout", 0.0),
             embd_pdrop=cfg.get("hidden_dropout", 0.0), attn_pdrop=cfg.get("attention_dropout", 0.0),
             architectures=["GPT2LMHeadModel"], **common)
+    rope_parameters, _ = hf_rope(cfg)
     return LlamaConfig(
         hidden_size=cfg["hidden_size"], intermediate_size=cfg["ffn_hidden_size"], num_hidden_layers=cfg["num_layers"],
         num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_query_groups"],
         head_dim=cfg["kv_channels"], hidden_act="silu", max_position_embeddings=cfg["max_position_embeddings"],
-        rms_norm_eps=cfg["norm_epsilon"], rope_parameters={"rope_type": "default", "rope_theta": float(cfg["rotary_base"])},
+        rms_norm_eps=cfg["norm_epsilon"], rope_parameters=rope_parameters,
         attention_bias=cfg["add_bias_linear"], mlp_bias=cfg["add_bias_linear"],
         attention_dropout=cfg.get("attention_dropout", 0.0), architectures=["LlamaForCausalLM"], **common)
 
@@ -207,8 +283,9 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the model directory's
     try:
         config.save_pretrained(tmp)
-        if arch == "llama":  # also the pre-v5 key, which older transformers and other readers use
-            _update_json(os.path.join(tmp, "config.json"), rope_theta=float(cfg["rotary_base"]))
+        if arch == "llama":  # also the 4.x layout, which older transformers and other readers use
+            _update_json(os.path.join(tmp, "config.json"), rope_theta=float(cfg["rotary_base"]),
+                         rope_scaling=hf_rope(cfg)[1])
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         # safetensors refuses shared or strided storage: give every tensor its own contiguous copy
         save_file({k: v.detach().to(torch.float32).contiguous().clone() for k, v in tensors.items()},
@@ -391,16 +468,17 @@ def read_safetensors(in_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _config_from_hf(c) -> dict:
-    """megalite model_config (without padded_vocab_size) of a transformers config."""
+def _config_from_hf(c, raw: dict) -> dict:
+    """megalite model_config (without padded_vocab_size) of a transformers config and its config.json."""
     def refuse(what: str):
         raise ConversionError(f"cannot import {c.model_type} model: {what}, which megalite does not implement")
 
     common = dict(vocab_size=c.vocab_size, init_method_std=getattr(c, "initializer_range", 0.02),
                   untie_embeddings_and_output_weights=not getattr(c, "tie_word_embeddings", True))
     if c.model_type == "gpt2":
-        if c.activation_function != "gelu":
-            refuse(f"activation_function {c.activation_function!r} (megalite's MLP uses exact GeLU, 'gelu')")
+        if c.activation_function not in GPT2_ACTIVATIONS:
+            refuse(f"activation_function {c.activation_function!r} (megalite's GeLU MLP computes "
+                   f"{', '.join(repr(a) for a in GPT2_ACTIVATIONS)})")
         if c.scale_attn_by_inverse_layer_idx or c.reorder_and_upcast_attn or not c.scale_attn_weights:
             refuse("non-default attention scaling (scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn / "
                    "scale_attn_weights)")
@@ -411,13 +489,12 @@ def _config_from_hf(c) -> dict:
                     ffn_hidden_size=c.n_inner or 4 * c.n_embd, seq_length=c.n_positions,
                     max_position_embeddings=c.n_positions, position_embedding_type="learned_absolute",
                     normalization="LayerNorm", norm_epsilon=c.layer_norm_epsilon, swiglu=False,
-                    add_bias_linear=True, hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop, **common)
+                    add_bias_linear=True, hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
+                    openai_gelu=GPT2_ACTIVATIONS[c.activation_function], **common)
     if c.model_type == "llama":
         if c.hidden_act != "silu":
             refuse(f"hidden_act {c.hidden_act!r} (megalite's SwiGLU uses silu)")
-        rope = dict(getattr(c, "rope_parameters", None) or {})
-        if rope.get("rope_type", "default") != "default":
-            refuse(f"rope scaling {rope.get('rope_type')!r}")
+        rope = rope_from_hf(raw, c.model_type)
         if bool(c.attention_bias) != bool(c.mlp_bias):
             refuse(f"attention_bias {c.attention_bias} with mlp_bias {c.mlp_bias} (megalite has one switch, "
                    "--disable-bias-linear)")
@@ -427,7 +504,7 @@ def _config_from_hf(c) -> dict:
                     kv_channels=getattr(c, "head_dim", None) or c.hidden_size // heads,
                     ffn_hidden_size=c.intermediate_size, seq_length=c.max_position_embeddings,
                     max_position_embeddings=c.max_position_embeddings, position_embedding_type="rope",
-                    rotary_base=float(rope.get("rope_theta", 10000.0)), rotary_percent=1.0,
+                    rotary_percent=1.0, **rope,
                     normalization="RMSNorm", norm_epsilon=c.rms_norm_eps, swiglu=True,
                     add_bias_linear=bool(c.attention_bias), hidden_dropout=0.0,
                     attention_dropout=float(c.attention_dropout or 0.0), **common)
@@ -485,10 +562,19 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     if not os.path.isfile(os.path.join(in_dir, "config.json")):
         raise ConversionError(f"--load-dir {in_dir}: no config.json (not a Hugging Face model directory)")
     try:
-        hf_config_ = AutoConfig.from_pretrained(in_dir, local_files_only=True)
+        with open(os.path.join(in_dir, "config.json")) as f:
+            raw = json.load(f)
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"--load-dir {in_dir}: config.json cannot be read ({type(e).__name__}: {e})") from None
+    if raw.get("model_type") == "llama":
+        rope_from_hf(raw)  # refuse what megalite cannot compute before transformers validates (or drops) it
+    try:
+        hf_cfg = AutoConfig.from_pretrained(in_dir, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:  # transformers' ways of saying the config is unreadable
         raise ConversionError(f"--load-dir {in_dir}: config.json cannot be read ({type(e).__name__}: {e})") from None
-    cfg = _config_from_hf(hf_config_)
+    cfg = _config_from_hf(hf_cfg, raw)
     hf = read_safetensors(in_dir)
     # GPT2LMHeadModel prefixes "transformer.", LlamaForCausalLM "model."; the original GPT-2 files have none
     prefix = "transformer." if cfg["position_embedding_type"] == "learned_absolute" else "model."
@@ -510,7 +596,10 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     cfg["padded_vocab_size"] = pad_vocab_size(cfg["vocab_size"], 128, 1)
     args = {k: cfg[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                                 "ffn_hidden_size", "seq_length", "max_position_embeddings", "position_embedding_type",
-                                "rotary_base", "normalization", "norm_epsilon", "swiglu", "vocab_size")
+                                "rotary_base", "normalization", "norm_epsilon", "swiglu", "vocab_size",
+                                "openai_gelu", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+                                "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
+                                "rotary_seq_len_interpolation_factor")
             if k in cfg}
     args.update(disable_bias_linear=not cfg["add_bias_linear"], make_vocab_size_divisible_by=128,
                 untie_embeddings_and_output_weights=cfg["untie_embeddings_and_output_weights"],
@@ -533,6 +622,16 @@ def pretrain_flags(cfg: dict) -> list[str]:
         flags += ["--rotary-base", cfg["rotary_base"]]
         if cfg.get("rotary_percent", 1.0) != 1.0:
             flags += ["--rotary-percent", cfg["rotary_percent"]]
+        if cfg.get("use_rope_scaling"):
+            flags += ["--use-rope-scaling", "--rope-scaling-factor", cfg["rope_scaling_factor"],
+                      "--rope-scaling-low-freq-factor", cfg["rope_scaling_low_freq_factor"],
+                      "--rope-scaling-high-freq-factor", cfg["rope_scaling_high_freq_factor"],
+                      "--rope-scaling-original-max-position-embeddings",
+                      cfg["rope_scaling_original_max_position_embeddings"]]
+        if cfg.get("rotary_seq_len_interpolation_factor"):
+            flags += ["--rotary-seq-len-interpolation-factor", cfg["rotary_seq_len_interpolation_factor"]]
+    if cfg.get("openai_gelu"):
+        flags.append("--openai-gelu")
     if cfg["swiglu"]:
         flags.append("--swiglu")
     if not cfg["add_bias_linear"]:

@@ -14,6 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
+@torch.compiler.disable  # Dynamo's checkpoint cannot take a context_fn: run the region eagerly under --compile
 def recompute(fn, *args, rng_tracker=None):
     def context_fn():
         saved = rng_tracker.get_states() if rng_tracker is not None else None

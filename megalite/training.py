@@ -134,6 +134,11 @@ def setup(cfg: RunConfig) -> Run:
     ps, device = initialize_distributed(cfg.parallel)
     model_config, eod = resolve_vocab(cfg)
     model, rng_tracker = build_model(model_config, ps, cfg.training.seed, device)
+    if cfg.training.compile:  # --compile: each transformer layer, in place (model/compile.py)
+        from .model.compile import compile_layers
+        n = compile_layers(model)
+        if ps.rank == ps.logging_rank:
+            print(f"> compile: torch.compile of {n} transformer layers (Inductor)", flush=True)
     named_params = [(n, p) for m in model for n, p in m.global_named_parameters()]
     dp = DataParallel(model, [p for _, p in named_params], ps, cfg.ddp, cfg.training.num_microbatches)
     optimizer = build_optimizer(named_params, cfg.optimizer, dp, ps)
@@ -165,6 +170,9 @@ def setup(cfg: RunConfig) -> Run:
 
 def log_startup(run: Run) -> None:
     ps, c, t = run.state.ps, run.state.model_config, run.cfg.training
+    from .cpu import slow_bf16_warning  # --bf16 on a CPU without native bf16: say it once
+    if (warning := slow_bf16_warning(run.state.device, c.params_dtype)) is not None:
+        run.log(warning)
     if c.use_flash_attn:
         attention = "flash-attn"
     elif c.attention_backend == "local":
@@ -314,7 +322,7 @@ def train(run: Run) -> None:
     timer = Timer(state.device)
     timer.reset()
     window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0, "samples": 0}
-    start_time, last_saved = time.time(), [state.iteration]
+    start_time, last_saved, first_iteration = time.time(), [state.iteration], state.iteration
     if t.exit_signal_handler:
         signal.signal(signal.SIGTERM, lambda signum, frame: run.signal_received.__setitem__(0, True))
     reason = None
@@ -322,6 +330,9 @@ def train(run: Run) -> None:
         run.profiler.before_iteration(state.iteration)
         out = train_step(run)
         state.iteration += 1
+        if t.compile and state.iteration == first_iteration + 1:
+            from .model.compile import compile_report  # compiled during this first step
+            run.log(f"> compile: {compile_report()}")
         state.consumed_samples += out["global_batch_size"]
         run.profiler.after_iteration(state.iteration)
         window["iters"] += 1

@@ -95,3 +95,35 @@ def assert_losses_close(ref: list[float], got: list[float], rtol: float = 1e-5):
     assert len(ref) == len(got) and len(ref) > 0, (len(ref), len(got))
     worst = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
     assert worst <= rtol, f"relative loss difference {worst:.3e} > {rtol:.0e}\nref={ref}\ngot={got}"
+
+
+def eval_losses(records) -> list[float]:
+    return [r["lm_loss"] for r in records if "split" in r]
+
+
+def assert_loss_falls(losses: list[float], by: float):
+    """Equality with a reference proves little if the model does not learn: on mock tokens both
+    sides sit at ln V whatever their gradients are."""
+    assert losses[-1] < losses[0] - by, f"the loss did not fall by {by}: {losses}"
+
+
+def load_params(root: str) -> dict:
+    """{global name: whole fp32 tensor} of the latest checkpoint under root, whatever the layout."""
+    from megalite.checkpointing import load_full_state_dict
+    return load_full_state_dict(root)[1]
+
+
+def assert_params_close(ref: dict, got: dict, atol: float = 1e-5):
+    """Every parameter of `got` equals `ref` within atol x max(1, its scale). Absolute rather than
+    relative per element: Adam scales each element's step to about lr whatever its gradient, so
+    float rounding in a gradient that is zero in exact arithmetic (e.g. the key bias, which the
+    softmax ignores) moves the element by a random amount; callers keep that small (--adam-eps)."""
+    assert sorted(got) == sorted(ref), (sorted(set(ref) ^ set(got)))
+    worst = []
+    for name, r in ref.items():
+        g = got[name]
+        assert g.shape == r.shape, (name, tuple(g.shape), tuple(r.shape))
+        diff = float((g - r).abs().max()) / max(1.0, float(r.abs().max()))
+        worst.append((diff, name))
+    bad = sorted((w for w in worst if w[0] > atol), reverse=True)
+    assert not bad, f"{len(bad)} of {len(ref)} parameters differ by more than {atol:.0e}: {bad[:5]}"

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from megalite.data import gpt_dataset
 from megalite.data.blended_dataset import build_blending_indices
 from megalite.data.builder import (build_train_valid_test_datasets, parse_and_normalize_split,
                                    split_document_ranges)
@@ -38,13 +37,44 @@ def args(tmp_path, **kw):
 LENGTHS = [5, 0, 13, 1, 7, 22, 3, 9, 0, 11, 4, 17]
 
 
+# -- Megatron-LM's rules, written out independently of megalite's code ------------------------------
+def megatron_num_epochs(tokens_per_epoch, seq_length, num_samples):
+    """_get_num_epochs: add epochs until num_samples samples (and the last label) fit."""
+    epochs = 1
+    while num_samples is not None and (epochs * tokens_per_epoch - 1) // seq_length < num_samples:
+        epochs += 1
+    return epochs
+
+
+def megatron_samples_before_separate_final_epoch(tokens_per_epoch, seq_length, num_samples):
+    """The number of samples shuffled apart from a final epoch that is used for less than 80 %,
+    or None when the final epoch is shuffled with the others."""
+    epochs = megatron_num_epochs(tokens_per_epoch, seq_length, num_samples)
+    if epochs == 1:
+        return None
+    before = ((epochs - 1) * tokens_per_epoch - 1) // seq_length
+    per_epoch = (tokens_per_epoch - 1) // seq_length
+    return before if num_samples - before < int(0.80 * per_epoch) else None
+
+
+def megatron_split(weights, n):
+    """get_train_valid_test_split_: round each split's size, then shift every boundary by the total
+    rounding excess so that the last ends at n."""
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w * float(n))))
+    excess = bounds[-1] - n
+    bounds = [0] + [b - excess for b in bounds[1:]]
+    return [None if w == 0 else (lo, hi) for w, lo, hi in zip(weights, bounds, bounds[1:])]
+
+
 @pytest.mark.parametrize("num_samples", [None, 5, 30, 80])
 def test_samples_match_brute_force(tmp_path, num_samples):
     docs = make_dataset(tmp_path / "d", LENGTHS)
     ds = GPTDataset(IndexedDataset(str(tmp_path / "d")), 2, 11, num_samples, 8, 7, str(tmp_path / "c"))
     s = 8
-    # The document index holds whole epochs of exactly the split's documents.
-    n_epochs = len(ds.document_index) // 9
+    # The document index holds whole epochs of exactly the split's documents, as many as Megatron's rule asks.
+    n_epochs = megatron_num_epochs(sum(LENGTHS[2:11]), s, num_samples)
     assert sorted(ds.document_index.tolist()) == sorted(list(range(2, 11)) * n_epochs)
     stream = np.concatenate([docs[d] for d in ds.document_index])
     assert len(ds) == (len(stream) - 1) // s
@@ -66,15 +96,25 @@ def test_document_index_is_megatron_shuffle(tmp_path):
     np.testing.assert_array_equal(ds.document_index, expected)
 
 
-def test_separate_final_epoch(tmp_path):
-    # 10 docs x 10 tokens = 100 tokens/epoch = 12 samples of 8; ask for 14 -> 2 epochs, the
-    # second used for < 80 %, so each epoch is shuffled on its own.
+@pytest.mark.parametrize("num_samples", [14, 22, 30])
+def test_separate_final_epoch(tmp_path, num_samples):
+    # 10 docs x 10 tokens = 100 tokens/epoch = 12 samples of 8. 14 or 30 samples use the final
+    # epoch for < 80 %: it is shuffled on its own; 22 uses it for more: one shuffle over all.
     make_dataset(tmp_path / "d", [10] * 10)
-    ds = GPTDataset(IndexedDataset(str(tmp_path / "d")), 0, 10, 14, 8, 3, str(tmp_path / "c"))
-    assert sorted(ds.document_index[:10].tolist()) == list(range(10))
-    assert sorted(ds.document_index[10:].tolist()) == list(range(10))
-    # The first (100-1)//8 = 12 samples are served first, shuffled among themselves.
-    assert sorted(ds.shuffle_index[:12].tolist()) == list(range(12))
+    ds = GPTDataset(IndexedDataset(str(tmp_path / "d")), 0, 10, num_samples, 8, 3, str(tmp_path / "c"))
+    epochs = megatron_num_epochs(100, 8, num_samples)
+    before = megatron_samples_before_separate_final_epoch(100, 8, num_samples)
+    assert len(ds.document_index) == 10 * epochs and len(ds) == (100 * epochs - 1) // 8
+    if before is None:
+        assert sorted(ds.shuffle_index.tolist()) == list(range(len(ds)))
+        assert max(ds.shuffle_index[:before or 12]) >= 12  # not held back: later epochs mix in early
+    else:
+        # the earlier epochs are shuffled together, the final epoch on its own
+        assert sorted(ds.document_index[:10 * (epochs - 1)].tolist()) == sorted(list(range(10)) * (epochs - 1))
+        assert sorted(ds.document_index[10 * (epochs - 1):].tolist()) == list(range(10))
+        # the samples of the earlier epochs are served first, shuffled among themselves
+        assert sorted(ds.shuffle_index[:before].tolist()) == list(range(before))
+        assert sorted(ds.shuffle_index[before:].tolist()) == list(range(before, len(ds)))
 
 
 def test_same_seed_same_order_and_cache_reuse(tmp_path, monkeypatch):
@@ -116,9 +156,11 @@ def test_split_parsing_and_ranges():
     for bad in ["a,b", "1,2,3,4", "0,0,0", "-1,2"]:
         with pytest.raises(ValueError, match="--split"):
             parse_and_normalize_split(bad)
-    for n in [1, 7, 100, 12345]:
-        r = split_document_ranges(parse_and_normalize_split("6,3,1"), n)
-        assert r[0][0] == 0 and r[0][1] == r[1][0] and r[1][1] == r[2][0] and r[2][1] == n
+    # Megatron-LM's boundaries, so that a --split gives the same documents in both
+    for split in ["6,3,1", "969,30,1", "98,2,0", "1,1,1", "80,15,5"]:
+        weights = parse_and_normalize_split(split)
+        for n in [1, 3, 7, 25, 49, 100, 113, 12345]:
+            assert split_document_ranges(weights, n) == megatron_split(weights, n), (split, n)
     assert split_document_ranges([0.5, 0.5, 0.0], 10) == [(0, 5), (5, 10), None]
 
 
@@ -126,9 +168,8 @@ def test_builder_splits_are_disjoint_and_contiguous(tmp_path):
     make_dataset(tmp_path / "d", [20] * 100)
     a = args(tmp_path, data_path=[str(tmp_path / "d")], split="80,15,5")
     tr, va, te = build_train_valid_test_datasets(a, (300, 50, 10))
-    assert (tr.documents[0], tr.documents[-1]) == (0, 79)
-    assert (va.documents[0], va.documents[-1]) == (80, 94)
-    assert (te.documents[0], te.documents[-1]) == (95, 99)
+    for ds, (lo, hi) in zip((tr, va, te), megatron_split([0.8, 0.15, 0.05], 100)):
+        assert (ds.documents[0], ds.documents[-1]) == (lo, hi - 1)
     assert len(tr) >= 300 and len(va) >= 50 and len(te) >= 10
     assert set(np.unique(va.document_index)) == set(range(80, 95))
     # A split of weight 0 (or asking for 0 samples) gives None.
@@ -173,14 +214,15 @@ def test_blended_datasets_weighted_and_by_tokens(tmp_path):
     assert len(tr) == 400 and va is None and te is None
     from_b = np.array([tr[i]["text"].min() >= 5000 for i in range(400)])
     assert all(tr[i]["text"].max() < 1000 for i in np.flatnonzero(~from_b))
-    assert from_b.sum() == pytest.approx(300, abs=2)
+    assert from_b.sum() == pytest.approx(0.75 * 400, abs=2)
     assert np.array_equal(np.asarray(tr.dataset_index) == 1, from_b)
     tr2, _, _ = build_train_valid_test_datasets(a, (400, 0, 0))
     assert all(np.array_equal(tr[i]["text"], tr2[i]["text"]) for i in range(0, 400, 37))
-    # Without weights: proportional to tokens (a has 1200, b 600).
+    # Without weights: proportional to tokens
     a = args(tmp_path, data_path=[str(tmp_path / "a"), str(tmp_path / "b")], split="1,0,0")
     tr, _, _ = build_train_valid_test_datasets(a, (300, 0, 0))
-    assert int((np.asarray(tr.dataset_index) == 0).sum()) == pytest.approx(200, abs=2)
+    tokens_a, tokens_b = 30 * 40, 30 * 20
+    assert int((np.asarray(tr.dataset_index) == 0).sum()) == pytest.approx(300 * tokens_a / (tokens_a + tokens_b), abs=2)
 
 
 def test_per_split_data_paths(tmp_path):
@@ -201,4 +243,3 @@ def test_default_cache_dir_beside_data(tmp_path):
     a = args(tmp_path, data_path=[str(tmp_path / "d")], data_cache_path=None, split="1,0,0")
     build_train_valid_test_datasets(a, (10, 0, 0))
     assert any(f.endswith("GPTDataset-sample_index.npy") for f in os.listdir(tmp_path / "cache"))
-    assert gpt_dataset.INDEX_FORMAT_VERSION >= 1

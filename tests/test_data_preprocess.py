@@ -15,7 +15,7 @@ from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.tokenizers import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.path.join(os.path.dirname(ROOT), "shared")
+SHARED = os.environ.get("MEGALITE_SHARED", os.path.join(os.path.dirname(ROOT), "shared"))
 TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
 
 
@@ -134,7 +134,7 @@ STORIES = [
 
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
-    spm = pytest.importorskip("sentencepiece")
+    import sentencepiece as spm  # a dependency of megalite, not optional
     d = tmp_path_factory.mktemp("sp")
     write_jsonl(d / "corpus.jsonl", [{"text": t} for t in STORIES])
     tool = os.path.join(ROOT, "tools", "train_tokenizer.py")
@@ -163,7 +163,7 @@ def _tinyshakespeare_paragraphs(n):
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, "tokenizers")), reason="../shared/tokenizers absent")
 def test_gpt2_bpe_matches_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # installed by `make test` (.[hf]); only the shared vocabulary may be absent
     vocab = os.path.join(SHARED, "tokenizers", "gpt2-vocab.json")
     merges = os.path.join(SHARED, "tokenizers", "gpt2-merges.txt")
     hf_dir = tmp_path / "hf"
@@ -186,4 +186,182 @@ def test_gpt2_bpe_matches_transformers(tmp_path):
         assert ids == ref(para)["input_ids"] + [50256]
     tok = build_tokenizer(SimpleNamespace(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges))
     assert (tok.vocab_size, tok.eod) == (50257, 50256)
+    try:
+        import tiktoken  # noqa: F401
+        assert tok.backend == "tiktoken"  # so the ids above were tiktoken's
+    except ImportError:
+        assert tok.backend == "tokenizers"
+    tok._tiktoken = None  # the tokenizers library's batch path gives the same ids
+    assert tok.tokenize_batch(paras) == [ids[:-1] for ids in got]
     assert tok.detokenize(got[0][:-1]) == paras[0]
+
+
+# ---- input formats, batching and workers: the same bytes whatever the input ------------------
+
+FORMAT_DOCS = [{"text": f"{i % 97} {(i * 7) % 89} " * (i % 5 + 1) + str(i % 50), "id": i} for i in range(2500)]
+SP_TEXTS = [{"text": STORIES[i % 3] + f" ({i})", "id": i} for i in range(1500)]
+
+
+def write_input(path, docs, fmt):
+    """`docs` as `fmt`: jsonl (with a blank line, which is dropped), jsonl.gz, jsonl.zst (two zstd
+    frames, as parallel compressors write) or parquet (several row groups)."""
+    lines = [json.dumps(d, ensure_ascii=False) + "\n" for d in docs]
+    if fmt == "jsonl":
+        path.write_text("".join(lines[:10]) + "\n" + "".join(lines[10:]), encoding="utf-8")
+    elif fmt == "jsonl.gz":
+        write_jsonl(path, docs)
+    elif fmt == "jsonl.zst":
+        zstd = pytest.importorskip("zstandard")
+        half = len(lines) // 2
+        with open(path, "wb") as f:
+            for part in (lines[:half], lines[half:]):
+                f.write(zstd.ZstdCompressor().compress("".join(part).encode("utf-8")))
+    else:
+        pa = pytest.importorskip("pyarrow")
+        pq = pytest.importorskip("pyarrow.parquet")
+        pq.write_table(pa.table({"id": [d["id"] for d in docs], "text": [d["text"] for d in docs]}), path,
+                       row_group_size=700)
+    return path
+
+
+def output_bytes(prefix):
+    return tuple(open(f"{prefix}_text_document{ext}", "rb").read() for ext in (".bin", ".idx"))
+
+
+@pytest.mark.parametrize("tokenizer", ["null", "sentencepiece"])
+def test_formats_and_workers_give_identical_bytes(tmp_path, tokenizer, request):
+    if tokenizer == "null":
+        docs, tok = FORMAT_DOCS, NULL
+    else:
+        docs, tok = SP_TEXTS, ["--tokenizer-type", "SentencePieceTokenizer",
+                               "--tokenizer-model", request.getfixturevalue("sp_model")[0]]
+    reference = None
+    for fmt in ("jsonl", "jsonl.gz", "jsonl.zst", "parquet"):
+        src = write_input(tmp_path / f"in.{fmt}", docs, fmt)
+        for workers in (1, 2):
+            prefix = tmp_path / f"out_{fmt}_{workers}"
+            p = run("--input", src, "--output-prefix", prefix, "--append-eod", "--workers", workers, *tok)
+            assert f"done: {len(docs)} documents" in p.stderr
+            got = output_bytes(prefix)
+            if reference is None:
+                reference = got
+                ids, _ = read(f"{prefix}_text_document")
+                assert len(ids) == len(docs) and ids[5][-1] == (100 if tokenizer == "null" else 2)
+            assert got == reference, (fmt, workers)
+
+
+def test_parquet_errors_name_the_row_and_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": ["1 2", None, "3"], "n": [1, 2, 3]}), tmp_path / "in.parquet")
+    p = run("--input", tmp_path / "in.parquet", "--output-prefix", tmp_path / "out", *NULL, check=False)
+    assert p.returncode != 0 and "row 2: value of column(s) ['text'] is not a string (null)" in p.stderr
+    assert "--skip-bad-lines" in p.stderr and not (tmp_path / "out_text_document.bin").exists()
+    p = run("--input", tmp_path / "in.parquet", "--output-prefix", tmp_path / "out", "--skip-bad-lines", *NULL)
+    assert "skipped bad rows: 1" in p.stderr
+    assert read(tmp_path / "out_text_document")[0] == [[1, 2], [3]]
+    p = run("--input", tmp_path / "in.parquet", "--output-prefix", tmp_path / "out", "--json-keys", "body", *NULL,
+            check=False)
+    assert p.returncode != 0 and "no column(s) ['body'] (--json-keys body); its columns are ['text', 'n']" in p.stderr
+
+
+def test_add_documents_writes_what_add_document_writes(tmp_path):
+    from megalite.data.indexed_dataset import IndexedDatasetBuilder
+
+    docs = [([1, 2, 3], [2, 1]), ([], None), ([4], None), ([5, 6, 7, 8], [1, 3])]
+    one = IndexedDatasetBuilder(str(tmp_path / "one.bin"), np.uint16)
+    for tokens, lengths in docs:
+        one.add_document(np.array(tokens, dtype=np.int64), lengths)
+    one.finalize(str(tmp_path / "one.idx"))
+    bulk = IndexedDatasetBuilder(str(tmp_path / "bulk.bin"), np.uint16)
+    bulk.add_documents(np.array([1, 2, 3], dtype=np.int64), [2, 1], [2])
+    bulk.add_documents(np.array([0, 4, 5, 6, 7, 8], dtype=np.int64)[1:], [0, 1, 1, 3], [1, 1, 2])
+    bulk.finalize(str(tmp_path / "bulk.idx"))
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"one.{ext}").read_bytes() == (tmp_path / f"bulk.{ext}").read_bytes()
+    with pytest.raises(ValueError, match="inconsistent"):
+        bulk.add_documents(np.arange(3), [1, 1], [2])
+
+
+# ---- --split-sentences: nltk's punkt data cannot be fetched offline, so a stub nltk stands in ----
+
+STUB_PUNKT = '''
+class PunktTokenizer:
+    """Stand-in for nltk's punkt: sentences end at "|" (NullTokenizer text has no periods)."""
+    def __init__(self, lang="english"):
+        if lang != "english":
+            raise LookupError(f"Resource punkt_tab/{lang} not found")
+
+    def span_tokenize(self, text):
+        start = 0
+        for part in text.split("|"):
+            a, b = start + len(part) - len(part.lstrip()), start + len(part.rstrip())
+            if b > a:
+                yield a, b
+            start += len(part) + 1
+
+    def tokenize(self, text):
+        return [text[a:b] for a, b in self.span_tokenize(text)]
+'''
+
+
+def stub_nltk(root, body=STUB_PUNKT, init=""):
+    pkg = root / "nltk"
+    (pkg / "tokenize").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(init)
+    (pkg / "tokenize" / "__init__.py").write_text("")
+    (pkg / "tokenize" / "punkt.py").write_text(body)
+    return str(root)
+
+
+def run_with(pythonpath, *args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([pythonpath, ROOT]))
+    return subprocess.run([sys.executable, TOOL, *map(str, args)], capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+def test_split_sentences_with_a_stub_punkt(tmp_path):
+    stub = stub_nltk(tmp_path / "stub")
+    docs = [{"text": "1 2 | 3 4 5 | 6"}, {"text": "7"}, {"text": ""}, {"text": "8 | | 9 |"}] * 600
+    write_jsonl(tmp_path / "in.jsonl", docs)
+    outs = []
+    for workers in (1, 2):
+        prefix = tmp_path / f"out{workers}"
+        p = run_with(stub, "--input", tmp_path / "in.jsonl", "--output-prefix", prefix, "--split-sentences",
+                     "--append-eod", "--workers", workers, *NULL)
+        assert p.returncode == 0, p.stderr
+        ds = IndexedDataset(str(prefix) + "_text_sentence")
+        outs.append(open(str(prefix) + "_text_sentence.bin", "rb").read())
+    assert outs[0] == outs[1]
+    # sentences are the sequences, documents group them; eod ends each document's last sentence
+    seqs = [ds[i].tolist() for i in range(8)]
+    assert seqs == [[1, 2], [3, 4, 5], [6, 100], [7, 100], [8], [9, 100], [1, 2], [3, 4, 5]]
+    assert ds.document_indices[:6].tolist() == [0, 3, 4, 4, 6, 9]  # the empty document has no sentence
+
+
+def test_split_sentences_names_what_is_missing(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [{"text": "1 | 2"}])
+    args = ("--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "out", "--split-sentences", *NULL)
+    no_nltk = stub_nltk(tmp_path / "none", init="raise ImportError('No module named nltk')\n")
+    p = run_with(no_nltk, *args)
+    assert p.returncode != 0
+    assert p.stderr.strip() == "error: --split-sentences needs the nltk package (pip install nltk)"
+    p = run_with(stub_nltk(tmp_path / "nodata"), *args, "--lang", "klingon")
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines()[-1] == ("error: --split-sentences needs nltk's punkt_tab data for "
+                                                 "'klingon' (python -m nltk.downloader punkt_tab)")
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "nodata", "none"]
+
+
+def test_gpt2_bpe_with_its_own_merge_order_keeps_the_tokenizers_library(tmp_path):
+    """A byte-level BPE whose ids are not in merge order (special token first, as trainers write)
+    cannot be run by tiktoken (it merges by id): the tokenizers library encodes it, in batches."""
+    tokenizers = pytest.importorskip("tokenizers")
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(STORIES, vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"],
+                            show_progress=False)
+    bpe.save_model(str(tmp_path), "t")
+    tok = build_tokenizer(SimpleNamespace(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "t-vocab.json"),
+                                          merge_file=str(tmp_path / "t-merges.txt")))
+    assert tok.backend == "tokenizers"
+    texts = STORIES[:3] + ["", "  x"]
+    assert tok.tokenize_batch(texts) == [tok.tokenize(t) for t in texts] == [bpe.encode(t).ids for t in texts]

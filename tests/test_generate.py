@@ -109,3 +109,88 @@ def test_cli_errors_name_the_problem(checkpoint, tmp_path, capsys):
     assert generate_cli.main(["--load", root, "--prompt", "1 2 3", "--max-new-tokens", "5", "--greedy",
                               "--tokenizer-type", "NullTokenizer"]) == 0
     assert capsys.readouterr().out.split() == [str(t) for t in expected if t != VOCAB - 1]
+
+
+# ---- key/value cache: the same tokens as recomputing the whole sequence -----------------------
+
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
+             add_bias_linear=False, untie_embeddings_and_output_weights=True, use_rope_scaling=True,
+             rope_scaling_original_max_position_embeddings=16, rotary_base=500.0)
+
+
+def _model(**kw):
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, padded_vocab_size=128,
+                seq_length=64, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                init_method_std=0.3)
+    model = GPTModel(GPTConfig(**dict(base, **kw)))
+    model.initialize(5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kw", [{}, LLAMA], ids=["gpt2", "llama-gqa-rope-scaling"])
+def test_kv_cache_generates_what_recomputation_does(kw):
+    from megalite.generation import kv_cache
+
+    model = _model(**kw)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    cached = generate(model, prompt, 50, greedy=True)
+    assert cached == generate(model, prompt, 50, greedy=True, use_cache=False)
+    assert len(set(cached)) > 5, cached  # not one repeated token: the comparison proves something
+    assert generate(model, prompt, 30, seed=7) == generate(model, prompt, 30, seed=7, use_cache=False)
+    # step by step, the cached logits are the recomputed ones; a chunk of several new tokens too
+    ids = torch.tensor([prompt + cached[:20]])
+    full = next_token_logits(model, ids)
+    with kv_cache(model, 40) as layers:
+        parts = [next_token_logits(model, ids[:, :8]), next_token_logits(model, ids[:, 8:9], 8),
+                 next_token_logits(model, ids[:, 9:20], 9), next_token_logits(model, ids[:, 20:], 20)]
+        assert layers[0].inference_cache.length == 28
+    assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
+    assert all(layer.inference_cache is None for layer in layers)  # the cache is gone afterwards
+
+
+def _tp_generate(rank, world_size, root):
+    import torch.distributed as dist
+
+    model, _ = load_model(root, tp_group=dist.group.WORLD)
+    heads = model.decoder.layers[0].self_attention.num_groups
+    prompt = [7, 3, 3, 8]
+    return (heads, generate(model, prompt, 12, greedy=True), generate(model, prompt, 12, greedy=True, use_cache=False),
+            generate(model, prompt, 12, seed=3))
+
+
+def test_kv_cache_under_tensor_parallelism(checkpoint):
+    from dist_helpers import spawn
+
+    root, _ = checkpoint
+    reference, _ = load_model(root)
+    expected = generate(reference, [7, 3, 3, 8], 12, greedy=True, use_cache=False)  # 4 + 12 = 16 positions
+    results = spawn(_tp_generate, 2, root)
+    for heads, cached, recomputed, sampled in results:
+        assert heads == 2  # each rank caches its own half of the 4 heads
+        assert cached == recomputed == expected
+    assert results[0][3] == results[1][3]  # sampling: every rank draws the same tokens
+    assert len(set(expected)) > 3, expected
+
+
+def test_cli_under_torchrun_shards_the_model(checkpoint, tmp_path):
+    """tools/generate.py on 2 processes (TP 2) writes what one process does, with the cache or without."""
+    import subprocess
+    import sys
+
+    from dist_helpers import free_port
+
+    root, _ = checkpoint
+    flags = ["--load", root, "--prompt", "1 2 3", "--max-new-tokens", "10", "--greedy", "--tokenizer-type",
+             "NullTokenizer", "--vocab-size", str(VOCAB - 1)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    outs = []
+    for nproc, extra in ((1, []), (1, ["--no-kv-cache"]), (2, [])):
+        cmd = [sys.executable, os.path.join(ROOT, "tools/generate.py"), *flags, *extra]
+        if nproc > 1:
+            cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port",
+                        str(free_port())]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert f"TP {nproc})" in p.stderr and ("cache off" in p.stderr) == bool(extra)
+        outs.append(p.stdout)
+    assert outs[0] == outs[1] == outs[2] and len(outs[0].split()) >= 5

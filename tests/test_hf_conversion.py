@@ -8,6 +8,7 @@ must be refused, naming the setting.
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,14 +17,14 @@ import torch
 
 from dist_helpers import ROOT, run_pretrain
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+# transformers (and safetensors, which the conversion writes) are what this file tests against:
+# `make test` installs them (.[hf]), so their absence is an error, not a skip
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megalite.checkpointing import load_full_state_dict, read_metadata, save_full_state_dict  # noqa: E402
-from megalite.generation import build_tokenizer_for, generate, load_model, next_token_logits  # noqa: E402
-from megalite.hf_conversion import ConversionError, hf_architecture, pretrain_flags  # noqa: E402
-from megalite.model import GPTConfig, GPTModel, pad_vocab_size  # noqa: E402
+from megalite.checkpointing import load_full_state_dict, read_metadata, save_full_state_dict
+from megalite.generation import build_tokenizer_for, generate, load_model, next_token_logits
+from megalite.hf_conversion import ConversionError, hf_architecture, pretrain_flags
+from megalite.model import GPTConfig, GPTModel, pad_vocab_size
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
@@ -143,7 +144,7 @@ def check_export(ck, out, arch, capsys):
 def test_gpt2_export_matches_transformers(gpt2_ckpt, tmp_path, capsys):
     hf_dir, _ = check_export(gpt2_ckpt, tmp_path / "hf", "GPT2LMHeadModel", capsys)
     config = json.load(open(os.path.join(hf_dir, "config.json")))
-    assert config["activation_function"] == "gelu" and config["tie_word_embeddings"] is True
+    assert config["activation_function"] == "gelu" and config.get("tie_word_embeddings", True) is True  # 4.x omits defaults
     assert config["vocab_size"] == read_metadata(gpt2_ckpt)["model_config"]["vocab_size"]  # unpadded
 
 
@@ -284,18 +285,199 @@ def test_unexpressible_export_writes_nothing(tmp_path, capsys):
 def test_import_refuses_what_megalite_cannot_compute(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    # GPT-2's own tanh-approximated GeLU ("gelu_new") is not megalite's exact GeLU
-    GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=8)).save_pretrained(
-        tmp_path / "hf")
+    GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=8,
+                               activation_function="relu")).save_pretrained(tmp_path / "hf")
     assert convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir",
                          str(tmp_path / "hf"), "--save-dir", str(tmp_path / "out")]) == 2
-    assert "activation_function 'gelu_new'" in capsys.readouterr().err
+    assert "activation_function 'relu'" in capsys.readouterr().err
+
+
+def _import(hf_dir, out, capsys, *extra):
+    capsys.readouterr()
+    assert convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir", str(hf_dir),
+                         "--save-dir", str(out), *extra]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    line = printed.split("pretrain_gpt.py --load ")[1].splitlines()[0].removesuffix(" ...")
+    return str(out), line.split()[1:]  # the flags after --load DIR
+
+
+def _hf_logits(model, vocab, seq, seed=0):
+    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return ids, model(ids).logits.float()
+
+
+def test_real_gpt2_imports_trains_and_exports(tmp_path, capsys):
+    """GPT2LMHeadModel as transformers builds GPT-2 itself (activation_function gelu_new, the tanh
+    GeLU): exact import with --openai-gelu, training continues from it, and it exports back."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus_lines(), vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"],
+                            show_progress=False)
+    bpe.save_model(str(tmp_path), "tiny")
+    vocab, merges = str(tmp_path / "tiny-vocab.json"), str(tmp_path / "tiny-merges.txt")
+    size = len(json.load(open(vocab)))
+    # a wide init: large pre-activations, where the tanh approximation and exact GeLU differ visibly
+    config = GPT2Config(vocab_size=size, n_embd=64, n_layer=2, n_head=4, n_positions=64, initializer_range=0.2)
+    assert config.activation_function == "gelu_new"  # GPT-2's own
+    torch.manual_seed(0)
+    reference = GPT2LMHeadModel(config).eval()
+    reference.save_pretrained(tmp_path / "hf")
+    ck, flags = _import(tmp_path / "hf", tmp_path / "ck", capsys)
+    assert "--openai-gelu" in flags
+    ids, theirs = _hf_logits(reference, size, 40)
+    model, meta = load_model(ck)
+    assert meta["model_config"]["openai_gelu"] is True
+    diff = (next_token_logits(model, ids) - theirs).abs().max().item()
+    print(f"GPT-2 (gelu_new) import: max |logit difference| = {diff:.3e}")
+    assert diff < 1e-5, diff
+    # exact GeLU instead would be a different function: the comparison can fail
+    for layer in model.decoder.layers:
+        layer.mlp.gelu_approximate = "none"
+    assert (next_token_logits(model, ids) - theirs).abs().max().item() > 1e-4
+
+    # continue training it with the printed flags, on a small real corpus (the loss must fall)
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": line}) + "\n" for line in corpus_lines() * 4))
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools/preprocess_data.py"), "--input", str(data),
+                    "--output-prefix", str(tmp_path / "corpus"), "--tokenizer-type", "GPT2BPETokenizer",
+                    "--vocab-file", vocab, "--merge-file", merges, "--append-eod"], check=True, capture_output=True)
+    tok = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+    train = ["--data-path", str(tmp_path / "corpus_text_document"), "--split", "100,0,0", "--seq-length", "32",
+             "--micro-batch-size", "8", "--train-iters", "30", "--lr", "3e-3", "--log-interval", "1",
+             "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0", *tok]
+    ft = str(tmp_path / "ft")
+    records, proc = run_pretrain(1, flags + train + ["--load", ck, "--finetune", "--save", ft], tmp_path, "ft")
+    losses = [r["lm_loss"] for r in records if "lm_loss" in r]
+    assert "loaded weights from" in proc.stdout and len(losses) == 30
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+
+    # a run without --openai-gelu is a different model: refused, naming the flag
+    without = [f for f in flags if f != "--openai-gelu"]
+    _, proc = run_pretrain(1, without + train + ["--load", ck, "--finetune"], tmp_path, "bad", check=False)
+    assert proc.returncode != 0 and "--openai-gelu is True in the checkpoint and False in this run" in proc.stderr
+
+    # and back to GPT2LMHeadModel, activation gelu_new, same logits as megalite's
+    hf_dir = export(ft, tmp_path / "hf_back")
+    back = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    assert type(back).__name__ == "GPT2LMHeadModel" and back.config.activation_function == "gelu_new"
+    ids, theirs = _hf_logits(back, size, 40, seed=1)
+    diff = (next_token_logits(load_model(ft)[0], ids) - theirs).abs().max().item()
+    assert diff < 1e-5, diff
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+def _llama_dir(path, **rope):
+    """A random LlamaForCausalLM with rope theta 5e5 and `rope` scaling, saved by the installed
+    transformers (in its own config layout)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    layout = (dict(rope_parameters=dict(rope or {"rope_type": "default"}, rope_theta=500000.0)) if TRANSFORMERS_5
+              else dict(rope_theta=500000.0, rope_scaling=rope or None))
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         initializer_range=0.3, **layout)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _with_layout(src, dst, layout, key="rope_type"):
+    """A copy of a Llama directory whose config.json states RoPE in one layout only: "5"
+    (rope_parameters) or "4" (rope_theta + rope_scaling, the type under `key`)."""
+    shutil.copytree(src, dst)
+    raw = json.load(open(os.path.join(dst, "config.json")))
+    params = raw.pop("rope_parameters", None) or dict(raw.get("rope_scaling") or {}, rope_theta=raw["rope_theta"])
+    raw.pop("rope_theta", None), raw.pop("rope_scaling", None)
+    params = dict(params)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if layout == "5":
+        raw["rope_parameters"] = dict(params, rope_type=kind)
+    else:
+        raw["rope_theta"] = params.pop("rope_theta")
+        raw["rope_scaling"] = dict(params, **{key: kind}) if kind != "default" else None
+    json.dump(raw, open(os.path.join(dst, "config.json"), "w"))
+    return dst
+
+
+def test_llama3_rope_scaling_imports_in_both_config_layouts(tmp_path, capsys):
+    reference = _llama_dir(tmp_path / "hf", **LLAMA3_ROPE)
+    ck, flags = _import(tmp_path / "hf", tmp_path / "ck", capsys)
+    assert flags[flags.index("--rotary-base") + 1] == "500000.0"
+    assert "--use-rope-scaling" in flags and flags[flags.index("--rope-scaling-factor") + 1] == "8.0"
+    assert flags[flags.index("--rope-scaling-original-max-position-embeddings") + 1] == "16"
+    ids, theirs = _hf_logits(reference, 100, 100)  # beyond original_max_position_embeddings
+    model, meta = load_model(ck)
+    diff = (next_token_logits(model, ids) - theirs).abs().max().item()
+    print(f"Llama, rope theta 5e5 + llama3 scaling: max |logit difference| = {diff:.3e}")
+    assert diff < 1e-5, diff
+    # the scaling matters at these positions: without it the logits differ
+    model.rotary = type(model.rotary)(model.config.kv_channels, 1.0, 500000.0)
+    assert (next_token_logits(model, ids) - theirs).abs().max().item() > 1e-3
+
+    # the same model written in either transformers layout (4.x: "rope_type" or the older "type") imports the same
+    for layout, key in (("5", None), ("4", "rope_type"), ("4", "type")):
+        d = _with_layout(tmp_path / "hf", tmp_path / f"hf{layout}_{key}", layout, key)
+        assert ("rope_parameters" in json.load(open(os.path.join(d, "config.json")))) == (layout == "5")
+        ck2, flags2 = _import(d, tmp_path / f"ck{layout}_{key}", capsys)
+        assert flags2 == flags
+        assert read_metadata(ck2)["model_config"] == meta["model_config"]
+
+    # exported back: both layouts in config.json, and transformers computes the same
+    hf_dir = export(ck, tmp_path / "hf_back", "--no-tokenizer")
+    raw = json.load(open(os.path.join(hf_dir, "config.json")))
+    if TRANSFORMERS_5:
+        assert raw["rope_parameters"] == dict(LLAMA3_ROPE, rope_theta=500000.0)
+    assert (raw["rope_theta"], raw["rope_scaling"]) == (500000.0, LLAMA3_ROPE)
+    back = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    assert (back(ids).logits - theirs).abs().max().item() < 1e-5
+
+
+def test_linear_rope_scaling_round_trips(tmp_path, capsys):
+    reference = _llama_dir(tmp_path / "hf", rope_type="linear", factor=4.0)
+    ck, flags = _import(tmp_path / "hf", tmp_path / "ck", capsys)
+    assert flags[flags.index("--rotary-seq-len-interpolation-factor") + 1] == "4.0"
+    ids, theirs = _hf_logits(reference, 100, 60)
+    assert (next_token_logits(load_model(ck)[0], ids) - theirs).abs().max().item() < 1e-5
+    raw = json.load(open(os.path.join(export(ck, tmp_path / "back", "--no-tokenizer"), "config.json")))
+    assert raw["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type 'yarn'"),
+    ({"type": "dynamic", "factor": 2.0}, "rope_scaling.rope_type 'dynamic'"),
+    ({"rope_type": "linear", "factor": 2.0, "beta_fast": 32}, "rope_scaling.beta_fast = 32 with rope_type 'linear'"),
+    ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, "without rope_scaling.low_freq_factor"),
+])
+def test_unrepresentable_rope_is_refused_naming_the_field(rope, message, tmp_path, capsys):
+    hf = _llama_dir(tmp_path / "hf")
+    raw = json.load(open(tmp_path / "hf" / "config.json"))
+    raw.pop("rope_parameters", None)
+    raw.update(rope_theta=10000.0, rope_scaling=rope)
+    json.dump(raw, open(tmp_path / "hf" / "config.json", "w"))
+    del hf
+    assert convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir",
+                         str(tmp_path / "hf"), "--save-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "megalite does not implement" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_gpt2_reference_vocabulary_exports(tmp_path):
     """The real GPT-2 vocabulary (when the shared copy is present) round-trips through AutoTokenizer."""
-    vocab = os.path.join(ROOT, "..", "shared", "tokenizers", "gpt2-vocab.json")
-    merges = os.path.join(ROOT, "..", "shared", "tokenizers", "gpt2-merges.txt")
+    shared = os.environ.get("MEGALITE_SHARED", os.path.join(ROOT, "..", "shared"))
+    vocab = os.path.join(shared, "tokenizers", "gpt2-vocab.json")
+    merges = os.path.join(shared, "tokenizers", "gpt2-merges.txt")
     if not (os.path.isfile(vocab) and os.path.isfile(merges)):
         pytest.skip("../shared/tokenizers/gpt2-vocab.json / gpt2-merges.txt not present")
     from megalite.data.tokenizers import GPT2BPETokenizer
@@ -307,3 +489,26 @@ def test_gpt2_reference_vocabulary_exports(tmp_path):
     assert theirs(SAMPLE_TEXT).input_ids == ours.tokenize(SAMPLE_TEXT)
     assert theirs("Hello world").input_ids == [15496, 995]  # GPT-2's published ids
     assert theirs.eos_token_id == ours.eod == 50256
+
+
+def test_checkpoints_refuse_another_activation_or_rope_scaling():
+    from megalite.checkpointing import CheckpointError, check_model_config
+
+    scaled = _config(**ROPE, use_rope_scaling=True).to_dict()
+    check_model_config(scaled, dict(scaled), "ck")
+    for key, value, flag in (("use_rope_scaling", False, "--use-rope-scaling"),
+                             ("rope_scaling_factor", 32.0, "--rope-scaling-factor"),
+                             ("rope_scaling_original_max_position_embeddings", 4096,
+                              "--rope-scaling-original-max-position-embeddings"),
+                             ("rotary_seq_len_interpolation_factor", 2.0, "--rotary-seq-len-interpolation-factor")):
+        with pytest.raises(CheckpointError, match=f"{flag} is "):
+            check_model_config(scaled, dict(scaled, **{key: value}), "ck")
+    gpt2 = _config(openai_gelu=True).to_dict()
+    with pytest.raises(CheckpointError, match="--openai-gelu is True in the checkpoint and False in this run"):
+        check_model_config(gpt2, dict(gpt2, openai_gelu=False), "ck")
+    # a checkpoint written before these settings existed is a default (exact GeLU, unscaled) model
+    new_keys = ("openai_gelu", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+                "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
+                "rotary_seq_len_interpolation_factor")
+    for cfg in (_config().to_dict(), _config(**ROPE).to_dict()):
+        check_model_config({k: v for k, v in cfg.items() if k not in new_keys}, cfg, "old")

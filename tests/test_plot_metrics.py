@@ -42,7 +42,6 @@ def test_labels_tell_runs_apart():
 
 
 def test_plot_png_has_both_runs(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     import matplotlib.image
     import numpy as np
     a = write_log(tmp_path / "a" / "metrics.jsonl")

@@ -5,21 +5,19 @@
 - TP=2 gradients with SP, after the TP all-reduce of `sequence_parallel` parameters, equal those
   without SP; with dropout > 0 every recompute mode under TP=2 (with and without SP) gives
   bit-identical gradients;
-- pretrain_gpt.py: same lm_loss per iteration as one process for TP=2 + SP, and for
-  TP=2 x PP=2 x DP=2 + SP + full recompute (when PP is accepted). Model options (RoPE, RMSNorm,
-  SwiGLU, GQA, no biases, untied output) under SP are covered by the gradient test, to keep the
-  number of torchrun launches small.
+- model options (RoPE, RMSNorm, SwiGLU, GQA, no biases, untied output) under SP are covered by
+  the gradient test.
+That pretrain_gpt.py trains the same model as one process with SP (TP=2, and TP=2 x PP=2 x DP=2
+with ZeRO-1 and full recompute) is in test_layouts.py.
 """
 import pytest
 import torch
 
-from dist_helpers import assert_losses_close, run_pretrain, spawn, train_losses
+from dist_helpers import spawn
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.data.batch import build_batch
 from megalite.model import GPTConfig, GPTModel
 from megalite.tensor_parallel import seed_everything
-from test_recompute import RUN as BASE
-from test_recompute import reference_losses
 
 RECOMPUTE = {"none": {}, "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform",
                                                  recompute_num_layers=1),
@@ -150,32 +148,3 @@ def test_sequence_parallel_flags():
                                        "--sequence-parallel", "--tensor-model-parallel-size", "2"]), 2)
     assert validate_args(parse_args(ok + ["--seq-length", "16", "--sequence-parallel",
                                           "--tensor-model-parallel-size", "2"]), 4).sequence_parallel
-
-
-# -- pretrain_gpt.py: the same loss curve --------------------------------------------------------------
-@pytest.fixture(scope="module")
-def reference():
-    return list(reference_losses())  # one process, no SP, no recompute (run once per session)
-
-
-def test_tp2_sp_same_loss(reference, tmp_path):
-    records, _ = run_pretrain(2, BASE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], tmp_path)
-    assert_losses_close(reference, train_losses(records))
-    assert abs(reference[0] - reference[-1]) > 1e-2  # the loss moves
-
-
-def _pipeline_accepted() -> bool:
-    try:
-        validate_args(parse_args(BASE + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]), 8)
-    except ArgumentError:
-        return False
-    return True
-
-
-def test_tp2_pp2_dp2_sp_full_recompute_same_loss(reference, tmp_path):
-    if not _pipeline_accepted():
-        pytest.skip("--pipeline-model-parallel-size 2 is not accepted yet")
-    records, _ = run_pretrain(8, BASE + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                         "--sequence-parallel", "--recompute-granularity", "full",
-                                         "--recompute-method", "uniform", "--recompute-num-layers", "1"], tmp_path)
-    assert_losses_close(reference, train_losses(records))

@@ -76,13 +76,11 @@ def read_wandb_file(path: str) -> list:
 
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory):
-    pytest.importorskip("wandb")
-    pytest.importorskip("tensorboard")
     tmp = tmp_path_factory.mktemp("tracked")
     os.environ["WANDB_MODE"] = "offline"  # inherited by the run; restored below
     os.environ.setdefault("WANDB_SILENT", "true")
     try:
-        # DP 2: both ranks run Trainer.setup, only the logging rank may create a W&B run / event file
+        # DP 2: both ranks run training.setup, only the logging rank may create a W&B run / event file
         records, _ = run_pretrain(2, BASE + ["--wandb-project", "megalite-test", "--wandb-exp-name", "tracked",
                                              "--wandb-save-dir", str(tmp / "wb"), "--tensorboard-dir", str(tmp / "tb")],
                                   tmp, "tracked")

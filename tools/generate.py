@@ -1,11 +1,15 @@
-"""Continue a prompt with a trained checkpoint, in one process.
+"""Continue a prompt with a trained checkpoint, on one process or a tensor-parallel group.
 
     python tools/generate.py --load checkpoints/run1 --prompt "Once upon a time" --max-new-tokens 50 \\
         [--greedy | --temperature 0.8 --top-k 40 --seed 1]
+    torchrun --nproc_per_node 2 tools/generate.py --load checkpoints/run1 --prompt "..."   # TP = 2
 
 The tokenizer is the one saved in the checkpoint's arguments (--tokenizer-type, --vocab-file,
 --merge-file, --tokenizer-model); give those flags here to override it, or when the run had none
-(--mock-data). Prints only the continuation, to stdout; stops early at the end-of-document token.
+(--mock-data). Prints only the continuation, to stdout (rank 0); stops early at the
+end-of-document token. Decoding uses a key/value cache; --no-kv-cache recomputes the whole
+sequence for every token (slower, same tokens). Under torchrun every process holds one
+tensor-parallel shard of the model (TP = the number of processes), whatever layout it was saved in.
 Bad input (a flag, a missing or corrupt checkpoint, a tokenizer that does not fit) ends with one
 `error:` line and exit status 2.
 """
@@ -32,6 +36,8 @@ def get_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (>= 0; 0: all)")
     p.add_argument("--seed", type=int, default=1234, help="sampling seed (>= 0)")
+    p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
+                   help="recompute the whole sequence for every new token (the reference; slower)")
     g = p.add_argument_group("tokenizer (default: as saved in the checkpoint)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help=TOKENIZER_TYPES_HELP)
     g.add_argument("--vocab-file")
@@ -58,26 +64,44 @@ def get_args(argv=None):
 @cli(PROG)
 def main(argv=None) -> int:
     args = get_args(argv)
+    import time
+
     import torch
+    import torch.distributed as dist
 
     from megalite.generation import build_tokenizer_for, generate, load_model
 
-    with torch.no_grad():  # scoped: main() is also called in-process (tests)
-        model, meta = load_model(args.load)
-        tokenizer = build_tokenizer_for(meta, {k: getattr(args, k) for k in
-                                               ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
-                                                "vocab_size", "tiktoken_pattern", "tiktoken_num_special_tokens",
-                                                "tiktoken_special_tokens")})
-        prompt = tokenizer.tokenize(args.prompt) or [tokenizer.eod]  # as Megatron: an empty prompt starts a document
-        if max(prompt) >= model.config.vocab_size:
-            raise UserError(f"--prompt gives token id {max(prompt)}, outside the model's vocabulary "
-                            f"({model.config.vocab_size})")
-        new = generate(model, prompt, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed, eod=tokenizer.eod)
-    if new and new[-1] == tokenizer.eod:
-        new = new[:-1]  # the end-of-document token is a stop, not text
-    sys.stdout.write(tokenizer.detokenize(new) + "\n")
-    sys.stdout.flush()
+    tp_group, rank, tp = None, 0, 1
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # under torchrun: TP = world
+        dist.init_process_group("gloo")
+        tp_group, rank, tp = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    try:
+        with torch.no_grad():  # scoped: main() is also called in-process (tests)
+            model, meta = load_model(args.load, tp_group=tp_group)
+            tokenizer = build_tokenizer_for(meta, {k: getattr(args, k) for k in
+                                                   ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
+                                                    "vocab_size", "tiktoken_pattern", "tiktoken_num_special_tokens",
+                                                    "tiktoken_special_tokens")})
+            prompt = tokenizer.tokenize(args.prompt) or [tokenizer.eod]  # as Megatron: an empty prompt starts a document
+            if max(prompt) >= model.config.vocab_size:
+                raise UserError(f"--prompt gives token id {max(prompt)}, outside the model's vocabulary "
+                                f"({model.config.vocab_size})")
+            start = time.perf_counter()
+            new = generate(model, prompt, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                           top_k=args.top_k, seed=args.seed, eod=tokenizer.eod, use_cache=args.kv_cache)
+            elapsed = time.perf_counter() - start
+    finally:
+        if tp_group is not None:
+            dist.destroy_process_group()
+    if rank == 0:
+        print(f"> {len(new)} tokens after a {len(prompt)}-token prompt in {elapsed:.2f} s "
+              f"({len(new) / max(elapsed, 1e-9):.1f} tokens/s; key/value cache {'on' if args.kv_cache else 'off'}; "
+              f"TP {tp})",
+              file=sys.stderr)
+        if new and new[-1] == tokenizer.eod:
+            new = new[:-1]  # the end-of-document token is a stop, not text
+        sys.stdout.write(tokenizer.detokenize(new) + "\n")
+        sys.stdout.flush()
     return 0
 
 

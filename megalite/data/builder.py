@@ -32,13 +32,14 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 
 def split_document_ranges(split: list[float], num_documents: int) -> list[tuple[int, int] | None]:
-    """Contiguous ``[begin, end)`` document range per split; None for a split of weight 0."""
-    ranges, lo = [], 0.0
+    """Contiguous ``[begin, end)`` document range per split; None for a split of weight 0.
+    Megatron-LM's rule (so a --split selects the same documents there): round each split's size,
+    then shift the boundaries by the total rounding excess so that the last ends at num_documents."""
+    bounds = [0]
     for w in split:
-        hi = lo + w
-        ranges.append(None if w == 0 else (int(round(lo * num_documents)), int(round(hi * num_documents))))
-        lo = hi
-    return ranges
+        bounds.append(bounds[-1] + int(round(w * float(num_documents))))
+    bounds[1:] = [b - (bounds[-1] - num_documents) for b in bounds[1:]]
+    return [None if w == 0 else (lo, hi) for w, lo, hi in zip(split, bounds, bounds[1:])]
 
 
 # tokens read per dataset to check their ids against the vocabulary: a bounded cost at any corpus size

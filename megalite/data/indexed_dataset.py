@@ -145,6 +145,20 @@ class IndexedDatasetBuilder:
                 start += n
         self.end_document()
 
+    def add_documents(self, tokens, sequence_lengths, sequences_per_document) -> None:
+        """Append many documents in one write: `tokens` (1-D) holds `sequence_lengths` sequences back
+        to back, and document i is the next `sequences_per_document[i]` of them. The same bytes as
+        calling add_document for each, at a fraction of the per-call cost (preprocessing batches)."""
+        tokens, lengths = np.asarray(tokens), np.asarray(sequence_lengths, dtype=np.int64)
+        per_doc = np.asarray(sequences_per_document, dtype=np.int64)
+        if int(lengths.sum()) != tokens.size or int(per_doc.sum()) != lengths.size:
+            raise ValueError(f"{self.bin_path}: {tokens.size} tokens, {lengths.size} sequence lengths summing to "
+                             f"{int(lengths.sum())}, documents of {int(per_doc.sum())} sequences: inconsistent")
+        self.add_item(tokens)  # one write, one range check
+        self._lengths.pop()
+        self._lengths.extend(lengths.tolist())
+        self._doc_indices.extend((self._doc_indices[-1] + np.cumsum(per_doc)).tolist())
+
     def finalize(self, idx_path: str) -> None:
         self._file.close()
         write_index(idx_path, self.dtype, np.frombuffer(self._lengths, dtype=np.int64),

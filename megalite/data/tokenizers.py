@@ -1,8 +1,9 @@
 """Tokenizers behind one small interface, selected by Megatron's ``--tokenizer-type``.
 
 Every tokenizer has ``name``, ``vocab_size`` (unpadded; the model pads it), ``eod`` (the
-end-of-document id that ``--append-eod`` writes), ``tokenize(str) -> list[int]`` and
-``detokenize(list[int]) -> str``. The optional libraries are imported only by the tokenizer that
+end-of-document id that ``--append-eod`` writes), ``tokenize(str) -> list[int]``,
+``tokenize_batch(list[str]) -> list[list[int]]`` (the same ids, one library call for many texts:
+what preprocessing uses) and ``detokenize(list[int]) -> str``. The optional libraries are imported only by the tokenizer that
 needs them, so the core install works without them.
 
 ``TOKENIZER_TYPES`` is the one list of types every tool accepts (pretrain_gpt.py,
@@ -13,6 +14,7 @@ naming the flag and the file.
 
 from __future__ import annotations
 
+import json
 import os
 
 from megalite.errors import InputError, InputNotFound, MissingPackage
@@ -164,8 +166,55 @@ class NullTokenizer:
                              f"(--vocab-size {self._vocab_size_without_eod})")
         return ids
 
+    def tokenize_batch(self, texts) -> list[list[int]]:
+        return [self.tokenize(t) for t in texts]
+
     def detokenize(self, ids) -> str:
         return " ".join(str(int(x)) for x in ids)
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte (Radford et al. 2019, encoder.py), inverted."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_CHECK_TEXT = ("Hello world! It's 2024; don't   stop.\n\n  Café naïve 日本語 🙂 <|endoftext|>\tend  ")
+# GPT-2's pre-tokenizer regex (the one tokenizers' ByteLevel uses)
+_GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _tiktoken_gpt2(vocab_file: str, merge_file: str, eod_token: str):
+    """A tiktoken Encoding equal to this GPT-2 BPE, or None (tiktoken not installed, or a vocabulary
+    it cannot express). tiktoken merges the pair whose *merged token* has the lowest id, while
+    GPT-2 merges the pair listed first in merges.txt; they agree when the 256 bytes come first and
+    merge i makes token 256 + i, as in OpenAI's GPT-2 files (tiktoken checks the same for its own
+    "gpt2"). About 2-3x the tokenizers library's speed on one core."""
+    try:
+        import tiktoken
+    except ImportError:
+        return None
+    u2b = _bytes_to_unicode()
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    with open(merge_file, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    merges = [ln.split() for ln in lines[1 if lines and lines[0].startswith("#version") else 0:] if ln.strip()]
+    if any(len(m) != 2 for m in merges):
+        return None
+    tokens = list(u2b) + [a + b for a, b in merges]  # in rank order, as GPT-2's printable strings
+    if len(vocab) != len(tokens) + 1 or vocab.get(eod_token) != len(tokens) or \
+            any(vocab.get(t) != i for i, t in enumerate(tokens)):
+        return None
+    ranks = {bytes(u2b[c] for c in t): i for i, t in enumerate(tokens)}
+    return tiktoken.Encoding("megalite_gpt2", pat_str=_GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={eod_token: vocab[eod_token]})
 
 
 class GPT2BPETokenizer:
@@ -196,9 +245,23 @@ class GPT2BPETokenizer:
             raise InputError(f"--vocab-file {vocab_file}: no '<|endoftext|>' token, not a GPT-2 vocabulary")
         self.eod = eod
         self.vocab_size = self._tok.get_vocab_size()
+        self._tiktoken = _tiktoken_gpt2(vocab_file, merge_file, "<|endoftext|>")
+        if self._tiktoken is not None:
+            # insurance: the two must give the same ids
+            if self._tiktoken.encode_ordinary(_CHECK_TEXT) != self._tok.encode(_CHECK_TEXT).ids:
+                self._tiktoken = None
+        self.backend = "tiktoken" if self._tiktoken is not None else "tokenizers"
 
     def tokenize(self, text: str) -> list[int]:
+        if self._tiktoken is not None:
+            return self._tiktoken.encode_ordinary(text)
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts) -> list[list[int]]:
+        if self._tiktoken is not None:  # one core per worker: its thread pool would only add overhead
+            return [self._tiktoken.encode_ordinary(t) for t in texts]
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # _fast: no offsets
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -229,6 +292,9 @@ class SentencePieceTokenizer:
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text, out_type=int)
+
+    def tokenize_batch(self, texts) -> list[list[int]]:
+        return self._sp.encode(list(texts), out_type=int, num_threads=1)  # parallelism: preprocess --workers
 
     def detokenize(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids])
@@ -264,6 +330,9 @@ class HuggingFaceTokenizer:
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._tok(text).input_ids)
+
+    def tokenize_batch(self, texts) -> list[list[int]]:
+        return [list(ids) for ids in self._tok(list(texts)).input_ids] if texts else []
 
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])

@@ -17,8 +17,8 @@ A parameter never straddles two buckets, but a rank's 1/DP slice of a bucket may
 inside a parameter: the distributed optimizer (ZeRO-1) owns slices, not parameters.
 
 Reduction modes: all-reduce (every rank gets the summed gradient), or reduce-scatter (each
-rank gets the sum only on the slice it owns; the rest of the buffer is then garbage on NCCL
-and the full sum on gloo, where reduce-scatter is an all-reduce underneath).
+rank gets the sum only on the slice it owns; the rest of the buffer then holds this rank's
+unreduced values, on gloo as on NCCL: only the owned slice may be read afterwards).
 """
 from __future__ import annotations
 

@@ -29,19 +29,43 @@ except ImportError:  # pragma: no cover - depends on the environment
 class RotaryEmbedding(nn.Module):
     """RoPE (Su et al. 2021, Eq. 34), in the rotate-half form used by Megatron-LM and Llama."""
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000.0):
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000.0,
+                 scaling: dict | None = None, seq_len_interpolation_factor: float | None = None, device=None):
         super().__init__()
         self.dim = int(kv_channels * rotary_percent)
         if self.dim % 2:
             raise ValueError(f"rotary dimension {self.dim} (kv channels x --rotary-percent) must be even")
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+        # on the model's device: a CPU buffer would meet CUDA activations in forward
+        inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim))
+        if scaling is not None:
+            inv_freq = llama3_scale_inv_freq(inv_freq, **scaling)
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [b, s] -> (cos, sin), each [s, b, 1, dim] in fp32."""
-        freqs = position_ids.to(self.inv_freq.device).float().unsqueeze(-1) * self.inv_freq  # [b, s, dim/2]
+        pos = position_ids.float()
+        if self.seq_len_interpolation_factor is not None:
+            pos = pos / self.seq_len_interpolation_factor
+        freqs = pos.unsqueeze(-1) * self.inv_freq  # [b, s, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1).transpose(0, 1).unsqueeze(2)
         return emb.cos(), emb.sin()
+
+
+def llama3_scale_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                          original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (Meta's reference `apply_scaling`, Megatron-LM's --use-rope-scaling):
+    wavelengths longer than original_max / low_freq_factor are stretched by `factor`, those shorter
+    than original_max / high_freq_factor kept, and the band between interpolated smoothly, so the
+    model sees long contexts without disturbing the high frequencies that encode local order."""
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -74,9 +98,8 @@ def local_attention(q, k, v, attention_mask=None, dropout_p: float = 0.0) -> tor
     if k.size(1) != q.size(1):
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # [b, n, s, s]
-    if attention_mask is None:
-        s = q.size(-2)
-        attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    if attention_mask is None:  # causal, aligned at the top left as SDPA's is_causal
+        attention_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~attention_mask, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if dropout_p > 0:
@@ -156,6 +179,8 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.hn, config.hidden_size,
                                              init_std=out_std, **common)
         self.recompute_core_attention = False  # set by activation recompute ("selective")
+        # while generating: a cache of this rank's keys and values (megalite.generation.KVCache)
+        self.inference_cache = None
 
     def forward(self, x, rotary=None, attention_mask=None):
         qkv = self.linear_qkv(x)  # [s, b, ng·(np/ng + 2)·hn] for this rank's groups
@@ -165,6 +190,9 @@ class SelfAttention(nn.Module):
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, ng, hn]
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.inference_cache is not None:
+            # the new tokens' keys/values join the cached ones; queries see every earlier position
+            k, v, attention_mask = self.inference_cache.update(k, v, attention_mask)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             # selective recompute: keep q, k, v; redo softmax(QKᵀ)·V (and its dropout) in backward
             ctx = recompute(self.core_attention, q, k, v, attention_mask,

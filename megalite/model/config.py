@@ -49,6 +49,18 @@ class GPTConfig:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     params_dtype: torch.dtype = field(default=torch.float32)
+    # GPT-2's tanh approximation of GeLU (Hendrycks & Gimpel 2016, Sec. 2), Megatron's --openai-gelu
+    openai_gelu: bool = False
+    # Llama 3.1's RoPE scaling (Megatron's --use-rope-scaling): inv_freq divided by `factor` for
+    # wavelengths above original_max / low_freq_factor, kept below original_max / high_freq_factor,
+    # interpolated between (Meta's reference apply_scaling; transformers' rope_type "llama3")
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
+    # position interpolation (Chen et al. 2023): positions divided by this (transformers' "linear")
+    rotary_seq_len_interpolation_factor: float | None = None
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -69,6 +81,14 @@ class GPTConfig:
                 raise ValueError(f"full recompute needs recompute_num_layers >= 1, got {self.recompute_num_layers!r}")
         elif self.recompute_method is not None or self.recompute_num_layers is not None:
             raise ValueError("recompute_method and recompute_num_layers apply to recompute_granularity 'full' only")
+
+    def rope_scaling(self) -> dict | None:
+        """The llama3 scaling parameters for RotaryEmbedding, None without --use-rope-scaling."""
+        if not self.use_rope_scaling:
+            return None
+        return dict(factor=self.rope_scaling_factor, low_freq_factor=self.rope_scaling_low_freq_factor,
+                    high_freq_factor=self.rope_scaling_high_freq_factor,
+                    original_max_position_embeddings=self.rope_scaling_original_max_position_embeddings)
 
     def to_dict(self) -> dict:
         d = asdict(self)

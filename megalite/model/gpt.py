@@ -83,7 +83,8 @@ class GPTModel(nn.Module):
                              "(megalite.tensor_parallel.seed_everything)")
         if pre_process:
             self.embedding = Embedding(config, tp_group, rng_tracker, device)
-        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
+        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base,
+                                       config.rope_scaling(), config.rotary_seq_len_interpolation_factor, device)
                        if config.position_embedding_type == "rope" else None)
         self.decoder = TransformerBlock(config, tp_group, rng_tracker, layer_offset, num_layers, post_process, device)
         self.output_layer = None

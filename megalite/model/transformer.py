@@ -59,6 +59,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig, tp_group, device=None):
         super().__init__()
         self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         std, out_std = config.init_method_std, config.init_method_std / math.sqrt(2.0 * config.num_layers)
         common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                       dtype=config.params_dtype, device=device)
@@ -73,7 +74,7 @@ class MLP(nn.Module):
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
-            y = F.gelu(y)
+            y = F.gelu(y, approximate=self.gelu_approximate)
         return self.linear_fc2(y)
 
 

@@ -9,6 +9,16 @@ Columns past the true vocabulary size (the padding to a multiple of
 changes nothing: a layout with more padding computes the same loss and gradients (this is
 where megalite deliberately differs from Megatron-LM, whose padded logits take part in the
 softmax).
+
+Memory (Megatron-LM's --cross-entropy-loss-fusion serves the same end): the logits are the
+largest activation of a GPT step (s·b·v/tp, e.g. 2048 x 8 x 50k = 0.8G elements), so backward
+keeps exactly one logits-sized tensor. fp32 logits: their softmax, computed into one new buffer
+that also becomes the gradient (the logits themselves can then be freed). 16-bit logits: the
+logits, in their dtype, plus [s, b] row statistics; backward recomputes the softmax in fp32 on
+slices of at most `CHUNK_ELEMENTS` logits. In bf16 that keeps 2 instead of 4 bytes per logit
+for backward and holds about 2 instead of 10 bytes per logit at the forward's peak (the unfused
+form made an fp32 copy, shifted it into a second one and kept that as the softmax), for one
+more exp pass in backward. Padded columns are sliced off, never copied.
 """
 from __future__ import annotations
 
@@ -18,45 +28,82 @@ import torch.distributed as dist
 from .. import comm
 
 
+CHUNK_ELEMENTS = 1 << 24  # fp32 scratch per slice of rows: 64 MiB
+
+
+def _row_chunks(n_rows: int, row_len: int):
+    step = max(1, CHUNK_ELEMENTS // max(row_len, 1))
+    return [(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size):
         # logits: [s, b, v/tp] (this rank's vocabulary columns), target: [s, b] global ids
-        logits = logits.float()
         part = logits.size(-1)
         start = comm.group_rank(group) * part
         valid = max(0, min(part, vocab_size - start)) if vocab_size is not None else part
-        if valid < part:
-            logits = logits.clone()
-            logits[..., valid:] = float("-inf")
+        rows = logits.reshape(-1, part)[:, :valid]  # a view: padded columns are left out, not masked
+        n = rows.size(0)
 
-        logits_max = logits.max(dim=-1).values
+        if valid:
+            logits_max = rows.max(dim=-1).values.float()  # exact in any dtype
+        else:  # this rank holds padding only
+            logits_max = torch.full((n,), float("-inf"), device=logits.device)
         comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
-        logits = logits - logits_max.unsqueeze(-1)
 
-        outside = (target < start) | (target >= start + part)
-        local_target = (target - start).masked_fill(outside, 0)
-        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        outside = (target < start) | (target >= start + valid)
+        local_target = (target - start).masked_fill(outside, 0).reshape(-1)
+        target_logit = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        if valid:
+            target_logit = rows.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float() - logits_max
+            target_logit.masked_fill_(outside.reshape(-1), 0.0)
         comm.all_reduce(target_logit, group)
 
-        exp_logits = logits.exp_()
-        sum_exp = exp_logits.sum(dim=-1)
+        # fp32 logits: the softmax replaces them for backward (same bytes, no recompute); 16-bit
+        # logits: they are kept and the softmax is recomputed, slice by slice, in backward
+        keep_softmax = logits.dtype == torch.float32
+        if keep_softmax:
+            softmax = torch.empty(n, part, dtype=torch.float32, device=logits.device)
+            softmax[:, valid:] = 0.0  # padded columns took no part in the softmax
+            exp_logits = torch.sub(rows, logits_max.unsqueeze(-1), out=softmax[:, :valid]).exp_()
+            sum_exp = exp_logits.sum(dim=-1)
+        else:
+            sum_exp = torch.zeros(n, dtype=torch.float32, device=logits.device)
+            for lo, hi in _row_chunks(n, valid):
+                sum_exp[lo:hi] = (rows[lo:hi] - logits_max[lo:hi, None]).exp_().sum(dim=-1)  # fp32 by promotion
         comm.all_reduce(sum_exp, group)
         loss = sum_exp.log() - target_logit
 
-        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, outside, local_target)
-        return loss
+        ctx.valid, ctx.keep_softmax, ctx.logits_shape = valid, keep_softmax, logits.shape
+        if keep_softmax:
+            exp_logits.div_(sum_exp.unsqueeze(-1))
+            ctx.save_for_backward(softmax, outside, local_target)
+        else:
+            ctx.save_for_backward(logits, (logits_max + sum_exp.log()).unsqueeze(-1), outside, local_target)
+        return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
         # d loss / d logit_j = softmax_j - 1[j == target]
-        softmax, outside, local_target = ctx.saved_tensors
-        grad = softmax
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).unsqueeze(-1).to(grad.dtype))
-        grad.mul_(grad_loss.unsqueeze(-1))
+        inside = (~ctx.saved_tensors[-2]).reshape(-1, 1).float()
+        grad_loss = grad_loss.reshape(-1, 1).float()
+        if ctx.keep_softmax:  # the saved fp32 softmax becomes the gradient in place
+            softmax, _, local_target = ctx.saved_tensors
+            softmax.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
+            return softmax.mul_(grad_loss).view(ctx.logits_shape), None, None, None
+        logits, lse, _, local_target = ctx.saved_tensors
+        valid, part = ctx.valid, logits.size(-1)
+        grad = torch.empty_like(logits)
+        grad_rows = grad.view(-1, part)
+        if valid < part:
+            grad_rows[:, valid:] = 0
+        rows = logits.reshape(-1, part)[:, :valid]
+        for lo, hi in _row_chunks(rows.size(0), valid) if valid else ():
+            g = (rows[lo:hi] - lse[lo:hi]).exp_()  # fp32 softmax of this slice, by promotion
+            g.scatter_add_(-1, local_target[lo:hi, None], -inside[lo:hi])
+            grad_rows[lo:hi, :valid] = g.mul_(grad_loss[lo:hi])
         return grad, None, None, None
-
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
                                  vocab_size: int | None = None) -> torch.Tensor:

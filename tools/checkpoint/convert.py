@@ -11,7 +11,10 @@
     python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megalite --load-dir hf_out \\
         --save-dir ckpt_from_hf --target-tensor-parallel-size 2
 
-Only the model weights travel (no optimizer state). The mapping lives in megalite/hf_conversion.py.
+Only the model weights travel (no optimizer state). The mapping lives in megalite/hf_conversion.py:
+GPT-2's gelu_new becomes --openai-gelu; a Llama's rope_theta and rope scaling (llama3, linear; read
+from config.json in the transformers 4.x or 5.x layout) become --rotary-base, --use-rope-scaling
+--rope-scaling-*, --rotary-seq-len-interpolation-factor. The import prints the flags to train on with.
 --save-dir must be new or empty: nothing existing is overwritten. Bad input ends with one `error:`
 line and exit status 2.
 """

@@ -1,0 +1,58 @@
+"""torch.compile of the transformer layers (--compile).
+
+Each TransformerLayer of a model chunk is compiled in place (`nn.Module.compile`), so parameter
+names, and with them initialisation and checkpoints, do not change. Per layer rather than per
+model: the layers run the same code on the same shapes, so Dynamo traces one graph and Inductor
+compiles it once (forward and backward) for every layer of every chunk; the embedding, the
+vocabulary-parallel loss, recompute of whole chunks and the pipeline schedule stay eager.
+Inside a layer Inductor fuses what sits between the matrix multiplies (norm, residual add,
+dropout, rotary, GeLU / SwiGLU), which PyTorch's eager fused kernels cover only op by op
+(PyTorch 2 paper, Ansel et al. 2024, Sec. 4-5).
+
+What Dynamo makes of the rest of megalite (torch 2.13, tests/test_compile.py):
+- one process, no recompute: each layer is one graph, 0 graph breaks;
+- tensor parallelism: the f/g autograd Functions call torch.distributed, which Dynamo does not
+  trace inside an autograd.Function, so each runs eagerly and splits the layer's graph around
+  it (a 2-layer TP=2 + SP run logs 16 graph breaks); results are unchanged;
+- recompute() is excluded from tracing (its checkpoint passes a context_fn, which Dynamo's
+  checkpoint operator rejects): under selective recompute core attention runs eagerly, under
+  full recompute the compiled layers run inside the eager checkpoint;
+- dropout > 0: masks inside compiled graphs come from Inductor's generator, not eager's, so
+  losses differ from an eager run by dropout noise; the RNG tracker's fork (attention dropout
+  under TP) reads and sets generator states, which Dynamo leaves to eager code.
+"""
+from __future__ import annotations
+
+
+def compile_layers(chunks, backend: str = "inductor") -> int:
+    """Compile every TransformerLayer of `chunks` (GPTModel instances) in place; returns how many.
+    Compilation itself happens lazily, on the first forward and backward."""
+    n = 0
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            layer.compile(backend=backend, dynamic=False)
+            n += 1
+    return n
+
+
+def compile_seconds() -> float | None:
+    """Wall time Dynamo and the backend have spent compiling so far in this process (forward
+    frames and lazily compiled backward graphs), or None where torch does not report it."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+        return calculate_time_spent().get("total_wall_time")
+    except Exception:  # noqa: BLE001 - a private helper that may move between torch versions
+        return None
+
+
+def graph_breaks() -> int:
+    """Graph breaks Dynamo has recorded in this process (each splits a compiled region)."""
+    from torch._dynamo.utils import counters
+    return sum(counters["graph_break"].values())
+
+
+def compile_report() -> str:
+    """One line for the log after the first step: compile time and graph breaks so far."""
+    seconds = compile_seconds()
+    spent = f"{seconds:.1f} s compiling" if seconds is not None else "compile time not reported by this torch"
+    return f"{spent} (forward and backward, during the first iteration), {graph_breaks()} graph breaks"

@@ -1,0 +1,65 @@
+"""The vocabulary-parallel cross entropy keeps one logits-sized tensor for backward: the fp32
+softmax for fp32 logits, the logits themselves for 16-bit ones (whose softmax is recomputed in
+fp32 on slices of rows, so no fp32 copy of the whole logits ever exists); slicing changes
+nothing in the result. (Equality with F.cross_entropy over TP 1, 2, 4 and every padding
+case: tests/test_tensor_parallel.py.)"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megalite.tensor_parallel.cross_entropy as ce
+from megalite.tensor_parallel import vocab_parallel_cross_entropy
+
+S, B, V, VOCAB = 7, 3, 64, 50  # 14 padded columns
+
+
+def _case(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(S, B, V, generator=g) * 4).to(dtype).requires_grad_()
+    target = torch.randint(0, VOCAB, (S, B), generator=g)
+    weight = torch.rand(S, B, generator=g)
+    return logits, target, weight
+
+
+def _loss_and_grad(dtype, **kw):
+    logits, target, weight = _case(dtype)
+    loss = vocab_parallel_cross_entropy(logits, target, None, VOCAB)
+    (loss * weight).sum().backward()
+    return loss.detach(), logits.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slices_of_rows_change_nothing(monkeypatch, dtype):
+    whole_loss, whole_grad = _loss_and_grad(dtype)
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", 4 * VOCAB + 3)  # 4 rows per slice: 21 rows -> 6 slices
+    loss, grad = _loss_and_grad(dtype)
+    assert torch.equal(loss, whole_loss) and torch.equal(grad, whole_grad)
+    assert grad[..., VOCAB:].abs().max() == 0  # padded columns get no gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saves_one_logits_sized_tensor(dtype):
+    logits, target, _ = _case(dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        vocab_parallel_cross_entropy(logits, target, None, VOCAB)
+    big = [t for t in saved if t.numel() >= S * B * VOCAB]
+    assert len(big) == 1 and big[0].dtype == dtype
+    if dtype == torch.float32:  # the softmax, in place of the logits (which autograd may free)
+        assert big[0].data_ptr() != logits.data_ptr()
+    else:  # the 16-bit logits themselves: no fp32 [s, b, v] tensor is kept
+        assert big[0].data_ptr() == logits.data_ptr()
+    assert sum(t.numel() * t.element_size() for t in saved if t is not big[0]) <= 32 * S * B  # row statistics
+
+
+def test_bf16_matches_fp32_reference():
+    logits, target, weight = _case(torch.float32)
+    ref = F.cross_entropy(logits[..., :VOCAB].reshape(-1, VOCAB), target.reshape(-1), reduction="none").view(S, B)
+    (ref * weight).sum().backward()
+    loss, grad = _loss_and_grad(torch.bfloat16)
+    assert grad.dtype == torch.bfloat16
+    # the loss is computed in fp32 from bf16-rounded logits
+    bf16_ref = F.cross_entropy(logits.detach().bfloat16().float()[..., :VOCAB].reshape(-1, VOCAB),
+                               target.reshape(-1), reduction="none").view(S, B)
+    torch.testing.assert_close(loss, bf16_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.float(), logits.grad, atol=2e-3, rtol=2e-2)

@@ -1,0 +1,148 @@
+"""Device cleanliness, proven without a GPU on the `meta` device.
+
+A meta tensor, like a CUDA tensor, refuses to meet a CPU tensor in an operation (CPU scalars of
+dimension 0 excepted, as on CUDA). So a forward, backward and optimizer step of a model built on
+`device="meta"` fails wherever the code creates a tensor on a fixed device (`torch.arange(n)`
+without `device=`, a buffer made in __init__ on the CPU, `.to("cpu")`), or copies device data to
+the host (`float(t)`, `.item()`, `.tolist()`: "Cannot copy out of meta tensor"), exactly where the
+first CUDA step would crash or stall.
+
+Every model variant is covered: learned and rotary positions, LayerNorm and RMSNorm, GeLU and
+SwiGLU, grouped-query attention, biases on and off, tied and untied output weights, an explicit
+attention mask, every recompute mode, pipeline stages (first / middle / last, with the last
+stage's copy of the tied embedding), and tensor parallelism with sequence parallelism. TP=2 runs
+in this one process as rank 0 of a `fake` process group (torch's backend that accepts every
+collective and moves no data), so the collectives of the TP and SP regions are called with meta
+tensors too. Weights are not initialised (`GPTModel.initialize` draws from CPU generators and
+copies values, which meta tensors have none of): what matters is that forward, backward and the
+step never mix devices.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite import comm
+from megalite.model import GPTConfig, GPTModel
+from megalite.tensor_parallel import seed_everything
+
+META = torch.device("meta")
+B, S, V = 2, 16, 90
+
+VARIANTS = {
+    "gpt2": {},
+    "llama": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
+                  add_bias_linear=False, untie_embeddings_and_output_weights=True),
+    "rope-partial-layernorm-gelu-bias": dict(position_embedding_type="rope", rotary_percent=0.5),
+    "rmsnorm-swiglu-bias-tied": dict(normalization="RMSNorm", swiglu=True),
+    "gqa-untied": dict(num_query_groups=1, untie_embeddings_and_output_weights=True),
+    "no-bias": dict(add_bias_linear=False),
+    "recompute-selective": dict(position_embedding_type="rope", recompute_granularity="selective"),
+    "recompute-full-uniform": dict(position_embedding_type="rope", recompute_granularity="full",
+                                   recompute_method="uniform", recompute_num_layers=2),
+    "recompute-full-block": dict(position_embedding_type="rope", recompute_granularity="full",
+                                 recompute_method="block", recompute_num_layers=1),
+}
+
+
+def config(**kw) -> GPTConfig:
+    base = dict(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=V, padded_vocab_size=128,
+                seq_length=S, max_position_embeddings=S, hidden_dropout=0.1, attention_dropout=0.1)
+    return GPTConfig(**{**base, **kw})
+
+
+def train_step_on_meta(cfg: GPTConfig, tp_group=None, tp_rank: int = 0, pre_process=True, post_process=True,
+                       attention_mask: bool = False, position_ids: bool = True):
+    """Build on meta, run forward, backward and a foreach AdamW step; return (model, output, optimizer)."""
+    tracker = seed_everything(3, tp_rank, 0, META)
+    model = GPTModel(cfg, tp_group, tracker, pre_process=pre_process, post_process=post_process, device=META)
+    model.train()
+    ids = torch.zeros(B, S, dtype=torch.long, device=META)
+    pos = torch.arange(S, device=META).unsqueeze(0).expand(B, S) if position_ids else None
+    mask = torch.ones(S, S, dtype=torch.bool, device=META).tril().expand(B, 1, S, S) if attention_mask else None
+    if not pre_process:  # a later pipeline stage: the activations arrive from the previous one
+        s_local = S // (comm.group_size(tp_group) if cfg.sequence_parallel else 1)
+        model.set_input_tensor(torch.zeros(s_local, B, cfg.hidden_size, device=META, requires_grad=True))
+    out = model(ids, pos, mask, ids if post_process else None)
+    out.float().sum().backward() if post_process else out.backward(torch.ones_like(out))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+    # clip by the global norm without leaving the device (torch's clip_grad_norm_ refuses
+    # foreach on meta; megalite's clipping uses the same two foreach kernels)
+    grads = [p.grad for p in model.parameters()]
+    norm = torch.stack(torch._foreach_norm(grads)).norm()
+    torch._foreach_mul_(grads, (1.0 / (norm + 1e-6)).clamp(max=1.0))
+    optimizer.step()
+    return model, out, optimizer
+
+
+def assert_all_on_meta(model, out, optimizer):
+    assert out.device == META
+    if model.rotary is not None:
+        assert all(b.device == META for b in model.rotary.buffers())
+    for name, p in model.named_parameters():
+        assert p.device == META, name
+        assert p.grad is not None and p.grad.device == META, name
+        state = optimizer.state[p]
+        assert state["exp_avg"].device == META and state["exp_avg_sq"].device == META, name
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_one_process_variants_on_meta(variant):
+    model, out, opt = train_step_on_meta(config(**VARIANTS[variant]))
+    assert out.shape == (B, S)  # per-token loss
+    assert_all_on_meta(model, out, opt)
+
+
+def test_attention_mask_and_rope_without_position_ids_on_meta():
+    # document masks go to SDPA as a bool [b, 1, s, s]; RoPE makes its own positions when none are given
+    model, out, opt = train_step_on_meta(config(**VARIANTS["llama"]), attention_mask=True, position_ids=False)
+    assert_all_on_meta(model, out, opt)
+
+
+@pytest.mark.parametrize("stage", ["first", "middle", "last"])
+@pytest.mark.parametrize("variant", ["gpt2", "llama"])
+def test_pipeline_stages_on_meta(stage, variant):
+    pre, post = {"first": (True, False), "middle": (False, False), "last": (False, True)}[stage]
+    model, out, opt = train_step_on_meta(config(**VARIANTS[variant]), pre_process=pre, post_process=post)
+    assert_all_on_meta(model, out, opt)
+    if stage == "last" and variant == "gpt2":  # the last stage's copy of the tied embedding
+        from megalite.tensor_parallel.param_info import param_info
+        assert param_info(model.output_layer.weight).tied_copy
+
+
+@pytest.fixture
+def fake_tp2():
+    """This process as rank 0 of a 2-rank `fake` process group: collectives are accepted (meta
+    tensors included) and move nothing."""
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=2)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama", "recompute-selective", "recompute-full-uniform"])
+def test_tensor_and_sequence_parallel_on_meta(fake_tp2, variant):
+    assert comm.group_size(fake_tp2) == 2
+    for sequence_parallel in (False, True):
+        cfg = config(**VARIANTS[variant], sequence_parallel=sequence_parallel)
+        model, out, opt = train_step_on_meta(cfg, fake_tp2)
+        assert_all_on_meta(model, out, opt)
+        # this rank's shards: half the heads' QKV rows, half the (padded) vocabulary
+        assert model.embedding.word_embeddings.weight.shape[0] == 64
+        # a later stage receives [s/tp, b, h] under SP
+        model, out, opt = train_step_on_meta(cfg, fake_tp2, pre_process=False)
+        assert_all_on_meta(model, out, opt)
+
+
+def test_meta_catches_a_cpu_tensor():
+    """The premise: a tensor created on the CPU cannot meet the model's meta tensors."""
+    x = torch.zeros(4, 3, device=META)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        x * torch.arange(3.0)
+    with pytest.raises(NotImplementedError, match="meta"):
+        x.to("cpu")
