@@ -149,8 +149,7 @@ def test_cross_entropy_fusion_is_selected_and_fuses_the_sums(monkeypatch):
     from megalite import comm
     from megalite.model import GPTModel
     from megalite.model import gpt as gpt_module
-    from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-    from megalite.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    from megalite.tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
     logits, target = torch.randn(5, 2, 70, requires_grad=True), torch.randint(0, 64, (5, 2))
     a = vocab_parallel_cross_entropy(logits, target, None, 64)
     b = fused_vocab_parallel_cross_entropy(logits, target, None, 64)
@@ -163,7 +162,7 @@ def test_cross_entropy_fusion_is_selected_and_fuses_the_sums(monkeypatch):
     vocab_parallel_cross_entropy(logits, target, "tp", 128)
     plain, calls[:] = list(calls), []
     fused_vocab_parallel_cross_entropy(logits, target, "tp", 128)
-    assert len(plain) == 3 and calls == [(5, 2), (2, 5, 2)]
+    assert len(plain) == 3 and calls == [(10,), (2, 10)]  # max, then [target logit; sum of exp] of 5 x 2 rows
     monkeypatch.undo()
     used = []
     monkeypatch.setattr(gpt_module, "fused_vocab_parallel_cross_entropy",

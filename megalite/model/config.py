@@ -41,7 +41,7 @@ class GPTConfig:
     attention_backend: str = "auto"
     # zero-centred norm weights: stored as w - 1, applied as 1 + w (Megatron-LM's LayerNorm1P)
     apply_layernorm_1p: bool = False
-    # the fused vocabulary-parallel cross entropy (tensor_parallel/fused_cross_entropy.py)
+    # the vocabulary-parallel cross entropy with its two sum all-reduces fused (tensor_parallel/cross_entropy.py)
     cross_entropy_loss_fusion: bool = False
     sequence_parallel: bool = False
     # activation recompute: None | "full" | "selective"; method "uniform" | "block"

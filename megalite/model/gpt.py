@@ -20,7 +20,7 @@ from torch import nn
 from .. import comm
 from ..tensor_parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sp, scatter_to_sp, set_init,
                                vocab_parallel_cross_entropy)
-from ..tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+from ..tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import set_tp_attributes
 from ..tensor_parallel.param_info import param_info
 from .attention import RotaryEmbedding
