@@ -23,7 +23,8 @@ import os
 
 from .data.data_paths import parse_and_normalize_split, parse_blend
 from .data.indexed_dataset import IndexedDataset
-from .data.tokenizers import TOKENIZER_FILE_FLAGS, TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, check_tokenizer_args
+from .data.tokenizers import (TOKENIZER_FILE_FLAGS, TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, add_tiktoken_args,
+                              check_tokenizer_args)
 from .errors import ArgumentParser, InputError
 
 DEFAULT_SPLIT = "969, 30, 1"
@@ -38,6 +39,34 @@ def _str2dtype(args):
     if getattr(args, "fp16", False):
         return torch.float16
     return torch.bfloat16 if args.bf16 else torch.float32
+
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+_FP8_HELP = ("refused: FP8 training needs Hopper-class (or newer) GPUs and NVIDIA Transformer Engine, which megalite "
+             "does not use")
+# Megatron-LM flags (used by its GPT functional tests) that megalite does not implement: parsed, so that the
+# answer is one line saying why instead of argparse's "unrecognized arguments", and refused in validate_args.
+REFUSED_FLAGS = {
+    "--log-num-zeros-in-grad": ({"action": "store_true"}, "refused: megalite does not count zero gradients"),
+    "--log-timers-to-tensorboard": ({"action": "store_true"},
+                                    "refused: megalite keeps no per-phase timers; the iteration time is logged "
+                                    "(train/elapsed_ms)"),
+    "--attention-softmax-in-fp32": ({"action": "store_true"},
+                                    "refused: not a switch in megalite (--attention-backend local and SDPA's fused "
+                                    "kernels compute the softmax in fp32; SDPA's math path keeps PyTorch's choice)"),
+    "--apply-query-key-layer-scaling": ({"action": "store_true"},
+                                        "refused: not implemented (an fp16 overflow guard that scales Q·K^T by "
+                                        "1/layer and back)"),
+    "--squared-relu": ({"action": "store_true"}, "refused: megalite's MLP is GeLU or SwiGLU"),
+    "--save-retain-interval": ({"type": int}, "refused: megalite keeps every checkpoint it saves"),
+    "--dist-ckpt-strictness": ({}, "refused: an option of Megatron-LM's torch_dist checkpoints, which megalite "
+                                   "does not write"),
+    "--dist-ckpt-optim-fully-reshardable": ({"action": "store_true"},
+                                            "refused: an option of torch_dist checkpoints; megalite's are always "
+                                            "reshardable over TP, PP and DP, optimizer state included"),
+    "--use-persistent-ckpt-worker": ({"action": "store_true"},
+                                     "refused: megalite's --async-save writes from a thread, not a worker process"),
+}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -83,6 +112,21 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP (>= 1)")
     g.add_argument("--use-flash-attn", action="store_true", help="flash-attn kernels (needs the flash-attn package and CUDA)")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="core attention: auto (torch SDPA picks its kernel; flash-attn with --use-flash-attn), "
+                        "flash (SDPA's FlashAttention kernel, or the flash-attn package with --use-flash-attn), "
+                        "fused (SDPA's cuDNN / memory-efficient kernels; CUDA only), unfused (SDPA's math "
+                        "path), local (megalite's explicit softmax(QK^T/sqrt(d))V); a backend the device "
+                        "cannot run is refused at start-up")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred norm weights (Megatron-LM's LayerNorm1P, LayerNorm and RMSNorm): the "
+                        "weight is stored as w - 1 (initialised to 0) and applied as 1 + w; checkpoints record it")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="the fused vocabulary-parallel cross entropy (one all-reduce of [target logit, sum of "
+                        "exp] instead of two; the same loss)")
+    g.add_argument("--use-mcore-models", action="store_true",
+                   help="accepted for Megatron-LM scripts, changes nothing: megalite has one model "
+                        "implementation, laid out and named as Megatron Core's GPTModel")
     g.add_argument("--openai-gelu", action="store_true", help="GPT-2's tanh-approximated GeLU (transformers' gelu_new)")
     g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.1 RoPE scaling of the rotary frequencies")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="--use-rope-scaling: context stretch factor")
@@ -104,6 +148,8 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl with CUDA, gloo without")
     g.add_argument("--ddp-bucket-size", type=int, default=40_000_000,
                    help="elements per gradient all-reduce bucket (>= 1)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="CP; only 1: megalite has no context parallelism yet (a larger value is refused)")
 
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute-granularity", choices=["full", "selective"],
@@ -125,8 +171,29 @@ def build_parser() -> ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, help="samples per micro-batch per DP rank (>= 1; required)")
     g.add_argument("--global-batch-size", type=int,
-                   help="samples per iteration (>= 1, a multiple of micro x DP; default micro x DP)")
-    g.add_argument("--train-iters", type=int, help="iterations to train (>= 1; required)")
+                   help="samples per iteration (>= 1, a multiple of micro x DP; default micro x DP); with "
+                        "--rampup-batch-size the batch it ramps up to")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="ramp the global batch from START by INCREMENT up to --global-batch-size, evenly over "
+                        "the first SAMPLES samples (Megatron-LM's syntax; needs --train-samples, as there)")
+    g.add_argument("--step-batch-size-schedule", metavar="'TOKENS:BATCH ...'",
+                   help="global batch by tokens consumed, e.g. '0:768 250B:1536' (K/M/B/T suffixes; thresholds "
+                        "// --seq-length give samples; the first is 0); the last batch is the global batch, so "
+                        "--global-batch-size is refused beside it; needs --train-samples")
+    g.add_argument("--train-iters", type=int, help="iterations to train (>= 1); this or --train-samples is required")
+    g.add_argument("--train-samples", type=int,
+                   help="samples to train (>= 1): as many whole global batches as fit (the schedule, the "
+                        "batch ramp-up and --lr-*-samples then count samples)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the gradient of the loss summed over the global batch's tokens / their number "
+                        "(Megatron-LM's per-token loss); default: each micro-batch's token mean, averaged over "
+                        "micro-batches and DP ranks (Megatron-LM's default); the same unless tokens are masked")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="torch.use_deterministic_algorithms(True); refuses flash-attn and the fused cross "
+                        "entropy, and with NCCL needs CUBLAS_WORKSPACE_CONFIG and NCCL_ALGO set (Megatron-LM's rules)")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="torch.cuda.empty_cache() where Megatron-LM calls it: 1 after each forward-backward "
+                        "(training and evaluation), 2 also after the optimizer step; a no-op on CPU")
     g.add_argument("--seed", type=int, default=1234, help="random seed, in [0, 2^31)")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations, fp32 grads and master weights")
     g.add_argument("--compile", action="store_true",
@@ -138,13 +205,25 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of decay (>= 0, <= --lr)")
     g.add_argument("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine", "WSD"])
     g.add_argument("--lr-decay-iters", type=int, help="iterations of warmup + decay (>= 1; default --train-iters)")
+    g.add_argument("--lr-decay-samples", type=int,
+                   help="with --train-samples: samples of warmup + decay (>= 1; default --train-samples)")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="warmup iterations (>= 0; 0: no warmup)")
-    g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of --lr-decay-iters, in [0, 1]")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="with --train-samples: warmup samples (>= 0; 0: no warmup)")
+    g.add_argument("--lr-warmup-fraction", type=float,
+                   help="warmup as a fraction of --lr-decay-iters / --lr-decay-samples, in [0, 1]")
     g.add_argument("--lr-warmup-init", type=float, default=0.0, help="learning rate at the start of warmup (>= 0)")
     g.add_argument("--lr-wsd-decay-iters", type=int,
                    help="WSD: length of the final decay phase (>= 1, <= --lr-decay-iters)")
+    g.add_argument("--lr-wsd-decay-samples", type=int,
+                   help="WSD with --train-samples: samples of the final decay phase (>= 1, <= --lr-decay-samples)")
     g.add_argument("--lr-wsd-decay-style", default="exponential", choices=["linear", "cosine", "exponential", "minus_sqrt"],
                    help="WSD: shape of the final decay")
+    g.add_argument("--decoupled-lr", type=float,
+                   help="peak learning rate of the word embedding and output layer (> 0); they follow the "
+                        "schedule of --lr with this peak")
+    g.add_argument("--decoupled-min-lr", type=float,
+                   help="with --decoupled-lr: their minimum learning rate (>= 0; default --min-lr)")
     g.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay (>= 0)")
     g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (>= 0; 0: off)")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="in [0, 1)")
@@ -171,6 +250,13 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="with --use-distributed-optimizer: all-gather each bucket's parameters during the next "
                         "forward, just before they are used")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: accumulate and data-parallel-reduce gradients in bf16 instead of fp32 "
+                        "(half the gradient memory and traffic; the fp32 master weights stay)")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], help=_FP8_HELP)
+    g.add_argument("--fp8-amax-history-len", type=int, help=_FP8_HELP)
+    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], help=_FP8_HELP)
+    g.add_argument("--fp8-param-gather", action="store_true", help=_FP8_HELP)
     g.add_argument("--no-fused-optimizer", dest="fused_optimizer", action="store_false",
                    help="use the unfused torch.optim update instead of torch's fused AdamW / SGD, which is the "
                         "default where the device has it")
@@ -199,10 +285,19 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--tokenizer-model",
                    help="SentencePieceTokenizer / GPTSentencePieceTokenizer: the .model file; "
                         "HuggingFaceTokenizer: a local tokenizer directory")
+    add_tiktoken_args(g)
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument("--reset-position-ids", action="store_true", help="positions restart after each end-of-document")
     g.add_argument("--reset-attention-mask", action="store_true", help="no attention across documents")
     g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes (>= 0; 0: none)")
+    g.add_argument("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
+                   action="store_false",
+                   help="the data loader builds no attention mask (causal attention needs none); refused with "
+                        "--reset-attention-mask, whose document mask the loader builds. Without it megalite "
+                        "builds a mask only for --reset-attention-mask: a plain causal mask would equal is_causal")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="read each sample from the .bin files with a positioned read instead of memory-mapping "
+                        "them (as Megatron-LM; for file systems where mmap is slow)")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", help="directory to save checkpoints to; one that already holds checkpoints must also "
@@ -217,11 +312,35 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--exit-interval", type=int,
                    help="exit (after saving) when the iteration is a multiple of this (>= 1)")
     g.add_argument("--exit-duration-in-mins", type=float, help="exit (after saving) after this many minutes (> 0)")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
+                   help="refused: megalite reads and writes one format of its own (per-rank shards, "
+                        "layout-independent; see README), none of Megatron-LM's; drop the flag")
 
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=100, help="iterations between log lines (>= 1)")
     g.add_argument("--log-jsonl", help="append one JSON object per logged iteration / evaluation to this file")
     g.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (> 0; default: known GPUs only)")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="add TFLOP/s per device (and MFU where the peak is known) to the console line "
+                        "(the JSONL record always has them)")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="add the global norm of the parameters to each log line (an extra all-reduce)")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="add memory (CUDA allocated / peak / reserved bytes; max RSS on CPU) to each logged "
+                        "record, and so to TensorBoard / W&B")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="accepted for Megatron-LM scripts: megalite always logs the validation perplexity")
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler trace (CPU and CUDA activity, shapes) of the iterations after "
+                        "--profile-step-start up to --profile-step-end, one file per profiled rank, written to "
+                        "--tensorboard-dir (TensorBoard's profiler plugin reads it; as Megatron-LM's "
+                        "--use-pytorch-profiler), else ./profile")
+    g.add_argument("--profile-step-start", type=int,
+                   help="with --profile: iterations completed when the trace starts (>= 0; default 10)")
+    g.add_argument("--profile-step-end", type=int,
+                   help="with --profile: iterations completed when it stops (> start; default 12)")
+    g.add_argument("--profile-ranks", type=int, nargs="+",
+                   help="with --profile: global ranks to trace (default: 0, as Megatron-LM)")
     g.add_argument("--eval-interval", type=int, default=1000, help="iterations between evaluations (>= 1)")
     g.add_argument("--eval-iters", type=int, default=100, help="global batches per evaluation (>= 0; 0: none)")
     g.add_argument("--wandb-project", help="log to this Weights & Biases project (needs wandb; WANDB_MODE=offline works)")
@@ -250,6 +369,24 @@ def build_parser() -> ArgumentParser:
                    help="with --manual-gc: collect every this many iterations (>= 0; 0: only around evaluations)")
     g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
                    help="with --manual-gc: do not collect at the start and end of each evaluation")
+
+    g = p.add_argument_group("Megatron-LM flags megalite accepts as no-ops or refuses (README: Megatron-LM's "
+                             "launch scripts)")
+    for flag, (kwargs, why) in REFUSED_FLAGS.items():
+        g.add_argument(flag, help=why, **kwargs)
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                   help="accepted, changes nothing: megalite never fuses weight-gradient accumulation into the "
+                        "GEMM (Megatron-LM does with apex / Transformer Engine)")
+    g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false",
+                   help="accepted, changes nothing: megalite's RoPE is plain PyTorch, never a fused kernel")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"],
+                   help="local is megalite's own layers (accepted); transformer_engine is refused: megalite "
+                        "does not use Transformer Engine")
+    g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2],
+                   help="0 is megalite's timing (the iteration time; accepted); 1 and 2 (per-phase timers) "
+                        "are refused")
+    g.add_argument("--rerun-mode", choices=["disabled", "validate_results", "report_stats"],
+                   help="disabled is accepted; megalite has no re-run state machine, so the others are refused")
     return p
 
 
@@ -279,8 +416,14 @@ _RANGES = {
         "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "ddp_bucket_size",
         "micro_batch_size", "global_batch_size", "train_iters", "lr_decay_iters",
         "lr_wsd_decay_iters", "loss_scale_window", "hysteresis", "inject_overflow_at_iteration", "vocab_size",
-        "save_interval", "exit_interval", "log_interval", "eval_interval")},
+        "save_interval", "exit_interval", "log_interval", "eval_interval", "train_samples", "lr_decay_samples",
+        "lr_wsd_decay_samples", "context_parallel_size", "tiktoken_num_special_tokens")},
     "lr_warmup_iters": (lambda v: v >= 0, "an integer >= 0 (0: no warmup)"),
+    "lr_warmup_samples": (lambda v: v >= 0, "an integer >= 0 (0: no warmup)"),
+    "profile_step_start": (lambda v: v >= 0, "an integer >= 0"),
+    "profile_step_end": (lambda v: v >= 1, "an integer >= 1"),
+    "decoupled_lr": (lambda v: _finite(v) and v > 0, "a number > 0"),
+    "decoupled_min_lr": (lambda v: _finite(v) and v >= 0, "a number >= 0"),
     "num_workers": (lambda v: v >= 0, "an integer >= 0 (0: load in the main process)"),
     "eval_iters": (lambda v: v >= 0, "an integer >= 0 (0: no evaluation)"),
     "seed": (lambda v: 0 <= v < 2**31, "an integer in [0, 2^31)"),
@@ -306,9 +449,11 @@ _RANGES = {
     "peak_tflops": (lambda v: _finite(v) and v > 0, "a number > 0"),
     "exit_duration_in_mins": (lambda v: _finite(v) and v > 0, "a number > 0"),
 }
-_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters", "lr")
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
 # flags whose effect is on documents: nothing to act on in uniform random tokens
 _DOCUMENT_FLAGS = ("eod_mask_loss", "reset_position_ids", "reset_attention_mask")
+# argparse defaults of flags refused unless left alone (or given an accepted value)
+_SAMPLE_FLAGS = ("train_samples", "lr_decay_samples", "lr_wsd_decay_samples")
 
 
 def _check_ranges(args) -> None:
@@ -321,13 +466,159 @@ def _check_ranges(args) -> None:
             _fail(f"{_flag(dest)} must be {allowed}, got {v}")
 
 
+def _check_refused(args) -> None:
+    """Megatron-LM flags megalite does not implement, and values of accepted flags it cannot honour."""
+    for flag in REFUSED_FLAGS:
+        if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
+            _fail(f"{flag} is not supported: {REFUSED_FLAGS[flag][1].removeprefix('refused: ')}; drop it")
+    fp8 = [f for f in ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
+           if getattr(args, f)]
+    if fp8:
+        _fail(f"{_flag(fp8[0])} is not supported: FP8 training needs Hopper-class (or newer) GPUs and NVIDIA "
+              f"Transformer Engine, which megalite does not use; drop the --fp8-* flags (--bf16 is the nearest)")
+    if args.ckpt_format is not None:
+        what = {"torch": "one pickled model_optim_rng.pt per model-parallel rank",
+                "torch_dist": "Megatron-LM's distributed checkpoint format",
+                "zarr": "Megatron-LM's zarr distributed checkpoints",
+                "torch_dcp": "torch.distributed.checkpoint files", "fsdp_dtensor": "FSDP DTensor checkpoints"}
+        _fail(f"--ckpt-format {args.ckpt_format} ({what[args.ckpt_format]}) is not supported: megalite reads and "
+              f"writes one format of its own (rank_NNNNN.pt shards + metadata.json, loadable on any layout; "
+              f"tools/checkpoint/convert.py converts to Hugging Face); drop the flag")
+    if args.context_parallel_size > 1:
+        _fail(f"--context-parallel-size {args.context_parallel_size}: megalite has no context parallelism yet "
+              f"(sequence-sharded attention across ranks); use 1, or --sequence-parallel with "
+              f"--tensor-model-parallel-size > 1 to shard activations along the sequence")
+    if args.transformer_impl == "transformer_engine":
+        _fail("--transformer-impl transformer_engine is not supported: megalite does not use NVIDIA Transformer "
+              "Engine; drop the flag (or give local: megalite's own layers)")
+    if args.timing_log_level:
+        _fail(f"--timing-log-level {args.timing_log_level} is not supported: megalite times whole iterations "
+              f"only (level 0)")
+    if args.rerun_mode not in (None, "disabled"):
+        _fail(f"--rerun-mode {args.rerun_mode} is not supported: megalite has no re-run state machine "
+              f"(give disabled, or drop the flag)")
+
+
+def _check_batch_schedule(args, dp_text: str) -> list[int]:
+    """Training length and the global batch: constant, ramped up (--rampup-batch-size) or stepped
+    (--step-batch-size-schedule), as Megatron-LM's validate_args and num-microbatches calculator.
+    Returns every global batch size the run takes."""
+    from .num_microbatches_calculator import NumMicroBatchesCalculator, parse_step_schedule
+    if args.train_iters is None and args.train_samples is None:
+        _fail("--train-iters or --train-samples is required")
+    if args.train_iters is not None and args.train_samples is not None:
+        _fail("--train-iters and --train-samples are mutually exclusive (iteration- or sample-based training)")
+    sample_based = args.train_samples is not None
+    mdp = args.micro_batch_size * args.data_parallel_size
+    schedule = None
+    if args.step_batch_size_schedule is not None:
+        if args.rampup_batch_size is not None:
+            _fail("--step-batch-size-schedule and --rampup-batch-size are mutually exclusive")
+        if args.global_batch_size is not None:
+            _fail("--global-batch-size cannot be combined with --step-batch-size-schedule: the schedule's last "
+                  "batch size is the global batch size (Megatron-LM refuses both as well)")
+        try:
+            schedule = parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
+        except ValueError as e:
+            _fail(f"--step-batch-size-schedule {args.step_batch_size_schedule!r}: {e}")
+        args.global_batch_size = schedule[-1][1]
+    elif args.global_batch_size is None:
+        args.global_batch_size = mdp
+    changing = "--rampup-batch-size" if args.rampup_batch_size else (
+        "--step-batch-size-schedule" if schedule else None)
+    if changing and not sample_based:
+        # Megatron-LM's validate_args: 'expected no batch-size rampup for iteration-based training'
+        _fail(f"{changing} needs sample-based training: give --train-samples instead of --train-iters (and "
+              f"--lr-decay-samples / --lr-warmup-samples instead of the *-iters flags). Megatron-LM refuses "
+              f"it with --train-iters too: an iteration count does not say how many samples a changing batch "
+              f"trains on")
+    try:
+        calc = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+                                         args.rampup_batch_size, schedule)
+    except ValueError as e:
+        _fail(f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}: {e}")
+    sizes = calc.batch_sizes(args.train_samples)
+    for g in sizes:
+        if g % mdp:
+            what = (f"--global-batch-size ({g})" if changing is None else
+                    f"global batch {g} of {changing}")
+            _fail(f"{what} is not divisible by --micro-batch-size ({args.micro_batch_size}) x {dp_text}")
+    args.num_microbatches = args.global_batch_size // mdp
+    if sample_based:
+        args.train_iters = calc.iterations_for(args.train_samples)
+        if args.train_iters == 0:
+            _fail(f"--train-samples ({args.train_samples}) is less than the first global batch "
+                  f"({calc.current_global_batch_size(0)})")
+    return sizes
+
+
+def _check_operations(args) -> None:
+    """Profiling, the logging rank's extras, determinism."""
+    if args.profile:
+        args.profile_step_start = 10 if args.profile_step_start is None else args.profile_step_start
+        args.profile_step_end = 12 if args.profile_step_end is None else args.profile_step_end
+        if args.profile_step_end <= args.profile_step_start:
+            _fail(f"--profile-step-end ({args.profile_step_end}) must be greater than --profile-step-start "
+                  f"({args.profile_step_start})")
+        if args.profile_step_start >= args.train_iters:
+            _fail(f"--profile-step-start ({args.profile_step_start}) is not below the {args.train_iters} "
+                  f"training iterations: nothing would be traced")
+        args.profile_ranks = [0] if args.profile_ranks is None else args.profile_ranks
+        bad = [r for r in args.profile_ranks if not 0 <= r < args.world_size]
+        if bad:
+            _fail(f"--profile-ranks {bad[0]} is not a rank of this run (world size {args.world_size})")
+        args.profile_dir = args.tensorboard_dir or "profile"
+    else:
+        for dest in ("profile_step_start", "profile_step_end", "profile_ranks"):
+            if getattr(args, dest) is not None:
+                _fail(f"{_flag(dest)} needs --profile")
+        args.profile_dir = None
+    if args.deterministic_mode:
+        if args.use_flash_attn:
+            _fail("--deterministic-mode cannot use --use-flash-attn (its backward is not deterministic)")
+        if args.cross_entropy_loss_fusion:
+            _fail("--deterministic-mode refuses --cross-entropy-loss-fusion, as Megatron-LM does")
+
+
+def _check_attention_backend(args, tp: int) -> None:
+    """Run the chosen attention backend once, forward and backward, on this machine's device with
+    the run's dtype, head shape, dropout and mask: a backend the device cannot run is refused here,
+    naming it, instead of failing inside the first iteration."""
+    import warnings
+
+    import torch
+    from .model.attention import probe_attention
+    if args.attention_backend == "auto" and not args.use_flash_attn:
+        return
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.distributed_backend == "nccl"
+              else torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught:  # SDPA says why a kernel was skipped in warnings
+        warnings.simplefilter("always")
+        try:
+            probe_attention(args.attention_backend, args.use_flash_attn, heads=args.num_attention_heads // tp,
+                            groups=args.num_query_groups // tp, head_dim=args.kv_channels, dtype=args.params_dtype,
+                            dropout=args.attention_dropout, with_mask=args.reset_attention_mask, device=device)
+            return
+        except Exception as e:  # the kernel's own reason, shortened
+            error = e
+    why = [m for m in (str(w.message).split(" (Triggered")[0].strip() for w in caught) if not m.endswith(":")]
+    reason = "; ".join(dict.fromkeys(why + [str(error).strip().splitlines()[0] if str(error).strip()
+                                            else type(error).__name__]))[:300]
+    _fail(f"--attention-backend {args.attention_backend} cannot run here ({device.type}, "
+          f"{str(args.params_dtype).replace('torch.', '')}, head size {args.kv_channels}"
+          f"{', attention dropout ' + str(args.attention_dropout) if args.attention_dropout else ''}"
+          f"{', --reset-attention-mask' if args.reset_attention_mask else ''}): {reason}")
+
+
 def validate_args(args, world_size: int | None = None, check_files: bool = True):
     """Check and complete `args` for `world_size` ranks. No collective; file checks (stat and
     small reads, no writes) only with `check_files`."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
+    args.notices = []  # start-up notes (a flag switched off as Megatron-LM does, ...), printed once
     _check_ranges(args)
+    _check_refused(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         _fail(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
@@ -335,13 +626,7 @@ def validate_args(args, world_size: int | None = None, check_files: bool = True)
     args.data_parallel_size = dp = world_size // (tp * pp)
     args.rank_order = "tp-pp-dp" if args.use_tp_pp_dp_mapping else "tp-dp-pp"
 
-    # batch
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
-    if args.global_batch_size % (args.micro_batch_size * dp):
-        _fail(f"--global-batch-size ({args.global_batch_size}) is not divisible by --micro-batch-size "
-              f"({args.micro_batch_size}) x data-parallel size ({dp} = world {world_size} / (TP {tp} x PP {pp}))")
-    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    batch_sizes = _check_batch_schedule(args, f"data-parallel size ({dp} = world {world_size} / (TP {tp} x PP {pp}))")
 
     # pipeline stages and virtual chunks
     if args.num_layers % pp:
@@ -356,16 +641,18 @@ def validate_args(args, world_size: int | None = None, check_files: bool = True)
                   f"{args.num_layers // pp} layers per stage is not divisible by "
                   f"--num-layers-per-virtual-pipeline-stage ({k})")
         args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * k)
-        if args.virtual_pipeline_model_parallel_size > 1 and args.num_microbatches % pp:
-            _fail(f"the interleaved schedule needs the number of micro-batches (--global-batch-size / "
-                  f"(--micro-batch-size x DP) = {args.num_microbatches}) to be a multiple of "
-                  f"--pipeline-model-parallel-size ({pp})")
+        for g in batch_sizes if args.virtual_pipeline_model_parallel_size > 1 else ():
+            m = g // (args.micro_batch_size * dp)
+            if m % pp:
+                _fail(f"the interleaved schedule needs the number of micro-batches (global batch {g} / "
+                      f"(--micro-batch-size x DP) = {m}) to be a multiple of --pipeline-model-parallel-size ({pp})")
 
     _check_model_shape(args, tp)
     _check_recompute(args, pp)
     _check_data(args)
     _check_schedule(args)
     _check_precision(args)
+    _check_operations(args)
 
     # experiment trackers (W&B, TensorBoard): optional packages, checked before any process starts
     from .tracking import missing_packages
@@ -382,7 +669,7 @@ def validate_args(args, world_size: int | None = None, check_files: bool = True)
         _fail("--async-save needs --save")
     if (args.finetune or args.no_load_optim or args.no_load_rng) and not args.load:
         _fail("--finetune / --no-load-optim / --no-load-rng need --load")
-    _check_operations(args)
+    _check_timeouts_and_gc(args)
 
     if check_files:
         check_paths(args)
@@ -401,6 +688,17 @@ def validate_args(args, world_size: int | None = None, check_files: bool = True)
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
         _fail("--distributed-backend nccl needs CUDA; use gloo on CPU")
     args.params_dtype = _str2dtype(args)
+    if check_files:  # a probe on this machine's device; tools/plan.py plans for another one
+        _check_attention_backend(args, tp)
+    if args.deterministic_mode and args.distributed_backend == "nccl":
+        if not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+            _fail("--deterministic-mode on CUDA needs CUBLAS_WORKSPACE_CONFIG=:4096:8 (deterministic cuBLAS)")
+        algos = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+        if os.environ.get("NCCL_ALGO") not in algos:
+            _fail(f"--deterministic-mode needs NCCL_ALGO set to one of {', '.join(algos)} (as Megatron-LM)")
+    if args.empty_unused_memory_level and args.distributed_backend != "nccl":
+        args.notices.append(f"--empty-unused-memory-level {args.empty_unused_memory_level}: a no-op on CPU "
+                            f"(it frees cached CUDA memory)")
     return args
 
 
@@ -440,6 +738,9 @@ def _check_model_shape(args, tp: int) -> None:
                   f"channels; RoPE needs a positive even number")
     if args.reset_attention_mask and args.use_flash_attn:
         _fail("--reset-attention-mask needs an explicit mask, which --use-flash-attn does not take")
+    if args.use_flash_attn and args.attention_backend not in ("auto", "flash"):
+        _fail(f"--use-flash-attn selects the flash-attn package, which --attention-backend "
+              f"{args.attention_backend} excludes; use --attention-backend flash (or auto)")
     if args.openai_gelu and args.swiglu:
         _fail("--openai-gelu selects the GeLU MLP's activation; --swiglu has none (choose one)")
     if (args.use_rope_scaling or args.rotary_seq_len_interpolation_factor) and args.position_embedding_type != "rope":
@@ -468,15 +769,21 @@ def _check_recompute(args, pp: int) -> None:
                   "not selective")
     elif args.recompute_method is not None or args.recompute_num_layers is not None:
         _fail("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    if args.sequence_parallel and tp == 1:
+        # as Megatron-LM: without TP there is nothing to shard along the sequence
+        args.sequence_parallel = False
+        args.notices.append("--sequence-parallel switched off: --tensor-model-parallel-size is 1 (as Megatron-LM)")
     if args.sequence_parallel:
-        if tp < 2:
-            _fail("--sequence-parallel needs --tensor-model-parallel-size > 1")
         if args.seq_length % tp:
             _fail(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
                   f"--tensor-model-parallel-size ({tp})")
 
 
 def _check_data(args) -> None:
+    if args.reset_attention_mask and not args.create_attention_mask_in_dataloader:
+        _fail("--reset-attention-mask needs the attention mask the data loader builds (documents may not attend "
+              "to each other), which --no-create-attention-mask-in-dataloader turns off; drop one of them "
+              "(Megatron-LM would silently attend across documents)")
     paths = {"data_path": args.data_path, "train_data_path": args.train_data_path,
              "valid_data_path": args.valid_data_path, "test_data_path": args.test_data_path}
     given = [d for d, v in paths.items() if v is not None]
@@ -498,6 +805,8 @@ def _check_data(args) -> None:
             _fail("--split has no effect with --mock-data (there is no dataset to split); drop it")
         if args.data_cache_path:
             _fail("--data-cache-path has no effect with --mock-data (mock data builds no index); drop it")
+        if not args.mmap_bin_files:
+            _fail("--no-mmap-bin-files has no effect with --mock-data (there are no .bin files to read); drop it")
         return
     if not given:
         _fail("no training data: give --data-path (or --train-data-path ...) or --mock-data")
@@ -524,23 +833,49 @@ def _check_data(args) -> None:
 
 
 def _check_schedule(args) -> None:
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+    """The learning-rate schedule, in iterations (--train-iters) or samples (--train-samples), as
+    Megatron-LM: the flags of the other kind are refused. Either way the schedule itself counts
+    samples (OptimizerConfig.lr_*_samples): iterations are converted at the global batch size."""
+    G = args.global_batch_size
+    unit = "samples" if args.train_samples is not None else "iters"
+    other = "iters" if unit == "samples" else "samples"
+    for name in ("decay", "wsd_decay", "warmup"):
+        dest = f"lr_{name}_{other}"
+        if getattr(args, dest):  # None, or the warmup's default 0
+            _fail(f"{_flag(dest)} belongs to {'iteration' if other == 'iters' else 'sample'}-based training; "
+                  f"with {'--train-samples' if unit == 'samples' else '--train-iters'} give "
+                  f"{_flag(f'lr_{name}_{unit}')}")
+    decay, warmup, wsd = (f"lr_decay_{unit}", f"lr_warmup_{unit}", f"lr_wsd_decay_{unit}")
+    if getattr(args, decay) is None:
+        setattr(args, decay, args.train_iters if unit == "iters" else args.train_samples)
     if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
-            _fail("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    if args.lr_warmup_iters > args.lr_decay_iters:
-        _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) exceeds --lr-decay-iters ({args.lr_decay_iters})")
+        if getattr(args, warmup):
+            _fail(f"--lr-warmup-fraction and {_flag(warmup)} are mutually exclusive")
+        setattr(args, warmup, int(args.lr_warmup_fraction * getattr(args, decay)))
+    if getattr(args, warmup) > getattr(args, decay):
+        _fail(f"{_flag(warmup)} ({getattr(args, warmup)}) exceeds {_flag(decay)} ({getattr(args, decay)})")
     if args.lr_decay_style == "WSD":
-        if args.lr_wsd_decay_iters is None:
-            _fail("--lr-decay-style WSD needs --lr-wsd-decay-iters")
-        if args.lr_wsd_decay_iters > args.lr_decay_iters:
-            _fail(f"--lr-wsd-decay-iters ({args.lr_wsd_decay_iters}) exceeds --lr-decay-iters ({args.lr_decay_iters})")
-    elif args.lr_wsd_decay_iters is not None:
-        _fail("--lr-wsd-decay-iters applies to --lr-decay-style WSD only")
+        if getattr(args, wsd) is None:
+            _fail(f"--lr-decay-style WSD needs {_flag(wsd)}")
+        if getattr(args, wsd) > getattr(args, decay):
+            _fail(f"{_flag(wsd)} ({getattr(args, wsd)}) exceeds {_flag(decay)} ({getattr(args, decay)})")
+    elif getattr(args, wsd) is not None:
+        _fail(f"{_flag(wsd)} applies to --lr-decay-style WSD only")
+    # the schedule in samples (exactly Megatron-LM's: a warmup fraction may end inside an iteration)
+    scale = G if unit == "iters" else 1
+    args.lr_decay_samples = getattr(args, decay) * scale
+    args.lr_warmup_samples = (args.lr_warmup_fraction * args.lr_decay_samples if args.lr_warmup_fraction is not None
+                              else getattr(args, warmup) * scale)
+    args.lr_wsd_decay_samples = getattr(args, wsd) * scale if getattr(args, wsd) is not None else None
     if args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) exceeds --lr ({args.lr})")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        _fail("--decoupled-min-lr needs --decoupled-lr (Megatron-LM ignores it alone)")
+    if args.decoupled_lr is not None:
+        low = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        if low > args.decoupled_lr:
+            which = "--decoupled-min-lr" if args.decoupled_min_lr is not None else "--min-lr"
+            _fail(f"the decoupled minimum learning rate ({which} {low}) exceeds --decoupled-lr ({args.decoupled_lr})")
 
 
 def _check_precision(args) -> None:
@@ -560,9 +895,12 @@ def _check_precision(args) -> None:
         _fail("--inject-overflow-at-iteration needs loss scaling (--fp16, or --loss-scale)")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         _fail("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        _fail("--grad-reduce-in-bf16 needs --bf16 (with fp16 or fp32 parameters the gradients stay fp32; "
+              "Megatron-LM ignores it there)")
 
 
-def _check_operations(args) -> None:
+def _check_timeouts_and_gc(args) -> None:
     """The operations group: timeouts and garbage collection."""
     m = args.distributed_timeout_minutes
     if not (_finite(m) and m > 0):
@@ -613,6 +951,8 @@ def check_paths(args) -> None:
         path = getattr(args, dest)
         if path:
             _check_creatable(path, _flag(dest))
+    if getattr(args, "profile_dir", None):
+        _check_creatable(args.profile_dir, "--profile (its trace directory)")
     # the checkpoint to resume from: readable before any process group exists
     if args.load and os.path.isfile(os.path.join(args.load, TRACKER)):
         inspect_checkpoint(args.load, "--load")
@@ -651,4 +991,5 @@ def build_run_config(args: argparse.Namespace):
     return RunConfig(model=model, parallel=from_args(ParallelConfig, args), ddp=from_args(DDPConfig, args),
                      optimizer=from_args(OptimizerConfig, args), data=from_args(DataConfig, args),
                      checkpoint=from_args(CheckpointConfig, args), tracking=from_args(TrackingConfig, args),
-                     training=from_args(TrainingConfig, args), flags=json_safe(vars(args)))
+                     training=from_args(TrainingConfig, args), flags=json_safe(vars(args)),
+                     notices=list(getattr(args, "notices", [])))

@@ -70,6 +70,7 @@ MODEL_FLAGS = {
     "normalization": "--normalization", "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon", "openai_gelu": "--openai-gelu",
+    "apply_layernorm_1p": "--apply-layernorm-1p",
 }
 # RoPE settings, compared for RoPE models only; a key older checkpoints lack means its default
 ROPE_FLAGS = {"use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "--rope-scaling-factor",

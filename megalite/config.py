@@ -28,6 +28,8 @@ class DDPConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     ddp_bucket_size: int = 40_000_000
+    # --grad-reduce-in-bf16: the gradient buffer (accumulation and DP reduction) in bf16, not fp32
+    grad_reduce_in_bf16: bool = False
 
 
 @dataclass
@@ -43,13 +45,21 @@ class OptimizerConfig:
     sgd_momentum: float = 0.9
     clip_grad: float = 1.0
     fused_optimizer: bool = True
-    # schedule, counted in iterations
+    # schedule, counted in samples (validate_args converts the *_iters flags at the global batch);
+    # lr_decay_samples None: a config built by hand, counted in iterations
     lr_decay_style: str = "linear"
     lr_decay_iters: int = 1
     lr_warmup_iters: int = 0
     lr_warmup_init: float = 0.0
     lr_wsd_decay_iters: int | None = None
     lr_wsd_decay_style: str = "exponential"
+    lr_decay_samples: int | None = None
+    lr_warmup_samples: float = 0
+    lr_wsd_decay_samples: int | None = None
+    global_batch_size: int = 1  # converts the iteration count of schedules saved before samples
+    # --decoupled-lr / --decoupled-min-lr: peak and minimum of the embedding and output layer
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
     # loss scaling: --loss-scale (constant) or --fp16 (dynamic)
     fp16: bool = False
     loss_scale: float | None = None
@@ -76,6 +86,8 @@ class DataConfig:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    create_attention_mask_in_dataloader: bool = True
+    mmap_bin_files: bool = True
     # the tokenizer
     tokenizer_type: str | None = None
     vocab_file: str | None = None
@@ -83,6 +95,9 @@ class DataConfig:
     tokenizer_model: str | None = None
     vocab_size: int | None = None
     make_vocab_size_divisible_by: int = 128
+    tiktoken_pattern: str | None = None
+    tiktoken_num_special_tokens: int = 1000
+    tiktoken_special_tokens: list[str] | None = None
 
 
 @dataclass
@@ -109,15 +124,31 @@ class TrackingConfig:
 @dataclass
 class TrainingConfig:
     """The loop: how long, how often to log, evaluate and stop."""
-    train_iters: int = 1
-    global_batch_size: int = 1
+    train_iters: int = 1  # with --train-samples: the whole global batches that fit in them
+    train_samples: int | None = None
+    global_batch_size: int = 1  # the final one when the batch ramps up
     micro_batch_size: int = 1
-    num_microbatches: int = 1
+    num_microbatches: int = 1  # at global_batch_size (evaluation uses it)
+    rampup_batch_size: list[int] | None = None
+    step_batch_size_schedule: str | None = None
+    seq_length: int = 1024
+    calculate_per_token_loss: bool = False
+    deterministic_mode: bool = False
+    empty_unused_memory_level: int = 0
     seed: int = 1234
     compile: bool = False  # torch.compile of the transformer layers
     log_interval: int = 100
     log_jsonl: str | None = None
+    log_throughput: bool = False
+    log_params_norm: bool = False
+    log_memory_to_tensorboard: bool = False
     peak_tflops: float | None = None
+    # --profile: torch.profiler over iterations (profile_step_start, profile_step_end] on profile_ranks
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    profile_dir: str | None = None
     eval_interval: int = 1000
     eval_iters: int = 100
     exit_signal_handler: bool = False
@@ -144,6 +175,7 @@ class RunConfig:
     tracking: TrackingConfig
     training: TrainingConfig
     flags: dict = field(default_factory=dict)
+    notices: list = field(default_factory=list)  # start-up notes from validation, printed once
 
 
 def from_args(cls, args, **overrides):

@@ -24,7 +24,8 @@ from .errors import InputError, InputNotFound
 from .model import GPTConfig, GPTModel, pad_vocab_size
 from .model.attention import SelfAttention
 
-TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "tiktoken_pattern",
+                  "tiktoken_num_special_tokens", "tiktoken_special_tokens")
 
 
 def load_model(load_dir: str, iteration: int | None = None, tp_group=None) -> tuple[GPTModel, dict]:

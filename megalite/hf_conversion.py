@@ -264,6 +264,8 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
         raise ConversionError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{cfg['vocab_size']} vocabulary rows (--vocab-size)")
     state = dict(state)
+    if cfg.get("apply_layernorm_1p"):  # zero-centred norm weights (w - 1): Hugging Face stores w itself
+        state = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in state.items()}
     tensors = (_gpt2_tensors if arch == "gpt2" else _llama_tensors)(cfg, state)
     if state:
         raise ConversionError(f"checkpoint {meta.get('dir', '')} has tensors the {arch} mapping does not place: "

@@ -52,6 +52,14 @@ def memory_string(device: torch.device) -> str:
     return f"max RSS (GiB): {rss_kib / 2**20:.2f}"
 
 
+def memory_record(device: torch.device) -> dict:
+    """--log-memory-to-tensorboard: memory in bytes, for the JSONL record and the trackers."""
+    if device.type == "cuda":
+        return {"mem_allocated_bytes": torch.cuda.memory_allocated(), "mem_max_allocated_bytes":
+                torch.cuda.max_memory_allocated(), "mem_reserved_bytes": torch.cuda.memory_reserved()}
+    return {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
 def format_eta(seconds: float) -> str:
     seconds = int(max(0, seconds))
     h, rem = divmod(seconds, 3600)
@@ -59,25 +67,33 @@ def format_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
-def console_line(r: dict, train_iters: int, memory: str, eta_s: float) -> str:
+def console_line(r: dict, train_iters: int, memory: str, eta_s: float, throughput: bool = True) -> str:
+    """Megatron-LM's log line; TFLOP/s and MFU only with `throughput` (--log-throughput)."""
     parts = [
         f" iteration {r['iteration']:8d}/{train_iters:8d}",
         f"consumed samples: {r['consumed_samples']:12d}",
         f"elapsed time per iteration (ms): {r['elapsed_ms']:.1f}",
+    ]
+    if throughput:
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): {r['tflops_per_gpu']:.2f}")
+        if r.get("mfu") is not None:
+            parts.append(f"MFU: {100 * r['mfu']:.1f}%")
+    parts += [
         f"learning rate: {r['lr']:.6E}",
+        f"global batch size: {r['global_batch_size']:5d}" if "global_batch_size" in r else None,
         f"lm loss: {r['lm_loss']:.6E}",
     ]
+    parts = [p for p in parts if p is not None]
     if r.get("loss_scale") is not None:
         parts.append(f"loss scale: {r['loss_scale']:.1f}")
     if r.get("grad_norm") is not None:  # None on a step skipped for fp16 overflow
         parts.append(f"grad norm: {r['grad_norm']:.3f}")
+    if r.get("params_norm") is not None:
+        parts.append(f"params norm: {r['params_norm']:.3f}")
     for key, label in (("skipped_iterations", "skipped iterations"), ("nan_iterations", "nan iterations")):
         if r.get(key):
             parts.append(f"{label}: {r[key]}")
     parts.append(f"tokens/s: {r['tokens_per_sec']:.0f}")
-    parts.append(f"TFLOP/s/GPU: {r['tflops_per_gpu']:.2f}")
-    if r.get("mfu") is not None:
-        parts.append(f"MFU: {100 * r['mfu']:.1f}%")
     parts += [memory, f"ETA: {format_eta(eta_s)}"]
     return " | ".join(parts) + " |"
 

@@ -25,13 +25,15 @@ from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
 from .distributed import DataParallel
 from .errors import UserError
-from .metrics import (JsonlWriter, Timer, console_line, memory_string, num_floating_point_operations, peak_tflops,
-                      perplexity)
+from .metrics import (JsonlWriter, Timer, console_line, memory_record, memory_string, num_floating_point_operations,
+                      peak_tflops, perplexity)
 from .model import GPTConfig, GPTModel, pad_vocab_size
 from .monitor import CommMonitor
+from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
 from .optimizer import build_lr_scheduler, build_optimizer
 from .pipeline_parallel import get_forward_backward_func
 from .pipeline_parallel.p2p import PipeComm
+from .profiling import Profiler
 from .straggler import StragglerDetector
 from .tensor_parallel import seed_everything
 from .tensor_parallel.param_info import param_info
@@ -53,7 +55,8 @@ class Run:
     jsonl: JsonlWriter
     tracker: Tracker
     saver: CheckpointSaver | None
-    flops_per_iteration: float
+    batch: NumMicroBatchesCalculator  # the global batch for each iteration, from consumed_samples
+    profiler: Profiler
     peak: float | None
     monitor: CommMonitor
     straggler: StragglerDetector | None = None  # --log-straggler
@@ -110,16 +113,20 @@ def build_model(config: GPTConfig, ps, seed: int, device: torch.device):
     return chunks, rng_tracker
 
 
-def build_datasets(cfg: RunConfig) -> list:
-    """(train, valid, test) sized for --train-iters and --eval-iters global batches."""
+def build_datasets(cfg: RunConfig, model_vocab_size: int | None = None) -> list:
+    """(train, valid, test) sized for --train-samples (or --train-iters global batches) and
+    --eval-iters global batches. Token ids are checked against `model_vocab_size` (NullTokenizer's
+    --vocab-size N leaves out its eod id N)."""
     t, data = cfg.training, cfg.data
-    num_samples = (t.train_iters * t.global_batch_size, t.eval_iters * t.global_batch_size,
-                   t.eval_iters * t.global_batch_size)
+    train = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
+    num_samples = (train, t.eval_iters * t.global_batch_size, t.eval_iters * t.global_batch_size)
     if data.mock_data:
         from .data.mock import MockGPTDataset
         return [MockGPTDataset(n, data.seq_length, data.vocab_size, data.seed + i) if n else None
                 for i, n in enumerate(num_samples)]
     from .data.builder import build_train_valid_test_datasets
+    if model_vocab_size is not None:
+        data = dataclasses.replace(data, vocab_size=model_vocab_size)
     return list(build_train_valid_test_datasets(data, num_samples))
 
 
@@ -132,6 +139,8 @@ def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod, str
 
 
 def setup(cfg: RunConfig) -> Run:
+    if cfg.training.deterministic_mode:
+        torch.use_deterministic_algorithms(True)
     ps, device = initialize_distributed(cfg.parallel)
     t = cfg.training
     # every blocking collective from here on is seen by the monitor (timeouts name where the run
@@ -158,7 +167,7 @@ def setup(cfg: RunConfig) -> Run:
         state.iteration = load_checkpoint(state, ck.load, finetune=ck.finetune, load_optim=not ck.no_load_optim,
                                           load_rng=not ck.no_load_rng)
         monitor.where = "at start-up"
-    datasets = build_datasets(cfg)
+    datasets = build_datasets(cfg, model_config.vocab_size)
     s = cfg.data.seq_length // (ps.tp_size if model_config.sequence_parallel else 1)
     logging_rank = ps.rank == ps.logging_rank
     straggler = StragglerDetector(ps, device, monitor) if t.log_straggler else None
@@ -171,7 +180,8 @@ def setup(cfg: RunConfig) -> Run:
               tracker=Tracker(cfg.tracking, enabled=logging_rank),  # W&B / TensorBoard
               saver=CheckpointSaver(ck.save, ck.async_save, check_finite=t.check_for_nan_in_loss_and_grad)
               if ck.save else None,
-              flops_per_iteration=num_floating_point_operations(model_config, cfg.training.global_batch_size),
+              batch=build_num_microbatches_calculator(cfg.training, ps.dp_size),
+              profiler=Profiler(cfg.training, ps.rank, device),
               peak=peak_tflops(cfg.training.peak_tflops, model_config.params_dtype), monitor=monitor,
               straggler=straggler)
     run.tracker.log_config(cfg.flags)
@@ -186,9 +196,19 @@ def log_startup(run: Run) -> None:
     from .cpu import slow_bf16_warning  # --bf16 on a CPU without native bf16: say it once
     if (warning := slow_bf16_warning(run.state.device, c.params_dtype)) is not None:
         run.log(warning)
-    attention = "flash-attn" if c.use_flash_attn else "torch scaled_dot_product_attention"
+    if c.use_flash_attn:
+        attention = "flash-attn"
+    elif c.attention_backend == "local":
+        attention = "megalite's local softmax(QK^T)V"
+    else:
+        kernels = "" if c.attention_backend == "auto" else f" ({c.attention_backend} kernels)"
+        attention = "torch scaled_dot_product_attention" + kernels
+    for notice in run.cfg.notices:
+        run.log(f"> note: {notice}")
     run.log(f"> megalite: {ps.describe()}, {t.num_microbatches} micro-batches of {t.micro_batch_size} "
             f"per iteration (global batch {t.global_batch_size})")
+    if run.batch.steps is not None or run.batch.rampup is not None:
+        run.log(f"> batch schedule: {run.batch.describe()}; {t.train_iters} iterations")
     run.log(f"> model: {count_parameters(run.state) / 1e6:.2f}M parameters, {c.num_layers} layers, "
             f"hidden {c.hidden_size}, {c.num_attention_heads} heads, vocab {c.vocab_size} (padded "
             f"{c.padded_vocab_size}), seq {c.seq_length}, {str(c.params_dtype).replace('torch.', '')}, attention: "
@@ -282,26 +302,48 @@ def check_finite(run: Run, loss_sum: float, bad_loss: list, grad_max: list, grad
         f"(--no-check-for-nan-in-loss-and-grad turns this check off)")
 
 
+def empty_unused_memory(run: Run, level: int) -> None:
+    """--empty-unused-memory-level: return cached CUDA blocks at Megatron-LM's points (level 1
+    after forward-backward, level 2 also after the optimizer step); nothing to do on CPU."""
+    if run.cfg.training.empty_unused_memory_level >= level and run.state.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def train_step(run: Run) -> dict:
     t, state, optimizer = run.cfg.training, run.state, run.state.optimizer
     for m in run.model:
         m.train()
+    # the global batch follows consumed_samples (ramp-up / step schedule; constant otherwise)
+    global_batch = run.batch.current_global_batch_size(state.consumed_samples)
+    num_microbatches = global_batch // (t.micro_batch_size * state.ps.dp_size)
+    run.dp.set_num_microbatches(num_microbatches)
     run.dp.zero_grad()
-    nominal_tokens = t.global_batch_size * run.cfg.data.seq_length
-    stats = run.forward_backward(batches=run.train_batches, model=run.model, num_microbatches=t.num_microbatches,
-                                 comm=run.pipe_comm, backward_scale=optimizer.loss_scale / nominal_tokens)
+    nominal_tokens = global_batch * run.cfg.data.seq_length
+    if t.calculate_per_token_loss:  # d(sum of token losses)/d(tokens of the global batch)
+        backward_scale = optimizer.loss_scale / nominal_tokens
+    else:  # Megatron-LM's default: the mean over micro-batches (and DP ranks) of each one's token mean
+        backward_scale = optimizer.loss_scale / (num_microbatches * state.ps.dp_size)
+    stats = run.forward_backward(batches=run.train_batches, model=run.model, num_microbatches=num_microbatches,
+                                 comm=run.pipe_comm, backward_scale=backward_scale,
+                                 microbatch_mean=not t.calculate_per_token_loss)
+    empty_unused_memory(run, 1)
     run.dp.finish_grad_sync()
     check = t.check_for_nan_in_loss_and_grad
     loss_sum, num_tokens, bad_loss, grad_max = global_loss(run, stats, optimizer.main_grads if check else None)
     if num_tokens == 0:
         raise RuntimeError(f"iteration {state.iteration + 1}: the global batch has no token with loss "
                            "(every token masked by --eod-mask-loss?)")
-    # undo the loss scale; masked tokens: renormalise from the nominal to the true token count
-    grad_scale = nominal_tokens / num_tokens / optimizer.loss_scale
+    scheduler, c = state.scheduler, run.cfg.optimizer
+    lr = scheduler.get_lr()
+    decoupled_lr = (scheduler.get_lr(max_lr=c.decoupled_lr, min_lr=c.decoupled_min_lr)
+                    if c.decoupled_lr is not None else None)
+    # undo the loss scale; per-token loss with masked tokens: renormalise from the nominal to the
+    # true token count
+    renormalise = nominal_tokens / num_tokens if t.calculate_per_token_loss else 1.0
+    grad_scale = renormalise / optimizer.loss_scale
     if check:
         check_finite(run, loss_sum, bad_loss, grad_max, grad_scale)
-    lr = state.scheduler.get_lr()
-    update = optimizer.step(lr, grad_scale=grad_scale, iteration=state.iteration + 1)
+    update = optimizer.step(lr, grad_scale=grad_scale, iteration=state.iteration + 1, decoupled_lr=decoupled_lr)
     if check and not update["skipped"] and not math.isfinite(update["grad_norm"]):
         # finite gradients whose squares overflow fp32: the update itself stayed finite (clipping
         # zeroes it; Adam divides by the overflowed second moment), but training has diverged
@@ -311,8 +353,10 @@ def train_step(run: Run) -> dict:
             f"{grad_max[worst]:.3e}, on rank {worst}): training has diverged; stopped before any checkpoint of it. "
             f"Lower --lr or set --clip-grad (--no-check-for-nan-in-loss-and-grad turns this check off)")
     if not update["skipped"]:  # a step skipped for fp16 overflow does not advance the schedule
-        state.scheduler.step()
-    return {"lm_loss": loss_sum / num_tokens, "lr": lr, **update}
+        scheduler.step(global_batch if scheduler.unit == "samples" else 1)
+    empty_unused_memory(run, 2)
+    return {"lm_loss": loss_sum / num_tokens, "lr": lr, "decoupled_lr": decoupled_lr,
+            "global_batch_size": global_batch, **update}
 
 
 @torch.no_grad()
@@ -332,6 +376,7 @@ def evaluate(run: Run, split: str) -> dict | None:
     for _ in range(t.eval_iters):
         stats = run.forward_backward(batches=batches, model=run.model, num_microbatches=t.num_microbatches,
                                      comm=run.pipe_comm, backward_scale=0.0, forward_only=True)
+        empty_unused_memory(run, 1)
         loss_sum, num_tokens, _, _ = global_loss(run, stats)
         totals[0] += loss_sum
         totals[1] += num_tokens
@@ -375,7 +420,7 @@ def train(run: Run) -> None:
     t, state = run.cfg.training, run.state
     timer = Timer(state.device)
     timer.reset()
-    window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0}
+    window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0, "samples": 0}
     start_time, last_saved, first_iteration = time.time(), [state.iteration], state.iteration
     if t.exit_signal_handler:
         signal.signal(signal.SIGTERM, lambda signum, frame: run.signal_received.__setitem__(0, True))
@@ -390,6 +435,7 @@ def train(run: Run) -> None:
         run.monitor.step_start = time.perf_counter()
         if run.straggler is not None:
             run.straggler.start_step()
+        run.profiler.before_iteration(state.iteration)
         out = train_step(run)
         if run.straggler is not None:
             run.straggler.end_step()
@@ -400,8 +446,10 @@ def train(run: Run) -> None:
             run.log(f"> compile: {compile_report()}")
         if t.manual_gc and t.manual_gc_interval and state.iteration % t.manual_gc_interval == 0:
             gc.collect()  # the same iterations on every rank
-        state.consumed_samples += t.global_batch_size
+        state.consumed_samples += out["global_batch_size"]
+        run.profiler.after_iteration(state.iteration)
         window["iters"] += 1
+        window["samples"] += out["global_batch_size"]
         if out["skipped"]:  # a step skipped for fp16 overflow does not enter the average
             window["skipped"] += 1
         else:
@@ -409,7 +457,7 @@ def train(run: Run) -> None:
             window["loss_iters"] += 1
         if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
             report(run, out, window, timer.elapsed())
-            window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0}
+            window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0, "samples": 0}
             timer.reset()
         if state.iteration % t.eval_interval == 0 and state.iteration != t.train_iters:
             evaluate(run, "valid")
@@ -418,6 +466,7 @@ def train(run: Run) -> None:
             if run.cfg.checkpoint.save_interval and state.iteration % run.cfg.checkpoint.save_interval == 0:
                 save_checkpoint(run, last_saved)
         reason = exit_reason(run, start_time)
+    run.profiler.stop()
     if reason is None:
         evaluate(run, "valid")
         evaluate(run, "test")
@@ -432,22 +481,44 @@ def train(run: Run) -> None:
     run.tracker.close()
 
 
+def params_norm(run: Run) -> float:
+    """--log-params-norm: the L2 norm of the whole model's parameters, each counted once."""
+    ps = run.state.ps
+    t = torch.zeros(1, dtype=torch.float64, device=run.state.device)
+    if ps.dp_rank == 0:
+        for _, p in run.state.named_params:
+            if param_info(p).is_owner(ps.tp_rank):
+                t += p.detach().double().pow(2).sum()
+    comm.all_reduce(t, comm.world_group())
+    return float(t.sqrt())
+
+
 def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
     t, state = run.cfg.training, run.state
     sec_per_iter = elapsed_s / window["iters"]
-    tflops = run.flops_per_iteration / (sec_per_iter * state.ps.world_size) / 1e12
+    # FLOPs are linear in the batch: the window's samples give the mean over a changing batch
+    flops = num_floating_point_operations(state.model_config, window["samples"]) / window["iters"]
+    tflops = flops / (sec_per_iter * state.ps.world_size) / 1e12
     record = {
         "iteration": state.iteration, "consumed_samples": state.consumed_samples,
+        "global_batch_size": out["global_batch_size"],
         "lm_loss": window["lm_loss"] / window["loss_iters"] if window["loss_iters"] else out["lm_loss"],
         "lr": out["lr"], "grad_norm": out["grad_norm"], "loss_scale": out.get("loss_scale", 1.0),
-        "elapsed_ms": 1000.0 * sec_per_iter, "tokens_per_sec": t.global_batch_size * run.cfg.data.seq_length / sec_per_iter,
+        "elapsed_ms": 1000.0 * sec_per_iter,
+        "tokens_per_sec": window["samples"] * run.cfg.data.seq_length / elapsed_s,
         "tflops_per_gpu": tflops, "mfu": (tflops / run.peak) if run.peak else None,
         "skipped_iterations": window["skipped"],  # steps skipped for fp16 overflow since the last report
     }
+    if out.get("decoupled_lr") is not None:
+        record["decoupled_lr"] = out["decoupled_lr"]
+    if t.log_params_norm:
+        record["params_norm"] = params_norm(run)
+    if t.log_memory_to_tensorboard:
+        record.update(memory_record(state.device))
     run.jsonl.write(record)
     run.tracker.log(record, state.iteration, "train")
     eta = (t.train_iters - state.iteration) * sec_per_iter
-    line = console_line(record, t.train_iters, memory_string(state.device), eta)
+    line = console_line(record, t.train_iters, memory_string(state.device), eta, throughput=t.log_throughput)
     if run.straggler is not None:  # a collective: every rank reports at the same iterations
         text, straggler_record = run.straggler.report(state.iteration)
         run.jsonl.write(straggler_record)

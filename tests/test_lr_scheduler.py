@@ -6,7 +6,7 @@ from megalite.optimizer import LRScheduler
 
 
 def test_warmup_then_cosine():
-    s = LRScheduler(1.0, 0.1, warmup_iters=10, decay_iters=110, decay_style="cosine")
+    s = LRScheduler(1.0, 0.1, warmup_steps=10, decay_steps=110, decay_style="cosine")
     assert s.get_lr(0) == 0.0 and s.get_lr(5) == 0.5 and s.get_lr(10) == 1.0
     assert s.get_lr(60) == pytest.approx(0.1 + 0.9 * 0.5 * (math.cos(math.pi * 0.5) + 1))
     assert s.get_lr(110) == pytest.approx(0.1) and s.get_lr(500) == 0.1
@@ -20,7 +20,7 @@ def test_linear_and_constant():
 
 
 def test_wsd_is_flat_until_the_decay_window():
-    s = LRScheduler(1.0, 0.0, 10, 100, "WSD", wsd_decay_iters=20, wsd_decay_style="linear")
+    s = LRScheduler(1.0, 0.0, 10, 100, "WSD", wsd_decay_steps=20, wsd_decay_style="linear")
     assert s.get_lr(50) == 1.0 and s.get_lr(80) == 1.0
     assert s.get_lr(90) == pytest.approx(0.5) and s.get_lr(100) == pytest.approx(0.0)
 

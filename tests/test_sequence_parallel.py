@@ -141,8 +141,9 @@ def test_recompute_bit_identical_under_tp2_with_and_without_sp(ranks):
 def test_sequence_parallel_flags():
     ok = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
           "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
-    with pytest.raises(ArgumentError, match=r"--sequence-parallel needs --tensor-model-parallel-size > 1"):
-        validate_args(parse_args(ok + ["--seq-length", "16", "--sequence-parallel"]), 1)
+    # TP = 1: switched off with a notice, as Megatron-LM does (its Llama-3 script passes it at TP = 1)
+    args = validate_args(parse_args(ok + ["--seq-length", "16", "--sequence-parallel"]), 1)
+    assert not args.sequence_parallel and any("--sequence-parallel switched off" in n for n in args.notices)
     with pytest.raises(ArgumentError, match=r"--seq-length \(15\) divisible by --tensor-model-parallel-size \(2\)"):
         validate_args(parse_args(ok + ["--seq-length", "15", "--max-position-embeddings", "16",
                                        "--sequence-parallel", "--tensor-model-parallel-size", "2"]), 2)

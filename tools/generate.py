@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.data.tokenizers import TOKENIZER_TYPES, TOKENIZER_TYPES_HELP  # noqa: E402
+from megalite.data.tokenizers import TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, add_tiktoken_args  # noqa: E402
 from megalite.errors import ArgumentParser, UserError, cli  # noqa: E402
 
 PROG = "tools/generate.py"
@@ -45,6 +45,7 @@ def get_args(argv=None):
     g.add_argument("--tokenizer-model")
     g.add_argument("--vocab-size", type=int,
                    help="for --tokenizer-type NullTokenizer (default: the model's vocabulary - 1, its eod)")
+    add_tiktoken_args(g, num_special_default=None)
     args = p.parse_args(argv)
     # refused here, before the model is loaded
     if args.max_new_tokens < 0:
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
             model, meta = load_model(args.load, tp_group=tp_group)
             tokenizer = build_tokenizer_for(meta, {k: getattr(args, k) for k in
                                                    ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
-                                                    "vocab_size")})
+                                                    "vocab_size", "tiktoken_pattern", "tiktoken_num_special_tokens",
+                                                    "tiktoken_special_tokens")})
             prompt = tokenizer.tokenize(args.prompt) or [tokenizer.eod]  # as Megatron: an empty prompt starts a document
             if max(prompt) >= model.config.vocab_size:
                 raise UserError(f"--prompt gives token id {max(prompt)}, outside the model's vocabulary "

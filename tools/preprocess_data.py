@@ -34,7 +34,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: E402
-from megalite.data.tokenizers import TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, build_tokenizer  # noqa: E402
+from megalite.data.tokenizers import (TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, add_tiktoken_args,  # noqa: E402
+                                      build_tokenizer)
 from megalite.errors import ArgumentParser, cli  # noqa: E402
 
 PROG = "tools/preprocess_data.py"
@@ -78,6 +79,7 @@ def get_args(argv=None):
     g.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece .model file, or HuggingFace tokenizer directory")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    add_tiktoken_args(g)
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")

@@ -22,13 +22,16 @@ def collate(samples: list[dict]) -> torch.Tensor:
 
 
 def build_batch(tokens: torch.Tensor, eod: int | None = None, reset_position_ids: bool = False,
-                reset_attention_mask: bool = False, eod_mask_loss: bool = False) -> dict:
+                reset_attention_mask: bool = False, eod_mask_loss: bool = False,
+                create_attention_mask: bool = True) -> dict:
     """tokens [b, s + 1] -> dict of input_ids, labels, loss_mask, position_ids ([b, s]) and
     attention_mask ([b, 1, s, s] bool, True = may attend; None = plain causal).
 
     A document ends at its end-of-document token; the next token starts a new document, whose
     positions restart at 0 (--reset-position-ids) and which cannot see earlier documents
-    (--reset-attention-mask), as Megatron-LM's get_ltor_masks_and_position_ids.
+    (--reset-attention-mask), as Megatron-LM's get_ltor_masks_and_position_ids. A plain causal
+    mask is never built (attention is causal without one); `create_attention_mask` False
+    (--no-create-attention-mask-in-dataloader) builds none at all.
     """
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     b, s = input_ids.shape
@@ -46,7 +49,7 @@ def build_batch(tokens: torch.Tensor, eod: int | None = None, reset_position_ids
         if reset_position_ids:
             start_pos = torch.where(starts, position_ids, torch.zeros_like(position_ids)).cummax(dim=1).values
             position_ids = position_ids - start_pos
-        if reset_attention_mask:
+        if reset_attention_mask and create_attention_mask:
             causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
             attention_mask = (causal & (doc_id.unsqueeze(2) == doc_id.unsqueeze(1))).unsqueeze(1)
     return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask,
@@ -73,4 +76,5 @@ def micro_batches(dataset, consumed_samples: int, cfg: DataConfig, ps, device: t
         else:
             tokens = torch.empty(shape, dtype=torch.int64, device=device)
         comm.broadcast(tokens, ps.tp_ranks[0], ps.tp_group)
-        yield build_batch(tokens, eod, cfg.reset_position_ids, cfg.reset_attention_mask, cfg.eod_mask_loss)
+        yield build_batch(tokens, eod, cfg.reset_position_ids, cfg.reset_attention_mask, cfg.eod_mask_loss,
+                          cfg.create_attention_mask_in_dataloader)

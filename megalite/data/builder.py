@@ -46,12 +46,12 @@ def split_document_ranges(split: list[float], num_documents: int) -> list[tuple[
 _TOKEN_CHECK_LIMIT = 1 << 22
 
 
-def _open(prefix: str, flag: str, vocab_size: int | None = None) -> IndexedDataset:
+def _open(prefix: str, flag: str, vocab_size: int | None = None, mmap: bool = True) -> IndexedDataset:
     if not dataset_exists(prefix):
         missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
         raise InputNotFound(f"{flag} {prefix}: dataset not found (missing {', '.join(missing)}); "
                             f"a prefix names a .bin/.idx pair made by tools/preprocess_data.py")
-    ds = IndexedDataset(prefix)
+    ds = IndexedDataset(prefix, mmap=mmap)
     if not np.issubdtype(ds.dtype, np.integer):
         raise InputError(f"{flag} {prefix}: {prefix}.idx declares {ds.dtype.name} tokens; a GPT dataset holds "
                          f"integer token ids")
@@ -59,13 +59,18 @@ def _open(prefix: str, flag: str, vocab_size: int | None = None) -> IndexedDatas
     if vocab_size is not None and n:
         # an id outside the embedding would fail deep inside the model; a dataset made with another
         # tokenizer is the usual cause
-        head = np.frombuffer(ds._bin_map, dtype=ds.dtype, count=n)
+        head = ds.head(n)
         lo, hi = int(head.min()), int(head.max())
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
             raise InputError(f"{flag} {prefix}: token id {bad} in {prefix}.bin is outside the model's vocabulary "
                              f"[0, {vocab_size}); was the dataset made with another tokenizer (--tokenizer-type)?")
     return ds
+
+
+def _mmap(args) -> bool:
+    """False with --no-mmap-bin-files: .bin files are read, not memory-mapped."""
+    return getattr(args, "mmap_bin_files", True)
 
 
 def _cache_dir(args, prefix: str) -> str:
@@ -77,7 +82,7 @@ def _cache_dir(args, prefix: str) -> str:
 
 def _build_split(args, prefixes, weights, ranges, num_samples, split_name, flag):
     """One split's dataset: a GPTDataset, or a BlendedDataset over several."""
-    indexed = [_open(p, flag, getattr(args, "vocab_size", None)) for p in prefixes]
+    indexed = [_open(p, flag, getattr(args, "vocab_size", None), _mmap(args)) for p in prefixes]
     doc_ranges = [r if r is not None else (0, len(d)) for r, d in zip(ranges, indexed)]
     seq_length, seed = int(args.seq_length), int(args.seed)
 
@@ -129,7 +134,7 @@ def build_train_valid_test_datasets(args, train_valid_test_num_samples):
         prefixes, weights = parse_blend(data_path, "--data-path")
         split = parse_and_normalize_split(getattr(args, "split", None) or "969,30,1")
         # all files checked before any build
-        indexed = [_open(p, "--data-path", getattr(args, "vocab_size", None)) for p in prefixes]
+        indexed = [_open(p, "--data-path", getattr(args, "vocab_size", None), _mmap(args)) for p in prefixes]
         ranges = [split_document_ranges(split, len(d)) for d in indexed]
         for i, name in enumerate(SPLIT_NAMES):
             if ranges[0][i] is None or num_samples[i] == 0:
@@ -141,7 +146,7 @@ def build_train_valid_test_datasets(args, train_valid_test_num_samples):
         for (name, blend) in zip(SPLIT_NAMES, parsed):
             if blend:
                 for p in blend[0]:
-                    _open(p, f"--{name}-data-path", getattr(args, "vocab_size", None))
+                    _open(p, f"--{name}-data-path", getattr(args, "vocab_size", None), _mmap(args))
         for i, (name, blend) in enumerate(zip(SPLIT_NAMES, parsed)):
             if blend is None or num_samples[i] == 0:
                 continue

@@ -9,9 +9,11 @@ from megalite.errors import InputError
 
 
 def parse_and_normalize_split(split: str) -> list[float]:
-    """``"969,30,1"`` -> ``[0.969, 0.03, 0.001]`` (also ``/`` separators; missing entries are 0)."""
+    """``"969,30,1"`` -> ``[0.969, 0.03, 0.001]`` (also ``/`` separators; missing entries are 0).
+    Quotes around the value are dropped: Megatron-LM's own Llama script passes ``'99,1,0'`` with
+    the quotes inside the argument (and Megatron-LM reads only the numbers)."""
     try:
-        parts = [float(s) for s in re.split(r"[,/]", str(split).strip()) if s.strip() != ""]
+        parts = [float(s) for s in re.split(r"[,/]", str(split).strip().strip("'\"")) if s.strip() != ""]
     except ValueError:
         raise InputError(f"--split {split!r}: expected up to three numbers like '969,30,1'") from None
     if not 1 <= len(parts) <= 3 or any(p < 0 or not math.isfinite(p) for p in parts) or sum(parts) <= 0:

@@ -16,7 +16,9 @@ A dataset is a pair of files sharing a prefix:
 
 Keeping the layout identical means corpora preprocessed by Megatron-LM, GPT-NeoX or NeMo load
 here unchanged, and ours load there. Both files are memory-mapped: opening a dataset costs the same
-for 1 MB and 1 TB, and nothing here reads a whole file into memory.
+for 1 MB and 1 TB, and nothing here reads a whole file into memory. With ``mmap=False``
+(--no-mmap-bin-files, as Megatron-LM's _FileBinReader) the ``.bin`` is not mapped: each read is
+one positioned read (os.pread) of just the tokens asked for, for file systems where mmap is slow.
 """
 
 from __future__ import annotations
@@ -170,8 +172,8 @@ class IndexedDataset:
     before modifying.
     """
 
-    def __init__(self, path_prefix: str):
-        self.path_prefix = path_prefix
+    def __init__(self, path_prefix: str, mmap: bool = True):
+        self.path_prefix, self.mmap = path_prefix, mmap
         self._open()
 
     def _open(self) -> None:
@@ -217,15 +219,35 @@ class IndexedDataset:
             raise InputError(f"{bin_path}: data file is {bin_size} bytes but {idx_path} addresses "
                              f"{needed} bytes (truncated .bin, or .bin/.idx from different runs)")
         # mmap cannot map an empty file; an empty dataset simply has no data buffer.
-        self._bin_map = np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.empty(0, np.uint8)
+        self._bin_map = None
+        if self.mmap:
+            self._bin_map = np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.empty(0, np.uint8)
+        self._bin_fd, self._bin_fd_pid = None, None
 
     # Memory maps must not be pickled (that would copy the data): DataLoader workers reopen.
     def __getstate__(self):
-        return {"path_prefix": self.path_prefix}
+        return {"path_prefix": self.path_prefix, "mmap": self.mmap}
 
     def __setstate__(self, state):
-        self.path_prefix = state["path_prefix"]
+        self.path_prefix, self.mmap = state["path_prefix"], state.get("mmap", True)
         self._open()
+
+    def _read(self, ptr: int, count: int) -> np.ndarray:
+        """`count` tokens at byte `ptr` of the .bin: a view of the map, or one positioned read
+        (pread does not move a shared file offset, so forked loader workers cannot interfere)."""
+        if self._bin_map is not None:
+            return np.frombuffer(self._bin_map, dtype=self.dtype, count=count, offset=ptr)
+        if self._bin_fd_pid != os.getpid():
+            self._bin_fd, self._bin_fd_pid = os.open(data_file_path(self.path_prefix), os.O_RDONLY), os.getpid()
+        nbytes = count * self.dtype.itemsize
+        data = os.pread(self._bin_fd, nbytes, ptr)
+        if len(data) != nbytes:
+            raise InputError(f"{data_file_path(self.path_prefix)}: short read at byte {ptr} (file changed?)")
+        return np.frombuffer(data, dtype=self.dtype, count=count)
+
+    def head(self, count: int) -> np.ndarray:
+        """The first `count` tokens of the .bin (for checks)."""
+        return self._read(0, count)
 
     def __len__(self) -> int:
         return self.sequence_lengths.shape[0]
@@ -251,7 +273,7 @@ class IndexedDataset:
             raise IndexError(f"tokens [{offset}, {offset + length}) out of range for sequence {idx} "
                              f"of length {seq_len} in {self.path_prefix}")
         ptr = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin_map, dtype=self.dtype, count=length, offset=ptr)
+        return self._read(ptr, length)
 
     @property
     def num_documents(self) -> int:

@@ -27,12 +27,29 @@ TOKENIZER_FILE_FLAGS = {
     "SentencePieceTokenizer": ("tokenizer_model",),
     "GPTSentencePieceTokenizer": ("tokenizer_model",),
     "HuggingFaceTokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
     "NullTokenizer": (),
 }
 TOKENIZER_TYPES = tuple(TOKENIZER_FILE_FLAGS)
 TOKENIZER_TYPES_HELP = ("GPTSentencePieceTokenizer is SentencePieceTokenizer under Megatron-LM's name; "
-                        "NullTokenizer reads whitespace-separated ids below --vocab-size N and uses N as its "
-                        "end-of-document id")
+                        "TikTokenizer reads Megatron-LM's tiktoken vocabulary (a JSON list, --tokenizer-model) "
+                        "with --tiktoken-pattern; NullTokenizer reads whitespace-separated ids below --vocab-size N "
+                        "and uses N as its end-of-document id")
+# TikTokenizer's own flags (argparse dest -> default); refused with any other tokenizer
+TIKTOKEN_FLAGS = {"tiktoken_pattern": None, "tiktoken_num_special_tokens": 1000, "tiktoken_special_tokens": None}
+TIKTOKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+
+
+def add_tiktoken_args(group, num_special_default: int | None = 1000) -> None:
+    """TikTokenizer's flags, for every tool that builds tokenizers (tools/generate.py: None, the
+    checkpoint's value)."""
+    group.add_argument("--tiktoken-pattern", choices=["v1", "v2"],
+                       help="TikTokenizer (required there): the pre-tokenisation regex, Megatron-LM's v1 or v2")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=num_special_default,
+                       help="TikTokenizer: ids 0..N-1 are special tokens, the vocabulary file's ranks follow")
+    group.add_argument("--tiktoken-special-tokens", nargs="+",
+                       help="TikTokenizer: the first special tokens (must include <unk> <s> </s>; default those "
+                            "three; </s> is the end-of-document)")
 _FILE_FLAGS = ("vocab_file", "merge_file", "tokenizer_model")
 
 
@@ -63,15 +80,39 @@ def check_tokenizer_args(args) -> None:
                              f"drop it or change --tokenizer-type")
     if kind == "NullTokenizer" and getattr(args, "vocab_size", None) is None:
         raise InputError("--tokenizer-type NullTokenizer needs --vocab-size N (ids 0..N-1; N is the end-of-document id)")
+    if kind == "TikTokenizer":
+        if getattr(args, "tiktoken_pattern", None) is None:
+            raise InputError("--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2")
+        _check_special_tokens(getattr(args, "tiktoken_special_tokens", None),
+                              getattr(args, "tiktoken_num_special_tokens", None) or 1000,
+                              getattr(args, "vocab_size", None))
+    else:
+        for dest, default in TIKTOKEN_FLAGS.items():
+            if getattr(args, dest, None) not in (None, default):
+                raise InputError(f"{_flag(dest)} is only read by --tokenizer-type TikTokenizer, not {kind}; drop it")
+
+
+def _check_special_tokens(special, num_special: int, vocab_size: int | None) -> None:
+    special = list(special or TIKTOKEN_SPECIAL_TOKENS)
+    if len(set(special)) != len(special):
+        raise InputError(f"--tiktoken-special-tokens has repeats: {special}")
+    missing = [t for t in TIKTOKEN_SPECIAL_TOKENS if t not in special]
+    if missing:
+        raise InputError(f"--tiktoken-special-tokens must include {' '.join(TIKTOKEN_SPECIAL_TOKENS)} "
+                         f"(missing {' '.join(missing)})")
+    vocab = TikTokenizer.DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
+    if not len(special) <= num_special < vocab:
+        raise InputError(f"TikTokenizer needs {len(special)} special tokens <= --tiktoken-num-special-tokens "
+                         f"({num_special}) < --vocab-size ({vocab})")
 
 
 def model_vocab_size(args, tokenizer) -> int:
     """The model's (unpadded) vocabulary for `tokenizer` and --vocab-size.
 
     NullTokenizer: --vocab-size N is the tokenizer's own argument (ids 0..N-1 plus the eod id N), so
-    the model gets N + 1, as in Megatron-LM. Other tokenizers: their vocabulary, or a larger
-    --vocab-size (extra rows never seen in the data)."""
-    if tokenizer.name == "NullTokenizer" or getattr(args, "vocab_size", None) is None:
+    the model gets N + 1, as in Megatron-LM. TikTokenizer: --vocab-size is its whole vocabulary.
+    Other tokenizers: their vocabulary, or a larger --vocab-size (extra rows never seen in the data)."""
+    if tokenizer.name in ("NullTokenizer", "TikTokenizer") or getattr(args, "vocab_size", None) is None:
         return tokenizer.vocab_size
     if args.vocab_size < tokenizer.vocab_size:
         raise InputError(f"--vocab-size ({args.vocab_size}) is smaller than the vocabulary of --tokenizer-type "
@@ -297,6 +338,70 @@ class HuggingFaceTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
 
+class TikTokenizer:
+    """Megatron-LM's TikTokenizer: a byte-level BPE in tiktoken's format.
+
+    ``--tokenizer-model`` is Megatron-LM's JSON vocabulary: a list of ``{"rank": i, "token_bytes":
+    base64, "token_str": ...}`` in rank order, the first 256 being the single bytes. Ids 0..S-1
+    (S = ``--tiktoken-num-special-tokens``, default 1000) are special tokens (``--tiktoken-special-tokens``,
+    default ``<unk> <s> </s>``, then ``<SPECIAL_i>`` fillers); rank r is id S + r. The vocabulary is
+    ``--vocab-size`` (default 2^17): its first vocab_size - S ranks are used. ``</s>`` is the eod.
+    Text is split by ``--tiktoken-pattern`` (v1, or v2 which also splits camel case) and encoded
+    with ``encode_ordinary``: special-token text inside a document stays text.
+    """
+
+    name = "TikTokenizer"
+    DEFAULT_VOCAB_SIZE = 2**17
+    PATTERNS = {
+        "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+        "v2": (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+               r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"
+               r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    }
+
+    def __init__(self, path: str, pattern: str, vocab_size: int | None = None, num_special_tokens: int = 1000,
+                 special_tokens: list[str] | None = None):
+        import base64
+        import json
+        _require_file(path, "--tokenizer-model", "TikTokenizer JSON vocabulary")
+        if pattern not in self.PATTERNS:
+            raise InputError(f"--tiktoken-pattern must be v1 or v2, got {pattern!r}")
+        tiktoken = _import("tiktoken", "tiktoken")
+        self.vocab_size = self.DEFAULT_VOCAB_SIZE if vocab_size is None else int(vocab_size)
+        _check_special_tokens(special_tokens, num_special_tokens, self.vocab_size)
+        special = list(special_tokens or TIKTOKEN_SPECIAL_TOKENS)
+        special += [f"<SPECIAL_{i}>" for i in range(len(special), num_special_tokens)]
+        inner = self.vocab_size - num_special_tokens
+        try:
+            with open(path, encoding="utf-8") as f:
+                entries = json.load(f)
+            if not isinstance(entries, list):
+                raise ValueError("not a JSON list")
+            ranks = {}
+            for i, e in enumerate(entries[:inner]):
+                if set(e) != {"rank", "token_bytes", "token_str"} or e["rank"] != i:
+                    raise ValueError(f"entry {i} is not {{rank: {i}, token_bytes, token_str}}")
+                token = base64.b64decode(e["token_bytes"])
+                if i < 256 and token != bytes([i]):
+                    raise ValueError(f"rank {i} must be the single byte {i}")
+                ranks[token] = num_special_tokens + i
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise InputError(f"--tokenizer-model {path}: not a TikTokenizer vocabulary ({e})") from e
+        if len(ranks) != inner:
+            raise InputError(f"--tokenizer-model {path}: {len(ranks)} distinct tokens, but --vocab-size "
+                             f"{self.vocab_size} - {num_special_tokens} special tokens needs {inner}")
+        self._special = {t: i for i, t in enumerate(special)}
+        self.eod = self._special["</s>"]
+        self._model = tiktoken.Encoding(name=os.path.basename(path), pat_str=self.PATTERNS[pattern],
+                                        mergeable_ranks=ranks, special_tokens=self._special)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._model.encode_ordinary(text)
+
+    def detokenize(self, ids) -> str:
+        return self._model.decode([int(i) for i in ids])
+
+
 def build_tokenizer(args):
     """Tokenizer for ``args.tokenizer_type`` (+ vocab_file, merge_file, tokenizer_model, vocab_size)."""
     kind = getattr(args, "tokenizer_type", None)
@@ -308,4 +413,9 @@ def build_tokenizer(args):
         return HuggingFaceTokenizer(getattr(args, "tokenizer_model", None))
     if kind == "NullTokenizer":
         return NullTokenizer(getattr(args, "vocab_size", None))
+    if kind == "TikTokenizer":
+        return TikTokenizer(getattr(args, "tokenizer_model", None), getattr(args, "tiktoken_pattern", None),
+                            getattr(args, "vocab_size", None),
+                            getattr(args, "tiktoken_num_special_tokens", None) or 1000,
+                            getattr(args, "tiktoken_special_tokens", None))
     raise InputError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")

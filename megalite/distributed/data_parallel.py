@@ -50,6 +50,7 @@ class DataParallel:
         self.ps, self.config = ps, config
         self.sharded = config.use_distributed_optimizer
         self.buffer = GradBuffer(params, ps.dp_group, config.ddp_bucket_size,
+                                 dtype=torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32,
                                  pad_to=ps.dp_size if self.sharded else 1, reduce_scatter=self.sharded,
                                  overlap_grad_reduce=config.overlap_grad_reduce, num_microbatches=num_microbatches)
         if self.sharded:
@@ -72,6 +73,12 @@ class DataParallel:
 
     def zero_grad(self) -> None:
         self.buffer.zero()
+
+    def set_num_microbatches(self, n: int) -> None:
+        """Micro-batches in the coming iteration (the global batch may ramp up): with
+        --overlap-grad-reduce a bucket starts reducing once every parameter in it has accumulated
+        the gradient of the n-th."""
+        self.buffer.num_microbatches = n
 
     def finish_grad_sync(self) -> None:
         """Every gradient sum of the iteration (see the module docstring), waited for."""
@@ -158,6 +165,8 @@ class DataParallel:
             parts.append("overlapped grad reduce")
         if self.overlap_param_gather:
             parts.append("overlapped param gather")
+        if self.buffer.data.dtype != torch.float32:
+            parts.append(f"{str(self.buffer.data.dtype).replace('torch.', '')} grads")
         return parts + [f"{len(self.buffer.buckets)} bucket(s)"]
 
     @property

@@ -77,17 +77,50 @@ def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rotated.to(t.dtype), rest), dim=-1) if rest.numel() else rotated.to(t.dtype)
 
 
+def sdpa_backends(backend: str):
+    """The torch SDPA kernels --attention-backend allows (a context manager): flash ->
+    FlashAttention; fused -> cuDNN, then memory-efficient (Transformer Engine's "fused" attention
+    is cuDNN's); unfused -> the math path; auto -> SDPA's own choice."""
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    kernels = {"flash": [SDPBackend.FLASH_ATTENTION],
+               "fused": [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+               "unfused": [SDPBackend.MATH]}[backend]
+    return sdpa_kernel(kernels, set_priority=True)
+
+
+def local_attention(q, k, v, attention_mask=None, dropout_p: float = 0.0) -> torch.Tensor:
+    """--attention-backend local: softmax(Q·Kᵀ/√d + mask)·V written out (Vaswani et al. 2017,
+    Eq. 1), as Megatron-LM's local DotProductAttention; the softmax in fp32. q [b, n, s, hn],
+    k/v [b, g, s, hn] (g query groups, each serving n/g heads); mask [b, 1, s, s] (True: may
+    attend) or None for causal."""
+    if k.size(1) != q.size(1):
+        k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # [b, n, s, s]
+    if attention_mask is None:  # causal, aligned at the top left as SDPA's is_causal
+        attention_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~attention_mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p, training=True)
+    return torch.matmul(probs, v)
+
+
 class CoreAttention(nn.Module):
     """softmax(Q·Kᵀ/√d)·V over this rank's heads; [s, b, n, hn] in, [s, b, n·hn] out.
 
     Kept as its own module so selective recompute can wrap exactly this part (Korthikanti et
-    al. 2022, Sec. 5: it holds the s²-sized activations but little compute).
+    al. 2022, Sec. 5: it holds the s²-sized activations but little compute). The kernel is
+    --attention-backend's: torch SDPA (restricted to the chosen kernels), the flash-attn package
+    (--use-flash-attn), or megalite's explicit `local_attention`.
     """
 
     def __init__(self, config: GPTConfig, rng_tracker):
         super().__init__()
         self.dropout = config.attention_dropout
         self.use_flash = config.use_flash_attn
+        self.backend = getattr(config, "attention_backend", "auto")
         self.rng_tracker = rng_tracker
 
     def forward(self, q, k, v, attention_mask=None):
@@ -101,10 +134,29 @@ class CoreAttention(nn.Module):
                                       dropout_p=p, causal=True)  # [b, s, n, hn]
                 return out.transpose(0, 1).reshape(s, b, n * hn)
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
-            out = F.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=attention_mask, dropout_p=p, is_causal=attention_mask is None,
-                enable_gqa=kb.size(1) != qb.size(1))
+            if self.backend == "local":
+                out = local_attention(qb, kb, vb, attention_mask, p)
+            else:
+                with sdpa_backends(self.backend):
+                    out = F.scaled_dot_product_attention(
+                        qb, kb, vb, attn_mask=attention_mask, dropout_p=p, is_causal=attention_mask is None,
+                        enable_gqa=kb.size(1) != qb.size(1))
         return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)
+
+
+def probe_attention(backend: str, use_flash_attn: bool, heads: int, groups: int, head_dim: int, dtype,
+                    dropout: float, with_mask: bool, device) -> None:
+    """Forward and backward once through CoreAttention with these settings on `device`; raises
+    what the kernel raises when the device cannot run them (validate_args turns that into a
+    refusal naming --attention-backend)."""
+    from types import SimpleNamespace
+    config = SimpleNamespace(attention_dropout=dropout, use_flash_attn=use_flash_attn, attention_backend=backend)
+    attention = CoreAttention(config, None).train()
+    s = 16
+    q = torch.randn(s, 1, heads, head_dim, dtype=dtype, device=device, requires_grad=True)
+    k, v = (torch.randn(s, 1, groups, head_dim, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).tril() if with_mask else None
+    attention(q, k, v, mask).float().sum().backward()
 
 
 class SelfAttention(nn.Module):

@@ -37,6 +37,12 @@ class GPTConfig:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     use_flash_attn: bool = False
+    # core attention: auto | flash | fused | unfused | local (model/attention.py)
+    attention_backend: str = "auto"
+    # zero-centred norm weights: stored as w - 1, applied as 1 + w (Megatron-LM's LayerNorm1P)
+    apply_layernorm_1p: bool = False
+    # the vocabulary-parallel cross entropy with its two sum all-reduces fused (tensor_parallel/cross_entropy.py)
+    cross_entropy_loss_fusion: bool = False
     sequence_parallel: bool = False
     # activation recompute: None | "full" | "selective"; method "uniform" | "block"
     recompute_granularity: str | None = None

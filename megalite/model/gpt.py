@@ -20,6 +20,7 @@ from torch import nn
 from .. import comm
 from ..tensor_parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sp, scatter_to_sp, set_init,
                                vocab_parallel_cross_entropy)
+from ..tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import set_tp_attributes
 from ..tensor_parallel.param_info import param_info
 from .attention import RotaryEmbedding
@@ -100,6 +101,10 @@ class GPTModel(nn.Module):
             param_info(self.output_layer.weight).tied_copy = not config.untie_embeddings_and_output_weights
         # tied embedding split over pipeline stages: both copies' gradients are summed over the
         # embedding group (first and last stage) before the DP reduction
+        if pre_process:
+            param_info(self.embedding.word_embeddings.weight).embedding_or_output = True
+        if self.output_layer is not None:
+            param_info(self.output_layer.weight).embedding_or_output = True
         tied = not config.untie_embeddings_and_output_weights
         if tied and pre_process and not post_process:
             param_info(self.embedding.word_embeddings.weight).embedding_group_sync = True
@@ -150,5 +155,7 @@ class GPTModel(nn.Module):
         logits = F.linear(x, self.output_weight())  # [s, b, v/tp]
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group, self.config.vocab_size)
+        cross_entropy = (fused_vocab_parallel_cross_entropy if self.config.cross_entropy_loss_fusion
+                         else vocab_parallel_cross_entropy)
+        loss = cross_entropy(logits, labels.transpose(0, 1), self.tp_group, self.config.vocab_size)
         return loss.transpose(0, 1)  # [b, s]

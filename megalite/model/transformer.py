@@ -22,7 +22,11 @@ from .config import GPTConfig
 class Norm(nn.Module):
     """LayerNorm or RMSNorm over the hidden dimension, with PyTorch's fused kernels. Its
     parameters are replicated across TP; under sequence parallelism each rank sees only its
-    slice of the sequence, so their gradients are marked for a TP all-reduce."""
+    slice of the sequence, so their gradients are marked for a TP all-reduce.
+
+    --apply-layernorm-1p (Megatron-LM's LayerNorm1P, Transformer Engine's zero_centered_gamma):
+    the weight is stored as w - 1, initialised to 0, and applied as 1 + w. The function and its
+    gradients are the same; a weight near 0 keeps more precision in bf16 than one near 1."""
 
     def __init__(self, config: GPTConfig, device=None):
         super().__init__()
@@ -30,8 +34,9 @@ class Norm(nn.Module):
         self.kind, self.eps = config.normalization, config.norm_epsilon
         if self.kind not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {self.kind!r}")
+        self.zero_centered = config.apply_layernorm_1p
         self.weight = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
-        set_init(self.weight, "ones")
+        set_init(self.weight, "zeros" if self.zero_centered else "ones")
         param_info(self.weight).sequence_parallel = config.sequence_parallel
         if self.kind == "LayerNorm":
             self.bias = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
@@ -41,9 +46,10 @@ class Norm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x):
+        weight = self.weight + 1 if self.zero_centered else self.weight
         if self.kind == "LayerNorm":
-            return F.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)
-        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+            return F.layer_norm(x, (x.size(-1),), weight, self.bias, self.eps)
+        return F.rms_norm(x, (x.size(-1),), weight, self.eps)
 
 
 class MLP(nn.Module):

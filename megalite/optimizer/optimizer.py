@@ -33,12 +33,18 @@ from .grad_scaler import build_grad_scaler
 
 
 def _param_groups(named_masters, weight_decay: float):
-    """Megatron's rule: no weight decay on biases and norm weights (1-D tensors).
-    `named_masters`: (tensor stepped, number of dimensions of the model parameter it belongs to)."""
-    decay = [m for m, ndim in named_masters if ndim > 1]
-    no_decay = [m for m, ndim in named_masters if ndim <= 1]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+    """Megatron's rule: no weight decay on biases and norm weights (1-D tensors); and, with
+    --decoupled-lr, the word embedding and output layer in groups of their own (`decoupled`).
+    `named_masters`: (tensor stepped, number of dimensions of the model parameter it belongs to,
+    whether it takes the decoupled learning rate)."""
+    groups = []
+    for decoupled in (False, True):
+        for decay in (True, False):
+            params = [m for m, ndim, d in named_masters if d == decoupled and (ndim > 1) == decay]
+            if params:
+                groups.append({"params": params, "weight_decay": weight_decay if decay else 0.0,
+                               "decoupled": decoupled})
+    return groups
 
 
 def _torch_fused_supported(device: torch.device) -> bool:
@@ -99,7 +105,8 @@ class MixedPrecisionOptimizer:
         self.inject_overflow_at = args.inject_overflow_at_iteration
         self.skipped_iterations = 0  # steps skipped for overflow since the start of this run
         self._build_masters()
-        groups = _param_groups(list(zip(self.masters, self.master_ndims)), args.weight_decay)
+        decoupled = [args.decoupled_lr is not None and param_info(p).embedding_or_output for p, *_ in self.pieces()]
+        groups = _param_groups(list(zip(self.masters, self.master_ndims, decoupled)), args.weight_decay)
         self.optimizer, self.impl = build_inner_optimizer(groups, args, self.device)
         init_optimizer_state(self.optimizer)
 
@@ -154,11 +161,13 @@ class MixedPrecisionOptimizer:
                 and self.ps.rank == self.ps.world_size - 1)
 
     @torch.no_grad()
-    def step(self, lr: float, grad_scale: float = 1.0, iteration: int | None = None) -> dict:
+    def step(self, lr: float, grad_scale: float = 1.0, iteration: int | None = None,
+             decoupled_lr: float | None = None) -> dict:
         """Multiply the reduced gradients by `grad_scale` (1 / loss scale, token renormalisation),
         skip the step if they overflowed (with loss scaling), clip them by the global norm,
-        update. `iteration` (1-based) only serves --inject-overflow-at-iteration. Returns
-        grad_norm (None when skipped), loss_scale (for the next iteration) and skipped."""
+        update at `lr` (`decoupled_lr` for the --decoupled-lr groups). `iteration` (1-based) only
+        serves --inject-overflow-at-iteration. Returns grad_norm (None when skipped), loss_scale
+        (for the next iteration) and skipped."""
         self.dp.finish_param_sync()
         grads = self.main_grads
         if grad_scale != 1.0:
@@ -179,9 +188,10 @@ class MixedPrecisionOptimizer:
         grad_norm = math.sqrt(float(stats[0]))
         clip_by_norm(grads, grad_norm, self.clip_grad)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = decoupled_lr if g.get("decoupled") and decoupled_lr is not None else lr
         for m, g in zip(self.masters, grads):
-            m.grad = g.view_as(m)
+            # --grad-reduce-in-bf16: the reduced bf16 gradient is widened for the fp32 update
+            m.grad = g.view_as(m) if g.dtype == m.dtype else g.view_as(m).to(m.dtype)
         self.optimizer.step()
         for m in self.masters:
             m.grad = None

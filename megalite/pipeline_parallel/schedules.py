@@ -6,8 +6,11 @@ micro-batches in order, at its own pace. The chunk that holds the loss (last sta
 virtual chunk) returns per-token losses; the schedule sums them over the loss mask. Backward
 runs on that sum x `backward_scale` (the loss scale over the nominal number of tokens in the
 global batch), so gradients summed over micro-batches and DP ranks are those of the
-global-batch mean loss. A schedule returns the per-micro-batch (loss_sum, num_tokens), as
-device tensors, on the last stage and [] elsewhere.
+global-batch mean loss. With `microbatch_mean` (Megatron-LM's default loss) the sum is first
+divided by the micro-batch's own token count, and `backward_scale` is the loss scale over the
+number of micro-batches in the global batch: the mean of the micro-batches' token means. A
+schedule returns the per-micro-batch (loss_sum, num_tokens), as device tensors, on the last
+stage and [] elsewhere.
 
 Schedules (Narayanan et al. 2021, Sec. 2.2):
 - no pipelining: gradient accumulation on one stage;
@@ -26,9 +29,10 @@ from .p2p import PipeComm
 class _Step:
     """Forward and backward of one micro-batch on one chunk, shared by every schedule."""
 
-    def __init__(self, batches, model, backward_scale, forward_only):
+    def __init__(self, batches, model, backward_scale, forward_only, microbatch_mean=False):
         self.batches, self.model = batches, model
         self.backward_scale, self.forward_only = backward_scale, forward_only
+        self.microbatch_mean = microbatch_mean
         self.stats = []
 
     def forward(self, chunk_id: int, input_tensor):
@@ -41,7 +45,10 @@ class _Step:
                 return out  # activations for the next stage
             mask = batch["loss_mask"]
             loss_sum = (out.float() * mask).sum()  # [b, s] per-token losses -> the micro-batch's sum
-        self.stats.append((loss_sum.detach(), mask.sum()))
+        num_tokens = mask.sum()
+        self.stats.append((loss_sum.detach(), num_tokens))
+        if self.microbatch_mean:  # a micro-batch without loss tokens adds 0 (Megatron-LM's would be NaN)
+            loss_sum = loss_sum / num_tokens.clamp(min=1)
         return loss_sum * self.backward_scale
 
     @staticmethod
@@ -66,9 +73,9 @@ def release(t: torch.Tensor | None) -> None:
 
 
 def forward_backward_no_pipelining(batches, model, num_microbatches: int, backward_scale: float,
-                                   forward_only: bool = False, **_):
+                                   forward_only: bool = False, microbatch_mean: bool = False, **_):
     """Gradient accumulation on one stage: forward and backward each micro-batch in turn."""
-    step = _Step(batches, model, backward_scale, forward_only)
+    step = _Step(batches, model, backward_scale, forward_only, microbatch_mean)
     for _ in range(num_microbatches):
         loss = step.forward(0, None)
         if not forward_only:
@@ -77,9 +84,9 @@ def forward_backward_no_pipelining(batches, model, num_microbatches: int, backwa
 
 
 def forward_backward_1f1b(batches, model, num_microbatches: int, backward_scale: float,
-                          forward_only: bool = False, comm: PipeComm = None, **_):
+                          forward_only: bool = False, comm: PipeComm = None, microbatch_mean: bool = False, **_):
     ps = comm.ps
-    step = _Step(batches, model, backward_scale, forward_only)
+    step = _Step(batches, model, backward_scale, forward_only, microbatch_mean)
     first, last = ps.is_first_stage, ps.is_last_stage
     m = num_microbatches
     num_warmup = m if forward_only else min(ps.pp_size - ps.pp_rank - 1, m)
@@ -123,13 +130,14 @@ def forward_backward_1f1b(batches, model, num_microbatches: int, backward_scale:
 
 
 def forward_backward_interleaved(batches, model, num_microbatches: int, backward_scale: float,
-                                 forward_only: bool = False, comm: PipeComm = None, **_):
+                                 forward_only: bool = False, comm: PipeComm = None, microbatch_mean: bool = False,
+                                 **_):
     """Interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2.2), following Megatron-LM's
     forward_backward_pipelining_with_interleaving. Virtual micro-batch k runs on chunk
     (k // p) % v (reversed for backward); chunk c of rank p-1 feeds chunk c+1 of rank 0."""
     ps = comm.ps
     p, rank, v, m = ps.pp_size, ps.pp_rank, len(model), num_microbatches
-    step = _Step(batches, model, backward_scale, forward_only)
+    step = _Step(batches, model, backward_scale, forward_only, microbatch_mean)
     total = m * v
     all_warmup = forward_only or m == p
     num_warmup = total if all_warmup else min((p - rank - 1) * 2 + (v - 1) * p, total)

@@ -19,6 +19,11 @@ slices of at most `CHUNK_ELEMENTS` logits. In bf16 that keeps 2 instead of 4 byt
 for backward and holds about 2 instead of 10 bytes per logit at the forward's peak (the unfused
 form made an fp32 copy, shifted it into a second one and kept that as the softmax), for one
 more exp pass in backward. Padded columns are sliced off, never copied.
+
+--cross-entropy-loss-fusion (`fused_vocab_parallel_cross_entropy`) also fuses the two sum
+all-reduces, as Megatron-LM's native fused cross entropy does: the target logit and the sum of
+exponentials do not depend on each other, so they travel as one [2, s·b] tensor, two collectives
+per micro-batch (max, sums) instead of three. The loss and gradients are the same.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ def _row_chunks(n_rows: int, row_len: int):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_size):
+    def forward(ctx, logits, target, group, vocab_size, fuse_sums=False):
         # logits: [s, b, v/tp] (this rank's vocabulary columns), target: [s, b] global ids
         part = logits.size(-1)
         start = comm.group_rank(group) * part
@@ -58,7 +63,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if valid:
             target_logit = rows.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float() - logits_max
             target_logit.masked_fill_(outside.reshape(-1), 0.0)
-        comm.all_reduce(target_logit, group)
+        if not fuse_sums:
+            comm.all_reduce(target_logit, group)
 
         # fp32 logits: the softmax replaces them for backward (same bytes, no recompute); 16-bit
         # logits: they are kept and the softmax is recomputed, slice by slice, in backward
@@ -72,7 +78,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             sum_exp = torch.zeros(n, dtype=torch.float32, device=logits.device)
             for lo, hi in _row_chunks(n, valid):
                 sum_exp[lo:hi] = (rows[lo:hi] - logits_max[lo:hi, None]).exp_().sum(dim=-1)  # fp32 by promotion
-        comm.all_reduce(sum_exp, group)
+        if fuse_sums:  # one all-reduce for both sums
+            sums = torch.stack([target_logit, sum_exp])
+            comm.all_reduce(sums, group)
+            target_logit, sum_exp = sums[0], sums[1]
+        else:
+            comm.all_reduce(sum_exp, group)
         loss = sum_exp.log() - target_logit
 
         ctx.valid, ctx.keep_softmax, ctx.logits_shape = valid, keep_softmax, logits.shape
@@ -91,7 +102,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if ctx.keep_softmax:  # the saved fp32 softmax becomes the gradient in place
             softmax, _, local_target = ctx.saved_tensors
             softmax.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
-            return softmax.mul_(grad_loss).view(ctx.logits_shape), None, None, None
+            return softmax.mul_(grad_loss).view(ctx.logits_shape), None, None, None, None
         logits, lse, _, local_target = ctx.saved_tensors
         valid, part = ctx.valid, logits.size(-1)
         grad = torch.empty_like(logits)
@@ -103,9 +114,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             g = (rows[lo:hi] - lse[lo:hi]).exp_()  # fp32 softmax of this slice, by promotion
             g.scatter_add_(-1, local_target[lo:hi, None], -inside[lo:hi])
             grad_rows[lo:hi, :valid] = g.mul_(grad_loss[lo:hi])
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
                                  vocab_size: int | None = None) -> torch.Tensor:
     """Per-token loss [s, b] from logits [s, b, v/tp] and targets [s, b]."""
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size)
+
+
+def fused_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
+                                       vocab_size: int | None = None) -> torch.Tensor:
+    """The same, with the two sum all-reduces fused into one (--cross-entropy-loss-fusion)."""
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, True)

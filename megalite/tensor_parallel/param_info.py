@@ -26,6 +26,9 @@ class ParamInfo:
     tied_copy: bool = False
     # gradient summed over the embedding group (first and last stage) before the DP reduction
     embedding_group_sync: bool = False
+    # the word embedding or the output layer (either copy): --decoupled-lr gives these their own
+    # learning rate (Megatron-LM's is_embedding_or_output_parameter)
+    embedding_or_output: bool = False
     # initialisation: "normal" (with std), "zeros" or "ones"; `init_rows` limits the random rows
     # of a padded vocabulary table (the padding stays zero)
     init: str | None = None

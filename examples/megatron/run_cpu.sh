@@ -1,0 +1,233 @@
+#!/bin/bash
+# Megatron-LM's two flagship launch scripts, examples/gpt3/train_gpt3_175b_distributed.sh and
+# examples/llama/train_llama3_8b_h100_fp8.sh, run with megalite's pretrain_gpt.py: their flag
+# sets as written there, with only model sizes, batch sizes and iteration counts shrunk so that
+# each trains for a few iterations on a CPU, under torchrun with TP=2 (gloo). The few other
+# differences follow Megatron-LM's own validation or the device; each is marked "megalite:" and
+# README.md ("Megatron-LM's launch scripts") lists them.
+#
+#   bash examples/megatron/run_cpu.sh [WORK_DIR]    # data, checkpoints, logs under WORK_DIR (default: a new temp dir)
+#   DRY_RUN=1 bash examples/megatron/run_cpu.sh     # print the two commands only
+#   ONLY=gpt3 | ONLY=llama                          # run one of them
+#
+# Needs the hf extra (pip install -e '.[hf,tensorboard]'): the data is a byte-level BPE trained on
+# the bundled corpus (make_tiny_data.py), read by GPT2BPETokenizer and HuggingFaceTokenizer as in
+# the two scripts. About a minute on two CPU cores.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+PYTHON=${PYTHON:-python3}
+WORK=${1:-$(mktemp -d -t megalite-megatron-XXXXXX)}
+DATA=$WORK/data
+mkdir -p "$WORK"
+run() {
+    if [[ "${DRY_RUN:-0}" == "1" ]]; then printf '%q ' "$@"; echo; else "$@"; fi
+}
+torchrun_() { run "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 "$@"; }
+
+# Flags that another branch is adding; passed only once pretrain_gpt.py knows them.
+HELP=$("$PYTHON" "$ROOT/pretrain_gpt.py" --help)
+known() { grep -q -- "$1" <<<"$HELP"; }
+
+if [[ "${DRY_RUN:-0}" != "1" && ! -f "$DATA/hf_text_document.idx" ]]; then
+    "$PYTHON" "$ROOT/examples/megatron/make_tiny_data.py" "$DATA" --documents 1000
+    "$PYTHON" "$ROOT/tools/preprocess_data.py" --input "$DATA/corpus.jsonl" --output-prefix "$DATA/gpt2" \
+        --tokenizer-type GPT2BPETokenizer --vocab-file "$DATA/vocab.json" --merge-file "$DATA/merges.txt" --append-eod
+    "$PYTHON" "$ROOT/tools/preprocess_data.py" --input "$DATA/corpus.jsonl" --output-prefix "$DATA/hf" \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$DATA/hf_tokenizer" --append-eod
+fi
+
+# -- examples/gpt3/train_gpt3_175b_distributed.sh ----------------------------------------------------
+gpt3_175b() {
+    CHECKPOINT_PATH=$WORK/gpt3/checkpoints
+    TENSORBOARD_LOGS_PATH=$WORK/gpt3/tensorboard
+    VOCAB_FILE=$DATA/vocab.json
+    MERGE_FILE=$DATA/merges.txt
+    DATA_PATH=$DATA/gpt2_text_document
+
+    GPT_MODEL_ARGS=(
+        --num-layers 2                  # 96
+        --hidden-size 64                # 12288
+        --num-attention-heads 4         # 96
+        --seq-length 64                 # 2048
+        --max-position-embeddings 64    # 2048
+        --attention-backend auto
+    )
+    TRAINING_ARGS=(
+        --micro-batch-size 1
+        --global-batch-size 6           # 1536
+        --rampup-batch-size 2 2 8       # 16 16 5859375
+        # megalite: --train-iters 500000 -> --train-samples. Megatron-LM's validate_args refuses a batch
+        # ramp-up with --train-iters ("expected no batch-size rampup for iteration-based training"),
+        # and so does megalite; its iteration-based --lr-decay-iters becomes --lr-decay-samples
+        --train-samples 98              # 2 + 2 + 4 + 6 x 15: 18 iterations (fp16 skips the first ~13 while
+                                        # the loss scale falls from 2^32, as it would on GPUs)
+        --weight-decay 0.1
+        --adam-beta1 0.9
+        --adam-beta2 0.95
+        --init-method-std 0.006
+        --clip-grad 1.0
+        --fp16
+        --lr 6.0e-5
+        --lr-decay-style cosine
+        --min-lr 6.0e-6
+        --lr-warmup-fraction .001
+        --lr-decay-samples 94           # --lr-decay-iters 430000
+    )
+    MODEL_PARALLEL_ARGS=(
+        --tensor-model-parallel-size 2      # 8
+        --pipeline-model-parallel-size 1    # 16
+    )
+    DATA_ARGS=(
+        --data-path $DATA_PATH
+        --vocab-file $VOCAB_FILE
+        --merge-file $MERGE_FILE
+        --split 949,50,1
+        # megalite: the script names no tokenizer; Megatron-LM stops at "None tokenizer is not
+        # implemented" and megalite asks for --tokenizer-type too. GPT-2's BPE, as its files say
+        --tokenizer-type GPT2BPETokenizer
+    )
+    EVAL_AND_LOGGING_ARGS=(
+        --log-interval 1                # 100
+        --save-interval 3               # 10000
+        --eval-interval 3               # 1000
+        --save $CHECKPOINT_PATH
+        --load $CHECKPOINT_PATH
+        --eval-iters 1                  # 10
+        --tensorboard-dir $TENSORBOARD_LOGS_PATH
+    )
+    torchrun_ "$ROOT/pretrain_gpt.py" \
+        ${GPT_MODEL_ARGS[@]} \
+        ${TRAINING_ARGS[@]} \
+        ${MODEL_PARALLEL_ARGS[@]} \
+        ${DATA_ARGS[@]} \
+        ${EVAL_AND_LOGGING_ARGS[@]} \
+        --log-jsonl $WORK/gpt3/metrics.jsonl
+}
+
+# -- examples/llama/train_llama3_8b_h100_fp8.sh (its real-data branch) -------------------------------
+llama3_8b() {
+    CHECKPOINT_PATH=$WORK/llama/checkpoints
+    TENSORBOARD_LOGS_PATH=$WORK/llama/tensorboard
+    TOKENIZER_ARG=$DATA/hf_tokenizer
+    DATA_ARG=$DATA/hf_text_document
+    TP_SIZE=2                       # 1 (its --sequence-parallel comment assumes 2)
+    CP_SIZE=1
+    MICRO_BATCH_SIZE=1
+    GLOBAL_BATCH_SIZE=8             # 128
+    NUM_LAYERS=2                    # 32
+    # megalite: FP8 needs Hopper-class GPUs and Transformer Engine; the --fp8-* flags are refused,
+    # so the script's own other DTYPE (its DTYPE_ARGS stay empty)
+    DTYPE=${DTYPE:-bf16}            # fp8
+    SEQ_LENGTH=64                   # 8192
+    MAX_POSITION_EMBEDDINGS=64      # 8192
+    DATA_CACHE_PATH=$WORK/llama/cache
+    # megalite: a CPU cannot run SDPA's fused (cuDNN / memory-efficient) kernels and megalite refuses
+    # them there; its math path is the nearest
+    ATTENTION_BACKEND=$("$PYTHON" -c "import torch; print('fused' if torch.cuda.is_available() else 'unfused')")
+
+    MODEL_ARGS=(
+        --use-mcore-models
+        --num-layers $NUM_LAYERS
+        --hidden-size 64                # 4096
+        --ffn-hidden-size 224           # 14336
+        --num-attention-heads 4         # 32
+        --group-query-attention
+        --num-query-groups 2            # 8
+        --kv-channels 16                # 128
+        --seq-length $SEQ_LENGTH
+        --max-position-embeddings $MAX_POSITION_EMBEDDINGS
+        --position-embedding-type rope
+        --rotary-base 1000000
+        --rotary-percent 1.0
+        --attention-dropout 0.0
+        --hidden-dropout 0.0
+        --swiglu
+        --init-method-std 0.0134
+        --attention-backend $ATTENTION_BACKEND
+        --apply-layernorm-1p
+        --untie-embeddings-and-output-weights
+        --disable-bias-linear
+    )
+    TRAINING_ARGS=(
+        --micro-batch-size $MICRO_BATCH_SIZE
+        --global-batch-size $GLOBAL_BATCH_SIZE
+        --train-samples 32              # 1953125000
+        --lr-decay-samples 31           # 1949218748
+        --lr-warmup-samples 8           # 3906252
+        --lr 0.00015
+        --min-lr 0.00001
+        --decoupled-lr 5.0e-4
+        --decoupled-min-lr 4.5e-5
+        --lr-decay-style cosine
+        --clip-grad 1.0
+        --weight-decay 0.1
+        --adam-beta1 0.9
+        --adam-beta2 0.95
+        --bf16
+        --grad-reduce-in-bf16
+        --cross-entropy-loss-fusion
+        --calculate-per-token-loss
+        $(known --manual-gc && echo --manual-gc || true)
+        --empty-unused-memory-level 1
+        --exit-duration-in-mins 235
+    )
+    DTYPE_ARGS=()
+    if [[ "$DTYPE" == "fp8" ]]; then
+        DTYPE_ARGS+=(
+            "--fp8-format hybrid"
+            "--fp8-amax-history-len 1024"
+            "--fp8-amax-compute-algo max"
+            "--fp8-param-gather"
+        )
+    fi
+    MODEL_PARALLEL_ARGS=(
+        --tensor-model-parallel-size $TP_SIZE
+        --context-parallel-size $CP_SIZE
+        --sequence-parallel
+    )
+    DDP_ARGS=(
+        --use-distributed-optimizer
+        --overlap-grad-reduce
+        --overlap-param-gather
+    )
+    TRAINING_ARGS+=("${DDP_ARGS[@]}")
+    DATA_ARGS_LIST=(
+        "--data-path $DATA_ARG"
+        "--tokenizer-type HuggingFaceTokenizer"
+        "--tokenizer-model $TOKENIZER_ARG"
+        "--data-cache-path ${DATA_CACHE_PATH}"
+        "--split '99,1,0'"
+        "--no-create-attention-mask-in-dataloader"
+        "--no-mmap-bin-files"
+        "--num-workers 1"
+        "--vocab-size 1024"             # 128256
+    )
+    EVAL_AND_LOGGING_ARGS=(
+        --log-interval 1
+        --eval-iters 1                  # 32
+        --eval-interval 3               # 100
+        --save-interval 3               # 1000
+        --log-throughput
+        --profile
+        --profile-step-start 1          # 4
+        --profile-step-end 3            # 6
+        # megalite: --ckpt-format torch_dist is refused (megalite writes its own format); dropped
+        $(known --distributed-timeout-minutes && echo --distributed-timeout-minutes 60 || true)
+        --save "$CHECKPOINT_PATH"
+        --load "$CHECKPOINT_PATH"
+        --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
+    )
+    torchrun_ "$ROOT/pretrain_gpt.py" \
+        ${MODEL_ARGS[@]} \
+        ${TRAINING_ARGS[@]} \
+        ${DTYPE_ARGS[@]} \
+        ${MODEL_PARALLEL_ARGS[@]} \
+        ${DATA_ARGS_LIST[@]} \
+        ${EVAL_AND_LOGGING_ARGS[@]} \
+        --log-jsonl $WORK/llama/metrics.jsonl
+}
+
+[[ "${ONLY:-gpt3}" == "gpt3" || -z "${ONLY:-}" ]] && (cd "$WORK" && gpt3_175b)
+[[ "${ONLY:-llama}" == "llama" || -z "${ONLY:-}" ]] && (cd "$WORK" && llama3_8b)
+[[ "${DRY_RUN:-0}" == "1" ]] || echo "logs, checkpoints and traces: $WORK"

@@ -1,0 +1,253 @@
+"""Megatron-LM's own launch scripts run on megalite: the flag sets of
+examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh, as
+examples/megatron/run_cpu.sh passes them (only sizes shrunk; the other differences follow
+Megatron-LM's validation or the device), train under torchrun with TP=2; the scripts as written
+are refused with the reasons; a batch ramp-up resumes exactly; the per-token loss changes training
+when tokens are masked."""
+import json
+import math
+import os
+import shlex
+import subprocess
+
+import numpy as np
+import pytest
+
+from dist_helpers import ROOT, run_pretrain, train_losses
+from megalite.arguments import ArgumentError, parse_args, validate_args
+
+SCRIPT = os.path.join(ROOT, "examples", "megatron", "run_cpu.sh")
+PY = os.environ.get("PYTHON_FOR_EXAMPLES") or __import__("sys").executable
+
+# The two scripts' flags and values as Megatron-LM writes them (paths as placeholders).
+GPT3_175B = {
+    "--num-layers": "96", "--hidden-size": "12288", "--num-attention-heads": "96", "--seq-length": "2048",
+    "--max-position-embeddings": "2048", "--attention-backend": "auto", "--micro-batch-size": "1",
+    "--global-batch-size": "1536", "--rampup-batch-size": "16 16 5859375", "--train-iters": "500000",
+    "--weight-decay": "0.1", "--adam-beta1": "0.9", "--adam-beta2": "0.95", "--init-method-std": "0.006",
+    "--clip-grad": "1.0", "--fp16": "", "--lr": "6.0e-5", "--lr-decay-style": "cosine", "--min-lr": "6.0e-6",
+    "--lr-warmup-fraction": ".001", "--lr-decay-iters": "430000", "--tensor-model-parallel-size": "8",
+    "--pipeline-model-parallel-size": "16", "--data-path": "DATA_text_document", "--vocab-file": "gpt2-vocab.json",
+    "--merge-file": "gpt2-merges.txt", "--split": "949,50,1", "--log-interval": "100", "--save-interval": "10000",
+    "--eval-interval": "1000", "--save": "ckpt", "--load": "ckpt", "--eval-iters": "10", "--tensorboard-dir": "tb",
+}
+LLAMA3_8B = {  # its real-data branch (DATA_ARG and TOKENIZER_ARG given), DTYPE=fp8
+    "--use-mcore-models": "", "--num-layers": "32", "--hidden-size": "4096", "--ffn-hidden-size": "14336",
+    "--num-attention-heads": "32", "--group-query-attention": "", "--num-query-groups": "8", "--kv-channels": "128",
+    "--seq-length": "8192", "--max-position-embeddings": "8192", "--position-embedding-type": "rope",
+    "--rotary-base": "1000000", "--rotary-percent": "1.0", "--attention-dropout": "0.0", "--hidden-dropout": "0.0",
+    "--swiglu": "", "--init-method-std": "0.0134", "--attention-backend": "fused", "--apply-layernorm-1p": "",
+    "--untie-embeddings-and-output-weights": "", "--disable-bias-linear": "", "--micro-batch-size": "1",
+    "--global-batch-size": "128", "--train-samples": "1953125000", "--lr-decay-samples": "1949218748",
+    "--lr-warmup-samples": "3906252", "--lr": "0.00015", "--min-lr": "0.00001", "--decoupled-lr": "5.0e-4",
+    "--decoupled-min-lr": "4.5e-5", "--lr-decay-style": "cosine", "--clip-grad": "1.0", "--weight-decay": "0.1",
+    "--adam-beta1": "0.9", "--adam-beta2": "0.95", "--bf16": "", "--grad-reduce-in-bf16": "",
+    "--cross-entropy-loss-fusion": "", "--calculate-per-token-loss": "", "--manual-gc": "",
+    "--empty-unused-memory-level": "1", "--exit-duration-in-mins": "235", "--fp8-format": "hybrid",
+    "--fp8-amax-history-len": "1024", "--fp8-amax-compute-algo": "max", "--fp8-param-gather": "",
+    "--tensor-model-parallel-size": "1", "--context-parallel-size": "1", "--sequence-parallel": "",
+    "--use-distributed-optimizer": "", "--overlap-grad-reduce": "", "--overlap-param-gather": "",
+    "--data-path": "DATA_text_document", "--tokenizer-type": "HuggingFaceTokenizer", "--tokenizer-model": "tok",
+    "--data-cache-path": "cache", "--split": "'99,1,0'", "--no-create-attention-mask-in-dataloader": "",
+    "--no-mmap-bin-files": "", "--num-workers": "1", "--vocab-size": "128256", "--log-interval": "1",
+    "--eval-iters": "32", "--eval-interval": "100", "--save-interval": "1000", "--log-throughput": "", "--profile": "",
+    "--profile-step-start": "4", "--profile-step-end": "6", "--ckpt-format": "torch_dist",
+    "--distributed-timeout-minutes": "60", "--save": "ckpt", "--load": "ckpt", "--tensorboard-dir": "tb",
+}
+# its mock-data branch (the script's default) replaces the data flags with these
+LLAMA3_MOCK_DATA = {"--mock-data": "", "--tokenizer-type": "NullTokenizer", "--vocab-size": "128256",
+                    "--data-cache-path": "cache", "--tiktoken-pattern": "v2", "--split": "'99,1,0'",
+                    "--no-create-attention-mask-in-dataloader": "", "--no-mmap-bin-files": "", "--num-workers": "1"}
+# what may differ: sizes (model, batch, iterations and the intervals counted in them), parallel sizes, paths
+SIZES = {"--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
+         "--kv-channels", "--seq-length", "--max-position-embeddings", "--micro-batch-size", "--global-batch-size",
+         "--rampup-batch-size", "--train-samples", "--lr-decay-samples", "--lr-warmup-samples", "--vocab-size",
+         "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--log-interval", "--save-interval",
+         "--eval-interval", "--eval-iters", "--profile-step-start", "--profile-step-end"}
+PATHS = {"--data-path", "--vocab-file", "--merge-file", "--save", "--load", "--tensorboard-dir", "--tokenizer-model",
+         "--data-cache-path"}
+# Flags another branch is adding; run_cpu.sh passes them once pretrain_gpt.py knows them.
+ELSEWHERE = {"--manual-gc", "--distributed-timeout-minutes"}
+
+
+def known_flags():
+    from megalite.arguments import build_parser
+    return {f for f in ELSEWHERE if f in build_parser()._option_string_actions}
+
+
+def flags_of(argv: list[str]) -> dict:
+    out, key = {}, None
+    for a in argv:
+        if a.startswith("--"):
+            key = a
+            out[key] = ""
+        else:
+            out[key] = (out[key] + " " + a).strip()
+    return out
+
+
+def commands(tmp_path) -> list[dict]:
+    proc = subprocess.run(["bash", SCRIPT, str(tmp_path)], env=dict(os.environ, DRY_RUN="1", PYTHON=PY,
+                          PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    cmds = [shlex.split(line) for line in proc.stdout.splitlines() if "pretrain_gpt.py" in line]
+    assert len(cmds) == 2 and all("--nproc_per_node" in c for c in cmds)
+    return [flags_of(c[next(i for i, a in enumerate(c) if a.endswith("pretrain_gpt.py")) + 1:]) for c in cmds]
+
+
+def test_flag_sets_are_megatron_lms_with_sizes_shrunk(tmp_path):
+    gpt3, llama = commands(tmp_path)
+    have = known_flags()
+    # GPT-3 175B: sample-based (Megatron-LM refuses its ramp-up with --train-iters) and a tokenizer named
+    assert set(gpt3) == (set(GPT3_175B) - {"--train-iters", "--lr-decay-iters"}
+                         | {"--train-samples", "--lr-decay-samples", "--tokenizer-type", "--log-jsonl"})
+    assert gpt3["--tokenizer-type"] == "GPT2BPETokenizer" and gpt3["--tensor-model-parallel-size"] == "2"
+    # Llama-3 8B: FP8 and --ckpt-format torch_dist refused; the flags another branch adds when known
+    assert set(llama) == (set(LLAMA3_8B) - {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
+                                            "--fp8-param-gather", "--ckpt-format"} - (ELSEWHERE - have)
+                          | {"--log-jsonl"})
+    assert llama["--tensor-model-parallel-size"] == "2"
+    for ours, theirs in ((gpt3, GPT3_175B), (llama, LLAMA3_8B)):
+        for flag, value in ours.items():
+            if flag in theirs and flag not in SIZES | PATHS and flag != "--attention-backend":
+                assert value == theirs[flag], flag
+    # the one device difference: SDPA's fused kernels need CUDA
+    assert llama["--attention-backend"] in ("fused", "unfused")
+
+
+def argv_of(flags: dict, **changes) -> list[str]:
+    flags = {**flags, **changes}
+    return [t for f, v in flags.items() if v is not None for t in [f, *v.split()]]
+
+
+@pytest.mark.parametrize("script,changes,world,pattern", [
+    # as written, Megatron-LM itself stops: validate_args ("expected no batch-size rampup for
+    # iteration-based training"), then build_tokenizer ("None tokenizer is not implemented")
+    (GPT3_175B, {}, 1024, "--rampup-batch-size needs sample-based training.*Megatron-LM refuses it"),
+    (GPT3_175B, {"--train-iters": None, "--lr-decay-iters": None, "--train-samples": "1000000000"}, 1024,
+     "--vocab-file is only read by a tokenizer: give --tokenizer-type"),
+    (LLAMA3_8B, {}, 8, "--fp8-format is not supported: FP8 training needs Hopper-class"),
+    (LLAMA3_8B, {"--fp8-format": None, "--fp8-amax-history-len": None, "--fp8-amax-compute-algo": None,
+                 "--fp8-param-gather": None}, 8, "--ckpt-format torch_dist .* is not supported"),
+])
+def test_scripts_as_written_are_refused_with_the_reason(script, changes, world, pattern):
+    unknown = ELSEWHERE - known_flags()
+    flags = {f: v for f, v in script.items() if f not in unknown}
+    with pytest.raises(ArgumentError, match=pattern):
+        validate_args(parse_args(argv_of(flags, **changes)), world, check_files=False)
+
+
+@pytest.mark.parametrize("flag,pattern", [
+    ("--tiktoken-pattern", "--tiktoken-pattern is only read by --tokenizer-type TikTokenizer, not NullTokenizer"),
+    ("--split", "--split has no effect with --mock-data"),
+    ("--data-cache-path", "--data-cache-path has no effect with --mock-data"),
+    ("--no-mmap-bin-files", "--no-mmap-bin-files has no effect with --mock-data"),
+])
+def test_llama_mock_branch_flags_that_would_do_nothing_are_refused(flag, pattern):
+    """The mock-data branch passes four flags that act on nothing there (Megatron-LM ignores them):
+    each is refused alone."""
+    drop = ELSEWHERE | {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
+                        "--ckpt-format", "--data-path", "--tokenizer-model"}
+    flags = {f: v for f, v in LLAMA3_8B.items() if f not in drop}
+    mock = {**LLAMA3_MOCK_DATA}
+    for other in ("--tiktoken-pattern", "--split", "--data-cache-path", "--no-mmap-bin-files"):
+        if other != flag:
+            mock[other] = None
+    with pytest.raises(ArgumentError, match=pattern):
+        validate_args(parse_args(argv_of({**flags, **mock}, **{"--attention-backend": "auto"})), 8,
+                      check_files=False)
+
+
+def records(path):
+    with open(path) as f:
+        rs = [json.loads(line) for line in f]
+    return rs[0]["ranks"], [r for r in rs[1:] if "split" not in r], [r for r in rs[1:] if "split" in r]
+
+
+@pytest.mark.slow
+def test_both_flag_sets_train_on_cpu_with_tp2(tmp_path):
+    env = dict(os.environ, PYTHON=PY, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+    # GPT-3 175B: the ramp-up 2, 2, 4, then 6 (Megatron-LM's calculator), fp16 skipping while the scale falls
+    ranks, train, evals = records(tmp_path / "gpt3" / "metrics.jsonl")
+    assert [r["global_batch_size"] for r in train] == [2, 2, 4] + [6] * 15
+    assert [r["consumed_samples"] for r in train] == list(np.cumsum([2, 2, 4] + [6] * 15))
+    stepped = [r for r in train if not r["skipped_iterations"]]
+    assert 2 <= len(stepped) < len(train) and all(math.isfinite(r["lm_loss"]) for r in train)
+    assert [r["lr"] for r in stepped][1:] == sorted([r["lr"] for r in stepped][1:], reverse=True)  # cosine
+    assert {r["split"] for r in evals} == {"valid", "test"} and len(ranks) == 2
+    assert os.path.isfile(tmp_path / "gpt3" / "checkpoints" / "iter_0000018" / "metadata.json")
+
+    # Llama-3 8B: what each of its flags should leave behind
+    ranks, train, evals = records(tmp_path / "llama" / "metrics.jsonl")
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4] and all(r["global_batch_size"] == 8 for r in train)
+    assert all(r["grad_bytes"] == 2 * r["num_params"] for r in ranks)  # --grad-reduce-in-bf16
+    assert all(r["decoupled_lr"] > r["lr"] for r in train[1:])  # --decoupled-lr 5e-4 over --lr 1.5e-4
+    assert train[1]["decoupled_lr"] == pytest.approx(5e-4)  # warmed up after 8 samples
+    meta = json.load(open(tmp_path / "llama" / "checkpoints" / "iter_0000004" / "metadata.json"))
+    assert {k: meta["model_config"][k] for k in ("apply_layernorm_1p", "cross_entropy_loss_fusion",
+                                                 "sequence_parallel")} == dict.fromkeys(
+        ("apply_layernorm_1p", "cross_entropy_loss_fusion", "sequence_parallel"), True)
+    traces = [f for f in os.listdir(tmp_path / "llama" / "tensorboard") if f.endswith(".pt.trace.json")]
+    assert len(traces) == 1 and traces[0].startswith("rank0.")  # --profile on rank 0 only, as Megatron-LM
+    assert "throughput per GPU (TFLOP/s/GPU)" in proc.stdout  # --log-throughput
+    assert "--empty-unused-memory-level 1: a no-op on CPU" in proc.stdout
+    assert {r["split"] for r in evals} == {"valid"}  # --split '99,1,0': no test split
+
+
+MOCK = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3", "--lr-decay-style", "cosine",
+        "--min-lr", "1e-4", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0.1"]
+
+
+@pytest.mark.slow
+def test_rampup_resume_is_exact(tmp_path):
+    ramp = MOCK + ["--train-samples", "46", "--rampup-batch-size", "2", "2", "12", "--global-batch-size", "8",
+                   "--lr-warmup-samples", "6"]  # batches 2 2 4 6 8 8 8 8: 46 samples
+    straight, _ = run_pretrain(1, ramp, tmp_path, "straight")
+    first, _ = run_pretrain(1, ramp + ["--save", str(tmp_path / "ck"), "--exit-interval", "3"], tmp_path, "first")
+    second, _ = run_pretrain(1, ramp + ["--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck")], tmp_path,
+                             "second")
+    keys = ("iteration", "consumed_samples", "global_batch_size", "lm_loss", "lr", "grad_norm")
+    rows = [tuple(r[k] for k in keys) for r in straight if "iteration" in r]
+    assert [r[2] for r in rows] == [2, 2, 4, 6, 8, 8, 8, 8]
+    resumed = [tuple(r[k] for k in keys) for r in first + second if "iteration" in r]
+    assert resumed == rows
+
+
+@pytest.mark.slow
+def test_per_token_loss_changes_training_when_tokens_are_masked(tmp_path):
+    from megalite.data.indexed_dataset import IndexedDatasetBuilder
+    prefix = str(tmp_path / "docs_text_document")
+    b = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # runs of one-token documents between long ones: micro-batches mask unequally
+        b.add_document(np.append(rng.integers(0, 100, 40 if rng.random() < 0.3 else 1), 100))
+    b.finalize(prefix + ".idx")
+    flags = [f for f in MOCK if f not in ("--mock-data",)]
+    flags[flags.index("--vocab-size") + 1] = "100"
+    flags[flags.index("--micro-batch-size") + 1] = "1"
+    flags[flags.index("--lr") + 1] = "20"
+    # SGD: the update is the gradient itself (Adam's first step would be its sign, nearly the same)
+    flags += ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--eod-mask-loss", "--train-iters", "3",
+              "--global-batch-size", "4", "--split", "100,0,0", "--hidden-dropout", "0", "--optimizer", "sgd",
+              "--sgd-momentum", "0", "--min-lr", "20", "--clip-grad", "0"]
+    default, _ = run_pretrain(1, flags, tmp_path, "default")
+    per_token, _ = run_pretrain(1, flags + ["--calculate-per-token-loss"], tmp_path, "per_token")
+    a, b = train_losses(default), train_losses(per_token)
+    assert a[0] == b[0]  # same weights, and the reported loss is the token mean either way
+    # different gradients (micro-batch means vs the token mean), so different weights after the step
+    assert abs(a[1] - b[1]) > 0.01 * abs(a[1] - a[0])
+
+
+@pytest.mark.slow
+def test_step_schedule_down_with_overlapped_reduction(tmp_path):
+    """--overlap-grad-reduce starts a bucket after the iteration's last micro-batch: the count
+    must follow the schedule (DataParallel.set_num_microbatches), here 4 then 2 micro-batches."""
+    recs, _ = run_pretrain(1, MOCK + ["--step-batch-size-schedule", "0:8 128:4", "--train-samples", "20",
+                                      "--overlap-grad-reduce"], tmp_path)
+    train = [r for r in recs if "iteration" in r]
+    assert [r["global_batch_size"] for r in train] == [8, 4, 4, 4]
+    assert [r["consumed_samples"] for r in train] == [8, 12, 16, 20]
