@@ -247,7 +247,10 @@ def test_step_schedule_down_with_overlapped_reduction(tmp_path):
     """--overlap-grad-reduce starts a bucket after the iteration's last micro-batch: the count
     must follow the schedule (DataParallel.set_num_microbatches), here 4 then 2 micro-batches."""
     recs, _ = run_pretrain(1, MOCK + ["--step-batch-size-schedule", "0:8 128:4", "--train-samples", "20",
-                                      "--overlap-grad-reduce"], tmp_path)
+                                      "--overlap-grad-reduce", "--log-params-norm", "--log-memory-to-tensorboard",
+                                      "--deterministic-mode"], tmp_path)
     train = [r for r in recs if "iteration" in r]
     assert [r["global_batch_size"] for r in train] == [8, 4, 4, 4]
     assert [r["consumed_samples"] for r in train] == [8, 12, 16, 20]
+    norms = [r["params_norm"] for r in train]  # --log-params-norm: moves as the weights train
+    assert all(n > 0 for n in norms) and len(set(norms)) == 4 and all(r["max_rss_bytes"] > 0 for r in train)

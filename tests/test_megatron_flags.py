@@ -137,6 +137,23 @@ def test_layernorm_1p_stores_w_minus_1_and_computes_the_same(normalization):
     assert torch.allclose(loss_of(plain), loss_of(one_p), rtol=0, atol=1e-6)
 
 
+def test_layernorm_1p_exports_the_weight_itself(tmp_path):
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from megalite.hf_conversion import to_hf
+    from megalite.model import GPTModel
+    config = tiny_config(apply_layernorm_1p=True)
+    model = GPTModel(config)
+    model.initialize(seed=1)
+    state = {n: p.detach().clone() for n, p in model.global_named_parameters()}
+    to_hf({"model_config": config.to_dict(), "dir": "ck"}, state, str(tmp_path / "hf"))
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for ours, theirs in (("decoder.layers.0.input_layernorm.weight", "transformer.h.0.ln_1.weight"),
+                         ("decoder.final_layernorm.weight", "transformer.ln_f.weight")):
+        assert torch.equal(hf[theirs], state[ours] + 1) and torch.equal(hf[theirs], torch.ones_like(hf[theirs]))
+
+
 def test_layernorm_1p_is_checked_against_checkpoints():
     from megalite.checkpointing import CheckpointError, check_model_config
     with pytest.raises(CheckpointError, match="--apply-layernorm-1p is False in the checkpoint and True"):
