@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from dist_helpers import spawn
 from megalite.model.init import shard
+from megalite.tensor_parallel.param_info import param_info
 from megalite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       vocab_parallel_cross_entropy)
 
@@ -28,18 +29,18 @@ def _check_column(rank, world, gather_output, stride):
     # tensor parallel
     layer = ColumnParallelLinear(h_in, h_out, tp_group=group, gather_output=gather_output, stride=stride)
     with torch.no_grad():
-        layer.weight.copy_(shard(W, layer.weight, rank, world))
-        layer.bias.copy_(shard(bias, layer.bias, rank, world))
+        layer.weight.copy_(shard(W, param_info(layer.weight), rank, world))
+        layer.bias.copy_(shard(bias, param_info(layer.bias), rank, world))
     Xt = X.clone().requires_grad_()
     Y = layer(Xt)
-    Rt = R if gather_output else shard(R.movedim(-1, 0), layer.weight, rank, world).movedim(0, -1)
+    Rt = R if gather_output else shard(R.movedim(-1, 0), param_info(layer.weight), rank, world).movedim(0, -1)
     ref_out = F.linear(X, W, bias)
-    expect = ref_out if gather_output else shard(ref_out.movedim(-1, 0), layer.weight, rank, world).movedim(0, -1)
+    expect = ref_out if gather_output else shard(ref_out.movedim(-1, 0), param_info(layer.weight), rank, world).movedim(0, -1)
     torch.testing.assert_close(Y, expect, atol=ATOL, rtol=0)
     (Y * Rt).sum().backward()
     torch.testing.assert_close(Xt.grad, Xr.grad, atol=ATOL, rtol=0)
-    torch.testing.assert_close(layer.weight.grad, shard(Wr.grad, layer.weight, rank, world), atol=ATOL, rtol=0)
-    torch.testing.assert_close(layer.bias.grad, shard(br.grad, layer.bias, rank, world), atol=ATOL, rtol=0)
+    torch.testing.assert_close(layer.weight.grad, shard(Wr.grad, param_info(layer.weight), rank, world), atol=ATOL, rtol=0)
+    torch.testing.assert_close(layer.bias.grad, shard(br.grad, param_info(layer.bias), rank, world), atol=ATOL, rtol=0)
 
 
 def _check_row(rank, world, input_is_parallel):
@@ -52,7 +53,7 @@ def _check_row(rank, world, input_is_parallel):
     (ref * R).sum().backward()
     layer = RowParallelLinear(h_in, h_out, tp_group=group, input_is_parallel=input_is_parallel)
     with torch.no_grad():
-        layer.weight.copy_(shard(W, layer.weight, rank, world))
+        layer.weight.copy_(shard(W, param_info(layer.weight), rank, world))
         layer.bias.copy_(bias)
     Xin = X.chunk(world, dim=-1)[rank].clone() if input_is_parallel else X.clone()
     Xt = Xin.requires_grad_()
@@ -61,7 +62,7 @@ def _check_row(rank, world, input_is_parallel):
     (Y * R).sum().backward()
     expect_xgrad = Xr.grad.chunk(world, dim=-1)[rank] if input_is_parallel else Xr.grad
     torch.testing.assert_close(Xt.grad, expect_xgrad, atol=ATOL, rtol=0)
-    torch.testing.assert_close(layer.weight.grad, shard(Wr.grad, layer.weight, rank, world), atol=ATOL, rtol=0)
+    torch.testing.assert_close(layer.weight.grad, shard(Wr.grad, param_info(layer.weight), rank, world), atol=ATOL, rtol=0)
     torch.testing.assert_close(layer.bias.grad, br.grad, atol=ATOL, rtol=0)
 
 
@@ -75,11 +76,11 @@ def _check_embedding(rank, world):
     (F.embedding(ids, Wr) * R).sum().backward()
     layer = VocabParallelEmbedding(V, h, tp_group=dist.group.WORLD)
     with torch.no_grad():
-        layer.weight.copy_(shard(W, layer.weight, rank, world))
+        layer.weight.copy_(shard(W, param_info(layer.weight), rank, world))
     out = layer(ids)
     torch.testing.assert_close(out, F.embedding(ids, W), atol=ATOL, rtol=0)
     (out * R).sum().backward()
-    torch.testing.assert_close(layer.weight.grad, shard(Wr.grad, layer.weight, rank, world), atol=ATOL, rtol=0)
+    torch.testing.assert_close(layer.weight.grad, shard(Wr.grad, param_info(layer.weight), rank, world), atol=ATOL, rtol=0)
 
 
 def _check_cross_entropy(rank, world, vocab_size):
