@@ -9,7 +9,8 @@ a step whose gradients overflowed is skipped on every rank.
 One step, after the data-parallel module has reduced the gradients: multiply by `grad_scale`
 (1 / loss scale, token renormalisation) -> one all-reduce of [squared norm, overflow count] ->
 skip on overflow -> clip -> update -> masters copied into the parameters.
-distributed_optimizer.py shards the masters and the optimizer state over DP (ZeRO-1).
+distributed_optimizer.py shards the masters and the optimizer state over DP (ZeRO-1/2/3) and
+offloads them to host memory (--optimizer-cpu-offload).
 
 The update itself is torch.optim's AdamW / SGD, fused where the device has fused kernels (CUDA,
 and the CPU on recent torch), unless --no-fused-optimizer; both paths compute the same update
@@ -121,6 +122,11 @@ class MixedPrecisionOptimizer:
         comm.all_reduce(stats, self.ps.mp_group)
         comm.all_reduce(stats, self.ps.dp_group, op=torch.distributed.ReduceOp.MAX)
 
+    def _attach_grads(self, grads: list[torch.Tensor]) -> None:
+        """Give each master its (unscaled, clipped) gradient for the inner optimizer."""
+        for m, g in zip(self.masters, grads):
+            m.grad = g.view_as(m)
+
     def _update_params(self) -> None:
         if not self.fp32_params:
             for p, m in zip(self.params, self.masters):
@@ -180,8 +186,7 @@ class MixedPrecisionOptimizer:
         clip_by_norm(grads, grad_norm, self.clip_grad)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        for m, g in zip(self.masters, grads):
-            m.grad = g.view_as(m)
+        self._attach_grads(grads)
         self.optimizer.step()
         for m in self.masters:
             m.grad = None
