@@ -191,12 +191,13 @@ def collect_rank_state(train_state: TrainState) -> tuple[dict, dict]:
                         "layout": shard_layout(p, ps.tp_rank, ps.tp_size, vocab_size)})
 
     # TP-replicated tensors are saved by TP rank 0 only; the tied embedding's copy on the last
-    # stage is not saved at all (it equals the first stage's)
-    if ps.dp_rank == 0:
-        for name, p in train_state.named_params:
-            if param_info(p).is_owner(ps.tp_rank):
-                add("param", name, p, 0, p.numel(), p)
+    # stage is not saved at all (it equals the first stage's). Parameters replicated over DP are
+    # saved by DP rank 0; under ZeRO-3 every DP rank saves the slices it stores.
     names = {id(p): n for n, p in train_state.named_params}
+    if opt.dp.shards_params or ps.dp_rank == 0:
+        for p, lo, hi, t in opt.dp.param_pieces():
+            if param_info(p).is_owner(ps.tp_rank):
+                add("param", names[id(p)], p, lo, hi, t)
     saves_states = opt.distributed or ps.dp_rank == 0  # plain optimizer: DP replicas are identical
     for p, lo, hi, master in opt.pieces():
         if not (saves_states and param_info(p).is_owner(ps.tp_rank)):
@@ -233,7 +234,8 @@ def build_metadata(train_state: TrainState, iteration: int) -> dict:
         "format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": train_state.consumed_samples,
         "args": _json_safe(train_state.flags), "model_config": train_state.model_config.to_dict(),
         "layout": {"world_size": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vpp": ps.vpp,
-                   "dp": ps.dp_size, "distributed_optimizer": bool(opt.distributed)},
+                   "dp": ps.dp_size, "distributed_optimizer": bool(opt.distributed),
+                   "data_parallel_sharding_strategy": opt.dp.strategy},
         "scheduler": train_state.scheduler.state_dict(),
         "grad_scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
         "optimizer": {"type": train_state.flags.get("optimizer", "adam"), "fp32_params": bool(opt.fp32_params)},
@@ -432,19 +434,21 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
         return cache[key]
 
     with torch.no_grad():
-        for name, p in train_state.named_params:
-            kind = "master" if prefer_master and reader.has(name, "master") else "param"
-            p.copy_(local(name, p, kind).view(p.shape).to(p.dtype))
         names = {id(p): n for n, p in train_state.named_params}
+        for p, lo, hi, t in opt.dp.param_pieces():  # whole parameters, or ZeRO-3's slices
+            name = names[id(p)]
+            kind = "master" if prefer_master and reader.has(name, "master") else "param"
+            t.view(-1).copy_(local(name, p, kind)[lo:hi].to(t.dtype))
         restore_optim = load_optim and not finetune
         if restore_optim and not meta.get("has_optimizer_state", True):
             raise CheckpointError(f"{where} holds weights only (no optimizer state); "
                                   "load it with --no-load-optim or --finetune")
         for p, lo, hi, master in opt.pieces():
             name = names[id(p)]
-            if not opt.fp32_params:  # fp32: the master is the parameter (or a view of it), loaded above
-                kind = "master" if reader.has(name, "master") else "param"
-                master.view(-1).copy_(local(name, p, kind)[lo:hi])
+            # fp32: the master is usually the parameter (or a view of it), loaded above; an
+            # offloaded one is a host copy, so every master is loaded
+            kind = "master" if reader.has(name, "master") else "param"
+            master.view(-1).copy_(local(name, p, kind)[lo:hi])
             if not restore_optim:
                 continue
             state = opt.optimizer.state.get(master, {})
