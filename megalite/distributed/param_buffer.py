@@ -80,7 +80,8 @@ class ShardedParams:
         self.full: list[torch.Tensor] = []
         self.state = [self.FREE] * len(layout.buckets)
         self._handles: list = [None] * len(layout.buckets)
-        self.gathers = 0  # all-gathers issued (benchmarks report it)
+        self.gathers = 0  # all-gathers issued, and the most bytes gathered at once (benchmarks, tests)
+        self.peak_gathered_bytes = 0
         for b, (start, end) in enumerate(layout.buckets):
             full = torch.zeros(end - start, dtype=dtype, device=device)
             for p in layout.bucket_params[b]:
@@ -123,7 +124,9 @@ class ShardedParams:
                 self.wait(b)
             return
         _alloc(self.full[b])
+        self.state[b] = self.GATHERING
         self.gathers += 1
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
         self._handles[b] = comm.all_gather_flat(self.param_shard(b), self.full[b], self.dp_group, async_op=async_op)
         self.state[b] = self.GATHERING if async_op else self.READY
 

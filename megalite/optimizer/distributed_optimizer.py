@@ -19,7 +19,7 @@ Optimizer state per rank is 12 bytes per parameter / DP with 16-bit parameters (
 4 + Adam m, v 8), 8 / DP with fp32 parameters (the parameter is its own master).
 
 --optimizer-cpu-offload --optimizer-offload-fraction f: the masters and moments of the first
-pieces, a fraction f of this rank's elements, are host tensors (pinned when CUDA is present),
+round(f x n) of this rank's n elements (a piece is cut at the boundary) are host tensors (pinned when CUDA is present),
 and the inner optimizer steps them there (torch's AdamW runs each device's tensors with that
 device's kernels). Their gradients are copied to the host before the step, the updated masters
 back into the parameter slices after it. With fp32 parameters an offloaded piece gets a host
@@ -51,12 +51,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     # -- what is stepped: this rank's slice of every bucket ----------------------------------------
     def _build_masters(self) -> None:
         dp, tp_rank = self.dp, self.ps.tp_rank
-        pieces = list(dp.shard_pieces())  # (bucket, param, lo, hi, offset in the bucket's slice)
-        total = sum(hi - lo for _, _, lo, hi, _ in pieces)
-        on_host, n_host = [], 0
-        for _, _, lo, hi, _ in pieces:  # a prefix of the pieces, up to the fraction of elements
-            on_host.append(n_host < self.offload_fraction * total)
-            n_host += (hi - lo) if on_host[-1] else 0
+        total = sum(hi - lo for _, _, lo, hi, _ in dp.shard_pieces())
+        # offloaded: the first round(f x total) elements; the piece at the boundary is cut in two
+        pieces, on_host, n_host = [], [], 0
+        target = round(self.offload_fraction * total)
+        for b, p, lo, hi, off in dp.shard_pieces():  # (bucket, param, lo, hi, offset in the bucket's slice)
+            cut = min(hi, lo + max(target - n_host, 0))
+            for a, z, host in ((lo, cut, True), (cut, hi, False)):
+                if a < z:
+                    pieces.append((b, p, a, z, off + a - lo))
+                    on_host.append(host)
+                    n_host += (z - a) if host else 0
         n_device = 0 if self.fp32_params else sum(hi - lo for (_, _, lo, hi, _), h in zip(pieces, on_host) if not h)
         pin = torch.cuda.is_available()
         self.master_data = torch.empty(n_device, dtype=torch.float32, device=self.device) if n_device else None
@@ -64,7 +69,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if n_host:
             self.host_master_data = torch.empty(n_host, dtype=torch.float32, pin_memory=pin)
             self.host_grad_data = torch.empty(n_host, dtype=torch.float32, pin_memory=pin)
-        self.masters, self.main_grads, self.master_ndims, self.counted = [], [], [], []
+        # the norm, the overflow check, unscaling and clipping run over the uncut pieces, so the
+        # numbers do not depend on where the offload boundary falls
+        self.main_grads, self.counted = [], []
+        for b, p, lo, hi, off in dp.shard_pieces():
+            self.main_grads.append(dp.grad_shard(b)[off:off + hi - lo])
+            self.counted.append(param_info(p).is_owner(tp_rank))
+        self.masters, self.master_ndims, self._step_grads = [], [], []
         self._pieces, self._host_grads, self._copy_back = [], [], []
         d = h = 0
         for (b, p, lo, hi, off), host in zip(pieces, on_host):
@@ -86,9 +97,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 master.copy_(weight)
                 self._copy_back.append((weight, master))
             self.masters.append(master)
-            self.main_grads.append(grad)
+            self._step_grads.append(grad)  # views of the same memory as main_grads
             self.master_ndims.append(p.ndim)
-            self.counted.append(param_info(p).is_owner(tp_rank))
             self._pieces.append((p, lo, hi))
         self.offloaded_elements, self.total_elements = n_host, total
 
@@ -101,9 +111,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         comm.all_reduce(stats, self.ps.mp_group)
 
     def _attach_grads(self, grads: list[torch.Tensor]) -> None:
-        """Offloaded pieces get a host copy of their gradient (device to host)."""
+        """Offloaded pieces get a host copy of their gradient (device to host). `grads` (the
+        uncut pieces) were scaled and clipped in place; the masters' cut pieces view them."""
         copied = False
-        for m, g, hg in zip(self.masters, grads, self._host_grads):
+        for m, g, hg in zip(self.masters, self._step_grads, self._host_grads):
             if hg is not None:
                 hg.copy_(g, non_blocking=True)
                 m.grad, copied = hg, True
