@@ -161,7 +161,7 @@ def test_gpt3_175b_layout(capsys):
     p = json.loads(capsys.readouterr().out)
     for key in ("num_params_total", "num_params_per_gpu", "bubble_fraction", "flops_per_iteration"):
         assert key in p
-    assert set(p["memory_gb"]) == {"params", "grads", "optimizer", "activations", "total"}
+    assert set(p["memory_gb"]) == {"params", "grads", "optimizer", "working_set", "activations", "total"}
     assert abs(p["num_params_total"] / 175e9 - 1) < 0.01
     # 6 layers per stage; the first stage also holds the embedding
     assert p["num_params_per_gpu"] == p["stages"][0]["num_params"]
