@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep fp32 master weights and optimizer state (a fraction of them: "
                         "--optimizer-offload-fraction) in host memory and step them on the CPU; needs a sharded "
                         "strategy")
-    g.add_argument("--optimizer-offload-fraction", type=float,
+    g.add_argument("--optimizer-offload-fraction", type=float, default=argparse.SUPPRESS,
                    help="with --optimizer-cpu-offload: fraction of each rank's optimizer state offloaded, in (0, 1] "
                         "(default 1)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -365,20 +365,18 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         _fail("--overlap-param-gather needs --use-distributed-optimizer (or a --data-parallel-sharding-strategy "
               "other than no_shard)")
-    if args.optimizer_offload_fraction is not None and not args.optimizer_cpu_offload:
+    fraction = getattr(args, "optimizer_offload_fraction", None)  # absent unless given
+    if fraction is not None and not args.optimizer_cpu_offload:
         _fail("--optimizer-offload-fraction needs --optimizer-cpu-offload")
+    args.optimizer_offload_fraction = 1.0 if fraction is None else fraction
     if args.optimizer_cpu_offload:
         if not args.use_distributed_optimizer:
             _fail("--optimizer-cpu-offload offloads each rank's shard of the optimizer state: it needs "
                   "--use-distributed-optimizer or --data-parallel-sharding-strategy optim, optim_grads or "
                   "optim_grads_params")
-        if args.optimizer_offload_fraction is None:
-            args.optimizer_offload_fraction = 1.0
         if not 0.0 < args.optimizer_offload_fraction <= 1.0:
             _fail(f"--optimizer-offload-fraction must be in (0, 1], got {args.optimizer_offload_fraction} "
                   "(to offload nothing, drop --optimizer-cpu-offload)")
-    else:
-        args.optimizer_offload_fraction = 1.0
 
     # experiment trackers (W&B, TensorBoard): optional packages, checked before any process starts
     from .tracking import missing_packages
