@@ -174,14 +174,17 @@ def _one_step_memory(rank, world, flags):
 
 
 def test_zero3_frees_what_it_gathers():
-    """One step of ZeRO-3 over DP 2 (8 layers, 2 micro-batches): parameters gathered at once
+    """One step of ZeRO-3 over DP 2 (8 layers, 2 micro-batches, full recompute: each layer's
+    forward runs again inside backward and must not prefetch the layer after it, whose backward
+    is over): parameters gathered at once
     never exceed the chunk's own unit plus two layers (the one in use and the prefetched next),
     all are freed after the step, each unit is gathered for every forward and every
     backward (re-gathered, not kept), and no full-size fp32 gradient buffer exists."""
     flags = ["--mock-data", "--vocab-size", "256", "--num-layers", "8", "--hidden-size", "64",
              "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
              "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0", "--hidden-dropout", "0",
-             "--attention-dropout", "0"] + strategy("optim_grads_params") + OVERLAP
+             "--attention-dropout", "0", "--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"] + strategy("optim_grads_params") + OVERLAP
     for r in spawn(_one_step_memory, 2, flags):
         assert r["peak_gathered"] <= r["working_set"] < r["all_full"], r
         assert r["gathered_after"] == 0, r

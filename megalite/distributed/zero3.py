@@ -89,6 +89,10 @@ class Zero3Schedule:
 
     def _pre_forward(self, pos):
         def hook(module, args):
+            if in_backward():  # a recompute: gather this unit only (the next ran its backward already)
+                for b in self._buckets(pos):
+                    self.params.gather(b)
+                return
             self._use(pos, forward=True)
         return hook
 
