@@ -11,8 +11,8 @@ gradients, which is what lets a bucket's reduction overlap the rest of backward.
 never straddles two buckets, but a rank's 1/DP slice of a bucket may start or end inside a
 parameter: the sharded strategies own slices, not parameters.
 
-A bucket closes when it reaches `bucket_size` elements or when the next parameter belongs to
-another *unit* (`unit_of`): the sharded-gradient strategies cut at model chunks and around the
+A bucket closes when it reaches `bucket_size` elements, before a parameter that alone fills a
+bucket, or when the next parameter belongs to another *unit* (`unit_of`): the sharded-gradient strategies cut at model chunks and around the
 tied embedding, ZeRO-3 at every layer, so that a bucket is gathered and freed with the module
 that uses it (Megatron-FSDP's "FSDP units").
 """
@@ -45,8 +45,8 @@ class BucketLayout:
             bucket_start, members = offset, []
 
         for p in reversed(self.params):
-            if members and unit_of(p) != unit:
-                close()
+            if members and (unit_of(p) != unit or p.numel() >= bucket_size):
+                close()  # a new unit, or a parameter bigger than a bucket: it gets one of its own
             unit = unit_of(p)
             self.param_index[p] = (offset, offset + p.numel())
             self.param_bucket[p] = len(self.buckets)

@@ -174,6 +174,8 @@ class ShardedGradBuffer:
         self.on_round_complete, self.max_in_flight = on_round_complete, max_in_flight
         self.shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         self._staging: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        self._whole = [len(ps) == 1 and ps[0].numel() == e - s for ps, (s, e) in zip(layout.bucket_params,
+                                                                                    layout.buckets)]
         self._in_flight: list[tuple[int, torch.Tensor, object]] = []  # (bucket, staging, handle), oldest first
         self._acc = _Accumulator(layout)
         self.peak_staging_bytes = 0  # most staging memory held at once (benchmarks report it)
@@ -200,13 +202,17 @@ class ShardedGradBuffer:
     # -- accumulation ----------------------------------------------------------------------------
     def _accumulate(self, p: torch.nn.Parameter) -> None:
         b = self.layout.param_bucket[p]
-        if self._staging[b] is None:
-            start, end = self.layout.buckets[b]
-            self._staging[b] = torch.zeros(end - start, dtype=torch.float32, device=self.device)
-            self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_bytes())
-        lo, hi = self.layout.param_index[p]
-        start = self.layout.buckets[b][0]
-        self._staging[b][lo - start:hi - start].view(p.shape).add_(p.grad)
+        start, end = self.layout.buckets[b]
+        if self._staging[b] is None and self._whole[b] and p.grad.dtype == torch.float32 and p.grad.is_contiguous():
+            # a bucket that is exactly this parameter: autograd's fp32 gradient becomes the
+            # staging buffer, no copy (for a vocabulary-sized embedding, the step's largest tensor)
+            self._staging[b] = p.grad.detach().view(-1)
+        else:
+            if self._staging[b] is None:
+                self._staging[b] = torch.zeros(end - start, dtype=torch.float32, device=self.device)
+            lo, hi = self.layout.param_index[p]
+            self._staging[b][lo - start:hi - start].view(p.shape).add_(p.grad)
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_bytes())
         p.grad = None
         done = self._acc.arrive(p)
         if done is None:

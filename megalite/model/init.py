@@ -41,7 +41,7 @@ def full_tensor(param: nn.Parameter, name: str, seed: int, shape: tuple[int, ...
     gen = torch.Generator().manual_seed(name_seed(seed, name))
     rows = info.init_rows
     if rows is None or rows >= shape[0]:
-        return torch.randn(shape, generator=gen) * info.init_std
+        return torch.randn(shape, generator=gen).mul_(info.init_std)  # in place: ZeRO-3 builds 1 at a time
     # padded vocabulary: only the real rows are random; the padding rows stay zero (and, being
     # masked out of the softmax, get no gradient), so the padding amount cannot matter.
     out = torch.zeros(shape)
