@@ -304,6 +304,7 @@ def train(run: Run) -> None:
             if run.cfg.checkpoint.save_interval and state.iteration % run.cfg.checkpoint.save_interval == 0:
                 save_checkpoint(run, last_saved)
         reason = exit_reason(run, start_time)
+    run.dp.finish_param_sync()  # --overlap-param-gather: the last step's gathers, otherwise left in flight
     if reason is None:
         evaluate(run, "valid")
         evaluate(run, "test")
