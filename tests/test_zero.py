@@ -221,3 +221,16 @@ def test_use_distributed_optimizer_is_optim():
     assert validate_args(parse_args(flags), 2).data_parallel_sharding_strategy == "no_shard"
     args = validate_args(parse_args(flags + strategy("optim_grads_params")), 2)
     assert args.use_distributed_optimizer and args.optimizer_offload_fraction == 1.0
+
+
+def test_grad_norm_is_accurate_for_large_tensors():
+    """The squared norm accumulates in fp64: fp32 accumulation over a 4M-element gradient is off
+    by ~1e-4 on the CPU, by an amount that depends on how ZeRO cuts the tensor into pieces."""
+    import torch
+
+    from megalite.optimizer.clip_grads import local_grad_stats
+    g = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))
+    exact = g.double().pow(2).sum().item()
+    whole = local_grad_stats([g], [True])[0].item()
+    pieces = local_grad_stats(list(g.split([1_234_567, 2_000_000, 765_433])), [True] * 3)[0].item()
+    assert abs(whole - exact) / exact < 1e-12 and abs(pieces - exact) / exact < 1e-12
