@@ -273,6 +273,29 @@ def unit_params(args, pp_rank: int) -> tuple[int, list[int]]:
     return own, units
 
 
+def bucket_sizes(args, pp_rank: int, stage: int) -> list[int]:
+    """Approximate bucket sizes (elements) of the sharded-gradient layouts (distributed/buckets.py):
+    a vocabulary table of at least --ddp-bucket-size elements gets a bucket of its own; ZeRO-3
+    cuts every unit into buckets, ZeRO-2 only the stage's parameters as a whole."""
+    bs, h, t = args.ddp_bucket_size, args.hidden_size, args.tensor_model_parallel_size
+    word = args.padded_vocab_size // t * h
+    p, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    tables = 0  # word embedding and output layer tables on this stage
+    for c in range(v):
+        pre, post = pp_rank == 0 and c == 0, pp_rank == p - 1 and c == v - 1
+        tables += int(pre) + int(post and (args.untie_embeddings_and_output_weights or not pre))
+    tables = tables if word >= bs else 0
+    own, units = unit_params(args, pp_rank)
+    parts = units + [own] if stage == 3 else [stage_params(args, pp_rank)]
+    sizes, left = [word] * tables, tables
+    for u in sorted(parts, reverse=True):
+        cut = min(left, u // word) if tables else 0  # the tables come out of the units holding them
+        left -= cut
+        u -= cut * word
+        sizes += [bs] * (u // bs) + ([u % bs] if u % bs else [])
+    return sizes
+
+
 def strategy_bytes(args, pp_rank: int, strategy: str) -> dict:
     """Bytes per GPU of stage `pp_rank` under `strategy` (module docstring)."""
     d, stage = args.data_parallel_size, ZERO_STAGE[strategy]
@@ -292,11 +315,10 @@ def strategy_bytes(args, pp_rank: int, strategy: str) -> dict:
     else:
         buckets = math.ceil(n / args.ddp_bucket_size) + (v + 1 if stage == 2 else 0)
     gathered = staging = 0.0
+    if stage >= 2:
+        staging = 4 * sum(sorted(bucket_sizes(args, pp_rank, stage))[-4:])
     if stage == 3:
         gathered = (own + sum(sorted(units)[-2:])) * pb
-        staging = 4 * sum(min(u, args.ddp_bucket_size) for u in sorted(units + [own])[-4:])
-    elif stage == 2:
-        staging = 4 * min(n, 4 * args.ddp_bucket_size)
     out = {"params": n * pb / (d if stage == 3 else 1), "grads": 4 * n / (d if stage >= 2 else 1),
            "optimizer": optimizer * (1 - offload), "optimizer_host": optimizer * offload,
            "working_set": gathered + staging, "gathered_params": gathered, "staging_grads": staging,
