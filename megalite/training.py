@@ -467,6 +467,9 @@ def train(run: Run) -> None:
                 save_checkpoint(run, last_saved)
         reason = exit_reason(run, start_time)
     run.profiler.stop()
+    # --overlap-param-gather: the last step's gathers would otherwise be left in flight (stale
+    # parameters for evaluation and the final save; an abort at exit under gloo)
+    run.dp.finish_param_sync()
     if reason is None:
         evaluate(run, "valid")
         evaluate(run, "test")
