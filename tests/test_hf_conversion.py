@@ -62,18 +62,22 @@ def corpus_lines():
     return lines
 
 
+
+def tiny_bpe(directory, vocab_size: int) -> tuple[str, str, int]:
+    """A GPT-2-style byte-level BPE trained on the test corpus: (vocab.json, merges.txt, size)."""
+    from tokenizers import ByteLevelBPETokenizer
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus_lines(), vocab_size=vocab_size, min_frequency=1,
+                            special_tokens=["<|endoftext|>"], show_progress=False)
+    bpe.save_model(str(directory), "tiny")
+    vocab = str(directory / "tiny-vocab.json")
+    return vocab, str(directory / "tiny-merges.txt"), len(json.load(open(vocab)))
+
 @pytest.fixture(scope="module")
 def gpt2_ckpt(tmp_path_factory):
     """A GPT-2 style model trained 2 iterations with a GPT-2 byte-level BPE (vocab/merges trained here)."""
-    from tokenizers import ByteLevelBPETokenizer
-
     tmp = tmp_path_factory.mktemp("gpt2")
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(corpus_lines(), vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"],
-                            show_progress=False)
-    bpe.save_model(str(tmp), "tiny")
-    vocab, merges = str(tmp / "tiny-vocab.json"), str(tmp / "tiny-merges.txt")
-    size = len(json.load(open(vocab)))
+    vocab, merges, size = tiny_bpe(tmp, 400)
     ck = str(tmp / "ck")
     run_pretrain(1, TINY + ["--vocab-size", str(size), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
                             "--merge-file", merges, "--save", ck], tmp, "gpt2")
@@ -312,15 +316,9 @@ def _hf_logits(model, vocab, seq, seed=0):
 def test_real_gpt2_imports_trains_and_exports(tmp_path, capsys):
     """GPT2LMHeadModel as transformers builds GPT-2 itself (activation_function gelu_new, the tanh
     GeLU): exact import with --openai-gelu, training continues from it, and it exports back."""
-    from tokenizers import ByteLevelBPETokenizer
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(corpus_lines(), vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"],
-                            show_progress=False)
-    bpe.save_model(str(tmp_path), "tiny")
-    vocab, merges = str(tmp_path / "tiny-vocab.json"), str(tmp_path / "tiny-merges.txt")
-    size = len(json.load(open(vocab)))
+    vocab, merges, size = tiny_bpe(tmp_path, 300)
     # a wide init: large pre-activations, where the tanh approximation and exact GeLU differ visibly
     config = GPT2Config(vocab_size=size, n_embd=64, n_layer=2, n_head=4, n_positions=64, initializer_range=0.2)
     assert config.activation_function == "gelu_new"  # GPT-2's own
