@@ -244,12 +244,25 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--hysteresis", type=int, default=2,
                    help="--fp16: overflows tolerated before the dynamic scale is halved (>= 1)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="ZeRO-1: shard fp32 master weights and optimizer state over data-parallel ranks")
+                   help="ZeRO-1: shard fp32 master weights and optimizer state over data-parallel ranks "
+                        "(= --data-parallel-sharding-strategy optim)")
+    g.add_argument("--data-parallel-sharding-strategy",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                   help="what is sharded over data-parallel ranks: nothing; the optimizer state (ZeRO-1); "
+                        "and the gradients (ZeRO-2); and the parameters, gathered per layer for forward and "
+                        "backward (ZeRO-3). Default: optim with --use-distributed-optimizer, else no_shard")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="keep fp32 master weights and optimizer state (a fraction of them: "
+                        "--optimizer-offload-fraction) in host memory and step them on the CPU; needs a sharded "
+                        "strategy")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=argparse.SUPPRESS,
+                   help="with --optimizer-cpu-offload: fraction of each rank's optimizer state offloaded, in (0, 1] "
+                        "(default 1)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="start each bucket's DP gradient reduction during backward, as soon as it is complete")
     g.add_argument("--overlap-param-gather", action="store_true",
-                   help="with --use-distributed-optimizer: all-gather each bucket's parameters during the next "
-                        "forward, just before they are used")
+                   help="with a sharded strategy: all-gather each bucket's parameters during the next forward, "
+                        "just before they are used (ZeRO-3: prefetch the next layer's gather)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: accumulate and data-parallel-reduce gradients in bf16 instead of fp32 "
                         "(half the gradient memory and traffic; the fp32 master weights stay)")
@@ -893,8 +906,33 @@ def _check_precision(args) -> None:
               f"({args.initial_loss_scale})")
     if args.inject_overflow_at_iteration is not None and not (args.fp16 or args.loss_scale is not None):
         _fail("--inject-overflow-at-iteration needs loss scaling (--fp16, or --loss-scale)")
+    strategy = args.data_parallel_sharding_strategy
+    if strategy is None:
+        strategy = "optim" if args.use_distributed_optimizer else "no_shard"
+    elif strategy == "no_shard" and args.use_distributed_optimizer:
+        _fail("--use-distributed-optimizer shards the optimizer state, which "
+              "--data-parallel-sharding-strategy no_shard does not; drop one of them")
+    args.data_parallel_sharding_strategy = strategy
+    args.use_distributed_optimizer = strategy != "no_shard"
     if args.overlap_param_gather and not args.use_distributed_optimizer:
-        _fail("--overlap-param-gather needs --use-distributed-optimizer")
+        _fail("--overlap-param-gather needs --use-distributed-optimizer (or a --data-parallel-sharding-strategy "
+              "other than no_shard)")
+    fraction = getattr(args, "optimizer_offload_fraction", None)  # absent unless given
+    if fraction is not None and not args.optimizer_cpu_offload:
+        _fail("--optimizer-offload-fraction needs --optimizer-cpu-offload")
+    args.optimizer_offload_fraction = 1.0 if fraction is None else fraction
+    if args.optimizer_cpu_offload:
+        if not args.use_distributed_optimizer:
+            _fail("--optimizer-cpu-offload offloads each rank's shard of the optimizer state: it needs "
+                  "--use-distributed-optimizer or --data-parallel-sharding-strategy optim, optim_grads or "
+                  "optim_grads_params")
+        if not 0.0 < args.optimizer_offload_fraction <= 1.0:
+            _fail(f"--optimizer-offload-fraction must be in (0, 1], got {args.optimizer_offload_fraction} "
+                  "(to offload nothing, drop --optimizer-cpu-offload)")
+    if args.compile and strategy == "optim_grads_params":
+        _fail("--compile with --data-parallel-sharding-strategy optim_grads_params is not supported: ZeRO-3 "
+              "gathers and frees each layer's parameters in hooks around the very layers --compile traces; "
+              "use optim_grads, or drop --compile")
     if args.grad_reduce_in_bf16 and not args.bf16:
         _fail("--grad-reduce-in-bf16 needs --bf16 (with fp16 or fp32 parameters the gradients stay fp32; "
               "Megatron-LM ignores it there)")

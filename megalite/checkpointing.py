@@ -248,7 +248,7 @@ def collect_rank_state(train_state: TrainState) -> tuple[dict, dict]:
     for p, lo, hi, master in owned_pieces(train_state):
         name, tied = names[id(p)], param_info(p).tied_copy
         if not tied:  # the tied copy's weight is the first stage's; its optimizer state is saved
-            add("param", name, p, lo, hi, p.detach().reshape(-1)[lo:hi], False)
+            add("param", name, p, lo, hi, opt.dp.param_slice(p, lo, hi), False)
         if not opt.fp32_params:
             add("master", name, p, lo, hi, master, tied)
         state = opt.optimizer.state.get(master, {})
@@ -298,7 +298,8 @@ def build_metadata(train_state: TrainState, iteration: int) -> dict:
         "format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": train_state.consumed_samples,
         "args": _json_safe(train_state.flags), "model_config": train_state.model_config.to_dict(),
         "layout": {"world_size": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vpp": ps.vpp,
-                   "dp": ps.dp_size, "distributed_optimizer": bool(opt.distributed)},
+                   "dp": ps.dp_size, "distributed_optimizer": bool(opt.distributed),
+                   "data_parallel_sharding_strategy": opt.dp.strategy},
         "scheduler": train_state.scheduler.state_dict(),
         "grad_scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
         "optimizer": {"type": train_state.flags.get("optimizer", "adam"), "fp32_params": bool(opt.fp32_params)},
@@ -542,16 +543,19 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
                            tied=param_info(p).tied_copy)
 
     with torch.no_grad():
-        # weights: owners read, the group sums bring them to everyone else (who hold zeros)
-        params = [p for _, p in train_state.named_params]
-        for p in params:
-            p.zero_()
+        # weights: owners read, the group sums bring them to everyone else (who hold zeros).
+        # What a rank stores of a parameter: all of it, or under ZeRO-3 its slices (whose DP
+        # ranks own disjoint parts, so nothing is summed over DP there)
+        stored = opt.dp.param_pieces()
+        for _, _, _, t in stored:
+            t.zero_()
         for p, lo, hi, _ in owned:
             if param_info(p).tied_copy:
                 continue  # arrives from the first stage over the embedding group
             kind = "master" if prefer_master and has(names[id(p)], "master") else "param"
-            p.view(-1)[lo:hi].copy_(read(p, kind, lo, hi).to(p.dtype))
-        _sum_to_all(params, ps, replicated_over_dp=True)
+            t = opt.dp.param_slice(p, lo, hi)
+            t.copy_(read(p, kind, lo, hi).to(t.dtype))
+        _sum_to_all([(p, t) for p, _, _, t in stored], ps, replicated_over_dp=not opt.dp.shards_params)
         # optimizer: masters (16-bit runs) and moments of the pieces this rank steps, read where
         # this rank owns them, summed over the groups that share them
         owned_ids = {(id(p), lo) for p, lo, _, _ in owned}
@@ -559,7 +563,8 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
         for p, lo, hi, master in opt.pieces():
             name, state = names[id(p)], opt.optimizer.state.get(master, {})
             mine = (id(p), lo) in owned_ids
-            # fp32 runs: the master is the parameter (or a view of it), loaded above
+            # fp32 runs: the master is the parameter (or a view of it), loaded above, or a host
+            # copy of it (offload), copied below
             tensors = [] if opt.fp32_params else [(master, "master" if mine and has(name, "master") else "param")]
             tensors += [(state[k], k) for k in STATE_KINDS if restore_optim and k in state]
             for t, kind in tensors:
@@ -572,6 +577,8 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
                 t.view(-1).copy_(read(p, kind, lo, hi))
             to_sum.append((p, [t for t, _ in tensors]))
         _sum_optimizer_state(to_sum, ps, replicated_over_dp=not opt.distributed)
+        if opt.fp32_params:
+            opt.masters_from_params()
     if finetune:
         _finish_stats(train_state, io, start)
         train_state.log(f"> loaded weights from {where} (--finetune: iteration 0, fresh optimizer)")
@@ -601,19 +608,20 @@ def _finish_stats(train_state: TrainState, io: RangeReader, start: float) -> Non
     train_state.load_stats = LoadStats(io.bytes_read, len(io.opened), time.perf_counter() - start)
 
 
-def _sum_to_all(params: list, ps, replicated_over_dp: bool) -> None:
-    """Complete tensors that only their owners filled (zeros elsewhere): over TP for the
-    TP-replicated, over DP, then over the embedding group for the tied pair. Each phase walks
-    the same list in the same order on every member of its groups."""
-    for p in params:
+def _sum_to_all(stored: list, ps, replicated_over_dp: bool) -> None:
+    """Complete what only the owners filled (zeros elsewhere), given as (param, tensor stored
+    of it) pairs: over TP for the TP-replicated, over DP, then over the embedding group for the
+    tied pair. Each phase walks the same list in the same order on every member of its groups
+    (TP ranks, and the tied embedding's two stages, lay their slices out alike)."""
+    for p, t in stored:
         if not param_info(p).tensor_parallel:
-            _sum(p, ps.tp_group)
+            _sum(t, ps.tp_group)
     if replicated_over_dp:
-        for p in params:
-            _sum(p, ps.dp_group)
-    for p in params:
+        for _, t in stored:
+            _sum(t, ps.dp_group)
+    for p, t in stored:
         if param_info(p).embedding_group_sync:
-            _sum(p, ps.embedding_group)
+            _sum(t, ps.embedding_group)
 
 
 def _sum_optimizer_state(pieces: list, ps, replicated_over_dp: bool) -> None:

@@ -21,15 +21,37 @@ class ParallelConfig:
     distributed_timeout_minutes: float = 10.0
 
 
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
 @dataclass
 class DDPConfig:
-    """The data-parallel side: bucketed gradient reduction and the ZeRO-1 parameter gather."""
-    use_distributed_optimizer: bool = False
+    """The data-parallel side: what is sharded over DP (Megatron-LM's
+    --data-parallel-sharding-strategy: no_shard; optim = ZeRO-1 = --use-distributed-optimizer;
+    optim_grads = ZeRO-2; optim_grads_params = ZeRO-3), bucketed reductions and gathers."""
+    data_parallel_sharding_strategy: str = "no_shard"
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     ddp_bucket_size: int = 40_000_000
     # --grad-reduce-in-bf16: the gradient buffer (accumulation and DP reduction) in bf16, not fp32
     grad_reduce_in_bf16: bool = False
+    # Measured alternatives (benchmarks/RESULTS_zero.md), not flags: the defaults won.
+    # ZeRO-2/3 with several micro-batches: reduce-scatter every micro-batch's gradients (True),
+    # or accumulate the step's gradients in a full-size fp32 buffer and reduce once (False).
+    reduce_grads_every_microbatch: bool = True
+    # ZeRO-3: free gathered parameters after each use (False), or keep them gathered from their
+    # first use in a step until the last micro-batch's backward (True).
+    keep_params_gathered_in_step: bool = False
+
+    def __post_init__(self):
+        if self.data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"data_parallel_sharding_strategy must be one of {SHARDING_STRATEGIES}, "
+                             f"got {self.data_parallel_sharding_strategy!r}")
+
+    @property
+    def use_distributed_optimizer(self) -> bool:
+        """Optimizer state sharded over DP (every strategy but no_shard)."""
+        return self.data_parallel_sharding_strategy != "no_shard"
 
 
 @dataclass
@@ -45,6 +67,10 @@ class OptimizerConfig:
     sgd_momentum: float = 0.9
     clip_grad: float = 1.0
     fused_optimizer: bool = True
+    # ZeRO-Offload (Ren et al. 2021): this fraction of the rank's fp32 masters and Adam moments
+    # lives in host memory and is stepped there
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
     # schedule, counted in samples (validate_args converts the *_iters flags at the global batch);
     # lr_decay_samples None: a config built by hand, counted in iterations
     lr_decay_style: str = "linear"

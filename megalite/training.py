@@ -30,6 +30,7 @@ from .metrics import (JsonlWriter, Timer, console_line, memory_record, memory_st
 from .model import GPTConfig, GPTModel, pad_vocab_size
 from .monitor import CommMonitor
 from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
+from .model.init import initial_value
 from .optimizer import build_lr_scheduler, build_optimizer
 from .pipeline_parallel import get_forward_backward_func
 from .pipeline_parallel.p2p import PipeComm
@@ -98,17 +99,19 @@ def resolve_vocab(cfg: RunConfig) -> tuple[GPTConfig, int | None]:
     return dataclasses.replace(cfg.model, vocab_size=vocab_size, padded_vocab_size=padded), eod
 
 
-def build_model(config: GPTConfig, ps, seed: int, device: torch.device):
+def build_model(config: GPTConfig, ps, seed: int, device: torch.device, on_meta: bool = False):
     """This rank's model chunks (one per virtual pipeline stage), initialised layout-invariantly,
-    and the TP RNG tracker their dropout uses."""
+    and the TP RNG tracker their dropout uses. `on_meta` (ZeRO-3): parameters without storage,
+    which DataParallel materialises straight into this rank's slices."""
     rng_tracker = seed_everything(seed, ps.tp_rank, ps.pp_rank, device)
     chunks = []
     layers = parallel_state.stage_layers(config.num_layers, ps.pp_size, ps.vpp, ps.pp_rank)
     for c, (offset, n) in enumerate(layers):
         chunk = GPTModel(config, ps.tp_group, rng_tracker, pre_process=ps.is_first_stage and c == 0,
                          post_process=ps.is_last_stage and c == ps.vpp - 1, layer_offset=offset, num_layers=n,
-                         device=device)
-        chunk.initialize(seed)
+                         device="meta" if on_meta else device)
+        if not on_meta:
+            chunk.initialize(seed)
         chunks.append(chunk)
     return chunks, rng_tracker
 
@@ -149,14 +152,17 @@ def setup(cfg: RunConfig) -> Run:
     comm.set_monitor(monitor)  # pretrain() stops it and uninstalls it, whatever happens
     monitor.start_watchdog()
     model_config, eod = resolve_vocab(cfg)
-    model, rng_tracker = build_model(model_config, ps, cfg.training.seed, device)
+    zero3 = cfg.ddp.data_parallel_sharding_strategy == "optim_grads_params"
+    model, rng_tracker = build_model(model_config, ps, cfg.training.seed, device, on_meta=zero3)
     if cfg.training.compile:  # --compile: each transformer layer, in place (model/compile.py)
         from .model.compile import compile_layers
         n = compile_layers(model)
         if ps.rank == ps.logging_rank:
             print(f"> compile: torch.compile of {n} transformer layers (Inductor)", flush=True)
     named_params = [(n, p) for m in model for n, p in m.global_named_parameters()]
-    dp = DataParallel(model, [p for _, p in named_params], ps, cfg.ddp, cfg.training.num_microbatches)
+    names = {p: n for n, p in named_params}
+    dp = DataParallel(model, [p for _, p in named_params], ps, cfg.ddp, cfg.training.num_microbatches, device=device,
+                      init_fn=lambda p: initial_value(p, names[p], cfg.training.seed, ps.tp_group))
     optimizer = build_optimizer(named_params, cfg.optimizer, dp, ps)
     state = TrainState(ps, model_config, named_params, optimizer, build_lr_scheduler(cfg.optimizer), rng_tracker,
                        device, cfg.flags)
@@ -216,7 +222,7 @@ def log_startup(run: Run) -> None:
             f"{run.cfg.parallel.distributed_backend if dist.is_initialized() else 'none'}")
     mine = {"rank": ps.rank, "tp": ps.tp_rank, "pp": ps.pp_rank, "dp": ps.dp_rank,
             "num_params": sum(p.numel() for _, p in run.state.named_params),
-            "param_bytes": run.dp.param_bytes,  # with ZeRO-1: the flat buffer, padding included
+            "param_bytes": run.dp.param_bytes,  # ZeRO-1/2: the flat buffer with padding; ZeRO-3: this rank's slices
             "grad_bytes": run.dp.grad_bytes,
             "optimizer_bytes": run.state.optimizer.state_bytes()}  # fp32 masters + Adam m, v (this rank's shard)
     run.jsonl.write({"event": "memory_footprint", "ranks": comm.all_gather_object(mine, comm.world_group())})
@@ -485,13 +491,15 @@ def train(run: Run) -> None:
 
 
 def params_norm(run: Run) -> float:
-    """--log-params-norm: the L2 norm of the whole model's parameters, each counted once."""
-    ps = run.state.ps
+    """--log-params-norm: the L2 norm of the whole model's parameters, each counted once (from
+    DP rank 0's whole parameters, or under ZeRO-3 from every DP rank's slices)."""
+    ps, dp = run.state.ps, run.dp
     t = torch.zeros(1, dtype=torch.float64, device=run.state.device)
-    if ps.dp_rank == 0:
-        for _, p in run.state.named_params:
+    dp.finish_param_sync()  # every rank: pending ZeRO-1/2 gathers would leave stale values
+    if dp.shards_params or ps.dp_rank == 0:
+        for p, _, _, stored in dp.param_pieces():
             if param_info(p).is_owner(ps.tp_rank):
-                t += p.detach().double().pow(2).sum()
+                t += stored.detach().double().pow(2).sum()
     comm.all_reduce(t, comm.world_group())
     return float(t.sqrt())
 

@@ -27,17 +27,17 @@ def _run(rank, world, extra):
 
 def _layout_and_early_reductions(rank, world, extra):
     run = _run(rank, world, extra)
-    buf, params = run.dp.buffer, [p for _, p in run.state.named_params]
+    lay, buf, params = run.dp.layout, run.dp.grads, [p for _, p in run.state.named_params]
     cuts = 0
-    for b, (start, end) in enumerate(buf.buckets):
-        assert (end - start) % buf.dp_size == 0 if buf.reduce_scatter else True
+    for b, (start, end) in enumerate(lay.buckets):
+        assert (end - start) % lay.dp_size == 0 if buf.reduce_scatter else True
         for r in range(world):
-            s, e = buf.shard_range(b, r)
-            cuts += any(ps < s < pe for ps, pe in (buf.param_index[p] for p in buf.bucket_params[b]))
+            s, e = lay.shard_range(b, r)
+            cuts += any(ps < s < pe for ps, pe in (lay.param_index[p] for p in lay.bucket_params[b]))
     if buf.reduce_scatter:  # parameters are views into a flat buffer with the gradients' layout
         for p in params:
-            start, end = buf.param_index[p]
-            assert p.data_ptr() == buf.param_data[start:end].data_ptr()
+            start, end = lay.param_index[p]
+            assert p.data_ptr() == run.dp.param_buffer.data[start:end].data_ptr()
     run.dp.zero_grad()
     run.forward_backward(batches=run.train_batches, model=run.model,
                          num_microbatches=run.cfg.training.num_microbatches, comm=run.pipe_comm, backward_scale=1e-3)

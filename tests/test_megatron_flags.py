@@ -260,7 +260,7 @@ def test_grad_reduce_in_bf16_makes_a_bf16_buffer_that_steps():
     ps = single_process_state()
     dp = DataParallel([model], [p for _, p in named], ps, DDPConfig(grad_reduce_in_bf16=True), 1)
     opt = build_optimizer(named, OptimizerConfig(lr=1e-2, clip_grad=0.0, weight_decay=0.0), dp, ps)
-    assert dp.buffer.data.dtype == torch.bfloat16 and dp.grad_bytes == 2 * sum(p.numel() for _, p in named)
+    assert dp.grads.dtype == torch.bfloat16 and dp.grad_bytes == 2 * sum(p.numel() for _, p in named)
     before = [p.detach().clone() for _, p in named]
     loss_of(model).backward()
     assert opt.step(1e-2)["grad_norm"] > 0

@@ -175,7 +175,7 @@ def test_gpt3_175b_layout(capsys):
     p = json.loads(capsys.readouterr().out)
     for key in ("num_params_total", "num_params_per_gpu", "bubble_fraction", "flops_per_iteration"):
         assert key in p
-    assert set(p["memory_gb"]) == {"params", "grads", "optimizer", "activations", "total"}
+    assert set(p["memory_gb"]) == {"params", "grads", "optimizer", "working_set", "activations", "total"}
     # counted from the architecture: per layer QKV (3h² + 3h), projection (h² + h), MLP (8h² + 5h),
     # two LayerNorms (4h); the vocabulary padded to a multiple of 128 x TP; learned positions
     L, h, s, t, pp, dp, B = 96, 12288, 2048, 8, 16, 1024 // (8 * 16), 1536

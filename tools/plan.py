@@ -11,11 +11,22 @@ number of GPUs, and prints what each GPU would hold:
 
 or, for a launch script in examples/: `DRY_RUN=1 bash examples/gpt3_175B.sh` prints the command.
 
-Memory per GPU (Megatron-LM's accounting, bytes per parameter):
-  params     4 (fp32) or 2 (--bf16 / --fp16)
-  grads      4: the contiguous fp32 gradient buffer, whatever the parameter dtype
+Memory per GPU (Megatron-LM's accounting, bytes per parameter; d = DP size), for the strategy of
+--data-parallel-sharding-strategy and, side by side, for every other one:
+  params     4 (fp32) or 2 (--bf16 / --fp16); / d under ZeRO-3 (optim_grads_params)
+  grads      4: the contiguous fp32 gradient buffer, whatever the parameter dtype; / d under
+             ZeRO-2 (optim_grads) and ZeRO-3
   optimizer  Adam m and v: 8, plus an fp32 master copy (4) when parameters are 16-bit;
-             with ZeRO-1 (--use-distributed-optimizer) this part is divided by the DP size
+             / d under ZeRO-1 (optim, --use-distributed-optimizer), ZeRO-2 and ZeRO-3; with
+             --optimizer-cpu-offload the fraction --optimizer-offload-fraction of it is host memory
+  working set  ZeRO-2/3 only, what comes and goes during a step: gradients pass through
+             bucket-sized fp32 staging buffers (at most 4 at once: 2 reducing, 2 filling, so the
+             4 biggest buckets);
+             ZeRO-3 gathers whole parameters per unit (the chunk's own: output layer, final
+             norm; plus the two biggest of the embedding and the layers: the one in use and the
+             prefetched next), in the parameter dtype
+  padding    each bucket is padded to a multiple of d: at most (d-1) elements per bucket of the
+             parameter and gradient buffers, stated as a bound, not added to the total
   activations  Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
              Models"), Table 2, per layer and micro-batch in 16-bit:
                  s·b·h·(10 + 24/t + 5·a·s/(h·t))    TP
@@ -237,6 +248,88 @@ def stage_activation_bytes(args, pp_rank: int) -> float:
     return total
 
 
+# -- data-parallel sharding ------------------------------------------------------------------------
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+ZERO_STAGE = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+def unit_params(args, pp_rank: int) -> tuple[int, list[int]]:
+    """ZeRO-3 units of one GPU of stage `pp_rank` (distributed/zero3.py): (the largest chunk's own
+    unit: output layer, final norm, and the word embedding when it is the output layer too; the
+    other units: embedding and layers), in elements."""
+    h, t = args.hidden_size, args.tensor_model_parallel_size
+    p, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    sharded, replicated = layer_params(args)
+    word = args.padded_vocab_size // t * h
+    pos = args.max_position_embeddings * h if args.position_embedding_type == "learned_absolute" else 0
+    tied = not args.untie_embeddings_and_output_weights
+    own, units = 0, [sharded + replicated] * (args.num_layers // (p * v))
+    for c in range(v):
+        pre, post = pp_rank == 0 and c == 0, pp_rank == p - 1 and c == v - 1
+        n = 0
+        if post:
+            n += h * (2 if args.normalization == "LayerNorm" else 1) + (word if (not tied or not pre) else 0)
+        if pre and post and tied:
+            n += word + pos
+        elif pre:
+            units.append(word + pos)
+        own = max(own, n)
+    return own, units
+
+
+def bucket_sizes(args, pp_rank: int, stage: int) -> list[int]:
+    """Approximate bucket sizes (elements) of the sharded-gradient layouts (distributed/buckets.py):
+    a vocabulary table of at least --ddp-bucket-size elements gets a bucket of its own; ZeRO-3
+    cuts every unit into buckets, ZeRO-2 only the stage's parameters as a whole."""
+    bs, h, t = args.ddp_bucket_size, args.hidden_size, args.tensor_model_parallel_size
+    word = args.padded_vocab_size // t * h
+    p, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    tables = 0  # word embedding and output layer tables on this stage
+    for c in range(v):
+        pre, post = pp_rank == 0 and c == 0, pp_rank == p - 1 and c == v - 1
+        tables += int(pre) + int(post and (args.untie_embeddings_and_output_weights or not pre))
+    tables = tables if word >= bs else 0
+    own, units = unit_params(args, pp_rank)
+    parts = units + [own] if stage == 3 else [stage_params(args, pp_rank)]
+    sizes, left = [word] * tables, tables
+    for u in sorted(parts, reverse=True):
+        cut = min(left, u // word) if tables else 0  # the tables come out of the units holding them
+        left -= cut
+        u -= cut * word
+        sizes += [bs] * (u // bs) + ([u % bs] if u % bs else [])
+    return sizes
+
+
+def strategy_bytes(args, pp_rank: int, strategy: str) -> dict:
+    """Bytes per GPU of stage `pp_rank` under `strategy` (module docstring)."""
+    d, stage = args.data_parallel_size, ZERO_STAGE[strategy]
+    n = stage_params(args, pp_rank)
+    sixteen_bit = bool(args.bf16 or getattr(args, "fp16", False))
+    pb = 2 if sixteen_bit else 4
+    state = 8 if args.optimizer == "adam" else (4 if args.sgd_momentum else 0)
+    opt_per_param = state + (4 if sixteen_bit else 0)
+    offload = getattr(args, "optimizer_offload_fraction", 1.0) if getattr(args, "optimizer_cpu_offload", False) else 0.0
+    if stage >= 1 and offload and not sixteen_bit:
+        opt_per_param += 4  # an offloaded fp32 parameter gets a host master of its own
+    optimizer = n * opt_per_param / (d if stage >= 1 else 1)
+    own, units = unit_params(args, pp_rank)
+    v = args.virtual_pipeline_model_parallel_size
+    if stage == 3:
+        buckets = v * (args.num_layers // (args.pipeline_model_parallel_size * v) + 3)
+    else:
+        buckets = math.ceil(n / args.ddp_bucket_size) + (v + 1 if stage == 2 else 0)
+    gathered = staging = 0.0
+    if stage >= 2:
+        staging = 4 * sum(sorted(bucket_sizes(args, pp_rank, stage))[-4:])
+    if stage == 3:
+        gathered = (own + sum(sorted(units)[-2:])) * pb
+    out = {"params": n * pb / (d if stage == 3 else 1), "grads": 4 * n / (d if stage >= 2 else 1),
+           "optimizer": optimizer * (1 - offload), "optimizer_host": optimizer * offload,
+           "working_set": gathered + staging, "gathered_params": gathered, "staging_grads": staging,
+           "buckets": buckets, "padding_max": (d - 1) * buckets * (pb + 4) if stage >= 1 else 0}
+    return out
+
+
 # -- the plan ------------------------------------------------------------------------------------
 def make_plan(argv=None) -> dict:
     """The plan (the --json object) for pretrain_gpt.py-style flags `argv`."""
@@ -245,28 +338,29 @@ def make_plan(argv=None) -> dict:
 
 def plan_from_args(args) -> dict:
     p, t, dp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.data_parallel_size
-    sixteen_bit = bool(args.bf16 or getattr(args, "fp16", False))
-    zero1 = bool(getattr(args, "use_distributed_optimizer", False))
-    if args.optimizer == "adam":
-        state_per_param = 8
-    else:
-        state_per_param = 4 if args.sgd_momentum else 0
-    opt_per_param = state_per_param + (4 if sixteen_bit else 0)
+    strategy = getattr(args, "data_parallel_sharding_strategy", None) or (
+        "optim" if getattr(args, "use_distributed_optimizer", False) else "no_shard")
+    zero1 = strategy != "no_shard"
     stages = []
     for r in range(p):
         n = stage_params(args, r)
-        opt_full = n * opt_per_param
-        mem = {"params": n * (2 if sixteen_bit else 4), "grads": n * 4,
-               "optimizer": opt_full / dp if zero1 else opt_full,
-               "activations": stage_activation_bytes(args, r)}
-        mem["total"] = sum(mem.values())
+        by = {s: strategy_bytes(args, r, s) for s in STRATEGIES}
+        activations = stage_activation_bytes(args, r)
+        for b in by.values():
+            b["total"] = b["params"] + b["grads"] + b["optimizer"] + b["working_set"] + activations
+        mem = by[strategy]
+        opt_full, opt_zero1 = by["no_shard"]["optimizer"], by["optim"]["optimizer"] + by["optim"]["optimizer_host"]
         stages.append({
             "pp_rank": r, "num_params": n, "param_bytes": mem["params"], "grad_bytes": mem["grads"],
-            "optimizer_bytes": mem["optimizer"], "optimizer_bytes_without_zero1": opt_full,
-            "optimizer_bytes_with_zero1": opt_full / dp, "activation_bytes": mem["activations"],
-            "total_bytes": mem["total"],
-            "total_bytes_without_zero1": mem["total"] - mem["optimizer"] + opt_full,
-            "total_bytes_with_zero1": mem["total"] - mem["optimizer"] + opt_full / dp,
+            "optimizer_bytes": mem["optimizer"], "optimizer_host_bytes": mem["optimizer_host"],
+            "optimizer_bytes_without_zero1": opt_full, "optimizer_bytes_with_zero1": opt_zero1,
+            "working_set_bytes": mem["working_set"], "gathered_param_bytes": mem["gathered_params"],
+            "staging_grad_bytes": mem["staging_grads"], "padding_bytes_max": mem["padding_max"],
+            "activation_bytes": activations, "total_bytes": mem["total"],
+            "total_bytes_without_zero1": by["no_shard"]["total"],
+            "total_bytes_with_zero1": by["optim"]["total"] - by["optim"]["optimizer"] + opt_zero1,
+            "total_bytes_by_strategy": {s: b["total"] for s, b in by.items()},
+            "by_strategy": by,
             "in_flight_micro_batches": in_flight_chunks(args, r) / args.virtual_pipeline_model_parallel_size,
         })
     worst = max(stages, key=lambda st: st["total_bytes"])
@@ -274,13 +368,16 @@ def plan_from_args(args) -> dict:
     granularity, method, k = recompute_setting(args)
     memory_gb = {key: worst[f"{field}_bytes"] / GIB for key, field in
                  (("params", "param"), ("grads", "grad"), ("optimizer", "optimizer"),
-                  ("activations", "activation"), ("total", "total"))}
+                  ("working_set", "working_set"), ("activations", "activation"), ("total", "total"))}
+    by_strategy_gb = {s: {k: val / GIB for k, val in worst["by_strategy"][s].items() if k != "buckets"}
+                      for s in STRATEGIES}
     return {
         "layout": {"world_size": args.world_size, "tp": t, "pp": p, "dp": dp, "vpp": v,
                    "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
                    "num_microbatches": m, "seq_length": args.seq_length,
                    "precision": "bf16" if args.bf16 else ("fp16" if getattr(args, "fp16", False) else "fp32"),
-                   "distributed_optimizer": zero1,
+                   "distributed_optimizer": zero1, "data_parallel_sharding_strategy": strategy,
+                   "optimizer_cpu_offload": bool(getattr(args, "optimizer_cpu_offload", False)),
                    "sequence_parallel": bool(getattr(args, "sequence_parallel", False)) and t > 1,
                    "recompute": granularity or "none", "recompute_method": method,
                    "recompute_num_layers": k if granularity == "full" else None,
@@ -296,6 +393,9 @@ def plan_from_args(args) -> dict:
         "memory_gb_optimizer_with_zero1": worst["optimizer_bytes_with_zero1"] / GIB,
         "memory_gb_total_without_zero1": worst["total_bytes_without_zero1"] / GIB,
         "memory_gb_total_with_zero1": worst["total_bytes_with_zero1"] / GIB,
+        "memory_gb_optimizer_host": worst["optimizer_host_bytes"] / GIB,
+        "memory_gb_padding_max": worst["padding_bytes_max"] / GIB,
+        "memory_gb_by_strategy": by_strategy_gb,
         "worst_pp_rank": worst["pp_rank"],
         "stages": stages,
         "bubble_fraction": (p - 1) / (v * m + p - 1),
@@ -316,7 +416,8 @@ def format_plan(plan: dict) -> str:
         f"ffn {mod['ffn_hidden_size']}, vocab {mod['vocab_size']} (padded {mod['padded_vocab_size']})",
         f"layout  {lay['world_size']} GPUs = TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}"
         + (f", {lay['vpp']} virtual stages per rank" if lay["vpp"] > 1 else "")
-        + f"; {lay['precision']}, ZeRO-1 {'on' if lay['distributed_optimizer'] else 'off'}, "
+        + f"; {lay['precision']}, DP sharding {lay['data_parallel_sharding_strategy']}"
+        + (" + optimizer offload" if lay["optimizer_cpu_offload"] else "") + ", "
         f"sequence parallel {'on' if lay['sequence_parallel'] else 'off'}, recompute {rec}"
         + (", flash-attn" if lay["flash_attn"] else ""),
         f"batch   {lay['num_microbatches']} micro-batches of {lay['micro_batch_size']} x {lay['seq_length']} tokens "
@@ -329,11 +430,25 @@ def format_plan(plan: dict) -> str:
     zero_note = (f"   (without ZeRO-1: {plan['memory_gb_optimizer_without_zero1']:.2f})"
                  if lay["distributed_optimizer"] else
                  f"   (with ZeRO-1 over DP {lay['dp']}: {plan['memory_gb_optimizer_with_zero1']:.2f})")
-    for key in ("params", "grads", "optimizer", "activations"):
-        lines.append(f"  {key:<12}{mem[key]:9.2f}" + (zero_note if key == "optimizer" else ""))
+    if lay["optimizer_cpu_offload"]:
+        zero_note += f"   + {plan['memory_gb_optimizer_host']:.2f} in host memory (offloaded)"
+    for key in ("params", "grads", "optimizer", "working_set", "activations"):
+        if key == "working_set" and not mem[key]:
+            continue
+        lines.append(f"  {key.replace('_', ' '):<12}{mem[key]:9.2f}" + (zero_note if key == "optimizer" else "")
+                     + ("   (gathered parameters + gradient staging, ZeRO-2/3)" if key == "working_set" else ""))
     lines.append(f"  {'total':<12}{mem['total']:9.2f}   of {plan['gpu_memory_gb']:.0f}: "
                  + ("fits" if plan["fits"] else "DOES NOT FIT")
                  + " (plus CUDA context, NCCL buffers, fragmentation: a few GiB)")
+    if plan["memory_gb_padding_max"]:
+        lines.append(f"  {'':<12}(plus bucket padding, at most {plan['memory_gb_padding_max'] * 2**20:.1f} KiB)")
+    lines.append(f"  by DP sharding strategy over DP {lay['dp']}:  params   grads  optimizer  working set   total")
+    for s, b in plan["memory_gb_by_strategy"].items():
+        mark = "*" if s == lay["data_parallel_sharding_strategy"] else " "
+        name = f"{s} (ZeRO-{ZERO_STAGE[s]})" if ZERO_STAGE[s] else s
+        lines.append(f"   {mark} {name:<30}{b['params']:8.2f}{b['grads']:8.2f}{b['optimizer']:11.2f}"
+                     f"{b['working_set']:13.2f}{b['total']:8.2f}"
+                     + ("" if b["total"] <= plan["gpu_memory_gb"] else "  no fit"))
     if len(plan["stages"]) > 1:
         lines.append("  by stage:   " + "  ".join(f"{st['pp_rank']}: {st['total_bytes'] / GIB:.1f}"
                                                   for st in plan["stages"]))

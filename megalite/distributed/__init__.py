@@ -1,5 +1,8 @@
-"""The data-parallel side: contiguous gradient (and ZeRO-1 parameter) buffers and their collectives."""
+"""The data-parallel side, for every sharding strategy (no_shard, ZeRO-1/2/3): bucket layout,
+gradient and parameter buffers, their collectives, and ZeRO-3's gather-on-use schedule."""
+from .buckets import BucketLayout
 from .data_parallel import DataParallel
-from .grad_buffer import GradBuffer
+from .grad_buffer import GradBuffer, ShardedGradBuffer
+from .param_buffer import FlatParamBuffer, ShardedParams
 
-__all__ = ["DataParallel", "GradBuffer"]
+__all__ = ["BucketLayout", "DataParallel", "GradBuffer", "ShardedGradBuffer", "FlatParamBuffer", "ShardedParams"]

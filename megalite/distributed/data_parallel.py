@@ -1,25 +1,38 @@
-"""The one owner of the data-parallel side: the gradient (and, with ZeRO-1, parameter) buffers
-and every collective that keeps replicas consistent. The optimizer, the loop and checkpoints ask
-it; none of them issues a gradient or parameter collective of its own.
+"""The one owner of the data-parallel side, for every sharding strategy: the gradient and
+parameter buffers and every collective that keeps replicas consistent. The optimizer, the loop
+and checkpoints ask it; none of them issues a gradient or parameter collective of its own.
+
+Strategies (Megatron-LM's --data-parallel-sharding-strategy; bytes per parameter and rank with
+bf16 parameters and Adam, d = DP size; Rajbhandari et al. 2020, Fig. 1):
+
+  no_shard             2 + 4 + 12        all-reduced gradients, replicated optimizer
+  optim (ZeRO-1)       2 + 4 + 12/d      reduce-scatter, sharded optimizer, all-gather after the step
+  optim_grads (ZeRO-2) 2 + 4/d + 12/d    ... and only this rank's slice of the gradient lives
+  optim_grads_params   (2 + 4 + 12)/d    ... and of the parameters: gathered per layer for
+    (ZeRO-3)                             forward and backward, then freed
 
 Per iteration:
-  zero_grad() -> backward accumulates into the fp32 buffer (buckets may start reducing early,
-  --overlap-grad-reduce) -> finish_grad_sync():
-     1. the tied embedding's two copies (first and last stage), over the embedding group; before
-        the DP reduction, since the two stages' buffers are laid out differently;
-     2. the DP reduction: all-reduce, or reduce-scatter onto each rank's slice (ZeRO-1);
+  zero_grad() -> backward: gradients go into the fp32 buffer (grad_buffer.py; full size, or a
+  bucket-sized staging buffer reduce-scattered per micro-batch under ZeRO-2/3); buckets may
+  start reducing early (--overlap-grad-reduce) -> finish_grad_sync():
+     1. the tied embedding's two copies (first and last stage), over the embedding group;
+        before the reduction of a full buffer (the two stages' buffers are laid out
+        differently), after it for sharded gradients (the embedding has a bucket of its own,
+        laid out alike on both stages, so each rank's slices line up);
+     2. the DP reduction: all-reduce, or reduce-scatter onto each rank's slice;
      3. weights replicated across TP but fed sequence-sharded activations (norms, row-parallel
         biases under sequence parallelism), over TP. TP ranks share one buffer layout, so after a
         reduce-scatter each rank's own slice is still summed correctly.
-  -> the optimizer updates (its slices) -> start_param_sync(): ZeRO-1 all-gathers each bucket of
-  the parameter buffer, at once or (--overlap-param-gather) bucket by bucket just before the next
-  forward needs it.
+  -> the optimizer updates (its slices) -> start_param_sync(): ZeRO-1/2 all-gather each bucket
+  of the parameter buffer, at once or (--overlap-param-gather) bucket by bucket just before the
+  next forward needs it; ZeRO-3 gathers nothing here (zero3.py gathers on use).
 
---overlap-param-gather: a forward pre-hook on every module waits for the bucket(s) holding its
-parameters and starts the all-gather of the next bucket, so the gather of bucket k+1 runs during
-the forward of bucket k. Buckets are gathered in the order the first forward asked for them
-(recorded before the first step, when every parameter is still current); a module without a
-forward of its own (a bare nn.Module holding a weight used by its parent) counts as its parent's.
+--overlap-param-gather under ZeRO-1/2: a forward pre-hook on every module waits for the
+bucket(s) holding its parameters and starts the all-gather of the next bucket, so the gather of
+bucket k+1 runs during the forward of bucket k. Buckets are gathered in the order the first
+forward asked for them (recorded before the first step, when every parameter is still current);
+a module without a forward of its own (a bare nn.Module holding a weight used by its parent)
+counts as its parent's. Under ZeRO-3 the flag prefetches the next unit's gather.
 """
 from __future__ import annotations
 
@@ -29,7 +42,12 @@ from torch import nn
 from .. import comm
 from ..config import DDPConfig
 from ..tensor_parallel.param_info import param_info
-from .grad_buffer import GradBuffer
+from .buckets import BucketLayout
+from .grad_buffer import GradBuffer, ShardedGradBuffer
+from .param_buffer import FlatParamBuffer, ShardedParams
+from .zero3 import Zero3Schedule, unit_of_params
+
+ZERO_STAGE = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 
 
 def _has_forward(m: nn.Module) -> bool:
@@ -46,19 +64,53 @@ def _params_used_by(m: nn.Module):
 
 class DataParallel:
     def __init__(self, model: list[nn.Module], params: list[nn.Parameter], ps, config: DDPConfig,
-                 num_microbatches: int):
+                 num_microbatches: int, device=None, init_fn=None):
+        """`model`: this rank's chunks; `params`: their parameters in model order. Under ZeRO-3
+        the parameters may be on the meta device: they are materialised on `device` from
+        `init_fn(p)` (the TP-local initial value) one at a time, straight into this rank's slices."""
         self.ps, self.config = ps, config
-        self.sharded = config.use_distributed_optimizer
-        self.buffer = GradBuffer(params, ps.dp_group, config.ddp_bucket_size,
-                                 dtype=torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32,
-                                 pad_to=ps.dp_size if self.sharded else 1, reduce_scatter=self.sharded,
-                                 overlap_grad_reduce=config.overlap_grad_reduce, num_microbatches=num_microbatches)
-        if self.sharded:
-            self.buffer.make_param_buffer()  # parameters become views of one flat buffer per dtype
-        self.embedding_params = [p for p in params if param_info(p).embedding_group_sync]
-        self.sequence_parallel_params = [p for p in params if param_info(p).sequence_parallel]
-        n = len(self.buffer.buckets)
-        self.overlap_param_gather = self.sharded and config.overlap_param_gather and ps.dp_size > 1
+        self.strategy = config.data_parallel_sharding_strategy
+        self.zero_stage = ZERO_STAGE[self.strategy]
+        self.sharded = self.zero_stage >= 1  # optimizer state sharded over DP
+        self.shards_grads = self.zero_stage >= 2
+        self.shards_params = self.zero_stage == 3
+        self.params = list(params)
+        device = device if device is not None else self.params[0].device
+        dp = ps.dp_size
+        # --grad-reduce-in-bf16: gradients accumulate and are reduced in bf16 (half the bytes)
+        grad_dtype = torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32
+        self.layout = BucketLayout(self.params, ps.dp_group, config.ddp_bucket_size,
+                                   pad_to=dp if self.sharded else 1, unit_of=self._unit_key(model))
+        if any(p.device.type == "meta" for p in self.params) and not self.shards_params:
+            raise ValueError("parameters on the meta device are materialised only under optim_grads_params")
+        # ZeRO-3 first: materialising swaps tensors, which must happen before hooks are registered
+        self.param_buffer = ShardedParams(self.layout, ps.dp_group, device, init_fn) if self.shards_params else None
+        if self.shards_grads:
+            self.grads = ShardedGradBuffer(self.layout, ps.dp_group, config.overlap_grad_reduce, num_microbatches,
+                                           config.reduce_grads_every_microbatch, device, dtype=grad_dtype,
+                                           on_round_complete=self._on_round_complete)
+        else:
+            self.grads = GradBuffer(self.layout, ps.dp_group, reduce_scatter=self.sharded,
+                                    overlap_grad_reduce=config.overlap_grad_reduce,
+                                    num_microbatches=num_microbatches, device=device, dtype=grad_dtype)
+        self.zero3 = None
+        if self.shards_params:
+            self.zero3 = Zero3Schedule(model, self.param_buffer, prefetch=config.overlap_param_gather and dp > 1,
+                                       keep_gathered=config.keep_params_gathered_in_step,
+                                       num_microbatches=num_microbatches)
+        elif self.sharded:
+            self.param_buffer = FlatParamBuffer(self.layout, ps.dp_group)
+        self.embedding_params = [p for p in self.params if param_info(p).embedding_group_sync]
+        self.sequence_parallel_params = [p for p in self.params if param_info(p).sequence_parallel]
+        self._embedding_buckets = sorted({self.layout.param_bucket[p] for p in self.embedding_params})
+        self._sp_grad_views = [] if not self.shards_grads else [
+            self.grads.grad_shard(b)[off:off + hi - lo] for b, p, lo, hi, off in self.shard_pieces()
+            if param_info(p).sequence_parallel]
+        # ZeRO-1/2 --overlap-param-gather
+        n = len(self.layout.buckets)
+        self.overlap_param_gather = (self.sharded and not self.shards_params and config.overlap_param_gather
+                                     and dp > 1)
+        self._slices = None  # ZeRO-3: param -> [(lo, hi, stored slice)], built on first use
         self._gather_order: list[int] | None = None  # bucket indices, learned on the first step
         self._requested: list[int] = []
         self._handles: list = [None] * n
@@ -66,65 +118,136 @@ class DataParallel:
         if self.overlap_param_gather:
             self._register_hooks(model)
 
+    def _unit_key(self, model):
+        """What a bucket may not mix (buckets.py): nothing for full gradient buffers; model
+        chunks and the tied embedding for sharded gradients; every ZeRO-3 unit for sharded
+        parameters. The tied embedding gets a bucket of its own so that its slices line up on
+        the first and last stage (finish_grad_sync sums them after the reduction)."""
+        if self.zero_stage < 2:
+            return None
+        chunk_of = {p: c for c, chunk in enumerate(model) for p in chunk.parameters()}
+        unit_of = unit_of_params(model) if self.shards_params else {}
+
+        def key(p):
+            unit = unit_of.get(p)
+            return (chunk_of.get(p), id(unit) if unit is not None else None, param_info(p).embedding_group_sync)
+        return key
+
     # -- gradients ---------------------------------------------------------------------------------
     def main_grad(self, p: nn.Parameter) -> torch.Tensor:
         """p's fp32 gradient, accumulated over the iteration's micro-batches (a buffer view)."""
-        return self.buffer.main_grad[p]
+        if self.shards_grads:
+            raise RuntimeError(f"under {self.strategy} no rank holds a whole gradient: use grad_shard()")
+        return self.grads.main_grad[p]
 
     def zero_grad(self) -> None:
-        self.buffer.zero()
+        self.grads.zero()
 
     def set_num_microbatches(self, n: int) -> None:
         """Micro-batches in the coming iteration (the global batch may ramp up): with
         --overlap-grad-reduce a bucket starts reducing once every parameter in it has accumulated
         the gradient of the n-th."""
-        self.buffer.num_microbatches = n
+        self.grads.num_microbatches = n
+        if self.zero3 is not None:
+            self.zero3.num_microbatches = n
 
     def finish_grad_sync(self) -> None:
         """Every gradient sum of the iteration (see the module docstring), waited for."""
-        for p in self.embedding_params:
-            comm.all_reduce(self.main_grad(p), self.ps.embedding_group)
-        self.buffer.finish_grad_sync()
-        for p in self.sequence_parallel_params:
-            comm.all_reduce(self.main_grad(p), self.ps.tp_group)
+        if not self.shards_grads:
+            for p in self.embedding_params:
+                comm.all_reduce(self.main_grad(p), self.ps.embedding_group)
+            self.grads.finish_grad_sync()
+            for p in self.sequence_parallel_params:
+                comm.all_reduce(self.main_grad(p), self.ps.tp_group)
+            return
+        self.grads.finish_grad_sync()
+        for b in self._embedding_buckets:
+            comm.all_reduce(self.grads.grad_shard(b), self.ps.embedding_group)
+        if self._sp_grad_views and self.ps.tp_size > 1:
+            flat = torch.cat(self._sp_grad_views)
+            comm.all_reduce(flat, self.ps.tp_group)
+            torch._foreach_copy_(self._sp_grad_views, list(flat.split([v.numel() for v in self._sp_grad_views])))
+        if self.shards_params:
+            self.param_buffer.free_all()  # the optimizer is about to change the slices
 
-    # -- ZeRO-1: which slices this rank owns, and the parameter all-gather -------------------------
+    def _on_round_complete(self, b: int, c: int) -> None:
+        if self.zero3 is not None:
+            self.zero3.on_round_complete(b, c)
+
+    # -- what this rank owns -----------------------------------------------------------------------
     def owned_ranges(self) -> list[tuple[int, int, int]]:
         """(bucket, start, end): this rank's 1/DP slice of every bucket, in buffer elements."""
-        return [(b, *self.buffer.shard_range(b)) for b in range(len(self.buffer.buckets))]
+        return [(b, *self.layout.shard_range(b)) for b in range(len(self.layout.buckets))]
 
+    def shard_pieces(self):
+        """(bucket, param, lo, hi, offset): the parameters overlapping this rank's slices; [lo, hi)
+        in the parameter's flat elements, at `offset` in the bucket's slice."""
+        for b, s, _ in self.owned_ranges():
+            for p, lo, hi in self.layout.pieces_in_shard(b):
+                yield b, p, lo, hi, self.layout.param_index[p][0] + lo - s
+
+    def grad_shard(self, b: int) -> torch.Tensor:
+        """This rank's slice of bucket b's reduced fp32 gradient."""
+        return self.grads.grad_shard(b)
+
+    def param_shard(self, b: int) -> torch.Tensor:
+        """This rank's slice of bucket b's parameters, where the optimizer writes its update."""
+        if self.param_buffer is None:
+            raise RuntimeError("no_shard keeps no parameter buffer")
+        return self.param_buffer.param_shard(b)
+
+    def param_pieces(self) -> list[tuple]:
+        """(param, lo, hi, tensor) for what this rank stores of every parameter: whole
+        parameters (replicated over DP), or under ZeRO-3 its flat slices. Checkpoints save and
+        load through these, so no parameter is gathered for them."""
+        if not self.shards_params:
+            return [(p, 0, p.numel(), p) for p in self.params]
+        return [(p, lo, hi, self.param_shard(b)[off:off + hi - lo]) for b, p, lo, hi, off in self.shard_pieces()]
+
+    def param_slice(self, p: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
+        """A view of elements [lo, hi) of p's flat values, which this rank must store (any range
+        under no_shard/ZeRO-1/2; under ZeRO-3 one inside a slice it owns)."""
+        if not self.shards_params:
+            return p.detach().view(-1)[lo:hi]
+        if self._slices is None:
+            self._slices = {}
+            for q, a, z, t in self.param_pieces():
+                self._slices.setdefault(q, []).append((a, z, t))
+        for a, z, t in self._slices.get(p, ()):
+            if a <= lo and hi <= z:
+                return t[lo - a:hi - a]
+        raise KeyError(f"this rank stores no slice [{lo}, {hi}) of a {tuple(p.shape)} parameter")
+
+    # -- parameters after the step -----------------------------------------------------------------
     def start_param_sync(self) -> None:
-        """After the optimizer wrote its slices into the parameter buffer: gather every bucket
-        (overlapped with the next forward under --overlap-param-gather)."""
-        if not self.sharded or self.ps.dp_size == 1:
+        """After the optimizer wrote its slices: ZeRO-1/2 gather every bucket (overlapped with
+        the next forward under --overlap-param-gather). ZeRO-3 gathers on use."""
+        if not self.sharded or self.shards_params or self.ps.dp_size == 1:
             return
-        buf = self.buffer
         if self.overlap_param_gather:
             if self._gather_order is None:
                 seen = set(self._requested)
-                self._gather_order = self._requested + [b for b in reversed(range(len(buf.buckets)))
+                self._gather_order = self._requested + [b for b in reversed(range(len(self.layout.buckets)))
                                                         if b not in seen]
                 self._position = {b: i for i, b in enumerate(self._gather_order)}
             self._dispatched = self._waited = 0
             self._dispatch_through(0)
             return
-        for b, s, e in self.owned_ranges():
-            start, end = buf.buckets[b]
-            comm.all_gather_flat(buf.param_data[s:e], buf.param_data[start:end], self.ps.dp_group)
+        for b in range(len(self.layout.buckets)):
+            self.param_buffer.all_gather(b)
 
     def finish_param_sync(self) -> None:
-        """Wait until every parameter holds the latest update (a no-op unless gathers are pending)."""
-        if self._waited < len(self._handles):
+        """Wait until every parameter holds the latest update (a no-op unless gathers are
+        pending); under ZeRO-3, free what is gathered."""
+        if self.shards_params:
+            self.param_buffer.free_all()
+        elif self._waited < len(self._handles):
             self._wait_through(len(self._handles) - 1)
 
     def _dispatch_through(self, pos: int) -> None:
-        buf = self.buffer
         while self._dispatched <= min(pos, len(self._handles) - 1):
             b = self._gather_order[self._dispatched]
-            start, end = buf.buckets[b]
-            s, e = buf.shard_range(b)
-            self._handles[self._dispatched] = comm.all_gather_flat(
-                buf.param_data[s:e], buf.param_data[start:end], self.ps.dp_group, async_op=True)
+            self._handles[self._dispatched] = self.param_buffer.all_gather(b, async_op=True)
             self._dispatched += 1
 
     def _wait_through(self, pos: int) -> None:
@@ -138,12 +261,12 @@ class DataParallel:
             self._waited += 1
 
     def _register_hooks(self, model) -> None:
-        buf = self.buffer
         for chunk in model:
             for m in chunk.modules():
                 if not _has_forward(m):
                     continue
-                buckets = sorted({buf.param_bucket[p] for p in _params_used_by(m) if p in buf.param_bucket})
+                buckets = sorted({self.layout.param_bucket[p] for p in _params_used_by(m)
+                                  if p in self.layout.param_bucket})
                 if buckets:
                     m.register_forward_pre_hook(self._make_hook(buckets))
 
@@ -160,19 +283,27 @@ class DataParallel:
 
     # -- reporting ---------------------------------------------------------------------------------
     def describe(self) -> list[str]:
-        parts = [f"distributed over DP {self.ps.dp_size} (ZeRO-1)"] if self.sharded else []
-        if self.buffer.overlap:
+        parts = []
+        if self.sharded:
+            parts.append(f"{self.strategy} (ZeRO-{self.zero_stage}) over DP {self.ps.dp_size}")
+        if self.config.overlap_grad_reduce:
             parts.append("overlapped grad reduce")
-        if self.overlap_param_gather:
-            parts.append("overlapped param gather")
-        if self.buffer.data.dtype != torch.float32:
-            parts.append(f"{str(self.buffer.data.dtype).replace('torch.', '')} grads")
-        return parts + [f"{len(self.buffer.buckets)} bucket(s)"]
+        if self.overlap_param_gather or (self.zero3 is not None and self.zero3.prefetch):
+            parts.append("overlapped param gather" if not self.shards_params else "prefetched param gather")
+        if self.grads.dtype != torch.float32:
+            parts.append(f"{str(self.grads.dtype).replace('torch.', '')} grads")
+        return parts + [f"{len(self.layout.buckets)} bucket(s)"]
 
     @property
     def grad_bytes(self) -> int:
-        return self.buffer.nbytes
+        """Gradient memory that lives through the step (ZeRO-2/3: this rank's slices; the
+        bucket-sized staging buffers come and go)."""
+        return self.grads.nbytes
 
     @property
     def param_bytes(self) -> int:
-        return self.buffer.param_nbytes
+        """Parameter memory that lives through the step (the flat buffer with its padding;
+        ZeRO-3: this rank's slices, not the per-layer working set gathered on use)."""
+        if self.param_buffer is not None:
+            return self.param_buffer.nbytes
+        return sum(p.numel() * p.element_size() for p in self.params)

@@ -1,24 +1,24 @@
-"""Contiguous gradient (and parameter) buffers, split into buckets, reduced over data-parallel ranks.
+"""Gradient buffers: where autograd's per-parameter `.grad` goes, and its data-parallel reduction.
 
-Every parameter's `main_grad[p]` is a view into one flat fp32 buffer. Autograd's per-parameter
-`.grad` is added into it as soon as it is accumulated (post-accumulate hook) and then freed, so
-gradients accumulate across micro-batches in fp32 whatever the parameter dtype, and the DP
-reduction is a few large collectives (one per bucket) instead of one per parameter. Buckets
-follow the reverse of the parameters' order, roughly the order backward produces them, which is
-what lets a bucket's reduction overlap the rest of backward (--overlap-grad-reduce).
+Autograd's `.grad` of every parameter is added into an fp32 buffer (bf16 with
+--grad-reduce-in-bf16) as soon as it is accumulated
+(post-accumulate-grad hook) and then freed, so gradients accumulate across micro-batches in fp32
+whatever the parameter dtype, and the DP reduction is a few large collectives (one per bucket,
+buckets.py) instead of one per parameter.
 
-Layout, in elements of the buffer (the same for grads and, with the distributed optimizer,
-for the parameters themselves):
+`GradBuffer` (no_shard, ZeRO-1 optim): one full-size buffer that lives for the whole run. Each
+bucket is all-reduced, or reduce-scattered onto the slices the ranks own (ZeRO-1: the rest of
+the buffer then holds this rank's unreduced values; only the owned slice may be read).
 
-    | bucket 0 (params n-1, n-2, ...) pad | bucket 1 ... pad | ...
-    |<- rank 0 ->|<- rank 1 ->| ...          each bucket padded to a multiple of `pad_to` = DP
-
-A parameter never straddles two buckets, but a rank's 1/DP slice of a bucket may start or end
-inside a parameter: the distributed optimizer (ZeRO-1) owns slices, not parameters.
-
-Reduction modes: all-reduce (every rank gets the summed gradient), or reduce-scatter (each
-rank gets the sum only on the slice it owns; the rest of the buffer then holds this rank's
-unreduced values, on gloo as on NCCL: only the owned slice may be read afterwards).
+`ShardedGradBuffer` (ZeRO-2 optim_grads, ZeRO-3 optim_grads_params; Rajbhandari et al. 2020,
+Sec. 5.2): only this rank's 1/DP slice of every bucket lives through the step, 4/DP bytes per
+parameter. Gradients are added into a bucket-sized fp32 staging buffer; once every parameter of
+the bucket has its gradient of the micro-batch, the staging buffer is reduce-scattered, its
+slice added to the rank's shard, and it is freed. So the collective runs once per micro-batch
+(m times per step), not once per step: keeping the step's full gradient until the last
+micro-batch would hold the 4-bytes-per-parameter buffer ZeRO-2 exists to remove (the
+alternative, `reduce_every_microbatch=False`, is kept for the measurement in
+benchmarks/RESULTS_zero.md).
 """
 from __future__ import annotations
 
@@ -26,97 +26,87 @@ import torch
 
 from .. import comm
 from ..tensor_parallel.param_info import param_info
+from .buckets import BucketLayout
 
 
 def _defers_grad_sync(p: torch.nn.Parameter) -> bool:
-    """Gradients that another sum must reach before the DP reduction: the tied embedding's copies
-    across pipeline stages (summed over the embedding group by DataParallel.finish_grad_sync).
-    Their buffers have different layouts on the two stages, so the sum cannot follow a
-    reduce-scatter. Sequence-parallel weights need no deferral: TP ranks share one buffer
-    layout, so their TP sum can follow the DP reduction."""
+    """Gradients that another sum must reach before a full buffer's DP reduction: the tied
+    embedding's copies across pipeline stages (summed over the embedding group by
+    DataParallel.finish_grad_sync). Their buffers have different layouts on the two stages, so
+    the sum cannot follow a reduce-scatter. The sharded buffers put the tied embedding in a
+    bucket of its own instead (same layout on both stages), so there the sum follows the
+    reduction. Sequence-parallel weights need no deferral: TP ranks share one buffer layout."""
     return param_info(p).embedding_group_sync
 
 
+class _Accumulator:
+    """Counts, per bucket, the micro-batches whose gradients have fully arrived ("rounds"):
+    round c of bucket b is complete when every parameter of b has accumulated c gradients."""
+
+    def __init__(self, layout: BucketLayout):
+        self.layout = layout
+        self.reset()
+
+    def reset(self) -> None:
+        self.count: dict = {}
+        self.arrived = [dict() for _ in self.layout.buckets]
+        self.complete = [0] * len(self.layout.buckets)
+
+    def arrive(self, p) -> tuple[int, int] | None:
+        """Record one gradient of p; returns (bucket, round) when that completes a round."""
+        b = self.layout.param_bucket[p]
+        c = self.count.get(p, 0) + 1
+        self.count[p] = c
+        n = self.arrived[b].get(c, 0) + 1
+        self.arrived[b][c] = n
+        if n == len(self.layout.bucket_params[b]):
+            del self.arrived[b][c]
+            self.complete[b] = c
+            return b, c
+        return None
+
+
 class GradBuffer:
-    def __init__(self, params: list[torch.nn.Parameter], dp_group, bucket_size: int = 40_000_000,
-                 dtype: torch.dtype = torch.float32, pad_to: int = 1, reduce_scatter: bool = False,
-                 overlap_grad_reduce: bool = False, num_microbatches: int = 1):
-        """`pad_to`: each bucket's size is rounded up to a multiple of this (the DP size for the
-        distributed optimizer, so every bucket splits into equal slices). `reduce_scatter`:
-        reduce each bucket onto the slices the ranks own instead of all-reducing it.
-        `overlap_grad_reduce`: start a bucket's reduction from the backward hook as soon as
-        every parameter in it has accumulated the gradient of the `num_microbatches`-th
-        micro-batch."""
-        self.params, self.dp_group = list(params), dp_group
-        self.dp_size, self.dp_rank = comm.group_size(dp_group), comm.group_rank(dp_group)
-        if reduce_scatter and pad_to % self.dp_size:
-            raise ValueError(f"pad_to ({pad_to}) must be a multiple of the data-parallel size ({self.dp_size})")
+    """A full-size fp32 gradient buffer (no_shard, ZeRO-1)."""
+
+    sharded = False
+
+    def __init__(self, layout: BucketLayout, dp_group, reduce_scatter: bool = False,
+                 overlap_grad_reduce: bool = False, num_microbatches: int = 1, device=None,
+                 dtype=torch.float32):
+        """`reduce_scatter`: reduce each bucket onto the slices the ranks own instead of
+        all-reducing it (needs buckets padded to DP). `overlap_grad_reduce`: start a bucket's
+        reduction from the backward hook as soon as every parameter in it has accumulated the
+        gradient of the `num_microbatches`-th micro-batch."""
+        self.layout, self.dp_group = layout, dp_group
+        if reduce_scatter and layout.pad_to % layout.dp_size:
+            raise ValueError("reduce-scatter needs buckets padded to a multiple of the data-parallel size")
         self.reduce_scatter, self.overlap = reduce_scatter, overlap_grad_reduce
         self.num_microbatches = num_microbatches
-        device = self.params[0].device
-        self.buckets: list[tuple[int, int]] = []  # [start, end) in elements, padded
-        self.bucket_params: list[list[torch.nn.Parameter]] = []
-        self.param_index: dict[torch.nn.Parameter, tuple[int, int]] = {}
-        self.param_bucket: dict[torch.nn.Parameter, int] = {}
-        offset, bucket_start, members = 0, 0, []
-        for i, p in enumerate(reversed(self.params)):
-            self.param_index[p] = (offset, offset + p.numel())
-            self.param_bucket[p] = len(self.buckets)
-            members.append(p)
-            offset += p.numel()
-            if offset - bucket_start >= bucket_size or i == len(self.params) - 1:
-                offset = bucket_start + -(-(offset - bucket_start) // pad_to) * pad_to
-                self.buckets.append((bucket_start, offset))
-                self.bucket_params.append(members)
-                bucket_start, members = offset, []
-        self.numel = offset
-        self.data = torch.zeros(offset, dtype=dtype, device=device)
-        self.param_data: torch.Tensor | None = None  # see make_param_buffer
-        # buckets whose reduction must wait for finalize_model_grads (never started early)
-        self.deferred = [any(_defers_grad_sync(p) for p in ps) for ps in self.bucket_params]
-        self._handles: list = [None] * len(self.buckets)
-        self._started = [False] * len(self.buckets)
-        self._ready_count: dict[torch.nn.Parameter, int] = {}
-        self._bucket_waiting = [len(ps) for ps in self.bucket_params]
-        self.main_grad: dict[torch.nn.Parameter, torch.Tensor] = {}
-        for p in self.params:
-            start, end = self.param_index[p]
+        self.dtype = dtype
+        self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
+        # buckets whose reduction must wait for finish_grad_sync (never started early)
+        self.deferred = [any(_defers_grad_sync(p) for p in ps) for ps in layout.bucket_params]
+        self._handles: list = [None] * len(layout.buckets)
+        self._started = [False] * len(layout.buckets)
+        self._acc = _Accumulator(layout)
+        self.main_grad: dict = {}
+        for p in layout.params:
+            start, end = layout.param_index[p]
             self.main_grad[p] = self.data[start:end].view(p.shape)
             p.register_post_accumulate_grad_hook(self._accumulate)
 
-    # -- layout --------------------------------------------------------------------------------
-    def shard_range(self, bucket: int, rank: int | None = None) -> tuple[int, int]:
-        """[start, end) of `rank`'s (default: this rank's) 1/DP slice of `bucket`."""
-        start, end = self.buckets[bucket]
-        size = (end - start) // self.dp_size
-        rank = self.dp_rank if rank is None else rank
-        return start + rank * size, start + (rank + 1) * size
-
-    def make_param_buffer(self) -> torch.Tensor:
-        """Move the parameters into one flat buffer of their dtype with the gradient buffer's
-        layout (p.data becomes a view), so a bucket's parameters can be all-gathered at once."""
-        if self.param_data is None:
-            p0 = self.params[0]
-            self.param_data = torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)
-            for p in self.params:
-                if p.dtype != p0.dtype:
-                    raise ValueError(f"parameters of mixed dtypes ({p0.dtype}, {p.dtype}) cannot share a buffer")
-                start, end = self.param_index[p]
-                view = self.param_data[start:end].view(p.shape)
-                view.copy_(p.data)
-                p.data = view
-        return self.param_data
+    @property
+    def buckets(self):
+        return self.layout.buckets
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    @property
-    def param_nbytes(self) -> int:
-        """Bytes the parameters occupy: the flat buffer (with padding) when there is one."""
-        if self.param_data is not None:
-            return self.param_data.numel() * self.param_data.element_size()
-        return sum(p.numel() * p.element_size() for p in self.params)
+    def grad_shard(self, b: int) -> torch.Tensor:
+        s, e = self.layout.shard_range(b)
+        return self.data[s:e]
 
     # -- accumulation ----------------------------------------------------------------------------
     def _accumulate(self, p: torch.nn.Parameter) -> None:
@@ -124,35 +114,30 @@ class GradBuffer:
         p.grad = None
         if not self.overlap:
             return
-        b = self.param_bucket[p]
+        b = self.layout.param_bucket[p]
         if self._started[b]:
             raise RuntimeError("a gradient was accumulated after its bucket's reduction had started "
                                "(a parameter used more than once per micro-batch outside one autograd graph?); "
                                "run without --overlap-grad-reduce")
-        n = self._ready_count.get(p, 0) + 1
-        self._ready_count[p] = n
-        if n == self.num_microbatches:
-            self._bucket_waiting[b] -= 1
-            if self._bucket_waiting[b] == 0 and not self.deferred[b]:
-                self.start_grad_sync(b)
+        done = self._acc.arrive(p)
+        if done is not None and done[1] == self.num_microbatches and not self.deferred[b]:
+            self.start_grad_sync(b)
 
     def zero(self) -> None:
         self.finish_grad_sync(start_missing=False)
         self.data.zero_()
-        self._ready_count.clear()
-        self._bucket_waiting = [len(ps) for ps in self.bucket_params]
-        self._started = [False] * len(self.buckets)
+        self._acc.reset()
+        self._started = [False] * len(self.layout.buckets)
 
     # -- reduction -------------------------------------------------------------------------------
     def start_grad_sync(self, b: int) -> None:
         """Start the DP sum of bucket `b` (asynchronously with --overlap-grad-reduce). The loss
         is already normalised by the global token count, so a sum, not a mean, is the gradient
         of the global-batch loss."""
-        start, end = self.buckets[b]
+        start, end = self.layout.buckets[b]
         full = self.data[start:end]
         if self.reduce_scatter:
-            s, e = self.shard_range(b)
-            self._handles[b] = comm.reduce_scatter_flat(full, self.data[s:e], self.dp_group, async_op=self.overlap)
+            self._handles[b] = comm.reduce_scatter_flat(full, self.grad_shard(b), self.dp_group, async_op=self.overlap)
         elif self.overlap:
             self._handles[b] = comm.all_reduce_async(full, self.dp_group)
         else:
@@ -163,10 +148,116 @@ class GradBuffer:
         """Start the buckets not started yet (in bucket order, the same on every DP rank), then
         wait for every reduction."""
         if start_missing:
-            for b in range(len(self.buckets)):
+            for b in range(len(self.layout.buckets)):
                 if not self._started[b]:
                     self.start_grad_sync(b)
         for b, h in enumerate(self._handles):
             if h is not None:
                 h.wait()
                 self._handles[b] = None
+
+
+class ShardedGradBuffer:
+    """This rank's slice of every bucket's reduced fp32 gradient (ZeRO-2, ZeRO-3), and the
+    bucket-sized staging buffers the micro-batches' gradients pass through (module docstring).
+
+    `on_round_complete(b, c)` is called when bucket b has every gradient of micro-batch round c
+    (ZeRO-3 frees the bucket's gathered parameters there)."""
+
+    sharded = True
+
+    def __init__(self, layout: BucketLayout, dp_group, overlap_grad_reduce: bool = False,
+                 num_microbatches: int = 1, reduce_every_microbatch: bool = True, device=None,
+                 on_round_complete=None, max_in_flight: int = 2, dtype=torch.float32):
+        if layout.pad_to % layout.dp_size:
+            raise ValueError("sharded gradients need buckets padded to a multiple of the data-parallel size")
+        self.layout, self.dp_group, self.device = layout, dp_group, device
+        self.overlap, self.num_microbatches = overlap_grad_reduce, num_microbatches
+        self.reduce_every_microbatch = reduce_every_microbatch
+        self.on_round_complete, self.max_in_flight = on_round_complete, max_in_flight
+        self.dtype = dtype
+        self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        self._staging: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        self._whole = [len(ps) == 1 and ps[0].numel() == e - s for ps, (s, e) in zip(layout.bucket_params,
+                                                                                    layout.buckets)]
+        self._in_flight: list[tuple[int, torch.Tensor, object]] = []  # (bucket, staging, handle), oldest first
+        self._acc = _Accumulator(layout)
+        self.peak_staging_bytes = 0  # most staging memory held at once (benchmarks report it)
+        for p in layout.params:
+            p.register_post_accumulate_grad_hook(self._accumulate)
+
+    @property
+    def buckets(self):
+        return self.layout.buckets
+
+    @property
+    def nbytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size()
+
+    def grad_shard(self, b: int) -> torch.Tensor:
+        o = self.layout.shard_offset(b)
+        s, e = self.layout.shard_range(b)
+        return self.shard[o:o + e - s]
+
+    def _staging_bytes(self) -> int:
+        held = [t for t in self._staging if t is not None] + [t for _, t, _ in self._in_flight]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    # -- accumulation ----------------------------------------------------------------------------
+    def _accumulate(self, p: torch.nn.Parameter) -> None:
+        b = self.layout.param_bucket[p]
+        start, end = self.layout.buckets[b]
+        if self._staging[b] is None and self._whole[b] and p.grad.dtype == self.dtype and p.grad.is_contiguous():
+            # a bucket that is exactly this parameter: autograd's gradient becomes the
+            # staging buffer, no copy (for a vocabulary-sized embedding, the step's largest tensor)
+            self._staging[b] = p.grad.detach().view(-1)
+        else:
+            if self._staging[b] is None:
+                self._staging[b] = torch.zeros(end - start, dtype=self.dtype, device=self.device)
+            lo, hi = self.layout.param_index[p]
+            self._staging[b][lo - start:hi - start].view(p.shape).add_(p.grad)
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_bytes())
+        p.grad = None
+        done = self._acc.arrive(p)
+        if done is None:
+            return
+        b, c = done
+        if self.reduce_every_microbatch or c == self.num_microbatches:
+            self._start(b)
+        if self.on_round_complete is not None:
+            self.on_round_complete(b, c)
+
+    def _start(self, b: int) -> None:
+        """Reduce-scatter bucket b's staging buffer; its slice is added to the shard when the
+        collective is waited for (at once without --overlap-grad-reduce)."""
+        staging, self._staging[b] = self._staging[b], None
+        start = self.layout.buckets[b][0]
+        s, e = self.layout.shard_range(b)
+        handle = comm.reduce_scatter_flat(staging, staging[s - start:e - start], self.dp_group, async_op=self.overlap)
+        self._in_flight.append((b, staging, handle))
+        while len(self._in_flight) > (self.max_in_flight if self.overlap else 0):
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        b, staging, handle = self._in_flight.pop(0)
+        if handle is not None:
+            handle.wait()
+        start = self.layout.buckets[b][0]
+        s, e = self.layout.shard_range(b)
+        self.grad_shard(b).add_(staging[s - start:e - start])
+
+    def zero(self) -> None:
+        self.finish_grad_sync(start_missing=False)
+        self._staging = [None] * len(self.layout.buckets)
+        self.shard.zero_()
+        self._acc.reset()
+
+    def finish_grad_sync(self, start_missing: bool = True) -> None:
+        """Reduce what is still staged (in bucket order, the same on every DP rank), then wait
+        for every reduction."""
+        if start_missing:
+            for b in range(len(self.layout.buckets)):
+                if self._staging[b] is not None:
+                    self._start(b)
+        while self._in_flight:
+            self._finish_oldest()

@@ -124,6 +124,13 @@ class GPTModel(nn.Module):
         for name, p in self.named_parameters():
             yield self.global_name(name), p
 
+    def sharding_units(self) -> list[nn.Module]:
+        """Sub-modules whose parameters ZeRO-3 gathers just for their own forward and backward,
+        in forward order (distributed/zero3.py). The rest (final norm, output layer, and the
+        word embedding when it is also this chunk's output layer) is gathered for the chunk's."""
+        tied_here = self.pre_process and self.post_process and not self.config.untie_embeddings_and_output_weights
+        return ([self.embedding] if self.pre_process and not tied_here else []) + list(self.decoder.layers)
+
     def initialize(self, seed: int) -> None:
         initialize_parameters(self.global_named_parameters(), seed, self.tp_group)
 

@@ -41,7 +41,7 @@ def full_tensor(param: nn.Parameter, name: str, seed: int, shape: tuple[int, ...
     gen = torch.Generator().manual_seed(name_seed(seed, name))
     rows = info.init_rows
     if rows is None or rows >= shape[0]:
-        return torch.randn(shape, generator=gen) * info.init_std
+        return torch.randn(shape, generator=gen).mul_(info.init_std)  # in place: one whole-tensor copy fewer
     # padded vocabulary: only the real rows are random; the padding rows stay zero (and, being
     # masked out of the softmax, get no gradient), so the padding amount cannot matter.
     out = torch.zeros(shape)
@@ -67,10 +67,16 @@ def unshard(shards: list[torch.Tensor], info: ParamInfo) -> torch.Tensor:
     return torch.cat([torch.cat([pb[j] for pb in per_rank_blocks], dim=dim) for j in range(stride)], dim=dim)
 
 
+def initial_value(param: nn.Parameter, name: str, seed: int, tp_group) -> torch.Tensor:
+    """This rank's TP shard of `param`'s initial value (fp32, CPU). `param` may be on the meta
+    device: ZeRO-3 materialises parameters from this, one at a time."""
+    tp_size, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+    full = full_tensor(param, name, seed, global_shape(param, tp_size))
+    return shard(full, param_info(param), tp_rank, tp_size)
+
+
 @torch.no_grad()
 def initialize_parameters(named_params, seed: int, tp_group) -> None:
     """Fill every parameter in `named_params` ((global_name, param) pairs) from the seed."""
-    tp_size, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
     for name, param in named_params:
-        full = full_tensor(param, name, seed, global_shape(param, tp_size))
-        param.copy_(shard(full, param_info(param), tp_rank, tp_size))
+        param.copy_(initial_value(param, name, seed, tp_group))

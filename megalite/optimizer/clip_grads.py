@@ -14,12 +14,17 @@ import torch
 
 
 def local_grad_stats(grads: list[torch.Tensor], counted: list[bool], device=None) -> torch.Tensor:
-    """[sum of squares of the counted grads, number of grads holding an inf or nan] (fp32) on
+    """[sum of squares of the counted grads, number of grads holding an inf or nan] (fp64) on
     this rank, to be all-reduced; one pass over the gradients serves the norm and the overflow
-    check (a tensor's norm is inf or nan exactly when it holds one, or overflows fp32)."""
-    stats = torch.zeros(2, dtype=torch.float32, device=device)
+    check (a tensor's norm is inf or nan exactly when it holds one, or overflows).
+
+    The squares are accumulated in fp64 (no copy: the reduction's dtype): in fp32 the norm of a
+    49M-element gradient (a 32000 x 1536 embedding) came out 0.38% low on the CPU, and by an
+    amount that depends on how the tensor is cut, so the norm, and with it clipping, would
+    depend on the layout (ZeRO's slices)."""
+    stats = torch.zeros(2, dtype=torch.float64, device=device)
     if grads:
-        norms = torch.stack(torch._foreach_norm([g.float() for g in grads]))
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
         mask = torch.tensor(counted, dtype=torch.bool, device=norms.device)
         stats[0] = norms[mask].pow(2).sum()
         stats[1] = (~torch.isfinite(norms)).sum()

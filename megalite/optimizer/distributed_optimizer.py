@@ -1,19 +1,30 @@
-"""The distributed optimizer (ZeRO stage 1; Rajbhandari et al. 2020, Sec. 5.1): fp32 master
-weights and Adam's moments are sharded over the data-parallel ranks.
+"""The distributed optimizer (ZeRO; Rajbhandari et al. 2020, Sec. 5): fp32 master weights and
+Adam's moments are sharded over the data-parallel ranks, for every sharding strategy but
+no_shard; optionally part of them lives in host memory (ZeRO-Offload; Ren et al. 2021).
 
-Layout (see distributed/grad_buffer.py): parameters and gradients live in two flat buffers with
-the same layout, split into buckets, each bucket padded to a multiple of DP. DP rank r owns the
-r-th 1/DP slice of every bucket (`DataParallel.owned_ranges`); a slice may begin or end inside a
-parameter, so the optimizer steps *pieces*: (parameter, [lo, hi) in the buffer). Per iteration:
+Layout (see distributed/buckets.py): parameters and gradients are laid out alike, in buckets,
+each padded to a multiple of DP. DP rank r owns the r-th 1/DP slice of every bucket
+(`DataParallel.owned_ranges`); a slice may begin or end inside a parameter, so the optimizer
+steps *pieces*: (parameter, flat range [lo, hi) of it). The data-parallel module hands it, per
+bucket, views of this rank's slice of the reduced gradient (`grad_shard`; ZeRO-1 keeps the whole
+buffer, ZeRO-2/3 only the slice) and of the parameters (`param_shard`; ZeRO-1/2 a slice of the
+whole flat parameter buffer, ZeRO-3 the only copy this rank has). Per iteration:
 
-  backward -> grads accumulate in the fp32 buffer
-  reduce-scatter each bucket      -> rank r holds the summed gradient of its slice   (DataParallel)
+  reduce(-scatter) each bucket    -> rank r holds the summed gradient of its slice   (DataParallel)
   unscale, overflow check, norm   -> all-reduced over DP and the model-parallel group
-  AdamW on the slice's fp32 masters (views of the param buffer itself when params are fp32)
-  copy masters -> param slice (cast to bf16/fp16), all-gather each bucket         (DataParallel)
+  AdamW on the slice's fp32 masters (the parameter slice itself when params are fp32)
+  masters -> parameter slice (cast to bf16/fp16); ZeRO-1/2: all-gather each bucket  (DataParallel)
 
 Optimizer state per rank is 12 bytes per parameter / DP with 16-bit parameters (fp32 master
-4 + Adam m, v 8), instead of 12 per parameter; the gradient buffer stays whole (ZeRO-1).
+4 + Adam m, v 8), 8 / DP with fp32 parameters (the parameter is its own master).
+
+--optimizer-cpu-offload --optimizer-offload-fraction f: the masters and moments of the first
+round(f x n) of this rank's n elements (a piece is cut at the boundary) are host tensors (pinned when CUDA is present),
+and the inner optimizer steps them there (torch's AdamW runs each device's tensors with that
+device's kernels). Their gradients are copied to the host before the step, the updated masters
+back into the parameter slices after it. With fp32 parameters an offloaded piece gets a host
+master of its own. On a CPU-only run host and device are one memory: the path runs the same
+kernels on the same numbers, so losses are identical with and without offload (tests).
 """
 from __future__ import annotations
 
@@ -29,51 +40,110 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, named_params, args, dp, ps):
         if not dp.sharded:
-            raise ValueError("the distributed optimizer needs a DataParallel built with use_distributed_optimizer")
+            raise ValueError("the distributed optimizer needs a DataParallel with a sharding strategy other "
+                             "than no_shard")
+        self.offload = args.optimizer_cpu_offload
+        self.offload_fraction = args.optimizer_offload_fraction if self.offload else 0.0
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {self.offload_fraction}")
         super().__init__(named_params, args, dp, ps)
 
     # -- what is stepped: this rank's slice of every bucket ----------------------------------------
     def _build_masters(self) -> None:
-        buf, tp_rank = self.dp.buffer, self.ps.tp_rank
-        self.shards = []  # (slice start, slice end, offset in master_data)
-        pieces = []  # (param, lo, hi, offset in master_data)
-        offset = 0
-        for b, s, e in self.dp.owned_ranges():
-            self.shards.append((s, e, offset))
-            for p in buf.bucket_params[b]:
-                ps_, pe_ = buf.param_index[p]
-                lo, hi = max(ps_, s), min(pe_, e)
-                if lo < hi:
-                    pieces.append((p, lo, hi, offset + lo - s))
-            offset += e - s
-        if self.fp32_params:
-            self.master_data = None  # the optimizer steps the param buffer's slice in place
-            self.masters = [buf.param_data[lo:hi] for _, lo, hi, _ in pieces]
-        else:
-            self.master_data = torch.empty(offset, dtype=torch.float32, device=self.device)
-            for s, e, o in self.shards:
-                self.master_data[o:o + e - s].copy_(buf.param_data[s:e])
-            self.masters = [self.master_data[o:o + hi - lo] for _, lo, hi, o in pieces]
-        self.master_ndims = [p.ndim for p, *_ in pieces]
-        self.main_grads = [buf.data[lo:hi] for _, lo, hi, _ in pieces]
-        self.counted = [param_info(p).is_owner(tp_rank) for p, *_ in pieces]
-        self._pieces = [(p, lo - buf.param_index[p][0], hi - buf.param_index[p][0]) for p, lo, hi, _ in pieces]
+        dp, tp_rank = self.dp, self.ps.tp_rank
+        total = sum(hi - lo for _, _, lo, hi, _ in dp.shard_pieces())
+        # offloaded: the first round(f x total) elements; the piece at the boundary is cut in two
+        pieces, on_host, n_host = [], [], 0
+        target = round(self.offload_fraction * total)
+        for b, p, lo, hi, off in dp.shard_pieces():  # (bucket, param, lo, hi, offset in the bucket's slice)
+            cut = min(hi, lo + max(target - n_host, 0))
+            for a, z, host in ((lo, cut, True), (cut, hi, False)):
+                if a < z:
+                    pieces.append((b, p, a, z, off + a - lo))
+                    on_host.append(host)
+                    n_host += (z - a) if host else 0
+        n_device = 0 if self.fp32_params else sum(hi - lo for (_, _, lo, hi, _), h in zip(pieces, on_host) if not h)
+        pin = torch.cuda.is_available()
+        self.master_data = torch.empty(n_device, dtype=torch.float32, device=self.device) if n_device else None
+        self.host_master_data = self.host_grad_data = None
+        if n_host:
+            self.host_master_data = torch.empty(n_host, dtype=torch.float32, pin_memory=pin)
+            self.host_grad_data = torch.empty(n_host, dtype=torch.float32, pin_memory=pin)
+        # the norm, the overflow check, unscaling and clipping run over the uncut pieces, so the
+        # numbers do not depend on where the offload boundary falls
+        self.main_grads, self.counted = [], []
+        for b, p, lo, hi, off in dp.shard_pieces():
+            self.main_grads.append(dp.grad_shard(b)[off:off + hi - lo])
+            self.counted.append(param_info(p).is_owner(tp_rank))
+        self.masters, self.master_ndims, self._step_grads = [], [], []
+        self._pieces, self._host_grads, self._copy_back = [], [], []
+        d = h = 0
+        for (b, p, lo, hi, off), host in zip(pieces, on_host):
+            n = hi - lo
+            grad = dp.grad_shard(b)[off:off + n]
+            weight = dp.param_shard(b)[off:off + n]
+            if host:
+                master = self.host_master_data[h:h + n]
+                self._host_grads.append(self.host_grad_data[h:h + n])
+                h += n
+            elif self.fp32_params:
+                master = weight  # stepped in place
+                self._host_grads.append(None)
+            else:
+                master = self.master_data[d:d + n]
+                self._host_grads.append(None)
+                d += n
+            if master is not weight:
+                master.copy_(weight)
+                self._copy_back.append((weight, master))
+            self.masters.append(master)
+            self._step_grads.append(grad)  # views of the same memory as main_grads
+            self.master_ndims.append(p.ndim)
+            self._pieces.append((p, lo, hi))
+        self.offloaded_elements, self.total_elements = n_host, total
+
+    @torch.no_grad()
+    def masters_from_params(self) -> None:
+        for weight, master in self._copy_back:
+            master.copy_(weight)
 
     def _master_bytes(self) -> int:
-        return 0 if self.master_data is None else self.master_data.numel() * self.master_data.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.master_data, self.host_master_data) if t is not None)
 
     def _reduce_stats(self, stats: torch.Tensor) -> None:
         """Slices partition each model-parallel rank's buffer: sum over DP, then over TP x PP."""
         comm.all_reduce(stats, self.ps.dp_group)
         comm.all_reduce(stats, self.ps.mp_group)
 
+    def _attach_grads(self, grads: list[torch.Tensor]) -> None:
+        """Offloaded pieces get a host copy of their gradient (device to host). `grads` (the
+        uncut pieces) were scaled and clipped in place; the masters' cut pieces view them."""
+        copied = False
+        for m, g, hg in zip(self.masters, self._step_grads, self._host_grads):
+            if hg is not None:
+                hg.copy_(g, non_blocking=True)
+                m.grad, copied = hg, True
+            else:
+                # --grad-reduce-in-bf16: the reduced bf16 slice is widened for the fp32 update
+                m.grad = g if g.dtype == m.dtype else g.to(m.dtype)
+        if copied and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the host step reads the copies
+
     def _update_params(self) -> None:
-        """Masters -> this rank's slices of the parameter buffer; the data-parallel module
-        gathers the rest."""
-        if self.master_data is not None:
-            for s, e, o in self.shards:
-                self.dp.buffer.param_data[s:e].copy_(self.master_data[o:o + e - s])
+        """Masters -> this rank's slices of the parameters (host to device for offloaded
+        pieces); the data-parallel module gathers the rest."""
+        for weight, master in self._copy_back:
+            weight.copy_(master, non_blocking=True)
         self.dp.start_param_sync()
+
+    def describe(self) -> str:
+        line = super().describe()
+        if self.offload:
+            share = self.offloaded_elements / max(self.total_elements, 1)
+            line += (f", optimizer state offloaded to host: {100 * share:.0f}% of this rank's "
+                     f"{self.total_elements / 1e6:.2f}M elements (--optimizer-offload-fraction "
+                     f"{self.offload_fraction:g}), stepped on the CPU")
+        return line
 
     def pieces(self) -> list[tuple]:
         return [(p, lo, hi, m) for (p, lo, hi), m in zip(self._pieces, self.masters)]

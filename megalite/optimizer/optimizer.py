@@ -9,7 +9,8 @@ a step whose gradients overflowed is skipped on every rank.
 One step, after the data-parallel module has reduced the gradients: multiply by `grad_scale`
 (1 / loss scale, token renormalisation) -> one all-reduce of [squared norm, overflow count] ->
 skip on overflow -> clip -> update -> masters copied into the parameters.
-distributed_optimizer.py shards the masters and the optimizer state over DP (ZeRO-1).
+distributed_optimizer.py shards the masters and the optimizer state over DP (ZeRO-1/2/3) and
+offloads them to host memory (--optimizer-cpu-offload).
 
 The update itself is torch.optim's AdamW / SGD, fused where the device has fused kernels (CUDA,
 and the CPU on recent torch), unless --no-fused-optimizer; both paths compute the same update
@@ -128,10 +129,21 @@ class MixedPrecisionOptimizer:
         comm.all_reduce(stats, self.ps.mp_group)
         comm.all_reduce(stats, self.ps.dp_group, op=torch.distributed.ReduceOp.MAX)
 
+    def _attach_grads(self, grads: list[torch.Tensor]) -> None:
+        """Give each master its (unscaled, clipped) gradient for the inner optimizer."""
+        for m, g in zip(self.masters, grads):
+            # --grad-reduce-in-bf16: the reduced bf16 gradient is widened for the fp32 update
+            m.grad = g.view_as(m) if g.dtype == m.dtype else g.view_as(m).to(m.dtype)
+
     def _update_params(self) -> None:
         if not self.fp32_params:
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)
+
+    @torch.no_grad()
+    def masters_from_params(self) -> None:
+        """fp32 runs after a checkpoint load: masters that are not the parameters' own memory
+        (offloaded host copies) take the loaded values."""
 
     # -- public ------------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -189,9 +201,7 @@ class MixedPrecisionOptimizer:
         clip_by_norm(grads, grad_norm, self.clip_grad)
         for g in self.optimizer.param_groups:
             g["lr"] = decoupled_lr if g.get("decoupled") and decoupled_lr is not None else lr
-        for m, g in zip(self.masters, grads):
-            # --grad-reduce-in-bf16: the reduced bf16 gradient is widened for the fp32 update
-            m.grad = g.view_as(m) if g.dtype == m.dtype else g.view_as(m).to(m.dtype)
+        self._attach_grads(grads)
         self.optimizer.step()
         for m in self.masters:
             m.grad = None
