@@ -14,7 +14,7 @@ Each saved tensor is a flat range [lo, hi) of one parameter's *local shard* (of 
 fp32 master, or an optimizer moment), recorded with how that shard was cut from the whole
 tensor (TP partition dimension, stride, TP size, the real vocabulary rows of padded tables).
 Which rank saves what ("ownership", `owned_pieces`): with the distributed optimizer every rank
-its own ZeRO-1 slices of parameters, masters and moments; with the plain optimizer whole
+its own slices (ZeRO-1/2/3) of parameters, masters and moments; with the plain optimizer whole
 parameters spread over the data-parallel ranks by size, so DP replicas write (and read) disjoint,
 about equal parts in parallel. A TP-replicated tensor is saved by TP rank 0 only.
 Every element is saved once, plus the last pipeline stage's optimizer state for its copy of the
@@ -23,8 +23,9 @@ tied embedding (so that stage never reads the first stage's files).
 Loading applies the same ownership rule to the *new* layout: each rank reads the elements it
 owns there, from the saved pieces that overlap them (byte ranges computed by reshard.py, read
 with pread), and the rest arrives by summing over the group where the others hold zeros: TP for
-TP-replicated tensors, DP for parameters (and for the plain optimizer's state), the embedding
-group for the tied copy. On the layout that saved it a rank therefore reads exactly its own
+TP-replicated tensors, DP for parameters (and for the plain optimizer's state; not under ZeRO-3,
+where a rank stores only its own slices of the parameters), the embedding group for the tied
+copy. On the layout that saved it a rank therefore reads exactly its own
 file, plus the index header and its sections; on another layout, only the saved pieces that
 overlap what it owns. Each rank counts the bytes it read and the files it opened
 (`LoadStats`; the loop writes one `checkpoint_load` JSONL record per rank).
