@@ -49,16 +49,17 @@ class DataParallel:
                  num_microbatches: int):
         self.ps, self.config = ps, config
         self.sharded = config.use_distributed_optimizer
-        self.buffer = GradBuffer(params, ps.dp_group, config.ddp_bucket_size,
+        # context-parallel ranks are replicas too (same parameters, other tokens): reduce and shard over DP x CP
+        self.buffer = GradBuffer(params, ps.dp_cp_group, config.ddp_bucket_size,
                                  dtype=torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32,
-                                 pad_to=ps.dp_size if self.sharded else 1, reduce_scatter=self.sharded,
+                                 pad_to=ps.dp_cp_size if self.sharded else 1, reduce_scatter=self.sharded,
                                  overlap_grad_reduce=config.overlap_grad_reduce, num_microbatches=num_microbatches)
         if self.sharded:
             self.buffer.make_param_buffer()  # parameters become views of one flat buffer per dtype
         self.embedding_params = [p for p in params if param_info(p).embedding_group_sync]
         self.sequence_parallel_params = [p for p in params if param_info(p).sequence_parallel]
         n = len(self.buffer.buckets)
-        self.overlap_param_gather = self.sharded and config.overlap_param_gather and ps.dp_size > 1
+        self.overlap_param_gather = self.sharded and config.overlap_param_gather and ps.dp_cp_size > 1
         self._gather_order: list[int] | None = None  # bucket indices, learned on the first step
         self._requested: list[int] = []
         self._handles: list = [None] * n
@@ -96,7 +97,7 @@ class DataParallel:
     def start_param_sync(self) -> None:
         """After the optimizer wrote its slices into the parameter buffer: gather every bucket
         (overlapped with the next forward under --overlap-param-gather)."""
-        if not self.sharded or self.ps.dp_size == 1:
+        if not self.sharded or self.ps.dp_cp_size == 1:
             return
         buf = self.buffer
         if self.overlap_param_gather:
@@ -110,7 +111,7 @@ class DataParallel:
             return
         for b, s, e in self.owned_ranges():
             start, end = buf.buckets[b]
-            comm.all_gather_flat(buf.param_data[s:e], buf.param_data[start:end], self.ps.dp_group)
+            comm.all_gather_flat(buf.param_data[s:e], buf.param_data[start:end], self.ps.dp_cp_group)
 
     def finish_param_sync(self) -> None:
         """Wait until every parameter holds the latest update (a no-op unless gathers are pending)."""
@@ -124,7 +125,7 @@ class DataParallel:
             start, end = buf.buckets[b]
             s, e = buf.shard_range(b)
             self._handles[self._dispatched] = comm.all_gather_flat(
-                buf.param_data[s:e], buf.param_data[start:end], self.ps.dp_group, async_op=True)
+                buf.param_data[s:e], buf.param_data[start:end], self.ps.dp_cp_group, async_op=True)
             self._dispatched += 1
 
     def _wait_through(self, pos: int) -> None:
@@ -160,7 +161,7 @@ class DataParallel:
 
     # -- reporting ---------------------------------------------------------------------------------
     def describe(self) -> list[str]:
-        parts = [f"distributed over DP {self.ps.dp_size} (ZeRO-1)"] if self.sharded else []
+        parts = [f"distributed over DP {self.ps.dp_size}" + (f" x CP {self.ps.cp_size}" if self.ps.cp_size > 1 else "") + " (ZeRO-1)"] if self.sharded else []
         if self.buffer.overlap:
             parts.append("overlapped grad reduce")
         if self.overlap_param_gather:

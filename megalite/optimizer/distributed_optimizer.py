@@ -63,8 +63,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return 0 if self.master_data is None else self.master_data.numel() * self.master_data.element_size()
 
     def _reduce_stats(self, stats: torch.Tensor) -> None:
-        """Slices partition each model-parallel rank's buffer: sum over DP, then over TP x PP."""
-        comm.all_reduce(stats, self.ps.dp_group)
+        """Slices partition each model-parallel rank's buffer: sum over DP (x CP), then over TP x PP."""
+        comm.all_reduce(stats, self.ps.dp_cp_group)
         comm.all_reduce(stats, self.ps.mp_group)
 
     def _update_params(self) -> None:
