@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dist_helpers import spawn
+from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.data.batch import build_batch
 from megalite.model.context_parallel import chunk_positions, gathered_positions, slice_batch
 
@@ -123,3 +124,17 @@ def test_cp_gpt_equals_one_process(world):
             for name in grads:
                 torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6,
                                            msg=f"reset {reset} {name}")
+
+
+def test_validate_args_fills_and_refuses_cp():
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1", "--lr", "1e-3",
+            "--mock-data", "--vocab-size", "64"]
+    args = validate_args(parse_args(base + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]), 8)
+    assert (args.data_parallel_size, args.rank_order) == (2, "tp-cp-dp-pp")
+    args = validate_args(parse_args(base + ["--context-parallel-size", "2", "--use-tp-pp-dp-mapping"]), 2)
+    assert (args.data_parallel_size, args.rank_order) == (1, "tp-cp-pp-dp")
+    with pytest.raises(ArgumentError, match="cannot be combined with --use-flash-attn"):
+        validate_args(parse_args(base + ["--context-parallel-size", "2", "--use-flash-attn"]), 2)
+    with pytest.raises(ArgumentError, match=r"--seq-length \(64\) divisible by 2 x CP = 128"):
+        validate_args(parse_args(base + ["--context-parallel-size", "64"]), 64)

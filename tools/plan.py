@@ -120,7 +120,8 @@ def parse(argv=None):
     args.distributed_backend = None
     for flag in ("wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity", "tensorboard_dir"):
         setattr(args, flag, None)
-    world = args.world_size or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    world = args.world_size or (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                                * args.context_parallel_size)
     validate_args(args, world, check_files=False)  # the files are on the machine that will run it
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
