@@ -95,13 +95,16 @@ def local_attention(q, k, v, attention_mask=None, dropout_p: float = 0.0) -> tor
     """--attention-backend local: softmax(Q·Kᵀ/√d + mask)·V written out (Vaswani et al. 2017,
     Eq. 1), as Megatron-LM's local DotProductAttention; the softmax in fp32. q [b, n, s, hn],
     k/v [b, g, s, hn] (g query groups, each serving n/g heads); mask [b, 1, s, s] (True: may
-    attend) or None for causal."""
+    attend; or additive, 0 / -inf) or None for causal."""
     if k.size(1) != q.size(1):
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # [b, n, s, s]
     if attention_mask is None:  # causal, aligned at the top left as SDPA's is_causal
         attention_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~attention_mask, float("-inf"))
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:  # additive (0 / -inf), as SDPA takes it
+        scores = scores + attention_mask
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p, training=True)

@@ -152,8 +152,12 @@ class GPTModel(nn.Module):
                 position_ids = pos.unsqueeze(0).expand(x.size(1), s)
             rotary = self.rotary(position_ids)
         if cp > 1 and attention_mask is None:
-            # plain causal attention across the CP group: causal in the global positions
-            attention_mask = causal_mask(s, cp, cp_rank, x.device)
+            # plain causal attention across the CP group: causal in the global positions. Additive
+            # (0 / -inf) in the activations' dtype, built once for every layer: SDPA would otherwise
+            # convert a bool mask to this form in each layer and keep each copy for backward
+            allowed = causal_mask(s, cp, cp_rank, x.device)
+            attention_mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(
+                ~allowed, float("-inf"))
         x = self.decoder(x, rotary, attention_mask)
         if not self.post_process:
             return x
