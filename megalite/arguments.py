@@ -144,12 +144,15 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
                    help="layers per model chunk (>= 1): v = layers / (PP x this) chunks per rank (interleaved 1F1B)")
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
-                   help="rank order TP-PP-DP instead of Megatron's default TP-DP-PP")
+                   help="rank order TP-CP-PP-DP instead of Megatron's default TP-CP-DP-PP")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl with CUDA, gloo without")
     g.add_argument("--ddp-bucket-size", type=int, default=40_000_000,
                    help="elements per gradient all-reduce bucket (>= 1)")
     g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="CP; only 1: megalite has no context parallelism yet (a larger value is refused)")
+                   help="CP (>= 1): each sequence split over this many ranks (2·CP chunks, rank r keeps chunks "
+                        "r and 2·CP-1-r); keys/values all-gathered for exact attention; gradients reduced and "
+                        "ZeRO-1 sharded over DP x CP. --seq-length must divide by 2·CP (2·CP·TP with "
+                        "--sequence-parallel)"),
 
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute-granularity", choices=["full", "selective"],
@@ -497,10 +500,6 @@ def _check_refused(args) -> None:
         _fail(f"--ckpt-format {args.ckpt_format} ({what[args.ckpt_format]}) is not supported: megalite reads and "
               f"writes one format of its own (rank_NNNNN.pt shards + metadata.json, loadable on any layout; "
               f"tools/checkpoint/convert.py converts to Hugging Face); drop the flag")
-    if args.context_parallel_size > 1:
-        _fail(f"--context-parallel-size {args.context_parallel_size}: megalite has no context parallelism yet "
-              f"(sequence-sharded attention across ranks); use 1, or --sequence-parallel with "
-              f"--tensor-model-parallel-size > 1 to shard activations along the sequence")
     if args.transformer_impl == "transformer_engine":
         _fail("--transformer-impl transformer_engine is not supported: megalite does not use NVIDIA Transformer "
               "Engine; drop the flag (or give local: megalite's own layers)")
@@ -632,14 +631,16 @@ def validate_args(args, world_size: int | None = None, check_files: bool = True)
     args.notices = []  # start-up notes (a flag switched off as Megatron-LM does, ...), printed once
     _check_ranges(args)
     _check_refused(args)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if world_size % (tp * pp * cp):
         _fail(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
-              f"--pipeline-model-parallel-size ({pp})")
-    args.data_parallel_size = dp = world_size // (tp * pp)
-    args.rank_order = "tp-pp-dp" if args.use_tp_pp_dp_mapping else "tp-dp-pp"
+              f"--pipeline-model-parallel-size ({pp})" + (f" x --context-parallel-size ({cp})" if cp > 1 else ""))
+    args.data_parallel_size = dp = world_size // (tp * pp * cp)
+    args.rank_order = "tp-cp-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-dp-pp"
 
-    batch_sizes = _check_batch_schedule(args, f"data-parallel size ({dp} = world {world_size} / (TP {tp} x PP {pp}))")
+    cp_text = f" x CP {cp}" if cp > 1 else ""
+    batch_sizes = _check_batch_schedule(
+        args, f"data-parallel size ({dp} = world {world_size} / (TP {tp} x PP {pp}{cp_text}))")
 
     # pipeline stages and virtual chunks
     if args.num_layers % pp:
@@ -661,6 +662,7 @@ def validate_args(args, world_size: int | None = None, check_files: bool = True)
                       f"(--micro-batch-size x DP) = {m}) to be a multiple of --pipeline-model-parallel-size ({pp})")
 
     _check_model_shape(args, tp)
+    _check_context_parallel(args, tp)
     _check_recompute(args, pp)
     _check_data(args)
     _check_schedule(args)
@@ -790,6 +792,23 @@ def _check_recompute(args, pp: int) -> None:
         if args.seq_length % tp:
             _fail(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
                   f"--tensor-model-parallel-size ({tp})")
+
+
+def _check_context_parallel(args, tp: int) -> None:
+    """--context-parallel-size: the sequence must cut into 2·CP equal chunks (each split again over
+    TP under sequence parallelism), and the features that cannot follow a sequence split are refused."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    sp = args.sequence_parallel and tp > 1
+    need = 2 * cp * (tp if sp else 1)
+    if args.seq_length % need:
+        _fail(f"--context-parallel-size {cp} needs --seq-length ({args.seq_length}) divisible by 2 x CP"
+              + (f" x --tensor-model-parallel-size (with --sequence-parallel) = {need}" if sp else f" = {need}"))
+    if args.use_flash_attn:
+        _fail(f"--context-parallel-size {cp} cannot be combined with --use-flash-attn: context-parallel attention "
+              f"needs an explicit mask over the gathered keys, which flash_attn_func does not take; drop "
+              f"--use-flash-attn (torch SDPA is used)")
 
 
 def _check_data(args) -> None:

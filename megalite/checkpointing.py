@@ -215,8 +215,9 @@ def owned_pieces(train_state: TrainState) -> list[tuple]:
     ps, opt = train_state.ps, train_state.optimizer
     pieces = opt.pieces()
     if not opt.distributed:
-        owners = dp_owners([p.numel() for p, *_ in pieces], ps.dp_size)
-        pieces = [pc for pc, owner in zip(pieces, owners) if owner == ps.dp_rank]
+        # CP ranks are replicas like DP ranks: whole tensors spread over DP x CP, each written once
+        owners = dp_owners([p.numel() for p, *_ in pieces], ps.dp_cp_size)
+        pieces = [pc for pc, owner in zip(pieces, owners) if owner == ps.dp_cp_rank]
     return [pc for pc in pieces if _tp_owner(pc[0], ps.tp_rank)]
 
 
@@ -299,7 +300,7 @@ def build_metadata(train_state: TrainState, iteration: int) -> dict:
         "format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": train_state.consumed_samples,
         "args": _json_safe(train_state.flags), "model_config": train_state.model_config.to_dict(),
         "layout": {"world_size": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vpp": ps.vpp,
-                   "dp": ps.dp_size, "distributed_optimizer": bool(opt.distributed),
+                   "dp": ps.dp_size, "cp": ps.cp_size, "distributed_optimizer": bool(opt.distributed),
                    "data_parallel_sharding_strategy": opt.dp.strategy},
         "scheduler": train_state.scheduler.state_dict(),
         "grad_scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
@@ -528,7 +529,8 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
         raise CheckpointError(f"{where} holds weights only (no optimizer state); "
                               "load it with --no-load-optim or --finetune")
     lay = meta["layout"]
-    same_layout = (lay["world_size"], lay["tp"], lay["pp"]) == (ps.world_size, ps.tp_size, ps.pp_size)
+    same_layout = ((lay["world_size"], lay["tp"], lay["pp"], lay.get("cp", 1))
+                   == (ps.world_size, ps.tp_size, ps.pp_size, ps.cp_size))
     names = {id(p): n for n, p in train_state.named_params}
     owned = owned_pieces(train_state)
     index.prefetch([f"param/{names[id(pc[0])]}" for pc in owned] + ([f"rank/{ps.rank}"] if same_layout else []))
@@ -619,7 +621,7 @@ def _sum_to_all(stored: list, ps, replicated_over_dp: bool) -> None:
             _sum(t, ps.tp_group)
     if replicated_over_dp:
         for _, t in stored:
-            _sum(t, ps.dp_group)
+            _sum(t, ps.dp_cp_group)
     for p, t in stored:
         if param_info(p).embedding_group_sync:
             _sum(t, ps.embedding_group)
@@ -635,7 +637,7 @@ def _sum_optimizer_state(pieces: list, ps, replicated_over_dp: bool) -> None:
     if replicated_over_dp:
         for _, tensors in pieces:
             for t in tensors:
-                _sum(t, ps.dp_group)
+                _sum(t, ps.dp_cp_group)
 
 
 def _sum(t: torch.Tensor, group) -> None:

@@ -16,7 +16,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int = 1
-    rank_order: str = "tp-dp-pp"
+    context_parallel_size: int = 1
+    rank_order: str = "tp-cp-dp-pp"
     distributed_backend: str = "gloo"
     distributed_timeout_minutes: float = 10.0
 

@@ -85,7 +85,9 @@ class CommMonitor:
             return "the pipeline point-to-point channel"
         named = [(ps.tp_group, "tensor-parallel", ps.tp_ranks), (ps.pp_group, "pipeline-parallel", ps.pp_ranks),
                  (ps.dp_group, "data-parallel", ps.dp_ranks), (ps.embedding_group, "embedding", ps.embedding_ranks),
-                 (ps.mp_group, "model-parallel", None)]
+                 (ps.mp_group, "model-parallel", None),
+                 (getattr(ps, "cp_group", None), "context-parallel", getattr(ps, "cp_ranks", None)),
+                 (getattr(ps, "dp_cp_group", None), "data-parallel x context-parallel", getattr(ps, "dp_cp_ranks", None))]
         for g, label, ranks in named:
             if g is not None and group is g:
                 if ranks is None:

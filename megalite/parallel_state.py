@@ -1,12 +1,19 @@
-"""The tensor/pipeline/data-parallel rank grid and its process groups.
+"""The tensor/context/pipeline/data-parallel rank grid and its process groups.
 
-Megatron-LM's default order puts TP fastest, then DP, then PP:
+Megatron-LM's default order puts TP fastest, then CP, then DP, then PP (its "tp-cp-ep-dp-pp"
+without experts):
 
-    rank = tp_rank + TP * dp_rank + TP * DP * pp_rank            (order "tp-dp-pp")
+    rank = tp + TP·cp + TP·CP·dp + TP·CP·DP·pp                    (order "tp-cp-dp-pp")
 
-so that a TP group sits inside one node (NVLink) and a PP group spans nodes. The alternative
-order "tp-pp-dp" (rank = tp_rank + TP * pp_rank + TP * PP * dp_rank) keeps a pipeline inside
-a node instead.
+so that a TP group sits inside one node (NVLink), the CP group (which exchanges keys and values
+every layer) next to it, and a PP group spans nodes. The alternative order "tp-cp-pp-dp"
+(--use-tp-pp-dp-mapping) keeps a pipeline inside a node instead. The names of the orders before
+context parallelism, "tp-dp-pp" and "tp-pp-dp", are accepted and mean the same with CP after TP.
+
+Context-parallel ranks hold the same parameters and different parts of each sequence, so
+gradients are reduced (and ZeRO-1 shards the optimizer) over the data-parallel x
+context-parallel group, `dp_cp_group` (Megatron's get_data_parallel_group(with_context_parallel=
+True)); the data sampler still splits samples over `dp_group` only.
 
 The grid itself is pure arithmetic (`RankGrid`), testable without torch.distributed;
 `ParallelState` adds the process groups for one rank. There is no hidden global: the trainer
@@ -20,46 +27,52 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-ORDERS = ("tp-dp-pp", "tp-pp-dp")
+ORDERS = ("tp-cp-dp-pp", "tp-cp-pp-dp")
+# the orders' names before CP existed: the same grids with CP right after TP
+LEGACY_ORDERS = {"tp-dp-pp": "tp-cp-dp-pp", "tp-pp-dp": "tp-cp-pp-dp"}
+DIMS = ("tp", "cp", "pp", "dp")
 
 
 @dataclass(frozen=True)
 class RankGrid:
-    """World size split into tp x pp x dp, enumerated in `order` (fastest dimension first)."""
+    """World size split into tp x cp x pp x dp, enumerated in `order` (fastest dimension first)."""
 
     world_size: int
     tp: int = 1
     pp: int = 1
-    order: str = "tp-dp-pp"
+    order: str = "tp-cp-dp-pp"
+    cp: int = 1
 
     def __post_init__(self):
+        if self.order in LEGACY_ORDERS:
+            object.__setattr__(self, "order", LEGACY_ORDERS[self.order])
         if self.order not in ORDERS:
             raise ValueError(f"unknown rank order {self.order!r}; expected one of {ORDERS}")
-        if self.tp < 1 or self.pp < 1 or self.world_size % (self.tp * self.pp):
+        if self.tp < 1 or self.pp < 1 or self.cp < 1 or self.world_size % (self.tp * self.pp * self.cp):
             raise ValueError(
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
-                f"({self.tp}) x --pipeline-model-parallel-size ({self.pp})")
+                f"({self.tp}) x --pipeline-model-parallel-size ({self.pp}) x --context-parallel-size ({self.cp})")
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     def _dims(self) -> list[str]:
         return self.order.split("-")
 
     def _size(self, dim: str) -> int:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}[dim]
+        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp}[dim]
 
     def coords(self, rank: int) -> dict[str, int]:
-        """(tp, pp, dp) coordinates of `rank`, by mixed-radix decoding in grid order."""
+        """(tp, cp, pp, dp) coordinates of `rank`, by mixed-radix decoding in grid order."""
         out = {}
         for dim in self._dims():
             out[dim] = rank % self._size(dim)
             rank //= self._size(dim)
         return out
 
-    def rank_of(self, tp: int, pp: int, dp: int) -> int:
-        coords = {"tp": tp, "pp": pp, "dp": dp}
+    def rank_of(self, tp: int, pp: int, dp: int, cp: int = 0) -> int:
+        coords = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
         rank, stride = 0, 1
         for dim in self._dims():
             rank += coords[dim] * stride
@@ -69,10 +82,12 @@ class RankGrid:
     def groups(self, *dims: str) -> list[list[int]]:
         """All groups of ranks that vary along `dims` and agree on every other dimension.
 
-        groups("tp") are the TP groups, groups("tp", "pp") the model-parallel groups, and so on.
-        Every rank must create the groups in this same order, so the order is deterministic.
+        groups("tp") are the TP groups, groups("tp", "pp") the model-parallel groups (CP ranks
+        hold the same model part, so they are not in it, as in Megatron-LM), groups("dp", "cp")
+        the gradient-reduction groups, and so on. Every rank must create the groups in this same
+        order, so the order is deterministic.
         """
-        fixed = [d for d in ("tp", "pp", "dp") if d not in dims]
+        fixed = [d for d in DIMS if d not in dims]
         result = []
         for fixed_vals in itertools.product(*(range(self._size(d)) for d in fixed)):
             base = dict(zip(fixed, fixed_vals))
@@ -98,11 +113,15 @@ class ParallelState:
     tp_group: object = None
     pp_group: object = None
     dp_group: object = None
+    cp_group: object = None
+    dp_cp_group: object = None  # gradient reduction / ZeRO-1 sharding: DP x CP
     mp_group: object = None
     embedding_group: object = None
     pp_ranks: list[int] = field(default_factory=lambda: [0])
     tp_ranks: list[int] = field(default_factory=lambda: [0])
     dp_ranks: list[int] = field(default_factory=lambda: [0])
+    cp_ranks: list[int] = field(default_factory=lambda: [0])
+    dp_cp_ranks: list[int] = field(default_factory=lambda: [0])
     embedding_ranks: list[int] = field(default_factory=lambda: [0])
 
     # -- sizes and ranks ------------------------------------------------------------------------
@@ -121,6 +140,23 @@ class ParallelState:
     @property
     def dp_size(self) -> int:
         return self.grid.dp
+
+    @property
+    def cp_size(self) -> int:
+        return self.grid.cp
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.grid.dp * self.grid.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.grid.coords(self.rank)["cp"]
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place in dp_cp_group (whose members are sorted by global rank)."""
+        return self.dp_cp_ranks.index(self.rank) if self.dp_cp_size > 1 else 0
 
     @property
     def tp_rank(self) -> int:
@@ -152,15 +188,16 @@ class ParallelState:
 
     @property
     def is_logging_rank(self) -> bool:
-        """The rank that owns the loss and writes logs: last stage, TP 0, DP 0."""
-        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+        """The rank that owns the loss and writes logs: last stage, TP 0, CP 0, DP 0."""
+        return self.rank == self.logging_rank
 
     @property
     def logging_rank(self) -> int:
-        return self.grid.rank_of(tp=0, pp=self.pp_size - 1, dp=0)
+        return self.grid.rank_of(tp=0, pp=self.pp_size - 1, dp=0, cp=0)
 
     def describe(self) -> str:
-        return (f"world {self.world_size} = TP {self.tp_size} x PP {self.pp_size} x DP {self.dp_size}"
+        cp = f" x CP {self.cp_size}" if self.cp_size > 1 else ""
+        return (f"world {self.world_size} = TP {self.tp_size}{cp} x PP {self.pp_size} x DP {self.dp_size}"
                 f" (order {self.grid.order}" + (f", {self.vpp} virtual stages" if self.vpp > 1 else "")
                 + ")")
 
@@ -180,16 +217,16 @@ def single_process_state() -> ParallelState:
     return ParallelState(grid=RankGrid(1))
 
 
-def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-dp-pp",
-               timeout_minutes: float | None = None) -> ParallelState:
+def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp",
+               timeout_minutes: float | None = None, cp: int = 1) -> ParallelState:
     """Create every process group of the grid; torch.distributed must already be initialised
     (or the world must be a single process). `timeout_minutes` bounds each group's collectives
     (new groups do not inherit the default group's timeout: torch gives them its own default)."""
     if not dist.is_initialized():
-        grid = RankGrid(1, tp, pp, order)
+        grid = RankGrid(1, tp, pp, order, cp)
         return ParallelState(grid=grid, vpp=vpp)
     world, rank = dist.get_world_size(), dist.get_rank()
-    grid = RankGrid(world, tp, pp, order)
+    grid = RankGrid(world, tp, pp, order, cp)
     ps = ParallelState(grid=grid, rank=rank, vpp=vpp)
 
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes is not None else None
@@ -205,6 +242,8 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-dp-pp",
     ps.tp_group, ps.tp_ranks = make(grid.groups("tp"))
     ps.pp_group, ps.pp_ranks = make(grid.groups("pp"))
     ps.dp_group, ps.dp_ranks = make(grid.groups("dp"))
+    ps.cp_group, ps.cp_ranks = make(grid.groups("cp"))
+    ps.dp_cp_group, ps.dp_cp_ranks = make(grid.groups("dp", "cp"))
     ps.mp_group, _ = make(grid.groups("tp", "pp"))
     emb = make(grid.embedding_groups())
     # ranks outside the first/last stage belong to no embedding group

@@ -80,7 +80,7 @@ def initialize_distributed(cfg: ParallelConfig) -> tuple[parallel_state.Parallel
                               device_id=device if use_cuda else None)
     ps = parallel_state.initialize(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                    cfg.virtual_pipeline_model_parallel_size, cfg.rank_order,
-                                   timeout_minutes=cfg.distributed_timeout_minutes)
+                                   timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size)
     return ps, device
 
 
@@ -109,7 +109,7 @@ def build_model(config: GPTConfig, ps, seed: int, device: torch.device, on_meta:
     for c, (offset, n) in enumerate(layers):
         chunk = GPTModel(config, ps.tp_group, rng_tracker, pre_process=ps.is_first_stage and c == 0,
                          post_process=ps.is_last_stage and c == ps.vpp - 1, layer_offset=offset, num_layers=n,
-                         device="meta" if on_meta else device)
+                         device="meta" if on_meta else device, cp_group=ps.cp_group)
         if not on_meta:
             chunk.initialize(seed)
         chunks.append(chunk)
@@ -174,7 +174,8 @@ def setup(cfg: RunConfig) -> Run:
                                           load_rng=not ck.no_load_rng)
         monitor.where = "at start-up"
     datasets = build_datasets(cfg, model_config.vocab_size)
-    s = cfg.data.seq_length // (ps.tp_size if model_config.sequence_parallel else 1)
+    # activations between stages: this rank's s/c tokens (CP), split over TP under sequence parallelism
+    s = cfg.data.seq_length // ps.cp_size // (ps.tp_size if model_config.sequence_parallel else 1)
     logging_rank = ps.rank == ps.logging_rank
     straggler = StragglerDetector(ps, device, monitor) if t.log_straggler else None
     run = Run(cfg=cfg, state=state, model=model, dp=dp, datasets=datasets, eod=eod,
@@ -220,7 +221,7 @@ def log_startup(run: Run) -> None:
             f"{c.padded_vocab_size}), seq {c.seq_length}, {str(c.params_dtype).replace('torch.', '')}, attention: "
             f"{attention}, device: {run.state.device.type}, backend: "
             f"{run.cfg.parallel.distributed_backend if dist.is_initialized() else 'none'}")
-    mine = {"rank": ps.rank, "tp": ps.tp_rank, "pp": ps.pp_rank, "dp": ps.dp_rank,
+    mine = {"rank": ps.rank, "tp": ps.tp_rank, "pp": ps.pp_rank, "dp": ps.dp_rank, "cp": ps.cp_rank,
             "num_params": sum(p.numel() for _, p in run.state.named_params),
             "param_bytes": run.dp.param_bytes,  # ZeRO-1/2: the flat buffer with padding; ZeRO-3: this rank's slices
             "grad_bytes": run.dp.grad_bytes,
@@ -251,10 +252,10 @@ def log_checkpoint_load(run: Run) -> None:
 
 def count_parameters(state: TrainState) -> int:
     """Parameters of the whole model, each counted once: replicated copies (TP, tied embedding
-    on the last stage, DP replicas) are skipped."""
+    on the last stage, DP and CP replicas) are skipped."""
     ps = state.ps
     local = sum(p.numel() for _, p in state.named_params if param_info(p).is_owner(ps.tp_rank))
-    return int(sum(comm.all_gather_object(local if ps.dp_rank == 0 else 0, comm.world_group())))
+    return int(sum(comm.all_gather_object(local if ps.dp_rank == 0 and ps.cp_rank == 0 else 0, comm.world_group())))
 
 
 # -- one iteration ----------------------------------------------------------------------------------
@@ -264,7 +265,8 @@ class NonFiniteError(UserError):
 
 def global_loss(run: Run, stats, grads: list | None = None) -> tuple[float, float, list, list]:
     """(sum of token losses, number of loss tokens) over the global batch: only the last
-    stage's TP rank 0 of each DP replica contributes, so every sample counts once. Summed on
+    stage's TP rank 0 of each DP replica contributes (each CP rank of it its own chunks' tokens),
+    so every token counts once. Summed on
     the device; one host read per call.
 
     With `grads` (--check-for-nan-in-loss-and-grad) the same all-reduce also carries, per global
@@ -496,7 +498,7 @@ def params_norm(run: Run) -> float:
     ps, dp = run.state.ps, run.dp
     t = torch.zeros(1, dtype=torch.float64, device=run.state.device)
     dp.finish_param_sync()  # every rank: pending ZeRO-1/2 gathers would leave stale values
-    if dp.shards_params or ps.dp_rank == 0:
+    if dp.shards_params or (ps.dp_rank == 0 and ps.cp_rank == 0):
         for p, _, _, stored in dp.param_pieces():
             if param_info(p).is_owner(ps.tp_rank):
                 t += stored.detach().double().pow(2).sum()

@@ -231,6 +231,16 @@ CASES = [
     ("train-tokenizer-output-exists", T, ["--input", "corpus.jsonl", "--model-prefix", "tok"], "tok.model already exists"),
     ("train-tokenizer-bad-json", T, ["--input", "bad.jsonl", "--model-prefix", "newtok", "--vocab-size", "300"],
      "bad.jsonl line 2"),
+    # -- context parallelism: sizes that do not divide, and what cannot follow a sequence split -----------
+    ("cp-world-not-divisible", "pretrain_gpt.py", MOCK + ["--context-parallel-size", "2"],
+     "x --context-parallel-size (2)"),
+    ("cp-seq-not-divisible", "tools/plan.py", TINY + ["--seq-length", "20", "--context-parallel-size", "4",
+                                                      "--world-size", "4"],
+     "--context-parallel-size 4 needs --seq-length (20) divisible by 2 x CP = 8"),
+    ("cp-sp-seq-not-divisible", "tools/plan.py", TINY + ["--seq-length", "20", "--context-parallel-size", "2",
+                                                         "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                         "--world-size", "4"],
+     "--context-parallel-size 2 needs --seq-length (20) divisible by 2 x CP x --tensor-model-parallel-size"),
     ("plan-heads-not-divisible", "tools/plan.py", TINY + ["--tensor-model-parallel-size", "3", "--world-size", "3"],
      "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
 ]

@@ -386,7 +386,7 @@ def test_tiktokenizer(tmp_path):
     (["--train-iters", "3", "--fp8-param-gather"], "--fp8-param-gather is not supported"),
     (["--train-iters", "3", "--ckpt-format", "torch_dist"], "--ckpt-format torch_dist .* is not supported"),
     (["--train-iters", "3", "--ckpt-format", "torch"], "--ckpt-format torch .*model_optim_rng.pt"),
-    (["--train-iters", "3", "--context-parallel-size", "2"], "no context parallelism yet"),
+    (["--train-iters", "3", "--context-parallel-size", "2"], r"world size 1 is not divisible .* x --context-parallel-size \(2\)"),
     (["--train-iters", "3", "--decoupled-min-lr", "1e-4"], "--decoupled-min-lr needs --decoupled-lr"),
     (["--train-iters", "3", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
     (["--train-iters", "3", "--no-mmap-bin-files"], "--no-mmap-bin-files has no effect with --mock-data"),

@@ -45,3 +45,22 @@ def test_every_rank_in_exactly_one_group_per_kind():
 def test_indivisible_world_names_flags():
     with pytest.raises(ValueError, match="tensor-model-parallel-size.*pipeline-model-parallel-size"):
         RankGrid(6, tp=4, pp=1)
+
+
+def test_context_parallel_grid():
+    """tp-cp-dp-pp (Megatron-LM's tp-cp-ep-dp-pp without experts): CP right after TP; gradients
+    reduce over DP x CP; the model-parallel group leaves CP out; the old order names mean cp 1."""
+    g = RankGrid(16, tp=2, pp=2, cp=2)
+    assert g.dp == 2
+    assert g.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert g.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert g.groups("dp", "cp") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert g.groups("pp")[0] == [0, 8]
+    assert g.groups("tp", "pp")[0] == [0, 1, 8, 9]
+    for rank in range(16):
+        assert g.rank_of(**g.coords(rank)) == rank
+    h = RankGrid(16, tp=2, pp=2, cp=2, order="tp-pp-dp")
+    assert h.order == "tp-cp-pp-dp" and h.groups("pp")[0] == [0, 4] and h.groups("dp")[0] == [0, 8]
+    assert RankGrid(8, tp=2, pp=2).groups("dp") == RankGrid(8, tp=2, pp=2, order="tp-cp-dp-pp").groups("dp")
+    with pytest.raises(ValueError, match="--context-parallel-size"):
+        RankGrid(12, tp=2, pp=2, cp=2)

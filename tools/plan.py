@@ -38,7 +38,10 @@ Memory per GPU (Megatron-LM's accounting, bytes per parameter; d = DP size), for
              SwiGLU (1.5x). The first pipeline stage holds the activations of the micro-batches
              in flight: min(p, m) with 1F1B, p + (p-1)/v chunks' worth with the interleaved
              schedule (Sec. 4.2.3). The last stage adds the output layer and fp32 logits,
-             4·s·b·h·(1 + v/h)/t. fp32 activations count double.
+             4·s·b·h·(1 + v/h)/t. fp32 activations count double. Context parallelism
+             (--context-parallel-size c) divides every term by c (s -> s/c per rank; the scores are
+             [s/c, s]), and adds the K and V of the whole sequence that its all-gather keeps for
+             backward, 4·s·b·h·(groups/heads)/t per layer.
 Parameter counts are exact for megalite's model (checked against the `memory_footprint`
 record of real runs in tests/test_plan.py): padded vocabulary, the tied embedding's copy on the
 last stage when PP > 1, position embeddings on the first stage, biases and norms per the flags.
@@ -131,7 +134,8 @@ def parse(argv=None):
     args.distributed_backend = None
     for flag in ("wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity", "tensorboard_dir"):
         setattr(args, flag, None)
-    world = args.world_size or args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    world = args.world_size or (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                                * args.context_parallel_size)
     validate_args(args, world, check_files=False)  # the files are on the machine that will run it
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
@@ -199,14 +203,17 @@ def recompute_setting(args) -> tuple[str | None, str | None, int]:
 def layer_activation_bytes(args) -> tuple[float, float]:
     """(bytes one layer stores for one micro-batch, bytes of its input alone), Korthikanti et al.
     2022 Table 2, for this TP / SP / recompute setting."""
-    s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
+    c = getattr(args, "context_parallel_size", 1)
+    s, b, h = args.seq_length // c, args.micro_batch_size, args.hidden_size  # this rank's s/c tokens
     a, t = args.num_attention_heads, args.tensor_model_parallel_size
     sp = bool(getattr(args, "sequence_parallel", False)) and t > 1
     granularity, _, _ = recompute_setting(args)
-    # 24 = 8 attention (Q, K, V, context) + 16 MLP (4h GeLU): scaled for GQA, the MLP size, SwiGLU
-    attention = 4 + 4 * args.num_query_groups / a
+    # 24 = 8 attention (Q, K, V, context) + 16 MLP (4h GeLU): scaled for GQA, the MLP size, SwiGLU;
+    # under CP the all-gathered K and V of the whole sequence (c x this rank's) are kept too
+    attention = 4 + 4 * args.num_query_groups / a * (1 + c if c > 1 else 1)
     mlp = 4 * args.ffn_hidden_size / h * (1.5 if args.swiglu else 1.0)
-    scores = 0.0 if (granularity == "selective" or args.plan_flash_attn) else 5 * a * s / h
+    # the scores of s/c queries against all s keys
+    scores = 0.0 if (granularity == "selective" or args.plan_flash_attn) else 5 * a * args.seq_length / h
     coeff = (10 + attention + mlp + scores) / t if sp else 10 + (attention + mlp + scores) / t
     scale = 1.0 if (args.bf16 or getattr(args, "fp16", False)) else 2.0  # the formula is for 16-bit
     return s * b * h * coeff * scale, 2 * s * b * h / (t if sp else 1) * scale
@@ -225,6 +232,7 @@ def in_flight_chunks(args, pp_rank: int) -> int:
 def stage_activation_bytes(args, pp_rank: int) -> float:
     p, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     s, b, h, t = args.seq_length, args.micro_batch_size, args.hidden_size, args.tensor_model_parallel_size
+    s //= getattr(args, "context_parallel_size", 1)  # this rank's tokens under CP
     sp = bool(getattr(args, "sequence_parallel", False)) and t > 1
     full, checkpoint = layer_activation_bytes(args)
     granularity, method, k = recompute_setting(args)
@@ -301,8 +309,9 @@ def bucket_sizes(args, pp_rank: int, stage: int) -> list[int]:
 
 
 def strategy_bytes(args, pp_rank: int, strategy: str) -> dict:
-    """Bytes per GPU of stage `pp_rank` under `strategy` (module docstring)."""
-    d, stage = args.data_parallel_size, ZERO_STAGE[strategy]
+    """Bytes per GPU of stage `pp_rank` under `strategy` (module docstring). ZeRO shards over
+    DP x CP: context-parallel ranks hold the same parameters."""
+    d, stage = args.data_parallel_size * getattr(args, "context_parallel_size", 1), ZERO_STAGE[strategy]
     n = stage_params(args, pp_rank)
     sixteen_bit = bool(args.bf16 or getattr(args, "fp16", False))
     pb = 2 if sixteen_bit else 4
@@ -338,6 +347,7 @@ def make_plan(argv=None) -> dict:
 
 def plan_from_args(args) -> dict:
     p, t, dp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.data_parallel_size
+    cp = getattr(args, "context_parallel_size", 1)
     strategy = getattr(args, "data_parallel_sharding_strategy", None) or (
         "optim" if getattr(args, "use_distributed_optimizer", False) else "no_shard")
     zero1 = strategy != "no_shard"
@@ -372,7 +382,7 @@ def plan_from_args(args) -> dict:
     by_strategy_gb = {s: {k: val / GIB for k, val in worst["by_strategy"][s].items() if k != "buckets"}
                       for s in STRATEGIES}
     return {
-        "layout": {"world_size": args.world_size, "tp": t, "pp": p, "dp": dp, "vpp": v,
+        "layout": {"world_size": args.world_size, "tp": t, "pp": p, "dp": dp, "cp": cp, "vpp": v,
                    "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
                    "num_microbatches": m, "seq_length": args.seq_length,
                    "precision": "bf16" if args.bf16 else ("fp16" if getattr(args, "fp16", False) else "fp32"),
@@ -414,7 +424,8 @@ def format_plan(plan: dict) -> str:
         f"model   {plan['num_params_total'] / 1e9:.3f}B parameters: {mod['num_layers']} layers, hidden "
         f"{mod['hidden_size']}, {mod['num_attention_heads']} heads ({mod['num_query_groups']} query groups), "
         f"ffn {mod['ffn_hidden_size']}, vocab {mod['vocab_size']} (padded {mod['padded_vocab_size']})",
-        f"layout  {lay['world_size']} GPUs = TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}"
+        f"layout  {lay['world_size']} GPUs = TP {lay['tp']}" + (f" x CP {lay['cp']}" if lay["cp"] > 1 else "")
+        + f" x PP {lay['pp']} x DP {lay['dp']}"
         + (f", {lay['vpp']} virtual stages per rank" if lay["vpp"] > 1 else "")
         + f"; {lay['precision']}, DP sharding {lay['data_parallel_sharding_strategy']}"
         + (" + optimizer offload" if lay["optimizer_cpu_offload"] else "") + ", "
@@ -429,7 +440,8 @@ def format_plan(plan: dict) -> str:
     mem = plan["memory_gb"]
     zero_note = (f"   (without ZeRO-1: {plan['memory_gb_optimizer_without_zero1']:.2f})"
                  if lay["distributed_optimizer"] else
-                 f"   (with ZeRO-1 over DP {lay['dp']}: {plan['memory_gb_optimizer_with_zero1']:.2f})")
+                 f"   (with ZeRO-1 over DP {lay['dp']}" + (f" x CP {lay['cp']}" if lay["cp"] > 1 else "")
+                 + f": {plan['memory_gb_optimizer_with_zero1']:.2f})")
     if lay["optimizer_cpu_offload"]:
         zero_note += f"   + {plan['memory_gb_optimizer_host']:.2f} in host memory (offloaded)"
     for key in ("params", "grads", "optimizer", "working_set", "activations"):

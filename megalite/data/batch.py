@@ -2,7 +2,9 @@
 
 The sample order is a function of the seed and `consumed_samples` only (samplers.py). TP rank 0
 of each model-parallel group reads; the other TP ranks receive each micro-batch by broadcast, so
-the TP ranks of one replica always see the same tokens.
+the TP ranks of one replica always see the same tokens. The CP ranks of one replica read the same
+samples too (the sampler splits over DP only) and each keeps its two chunks of the sequence
+(model/context_parallel.py), after the masks and position ids are built on the whole sequence.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from .. import comm
 from ..config import DataConfig
+from ..model.context_parallel import slice_batch
 from .samplers import PretrainingSampler
 
 
@@ -76,5 +79,6 @@ def micro_batches(dataset, consumed_samples: int, cfg: DataConfig, ps, device: t
         else:
             tokens = torch.empty(shape, dtype=torch.int64, device=device)
         comm.broadcast(tokens, ps.tp_ranks[0], ps.tp_group)
-        yield build_batch(tokens, eod, cfg.reset_position_ids, cfg.reset_attention_mask, cfg.eod_mask_loss,
-                          cfg.create_attention_mask_in_dataloader)
+        batch = build_batch(tokens, eod, cfg.reset_position_ids, cfg.reset_attention_mask, cfg.eod_mask_loss,
+                            cfg.create_attention_mask_in_dataloader)
+        yield slice_batch(batch, getattr(ps, "cp_size", 1), getattr(ps, "cp_rank", 0))

@@ -76,21 +76,23 @@ class DataParallel:
         self.shards_params = self.zero_stage == 3
         self.params = list(params)
         device = device if device is not None else self.params[0].device
-        dp = ps.dp_size
+        # context-parallel ranks are replicas too (same parameters, other tokens): gradients
+        # are reduced, and state sharded, over DP x CP
+        dp = ps.dp_cp_size
         # --grad-reduce-in-bf16: gradients accumulate and are reduced in bf16 (half the bytes)
         grad_dtype = torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32
-        self.layout = BucketLayout(self.params, ps.dp_group, config.ddp_bucket_size,
+        self.layout = BucketLayout(self.params, ps.dp_cp_group, config.ddp_bucket_size,
                                    pad_to=dp if self.sharded else 1, unit_of=self._unit_key(model))
         if any(p.device.type == "meta" for p in self.params) and not self.shards_params:
             raise ValueError("parameters on the meta device are materialised only under optim_grads_params")
         # ZeRO-3 first: materialising swaps tensors, which must happen before hooks are registered
-        self.param_buffer = ShardedParams(self.layout, ps.dp_group, device, init_fn) if self.shards_params else None
+        self.param_buffer = ShardedParams(self.layout, ps.dp_cp_group, device, init_fn) if self.shards_params else None
         if self.shards_grads:
-            self.grads = ShardedGradBuffer(self.layout, ps.dp_group, config.overlap_grad_reduce, num_microbatches,
+            self.grads = ShardedGradBuffer(self.layout, ps.dp_cp_group, config.overlap_grad_reduce, num_microbatches,
                                            config.reduce_grads_every_microbatch, device, dtype=grad_dtype,
                                            on_round_complete=self._on_round_complete)
         else:
-            self.grads = GradBuffer(self.layout, ps.dp_group, reduce_scatter=self.sharded,
+            self.grads = GradBuffer(self.layout, ps.dp_cp_group, reduce_scatter=self.sharded,
                                     overlap_grad_reduce=config.overlap_grad_reduce,
                                     num_microbatches=num_microbatches, device=device, dtype=grad_dtype)
         self.zero3 = None
@@ -99,7 +101,7 @@ class DataParallel:
                                        keep_gathered=config.keep_params_gathered_in_step,
                                        num_microbatches=num_microbatches)
         elif self.sharded:
-            self.param_buffer = FlatParamBuffer(self.layout, ps.dp_group)
+            self.param_buffer = FlatParamBuffer(self.layout, ps.dp_cp_group)
         self.embedding_params = [p for p in self.params if param_info(p).embedding_group_sync]
         self.sequence_parallel_params = [p for p in self.params if param_info(p).sequence_parallel]
         self._embedding_buckets = sorted({self.layout.param_bucket[p] for p in self.embedding_params})
@@ -222,7 +224,7 @@ class DataParallel:
     def start_param_sync(self) -> None:
         """After the optimizer wrote its slices: ZeRO-1/2 gather every bucket (overlapped with
         the next forward under --overlap-param-gather). ZeRO-3 gathers on use."""
-        if not self.sharded or self.shards_params or self.ps.dp_size == 1:
+        if not self.sharded or self.shards_params or self.ps.dp_cp_size == 1:
             return
         if self.overlap_param_gather:
             if self._gather_order is None:
@@ -285,7 +287,8 @@ class DataParallel:
     def describe(self) -> list[str]:
         parts = []
         if self.sharded:
-            parts.append(f"{self.strategy} (ZeRO-{self.zero_stage}) over DP {self.ps.dp_size}")
+            parts.append(f"{self.strategy} (ZeRO-{self.zero_stage}) over DP {self.ps.dp_size}"
+                         + (f" x CP {self.ps.cp_size}" if self.ps.cp_size > 1 else ""))
         if self.config.overlap_grad_reduce:
             parts.append("overlapped grad reduce")
         if self.overlap_param_gather or (self.zero3 is not None and self.zero3.prefetch):

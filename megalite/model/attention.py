@@ -19,6 +19,7 @@ from .. import comm
 from ..recompute import recompute
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import GPTConfig
+from .context_parallel import gather_kv
 
 try:  # optional accelerator, used only when asked for with --use-flash-attn
     from flash_attn import flash_attn_func
@@ -94,13 +95,16 @@ def local_attention(q, k, v, attention_mask=None, dropout_p: float = 0.0) -> tor
     """--attention-backend local: softmax(Q·Kᵀ/√d + mask)·V written out (Vaswani et al. 2017,
     Eq. 1), as Megatron-LM's local DotProductAttention; the softmax in fp32. q [b, n, s, hn],
     k/v [b, g, s, hn] (g query groups, each serving n/g heads); mask [b, 1, s, s] (True: may
-    attend) or None for causal."""
+    attend; or additive, 0 / -inf) or None for causal."""
     if k.size(1) != q.size(1):
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # [b, n, s, s]
     if attention_mask is None:  # causal, aligned at the top left as SDPA's is_causal
         attention_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~attention_mask, float("-inf"))
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:  # additive (0 / -inf), as SDPA takes it
+        scores = scores + attention_mask
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p, training=True)
@@ -160,8 +164,14 @@ def probe_attention(backend: str, use_flash_attn: bool, heads: int, groups: int,
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, device=None):
+    """Under context parallelism (`cp_group` of size c > 1) the input holds this rank's s/c tokens
+    (model/context_parallel.py): keys and values of the whole sequence are all-gathered over the
+    CP group after RoPE (each rank rotates its own tokens by their global positions), and the
+    attention mask, [b or 1, 1, s/c, s] with columns in gathered order, is always given."""
+
+    def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, device=None, cp_group=None):
         super().__init__()
+        self.cp_group = cp_group
         tp = comm.group_size(tp_group)
         for what, n in (("--num-attention-heads", config.num_attention_heads), ("--num-query-groups", config.num_query_groups)):
             if n % tp:
@@ -193,6 +203,9 @@ class SelfAttention(nn.Module):
         if self.inference_cache is not None:
             # the new tokens' keys/values join the cached ones; queries see every earlier position
             k, v, attention_mask = self.inference_cache.update(k, v, attention_mask)
+        if comm.group_size(self.cp_group) > 1:
+            # the kv heads, before GQA expands them: c x less traffic than the expanded ones
+            k, v = gather_kv(k, v, self.cp_group)  # [s, b, ng, hn], gathered key order
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             # selective recompute: keep q, k, v; redo softmax(QKᵀ)·V (and its dropout) in backward
             ctx = recompute(self.core_attention, q, k, v, attention_mask,

@@ -25,6 +25,7 @@ from ..tensor_parallel.layers import set_tp_attributes
 from ..tensor_parallel.param_info import param_info
 from .attention import RotaryEmbedding
 from .config import GPTConfig
+from .context_parallel import causal_mask, chunk_positions
 from .init import initialize_parameters
 from .transformer import TransformerBlock
 
@@ -67,9 +68,9 @@ class Embedding(nn.Module):
 class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, pre_process: bool = True,
                  post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None,
-                 device=None):
+                 device=None, cp_group=None):
         super().__init__()
-        self.config, self.tp_group = config, tp_group
+        self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset = layer_offset
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
@@ -86,7 +87,8 @@ class GPTModel(nn.Module):
         self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base,
                                        config.rope_scaling(), config.rotary_seq_len_interpolation_factor, device)
                        if config.position_embedding_type == "rope" else None)
-        self.decoder = TransformerBlock(config, tp_group, rng_tracker, layer_offset, num_layers, post_process, device)
+        self.decoder = TransformerBlock(config, tp_group, rng_tracker, layer_offset, num_layers, post_process, device,
+                                        cp_group)
         self.output_layer = None
         if post_process and (config.untie_embeddings_and_output_weights or not pre_process):
             tp = comm.group_size(tp_group)
@@ -144,14 +146,25 @@ class GPTModel(nn.Module):
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
         """input_ids, position_ids, labels: [b, s]. Returns the per-token loss [b, s] when labels
         are given on the last stage, logits [s, b, v/tp] without them, and the hidden states
-        [s, b, h] on other stages."""
+        [s, b, h] on other stages. Under context parallelism s is this rank's s/c tokens
+        (model/context_parallel.slice_batch) and position_ids their global positions."""
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary = None
+        cp, cp_rank = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)
+        s = x.size(0) * (comm.group_size(self.tp_group) if self.config.sequence_parallel else 1)  # local tokens
         if self.rotary is not None:
             if position_ids is None:
-                s = x.size(0) * (comm.group_size(self.tp_group) if self.config.sequence_parallel else 1)
-                position_ids = torch.arange(s, device=x.device).unsqueeze(0).expand(x.size(1), s)
+                pos = (chunk_positions(s * cp, cp, cp_rank, x.device) if cp > 1
+                       else torch.arange(s, device=x.device))
+                position_ids = pos.unsqueeze(0).expand(x.size(1), s)
             rotary = self.rotary(position_ids)
+        if cp > 1 and attention_mask is None:
+            # plain causal attention across the CP group: causal in the global positions. Additive
+            # (0 / -inf) in the activations' dtype, built once for every layer: SDPA would otherwise
+            # convert a bool mask to this form in each layer and keep each copy for backward
+            allowed = causal_mask(s, cp, cp_rank, x.device)
+            attention_mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(
+                ~allowed, float("-inf"))
         x = self.decoder(x, rotary, attention_mask)
         if not self.post_process:
             return x

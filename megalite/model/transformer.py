@@ -79,14 +79,15 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, layer_number: int = 0, device=None):
+    def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, layer_number: int = 0, device=None,
+                 cp_group=None):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init depend on it
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel
         self.rng_tracker = rng_tracker
         self.input_layernorm = Norm(config, device)
-        self.self_attention = SelfAttention(config, tp_group, rng_tracker, device)
+        self.self_attention = SelfAttention(config, tp_group, rng_tracker, device, cp_group)
         self.pre_mlp_layernorm = Norm(config, device)
         self.mlp = MLP(config, tp_group, device)
 
@@ -109,14 +110,14 @@ class TransformerBlock(nn.Module):
     last pipeline stage."""
 
     def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, layer_offset: int = 0,
-                 num_layers: int | None = None, post_process: bool = True, device=None):
+                 num_layers: int | None = None, post_process: bool = True, device=None, cp_group=None):
         super().__init__()
         n = config.num_layers if num_layers is None else num_layers
         self.layer_offset, self.rng_tracker = layer_offset, rng_tracker
         self.recompute_granularity = config.recompute_granularity
         self.recompute_method, self.recompute_num_layers = config.recompute_method, config.recompute_num_layers
         self.layers = nn.ModuleList(
-            TransformerLayer(config, tp_group, rng_tracker, layer_offset + i, device) for i in range(n))
+            TransformerLayer(config, tp_group, rng_tracker, layer_offset + i, device, cp_group) for i in range(n))
         if self.recompute_granularity == "selective":
             for layer in self.layers:
                 layer.self_attention.recompute_core_attention = True

@@ -111,8 +111,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return sum(t.numel() * t.element_size() for t in (self.master_data, self.host_master_data) if t is not None)
 
     def _reduce_stats(self, stats: torch.Tensor) -> None:
-        """Slices partition each model-parallel rank's buffer: sum over DP, then over TP x PP."""
-        comm.all_reduce(stats, self.ps.dp_group)
+        """Slices partition each model-parallel rank's buffer: sum over DP (x CP), then over TP x PP."""
+        comm.all_reduce(stats, self.ps.dp_cp_group)
         comm.all_reduce(stats, self.ps.mp_group)
 
     def _attach_grads(self, grads: list[torch.Tensor]) -> None:

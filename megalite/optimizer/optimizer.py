@@ -127,7 +127,7 @@ class MixedPrecisionOptimizer:
         """All ranks agree on [squared norm, overflow count]: every DP replica holds the whole
         reduced gradient, so sum over model-parallel ranks and take the max over DP."""
         comm.all_reduce(stats, self.ps.mp_group)
-        comm.all_reduce(stats, self.ps.dp_group, op=torch.distributed.ReduceOp.MAX)
+        comm.all_reduce(stats, self.ps.dp_cp_group, op=torch.distributed.ReduceOp.MAX)
 
     def _attach_grads(self, grads: list[torch.Tensor]) -> None:
         """Give each master its (unscaled, clipped) gradient for the inner optimizer."""

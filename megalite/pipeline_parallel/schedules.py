@@ -48,7 +48,10 @@ class _Step:
         num_tokens = mask.sum()
         self.stats.append((loss_sum.detach(), num_tokens))
         if self.microbatch_mean:  # a micro-batch without loss tokens adds 0 (Megatron-LM's would be NaN)
-            loss_sum = loss_sum / num_tokens.clamp(min=1)
+            # under context parallelism, the whole sequence's count: the CP ranks' partial sums
+            # (summed with the gradients over DP x CP) then make the micro-batch's mean
+            denominator = batch.get("num_tokens_sequence", num_tokens)
+            loss_sum = loss_sum / denominator.clamp(min=1)
         return loss_sum * self.backward_scale
 
     @staticmethod
