@@ -3,7 +3,7 @@
 As test_layouts.py (fp32, dropout 0, 10 iterations, clipping active every step), at --seq-length
 256 so that each of the 2·CP chunks holds real context: lm_loss per iteration (rtol 1e-5), the
 global gradient norm (rtol 1e-4), the evaluation loss, and every parameter after the last step
-from the --save checkpoint. The tensor-parallel, pipeline (1F1B and interleaved), ZeRO-1 (sharded
+from the --save checkpoint. The tensor-parallel, pipeline (1F1B and interleaved), ZeRO-1/2/3 (sharded
 over DP x CP), sequence-parallel and recompute paths each appear beside CP; the variant (RoPE,
 GQA, RMSNorm, SwiGLU, reset position ids and document attention masks) runs on CP 2 with
 selective recompute. Finally a checkpoint saved with CP 2 resumes on CP 1 and on CP 4 exactly.
@@ -23,6 +23,8 @@ BASE = ["--lr", "1e-2"]
 VARIANT = ["--lr", "3e-3", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
            "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear", "--ffn-hidden-size", "96",
            "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+# --calculate-per-token-loss: the global token mean instead of the mean of micro-batch means
+PER_TOKEN = ["--lr", "3e-3", "--calculate-per-token-loss", "--eod-mask-loss"]
 CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 VPP = ["--num-layers-per-virtual-pipeline-stage", "1"]
@@ -37,8 +39,16 @@ LAYOUTS = {  # id: (processes, flags, reference model)
     "zero1-tp2-pp2-cp2-full-recompute": (
         8, TP2 + PP2 + CP2 + ZERO + ["--recompute-granularity", "full", "--recompute-method", "uniform",
                                      "--recompute-num-layers", "1"], "base"),
-    "variant-cp2-selective": (2, VARIANT + CP2 + ["--recompute-activations"], "variant"),
+    "zero2-tp2-cp2-overlap": (4, TP2 + CP2 + ["--data-parallel-sharding-strategy", "optim_grads",
+                                              "--ddp-bucket-size", "5000", "--overlap-grad-reduce",
+                                              "--overlap-param-gather"], "base"),
+    "zero3-cp2-dp2-overlap": (4, CP2 + ["--data-parallel-sharding-strategy", "optim_grads_params",
+                                        "--ddp-bucket-size", "5000", "--overlap-grad-reduce",
+                                        "--overlap-param-gather"], "base"),
+    "per-token-loss-cp2-dp2": (4, CP2, "per-token"),
+    "variant-cp2-selective": (2, CP2 + ["--recompute-activations"], "variant"),
 }
+MODELS = {"base": BASE, "variant": VARIANT, "per-token": PER_TOKEN}
 LOSS_DROP = 0.3
 
 
@@ -46,7 +56,7 @@ LOSS_DROP = 0.3
 def references(corpus, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     refs = {}
-    for model, extra in (("base", BASE), ("variant", VARIANT)):
+    for model, extra in MODELS.items():
         records, _ = run_pretrain(1, corpus + MODEL + extra + ["--save", str(tmp / model)], tmp, model)
         assert_loss_falls(train_losses(records), LOSS_DROP)
         assert min(grad_norms(records)) > 0.25  # clipping is active on every iteration
@@ -58,7 +68,7 @@ def references(corpus, tmp_path_factory):
 def test_cp_layout_matches_single_process(references, corpus, tmp_path, layout):
     nproc, flags, model = LAYOUTS[layout]
     ref_records, ref_params = references[model]
-    extra = BASE if model == "base" else []
+    extra = MODELS[model]
     records, proc = run_pretrain(nproc, corpus + MODEL + extra + flags + ["--save", str(tmp_path / "ckpt")], tmp_path)
     losses = train_losses(records)
     ref = train_losses(ref_records)
