@@ -2,7 +2,8 @@
 4) at a long sequence, beside the estimate (numbers go to benchmarks/RESULTS_context_parallel.md;
 tests never assert on them).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_context_parallel.py [--seq 2048] [--json out.json]
+    OMP_NUM_THREADS=1 python benchmarks/bench_context_parallel.py [--seq 2048] [--hidden 128] [--heads 4]
+        [--query-groups G] [--layers 2] [--json out.json]
 
 Each c runs in c fresh gloo processes (model/context_parallel.py: rank r holds chunks r and
 2c-1-r of 2c, keys/values all-gathered), one warm-up step, then per rank:
@@ -49,7 +50,8 @@ def measure(m: dict, group, rank: int, world: int) -> dict:
     cfg = GPTConfig(num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
                     vocab_size=m["vocab"], padded_vocab_size=m["vocab"], seq_length=m["seq"],
                     max_position_embeddings=m["seq"], hidden_dropout=0.0, attention_dropout=0.0,
-                    position_embedding_type="rope")
+                    position_embedding_type="rope",
+                    num_query_groups=m["groups"])
     model = GPTModel(cfg, cp_group=group)
     model.initialize(1234)
     model.train()
@@ -127,17 +129,18 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--query-groups", type=int, help="GQA: key/value heads (default: --heads, no GQA)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--json")
     a = ap.parse_args()
-    m = {"seq": a.seq, "hidden": a.hidden, "heads": a.heads, "layers": a.layers, "vocab": 512, "micro_batch": 1,
+    m = {"seq": a.seq, "hidden": a.hidden, "heads": a.heads, "groups": a.query_groups or a.heads, "layers": a.layers, "vocab": 512, "micro_batch": 1,
          "steps": a.steps}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; commit {commit}")
-    print(f"model: {a.layers} layers, hidden {a.hidden}, {a.heads} heads, RoPE, fp32, seq {a.seq}, micro-batch 1")
+    print(f"model: {a.layers} layers, hidden {a.hidden}, {a.heads} heads, {m['groups']} query groups, RoPE, fp32, seq {a.seq}, micro-batch 1")
     print("| CP | layer activations / rank (MiB), measured max | estimate without / with the s² scores | "
           "measured ratio to CP 1 | whole model / rank (MiB) | step time (s), slowest rank |")
     print("|---|---|---|---|---|---|")
@@ -146,8 +149,8 @@ def main() -> None:
         res = run(m, c)
         layer = max(r["layers_bytes"] for r in res)
         base = base or layer
-        est = estimate_layer_bytes(a.seq, 1, a.hidden, a.heads, a.heads, c, 4 * a.hidden)
-        est_fused = estimate_layer_bytes(a.seq, 1, a.hidden, a.heads, a.heads, c, 4 * a.hidden, scores=False)
+        est = estimate_layer_bytes(a.seq, 1, a.hidden, a.heads, m["groups"], c, 4 * a.hidden)
+        est_fused = estimate_layer_bytes(a.seq, 1, a.hidden, a.heads, m["groups"], c, 4 * a.hidden, scores=False)
         row = {"cp": c, "layer_bytes": layer, "estimate_bytes": est, "model_bytes": max(r["model_bytes"] for r in res),
                "step_s": max(r["step_s"] for r in res), "ranks": res}
         rows.append(row)
