@@ -185,6 +185,7 @@ def test_zero3_frees_what_it_gathers():
     (strategy("optim") + ["--optimizer-offload-fraction", "0.5"], "needs --optimizer-cpu-offload"),
     (strategy("no_shard") + ["--use-distributed-optimizer"], "drop one of them"),
     (strategy("no_shard") + ["--overlap-param-gather"], "--overlap-param-gather needs"),
+    (strategy("optim_grads_params") + ["--compile"], "--compile with --data-parallel-sharding-strategy"),
 ])
 def test_invalid_flags(extra, message):
     flags = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "64",
