@@ -2,7 +2,7 @@
 
 As test_layouts.py (fp32, dropout 0, 10 iterations, clipping active every step), at --seq-length
 256 so that each of the 2·CP chunks holds real context: lm_loss per iteration (rtol 1e-5), the
-global gradient norm (rtol 1e-4), the evaluation loss, and every parameter after the last step
+global gradient norm (rtol 1e-5), the evaluation loss, and every parameter after the last step
 from the --save checkpoint. The tensor-parallel, pipeline (1F1B and interleaved), ZeRO-1/2/3 (sharded
 over DP x CP), sequence-parallel and recompute paths each appear beside CP; the variant (RoPE,
 GQA, RMSNorm, SwiGLU, reset position ids and document attention masks) runs on CP 2 with
@@ -18,8 +18,9 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--eval-interval", "5", "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
          "--seed", "7", "--clip-grad", "0.25",
          # Adam turns rounding noise in tiny gradients into steps of ~lr; 1e-4 keeps them under atol
+         # (with 1e-5 one embedding element drifted 1.008e-5 at lr 1e-2)
          "--adam-eps", "1e-4"]
-BASE = ["--lr", "1e-2"]
+BASE = ["--lr", "3e-3"]  # 1e-2 also trains, but its loss spiked at iterations 5 and 9 (6.9, 7.6)
 VARIANT = ["--lr", "3e-3", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
            "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear", "--ffn-hidden-size", "96",
            "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
@@ -77,7 +78,7 @@ def test_cp_layout_matches_single_process(references, corpus, tmp_path, layout):
           f"{max(abs(a - b) / abs(a) for a, b in zip(grad_norms(ref_records), grad_norms(records))):.2e}")
     assert_losses_close(train_losses(ref_records), losses, rtol=1e-5)
     assert_loss_falls(losses, LOSS_DROP)
-    assert_losses_close(grad_norms(ref_records), grad_norms(records), rtol=1e-4)
+    assert_losses_close(grad_norms(ref_records), grad_norms(records), rtol=1e-5)
     assert_losses_close(eval_losses(ref_records), eval_losses(records), rtol=1e-5)
     assert_params_close(ref_params, load_params(str(tmp_path / "ckpt")), atol=1e-5)
     cp = int(flags[flags.index("--context-parallel-size") + 1])
