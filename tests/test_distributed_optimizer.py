@@ -44,7 +44,7 @@ def _layout_and_early_reductions(rank, world, extra):
     started = sum(buf._started)  # started from the backward hooks, before finish_grad_sync
     run.dp.finish_grad_sync()
     owned = sum(m.numel() for m in run.state.optimizer.masters)
-    return {"buckets": len(buf.buckets), "cuts": cuts, "started": started, "owned": owned,
+    return {"buckets": len(lay.buckets), "cuts": cuts, "started": started, "owned": owned,
             "params": sum(p.numel() for p in params)}
 
 

@@ -97,10 +97,6 @@ class GradBuffer:
             p.register_post_accumulate_grad_hook(self._accumulate)
 
     @property
-    def buckets(self):
-        return self.layout.buckets
-
-    @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
@@ -185,10 +181,6 @@ class ShardedGradBuffer:
         self.peak_staging_bytes = 0  # most staging memory held at once (benchmarks report it)
         for p in layout.params:
             p.register_post_accumulate_grad_hook(self._accumulate)
-
-    @property
-    def buckets(self):
-        return self.layout.buckets
 
     @property
     def nbytes(self) -> int:
