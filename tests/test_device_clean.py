@@ -5,13 +5,16 @@ dimension 0 excepted, as on CUDA). So a forward, backward and optimizer step of 
 `device="meta"` fails wherever the code creates a tensor on a fixed device (`torch.arange(n)`
 without `device=`, a buffer made in __init__ on the CPU, `.to("cpu")`), or copies device data to
 the host (`float(t)`, `.item()`, `.tolist()`: "Cannot copy out of meta tensor"), exactly where the
-first CUDA step would crash or stall.
+first CUDA step would crash or stall. Some meta kernels do accept a CPU operand that CUDA would
+refuse (`masked_fill_` with a CPU mask), so forward and backward also run under `NoCPUTensors`, a
+dispatch mode that records every op touching a CPU tensor of one or more dimensions.
 
 Every model variant is covered: learned and rotary positions, LayerNorm and RMSNorm, GeLU and
 SwiGLU, grouped-query attention, biases on and off, tied and untied output weights, an explicit
 attention mask, every recompute mode, pipeline stages (first / middle / last, with the last
-stage's copy of the tied embedding), and tensor parallelism with sequence parallelism. TP=2 runs
-in this one process as rank 0 of a `fake` process group (torch's backend that accepts every
+stage's copy of the tied embedding), tensor parallelism with sequence parallelism, and context
+parallelism (CP 2: K/V all-gather, masks in global positions). TP=2 and CP=2 run in this one
+process as rank 0 of a `fake` process group (torch's backend that accepts every
 collective and moves no data), so the collectives of the TP and SP regions are called with meta
 tensors too. Weights are not initialised (`GPTModel.initialize` draws from CPU generators and
 copies values, which meta tensors have none of): what matters is that forward, backward and the
@@ -22,6 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite import comm
 from megalite.model import GPTConfig, GPTModel
@@ -52,6 +56,24 @@ def config(**kw) -> GPTConfig:
     return GPTConfig(**{**base, **kw})
 
 
+class NoCPUTensors(TorchDispatchMode):
+    """Records every aten op that takes or returns a CPU tensor with at least one dimension, RNG
+    states (uint8 bytes, which live on the host by design: recompute saves the CPU generator's)
+    excepted."""
+
+    def __init__(self):
+        super().__init__()
+        self.cpu = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = list(torch.utils._pytree.tree_leaves((args, kwargs or {}, out)))
+        if any(torch.is_tensor(t) and t.device.type == "cpu" and t.dim() > 0 and t.dtype != torch.uint8
+               for t in flat):
+            self.cpu.append(str(func))
+        return out
+
+
 def train_step_on_meta(cfg: GPTConfig, tp_group=None, tp_rank: int = 0, pre_process=True, post_process=True,
                        attention_mask: bool = False, position_ids: bool = True):
     """Build on meta, run forward, backward and a foreach AdamW step; return (model, output, optimizer)."""
@@ -64,8 +86,10 @@ def train_step_on_meta(cfg: GPTConfig, tp_group=None, tp_rank: int = 0, pre_proc
     if not pre_process:  # a later pipeline stage: the activations arrive from the previous one
         s_local = S // (comm.group_size(tp_group) if cfg.sequence_parallel else 1)
         model.set_input_tensor(torch.zeros(s_local, B, cfg.hidden_size, device=META, requires_grad=True))
-    out = model(ids, pos, mask, ids if post_process else None)
-    out.float().sum().backward() if post_process else out.backward(torch.ones_like(out))
+    with NoCPUTensors() as ops:
+        out = model(ids, pos, mask, ids if post_process else None)
+        out.float().sum().backward() if post_process else out.backward(torch.ones_like(out))
+    assert not ops.cpu, ops.cpu[:5]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
     # clip by the global norm without leaving the device (torch's clip_grad_norm_ refuses
     # foreach on meta; megalite's clipping uses the same two foreach kernels)
@@ -146,3 +170,29 @@ def test_meta_catches_a_cpu_tensor():
         x * torch.arange(3.0)
     with pytest.raises(NotImplementedError, match="meta"):
         x.to("cpu")
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama", "recompute-selective"])
+@pytest.mark.parametrize("document_mask", [False, True], ids=["causal", "document-mask"])
+def test_context_parallel_on_meta(fake_tp2, variant, document_mask):
+    """CP 2 (the fake group as the CP group): this rank's two chunks (s/2 tokens at their global
+    positions), keys/values all-gathered and their gradients reduce-scattered over the group, the
+    causal mask built in global positions on the device, or a document mask [b, 1, s/2, s]."""
+    from megalite.model.context_parallel import chunk_positions
+    cp = comm.group_size(fake_tp2)
+    cfg = config(**VARIANTS[variant])
+    model = GPTModel(cfg, None, seed_everything(3, 0, 0, META), device=META, cp_group=fake_tp2)
+    model.train()
+    ids = torch.zeros(B, S // cp, dtype=torch.long, device=META)
+    pos = chunk_positions(S, cp, 0, META).unsqueeze(0).expand(B, S // cp)
+    mask = torch.ones(S // cp, S, dtype=torch.bool, device=META).expand(B, 1, S // cp, S) if document_mask else None
+    # meta does not refuse every CPU operand (masked_fill_ takes a CPU mask, CUDA would not):
+    # every tensor an op sees or makes must be on meta, bar 0-dim CPU scalars
+    with NoCPUTensors() as ops:
+        out = model(ids, pos, mask, ids)
+        out.float().sum().backward()
+    assert out.shape == (B, S // cp)
+    assert not ops.cpu, ops.cpu[:5]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    optimizer.step()
+    assert_all_on_meta(model, out, optimizer)
