@@ -155,34 +155,34 @@ def _alternating(nproc, flags, options, repeats: int = 2):
     return runs
 
 
-def bench_alternatives(iters: int) -> None:
-    print("ZeRO-2, DP 4, 8 layers, 4 micro-batches per rank (gradient accumulation), buckets of 500k elements:")
-    print("| gradients | step ms (each run) | peak staging MiB | full fp32 gradients MiB | grad shard MiB | "
-          "last loss |")
+def _compare(nproc: int, flags: list[str], title: str, columns: str, options, cells) -> None:
+    """One table of a design choice: each option run twice, alternately; `cells(rank_0_record)`
+    gives the columns between the step times and the last loss."""
+    print(title)
+    print(f"| {columns.split(' | ')[0]} | step ms (each run) | {columns.split(' | ', 1)[1]} | last loss |")
     print("| --- | --- | --- | --- | --- | --- |")
+    runs = _alternating(nproc, flags, [o for o, _ in options])
+    for o, name in options:
+        times = " / ".join(f"{step_ms(x['records']):.0f}" for x in runs[o])
+        print(f"| {name} | {times} | {cells(runs[o][0]['ranks'][0])} | {losses(runs[o][0]['records'])[-1]:.6f} |",
+              flush=True)
+
+
+def bench_alternatives(iters: int) -> None:
     flags = SMALL + ["--num-layers", "8", "--ddp-bucket-size", "500000", "--global-batch-size", "32",
                      "--train-iters", str(iters), "--data-parallel-sharding-strategy", "optim_grads"] + OVERLAP
-    runs = _alternating(4, flags, ["", "--local-grad-accumulation"])
-    for o, name in (("", "reduce-scattered every micro-batch"), ("--local-grad-accumulation",
-                                                                 "accumulated locally, reduced once")):
-        r = runs[o][0]["ranks"][0]
-        times = " / ".join(f"{step_ms(x['records']):.0f}" for x in runs[o])
-        print(f"| {name} | {times} | "
-              f"{r['peak_staging_bytes'] / MIB:.2f} | {4 * r['num_params'] / MIB:.2f} | {r['grad_bytes'] / MIB:.2f} | "
-              f"{losses(runs[o][0]['records'])[-1]:.6f} |", flush=True)
-    print("\nZeRO-3, PP 2 x DP 4, 8 layers, 4 micro-batches per rank (1F1B):")
-    print("| parameters | step ms (each run) | gathers per step (rank 0) | peak gathered MiB | stage params MiB | "
-          "last loss |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    _compare(4, flags, "ZeRO-2, DP 4, 8 layers, 4 micro-batches per rank (gradient accumulation), buckets of 500k "
+             "elements:", "gradients | peak staging MiB | full fp32 gradients MiB | grad shard MiB",
+             [("", "reduce-scattered every micro-batch"), ("--local-grad-accumulation", "accumulated locally, reduced once")],
+             lambda r: f"{r['peak_staging_bytes'] / MIB:.2f} | {4 * r['num_params'] / MIB:.2f} | "
+                       f"{r['grad_bytes'] / MIB:.2f}")
     flags = SMALL + ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--global-batch-size", "32",
                      "--train-iters", str(iters), "--data-parallel-sharding-strategy", "optim_grads_params"] + OVERLAP
-    runs = _alternating(8, flags, ["", "--keep-params-gathered"])
-    for o, name in (("", "re-gathered for every use"), ("--keep-params-gathered", "kept gathered through the step")):
-        r = runs[o][0]["ranks"][0]
-        times = " / ".join(f"{step_ms(x['records']):.0f}" for x in runs[o])
-        print(f"| {name} | {times} | "
-              f"{r['gathers_per_step']:.0f} | {r['peak_gathered_bytes'] / MIB:.2f} | {4 * r['num_params'] / MIB:.2f} | "
-              f"{losses(runs[o][0]['records'])[-1]:.6f} |", flush=True)
+    _compare(8, flags, "\nZeRO-3, PP 2 x DP 4, 8 layers, 4 micro-batches per rank (1F1B):",
+             "parameters | gathers per step (rank 0) | peak gathered MiB | stage params MiB",
+             [("", "re-gathered for every use"), ("--keep-params-gathered", "kept gathered through the step")],
+             lambda r: f"{r['gathers_per_step']:.0f} | {r['peak_gathered_bytes'] / MIB:.2f} | "
+                       f"{4 * r['num_params'] / MIB:.2f}")
 
 
 # -- FSDP2 trial ---------------------------------------------------------------------------------
