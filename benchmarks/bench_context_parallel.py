@@ -45,7 +45,7 @@ def measure(m: dict, group, rank: int, world: int) -> dict:
 
     from megalite.data.batch import build_batch
     from megalite.model import GPTConfig, GPTModel
-    from megalite.model.context_parallel import slice_batch
+    from megalite.context_parallel.sharding import slice_batch
     from megalite.recompute import SavedActivations
     cfg = GPTConfig(num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
                     vocab_size=m["vocab"], padded_vocab_size=m["vocab"], seq_length=m["seq"],

@@ -18,9 +18,9 @@ other jobs slows all of them alike and the per-round ratios stay meaningful:
 
 Reported: tokens/s (min / median / max over the timed steps) per contestant, in wall time and,
 on CPU, in this process's CPU time (one thread: the time the step really computed, which other
-jobs on a shared machine do not stretch), the median of the per-round speed ratios, model TFLOP/s by Megatron-LM's formula (megalite.metrics; the same model, so
+jobs on a shared machine do not stretch), the median of the per-round speed ratios, model TFLOP/s by Megatron-LM's formula (megalite.runtime.metrics; the same model, so
 the same FLOPs for all), and MFU against the device's peak: on CUDA the bf16 table value
-(megalite.metrics), on CPU the fp32 (or bf16) matrix-multiply rate measured in this run on the
+(megalite.runtime.metrics), on CPU the fp32 (or bf16) matrix-multiply rate measured in this run on the
 same threads. Then a torch.profiler profile of megalite's step, eager and compiled, with each
 op's self time put in one category: matrix multiplies, attention, norms and activations, loss,
 gradient-buffer copies, optimizer, other tensor ops, and Python overhead (step wall time not
@@ -264,9 +264,9 @@ def main(argv=None) -> dict:
     install_markers()
     contestants = [Megalite(a, False)] + ([Megalite(a, True)] if a.compile else []) + [HFGPT2(a, device, dtype)]
     if device.type == "cuda":
-        from megalite.metrics import peak_tflops
+        from megalite.runtime.metrics import peak_tflops
         peak = peak_tflops(contestants[0].args)
-    from megalite.metrics import num_floating_point_operations
+    from megalite.runtime.metrics import num_floating_point_operations
     flops = num_floating_point_operations(contestants[0].run.state.model_config, a.micro_batch_size)
     tokens = a.micro_batch_size * a.seq_length
 

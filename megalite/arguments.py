@@ -670,7 +670,7 @@ def validate_args(args, world_size: int | None = None, check_files: bool = True)
     _check_operations(args)
 
     # experiment trackers (W&B, TensorBoard): optional packages, checked before any process starts
-    from .tracking import missing_packages
+    from .runtime.tracking import missing_packages
     for msg in missing_packages(args):
         _fail(msg)
     for flag in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
@@ -971,7 +971,7 @@ def _check_timeouts_and_gc(args) -> None:
 def check_paths(args) -> None:
     """The files and directories the flags name: inputs must exist, outputs must not clobber
     anything. Stats and small reads only; every rank sees the same answer on a shared file system."""
-    from .checkpoint_files import TRACKER, inspect_checkpoint
+    from .checkpoint.files import TRACKER, inspect_checkpoint
 
     # datasets
     for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
@@ -1042,7 +1042,7 @@ def build_run_config(args: argparse.Namespace):
     from .config import (CheckpointConfig, DataConfig, DDPConfig, OptimizerConfig, ParallelConfig, RunConfig,
                          TrackingConfig, TrainingConfig, from_args)
     from .model import GPTConfig
-    from .tracking import json_safe
+    from .runtime.tracking import json_safe
     model = from_args(GPTConfig, args, vocab_size=args.vocab_size or 0, padded_vocab_size=0,
                       add_bias_linear=not args.disable_bias_linear)  # vocabulary: filled from the tokenizer
     return RunConfig(model=model, parallel=from_args(ParallelConfig, args), ddp=from_args(DDPConfig, args),

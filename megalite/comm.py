@@ -30,7 +30,7 @@ import torch.distributed as dist
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-from .rendezvous import attempt_store
+from .runtime.rendezvous import attempt_store
 
 
 class CollectiveError(RuntimeError):

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import torch
 
 from . import comm
-from .checkpoint_files import inspect_checkpoint
-from .checkpointing import CheckpointError, load_full_state_dict, local_shard
+from .checkpoint.files import inspect_checkpoint
+from .checkpoint.checkpointing import CheckpointError, load_full_state_dict, local_shard
 from .errors import InputError, InputNotFound
 from .model import GPTConfig, GPTModel, pad_vocab_size
 from .model.attention import SelfAttention

@@ -20,25 +20,25 @@ import torch
 import torch.distributed as dist
 
 from . import comm, parallel_state
-from .checkpointing import CheckpointSaver, TrainState, load_checkpoint
+from .checkpoint.checkpointing import CheckpointSaver, TrainState, load_checkpoint
 from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
 from .distributed import DataParallel
 from .errors import UserError
-from .metrics import (JsonlWriter, Timer, console_line, memory_record, memory_string, num_floating_point_operations,
+from .runtime.metrics import (JsonlWriter, Timer, console_line, memory_record, memory_string, num_floating_point_operations,
                       peak_tflops, perplexity)
 from .model import GPTConfig, GPTModel, pad_vocab_size
-from .monitor import CommMonitor
+from .runtime.monitor import CommMonitor
 from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
 from .model.init import initial_value
 from .optimizer import build_lr_scheduler, build_optimizer
 from .pipeline_parallel import get_forward_backward_func
 from .pipeline_parallel.p2p import PipeComm
-from .profiling import Profiler
-from .straggler import StragglerDetector
+from .runtime.profiling import Profiler
+from .runtime.straggler import StragglerDetector
 from .tensor_parallel import seed_everything
 from .tensor_parallel.param_info import param_info
-from .tracking import Tracker
+from .runtime.tracking import Tracker
 
 
 @dataclass
@@ -200,7 +200,7 @@ def setup(cfg: RunConfig) -> Run:
 
 def log_startup(run: Run) -> None:
     ps, c, t = run.state.ps, run.state.model_config, run.cfg.training
-    from .cpu import slow_bf16_warning  # --bf16 on a CPU without native bf16: say it once
+    from .runtime.cpu import slow_bf16_warning  # --bf16 on a CPU without native bf16: say it once
     if (warning := slow_bf16_warning(run.state.device, c.params_dtype)) is not None:
         run.log(warning)
     if c.use_flash_attn:

@@ -327,7 +327,8 @@ def test_gpt_sentencepiece_tokenizer_is_sentencepiece(world, tmp_path):
 
 
 def test_tracker_name_agrees_with_checkpointing():
-    from megalite import checkpoint_files, checkpointing
+    from megalite.checkpoint import files as checkpoint_files
+    from megalite.checkpoint import checkpointing
     assert checkpoint_files.TRACKER == checkpointing.TRACKER
 
 

@@ -1,4 +1,4 @@
-"""Context parallelism (model/context_parallel.py) computes full attention exactly.
+"""Context parallelism (context_parallel/) computes full attention exactly.
 
 - the load-balanced chunk order: rank r holds chunks r and 2c-1-r of 2c, and the ranks' chunks
   tile the sequence;
@@ -18,7 +18,7 @@ import torch
 from dist_helpers import spawn
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.data.batch import build_batch
-from megalite.model.context_parallel import chunk_positions, gathered_positions, slice_batch
+from megalite.context_parallel.sharding import chunk_positions, gathered_positions, slice_batch
 
 
 def test_chunk_order_is_load_balanced():
@@ -49,7 +49,8 @@ def _cp_attention(rank, world, reset, backend):
     import torch.distributed as dist
 
     from megalite.model.attention import CoreAttention
-    from megalite.model.context_parallel import causal_mask, gather_kv
+    from megalite.context_parallel.attention import gather_kv
+    from megalite.context_parallel.sharding import causal_mask
     group = dist.group.WORLD
     s, b, n, g, hn = 32, 2, 4, 2, 8
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """--bf16 on a CPU without AVX512-BF16 / AMX warns once at start-up; fp32, or a CPU with them, does not."""
 import torch
 
-from megalite import cpu
+from megalite.runtime import cpu
 
 NO_BF16 = frozenset({"fpu", "sse2", "avx2", "fma"})
 AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})

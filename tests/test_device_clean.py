@@ -178,7 +178,7 @@ def test_context_parallel_on_meta(fake_tp2, variant, document_mask):
     """CP 2 (the fake group as the CP group): this rank's two chunks (s/2 tokens at their global
     positions), keys/values all-gathered and their gradients reduce-scattered over the group, the
     causal mask built in global positions on the device, or a document mask [b, 1, s/2, s]."""
-    from megalite.model.context_parallel import chunk_positions
+    from megalite.context_parallel.sharding import chunk_positions
     cp = comm.group_size(fake_tp2)
     cfg = config(**VARIANTS[variant])
     model = GPTModel(cfg, None, seed_everything(3, 0, 0, META), device=META, cp_group=fake_tp2)

@@ -141,7 +141,7 @@ def test_layernorm_1p_exports_the_weight_itself(tmp_path):
     pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from megalite.hf_conversion import to_hf
+    from megalite.checkpoint.hf_conversion import to_hf
     from megalite.model import GPTModel
     config = tiny_config(apply_layernorm_1p=True)
     model = GPTModel(config)
@@ -155,7 +155,7 @@ def test_layernorm_1p_exports_the_weight_itself(tmp_path):
 
 
 def test_layernorm_1p_is_checked_against_checkpoints():
-    from megalite.checkpointing import CheckpointError, check_model_config
+    from megalite.checkpoint.checkpointing import CheckpointError, check_model_config
     with pytest.raises(CheckpointError, match="--apply-layernorm-1p is False in the checkpoint and True"):
         check_model_config(tiny_config().to_dict(), tiny_config(apply_layernorm_1p=True).to_dict(), "ck")
     old = {k: v for k, v in tiny_config().to_dict().items() if k != "apply_layernorm_1p"}
@@ -337,7 +337,7 @@ def test_no_mmap_reads_the_same_tokens_without_a_map(tmp_path):
 
 
 def test_log_throughput_adds_tflops_to_the_line():
-    from megalite.metrics import console_line
+    from megalite.runtime.metrics import console_line
     r = {"iteration": 1, "consumed_samples": 8, "elapsed_ms": 1.0, "lr": 1e-3, "lm_loss": 2.0, "tokens_per_sec": 9.0,
          "tflops_per_gpu": 1.5, "mfu": None, "global_batch_size": 8}
     assert "TFLOP/s" not in console_line(r, 2, "", 0, throughput=False)

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from dist_helpers import free_port
-from megalite import rendezvous
+from megalite.runtime import rendezvous
 from megalite.comm import CollectiveError
-from megalite.monitor import CommMonitor
+from megalite.runtime.monitor import CommMonitor
 from megalite.parallel_state import single_process_state
 
 

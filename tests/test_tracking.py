@@ -12,7 +12,7 @@ import pytest
 from dist_helpers import run_pretrain
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
-from megalite.tracking import Tracker, json_safe
+from megalite.runtime.tracking import Tracker, json_safe
 
 BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",

@@ -48,7 +48,7 @@ last stage when PP > 1, position embeddings on the first stage, biases and norms
 Not counted: the CUDA context, NCCL buffers, allocator fragmentation, temporary buffers (a few GB).
 
 Pipeline bubble (Narayanan et al. 2021, Sec. 2.2): (p - 1) / (v·m + p - 1), m micro-batches per
-iteration, v virtual stages per rank. FLOPs: megalite.metrics.num_floating_point_operations.
+iteration, v virtual stages per rank. FLOPs: megalite.runtime.metrics.num_floating_point_operations.
 Exit status: 0 when the layout fits --gpu-memory-gb, 1 when it does not, 2 for bad flags.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.arguments import DEFAULT_SPLIT, build_parser, validate_args  # noqa: E402
 from megalite.errors import cli  # noqa: E402
-from megalite.metrics import num_floating_point_operations  # noqa: E402
+from megalite.runtime.metrics import num_floating_point_operations  # noqa: E402
 from megalite.model import pad_vocab_size  # noqa: E402
 
 GIB = 2**30

@@ -4,7 +4,7 @@ The sample order is a function of the seed and `consumed_samples` only (samplers
 of each model-parallel group reads; the other TP ranks receive each micro-batch by broadcast, so
 the TP ranks of one replica always see the same tokens. The CP ranks of one replica read the same
 samples too (the sampler splits over DP only) and each keeps its two chunks of the sequence
-(model/context_parallel.py), after the masks and position ids are built on the whole sequence.
+(context_parallel/), after the masks and position ids are built on the whole sequence.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from .. import comm
 from ..config import DataConfig
-from ..model.context_parallel import slice_batch
+from ..context_parallel.sharding import slice_batch
 from .samplers import PretrainingSampler
 
 

@@ -19,7 +19,7 @@ from .. import comm
 from ..recompute import recompute
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import GPTConfig
-from .context_parallel import gather_kv
+from ..context_parallel.attention import gather_kv
 
 try:  # optional accelerator, used only when asked for with --use-flash-attn
     from flash_attn import flash_attn_func
@@ -165,7 +165,7 @@ def probe_attention(backend: str, use_flash_attn: bool, heads: int, groups: int,
 
 class SelfAttention(nn.Module):
     """Under context parallelism (`cp_group` of size c > 1) the input holds this rank's s/c tokens
-    (model/context_parallel.py): keys and values of the whole sequence are all-gathered over the
+    (context_parallel/): keys and values of the whole sequence are all-gathered over the
     CP group after RoPE (each rank rotates its own tokens by their global positions), and the
     attention mask, [b or 1, 1, s/c, s] with columns in gathered order, is always given."""
 

@@ -25,7 +25,7 @@ from ..tensor_parallel.layers import set_tp_attributes
 from ..tensor_parallel.param_info import param_info
 from .attention import RotaryEmbedding
 from .config import GPTConfig
-from .context_parallel import causal_mask, chunk_positions
+from ..context_parallel.sharding import causal_mask, chunk_positions
 from .init import initialize_parameters
 from .transformer import TransformerBlock
 
@@ -147,7 +147,7 @@ class GPTModel(nn.Module):
         """input_ids, position_ids, labels: [b, s]. Returns the per-token loss [b, s] when labels
         are given on the last stage, logits [s, b, v/tp] without them, and the hidden states
         [s, b, h] on other stages. Under context parallelism s is this rank's s/c tokens
-        (model/context_parallel.slice_batch) and position_ids their global positions."""
+        (context_parallel/sharding.slice_batch) and position_ids their global positions."""
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary = None
         cp, cp_rank = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)

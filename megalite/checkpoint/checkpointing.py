@@ -50,13 +50,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import comm
-from .checkpoint_index import INDEX, CheckpointError, build_index, open_index
-from .model.init import global_shape, shard
-from .parallel_state import ParallelState, stage_layers
+from .. import comm
+from .index import INDEX, CheckpointError, build_index, open_index
+from ..model.init import global_shape, shard
+from ..parallel_state import ParallelState, stage_layers
 from .reshard import ShardLayout, coalesce, locate, runs, split_at
 from .tensor_file import DTYPES, RangeReader, element_size, plan, write
-from .tensor_parallel.param_info import param_info
+from ..tensor_parallel.param_info import param_info
 
 FORMAT_VERSION = 2  # 2: global index, safetensors-layout data files; 1: per-rank index + torch.save
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -137,7 +137,7 @@ def read_metadata(root: str, iteration: int | None = None) -> dict:
 
 def check_model_config(saved: dict, current: dict, where: str) -> None:
     """Raise naming the first model setting that differs."""
-    from .model import GPTConfig
+    from ..model import GPTConfig
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     flags = dict(MODEL_FLAGS, **(ROPE_FLAGS if current.get("position_embedding_type") == "rope" else {}))
     if not current.get("use_rope_scaling"):  # the scaling parameters matter only when scaling is on
@@ -669,7 +669,7 @@ def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config
                          iteration: int = 0, tp: int = 1, pp: int = 1) -> str:
     """Write whole-model weights as a weights-only megalite checkpoint for a TP x PP layout,
     one process playing every (tp, pp) rank; returns the iteration directory."""
-    from .model import GPTConfig, pad_vocab_size
+    from ..model import GPTConfig, pad_vocab_size
 
     cfg = dict(model_config)
     cfg["padded_vocab_size"] = pad_vocab_size(cfg["vocab_size"], int(args.get("make_vocab_size_divisible_by", 128)), tp)
@@ -720,6 +720,6 @@ def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config
 def _build_chunk_on_meta(config, pre, post, offset, n, tp, tp_rank):
     """A model chunk whose parameters have this rank's shard shapes and partition attributes but
     no storage."""
-    from .model import GPTModel
+    from ..model import GPTModel
     return GPTModel(config, comm.OfflineGroup(tp, tp_rank), None, pre_process=pre, post_process=post,
                     layer_offset=offset, num_layers=n, device="meta")

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from . import comm
+from .. import comm
 
 FIELDS = ("compute_ms", "data_wait_ms", "wait_ms", "power_w", "temperature_c", "clock_mhz")
 

@@ -7,7 +7,7 @@ import glob
 import json
 import os
 
-# = megalite.checkpointing.TRACKER (Megatron-LM's name), here so that checking flags needs no torch
+# = megalite.checkpoint.checkpointing.TRACKER (Megatron-LM's name), here so that checking flags needs no torch
 TRACKER = "latest_checkpointed_iteration.txt"
 _METADATA_KEYS = ("iteration", "model_config", "layout", "args")
 
@@ -49,7 +49,7 @@ def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> di
     if int(meta["format_version"]) >= 2:
         # one global index: its header must parse (the data files it names are opened, and a
         # missing one reported, by the ranks that need them: no rank stats every rank's file)
-        from .checkpoint_index import CheckpointIndex
+        from .index import CheckpointIndex
         try:
             CheckpointIndex(directory).io.close()
         except CheckpointError as e:

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .comm import CollectiveError
+from ..comm import CollectiveError
 
 
 class CommMonitor:

@@ -34,8 +34,8 @@ import tempfile
 
 import torch
 
-from .errors import InputError
-from .model import pad_vocab_size
+from ..errors import InputError
+from ..model import pad_vocab_size
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 # tensors a transformers checkpoint may carry that are buffers, not weights

@@ -1,0 +1,2 @@
+"""What runs beside training: collective monitoring and timeouts, straggler detection, profiling,
+metrics and experiment tracking, restart rendezvous, and what the host CPU computes fast."""
