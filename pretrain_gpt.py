@@ -11,10 +11,10 @@ from megalite.errors import cli
 
 @cli("pretrain_gpt.py")
 def main(argv=None) -> int:
-    from megalite.arguments import build_run_config, parse_args, validate_args
-    args = validate_args(parse_args(argv))  # every flag and file, before torch.distributed starts
+    from megalite.arguments import parse_config
+    config = parse_config(argv)  # every flag and file, before torch.distributed starts
     from megalite.training import pretrain
-    pretrain(build_run_config(args))  # the Namespace stops here: typed configs from now on
+    pretrain(config)  # typed configs from here on
     return 0
 
 

@@ -78,7 +78,7 @@ def measure(case: dict, group, rank: int, device: str) -> dict:
     import torch
 
     from megalite.data.batch import build_batch
-    from megalite.model import GPTConfig, GPTModel
+    from megalite.model import GPTModel, model_configs
     from megalite.recompute import SavedActivations
     from megalite.tensor_parallel import seed_everything
 
@@ -88,12 +88,12 @@ def measure(case: dict, group, rank: int, device: str) -> dict:
         torch.cuda.set_device(dev)
     rc = {"none": {}, "selective": dict(recompute_granularity="selective"),
           "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}[case["recompute"]]
-    cfg = GPTConfig(num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
+    cfg, execution = model_configs(num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
                     vocab_size=m["vocab"], padded_vocab_size=m["vocab"], seq_length=m["seq"],
                     max_position_embeddings=m["seq"], hidden_dropout=0.1, attention_dropout=case["attention_dropout"],
                     sequence_parallel=case["sp"], params_dtype=getattr(torch, m["dtype"]), **rc)
     tracker = seed_everything(1234, rank, 0, dev)
-    model = GPTModel(cfg, group, tracker, device=dev)
+    model = GPTModel(cfg, group, tracker, device=dev, execution=execution)
     model.initialize(1234)
     model.train()
     params = list(model.parameters())

@@ -67,11 +67,11 @@ def megalite_flags(a, compile_: bool) -> list[str]:
 
 class Megalite:
     def __init__(self, a, compile_: bool):
-        from megalite.arguments import build_run_config, parse_args, validate_args
+        from megalite.arguments import parse_args, validate_args
         from megalite.training import setup
         self.name = "megalite --compile" if compile_ else "megalite"
         self.args = validate_args(parse_args(megalite_flags(a, compile_)), 1)
-        self.run = setup(build_run_config(self.args))
+        self.run = setup(self.args)
 
     def step(self) -> float:
         from megalite.training import train_step

@@ -54,9 +54,9 @@ def worker(argv) -> None:
     import torch.distributed as dist
 
     from megalite import comm
-    from megalite.arguments import build_run_config, parse_args, validate_args
+    from megalite.arguments import parse_args, validate_args
     from megalite.training import setup, train
-    cfg = build_run_config(validate_args(parse_args(flags)))
+    cfg = validate_args(parse_args(flags))
     cfg.ddp.reduce_grads_every_microbatch = not opts.local_grad_accumulation
     cfg.ddp.keep_params_gathered_in_step = opts.keep_params_gathered
     baseline = max(baseline, _max_rss_bytes())

@@ -13,19 +13,18 @@ are zeros, not tokens.
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
+from dataclasses import fields
 
 import torch
 
 from . import comm
 from .checkpoint.files import inspect_checkpoint
 from .checkpoint.checkpointing import CheckpointError, load_full_state_dict, local_shard
+from .config import TokenizerConfig, from_saved
 from .errors import InputError, InputNotFound
 from .model import GPTConfig, GPTModel, pad_vocab_size
 from .model.attention import SelfAttention
 
-TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "tiktoken_pattern",
-                  "tiktoken_num_special_tokens", "tiktoken_special_tokens")
 
 
 def load_model(load_dir: str, iteration: int | None = None, tp_group=None) -> tuple[GPTModel, dict]:
@@ -34,12 +33,13 @@ def load_model(load_dir: str, iteration: int | None = None, tp_group=None) -> tu
     inspect_checkpoint(load_dir, "--load", iteration)  # one-line errors naming a missing or corrupt file
     meta, state = load_full_state_dict(load_dir, iteration)
     cfg = dict(meta["model_config"])
-    divisible_by = int(meta.get("args", {}).get("make_vocab_size_divisible_by") or 128)
+    divisible_by = cfg.get("make_vocab_size_divisible_by") or from_saved(meta)["model"].get(
+        "make_vocab_size_divisible_by") or 128  # the second: checkpoints of config version 1
     tp, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
-    # no dropout, no recompute, no sequence parallelism; the vocabulary padded for this TP size
-    cfg.update(padded_vocab_size=pad_vocab_size(cfg["vocab_size"], divisible_by, tp), hidden_dropout=0.0,
-               attention_dropout=0.0, sequence_parallel=False, use_flash_attn=False, recompute_granularity=None,
-               recompute_method=None, recompute_num_layers=None, params_dtype="float32")
+    # no dropout; the vocabulary padded for this TP size (and the default ExecutionConfig: fp32, no
+    # recompute, no sequence parallelism)
+    cfg.update(padded_vocab_size=pad_vocab_size(cfg["vocab_size"], int(divisible_by), tp), hidden_dropout=0.0,
+               attention_dropout=0.0)
     model = GPTModel(GPTConfig.from_dict(cfg), tp_group)
     names = dict(model.global_named_parameters())
     missing, unexpected = sorted(set(names) - set(state)), sorted(set(state) - set(names))
@@ -53,28 +53,26 @@ def load_model(load_dir: str, iteration: int | None = None, tp_group=None) -> tu
     return model, meta
 
 
-def tokenizer_args(saved: dict, overrides: dict | None = None, where: str = "the checkpoint") -> SimpleNamespace:
-    """The tokenizer arguments to use: the command line's where given, else the saved ones."""
+def tokenizer_config(saved: dict, overrides: dict | None = None, where: str = "the checkpoint") -> TokenizerConfig:
+    """The tokenizer to use: the command line's fields where given (all of them when it names a
+    --tokenizer-type), else the saved ones (`saved`: the checkpoint's tokenizer section)."""
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    if overrides.get("tokenizer_type"):
-        args = {k: None for k in TOKENIZER_KEYS}
-        args["vocab_size"] = saved.get("vocab_size")
-        args.update(overrides)
-    else:
-        args = {k: saved.get(k) for k in (*TOKENIZER_KEYS, "vocab_size")}
-        args.update(overrides)
-    if not args.get("tokenizer_type"):
+    names = [f.name for f in fields(TokenizerConfig)]
+    base = {"vocab_size": saved.get("vocab_size")} if overrides.get("tokenizer_type") else \
+        {k: saved[k] for k in names if saved.get(k) is not None}
+    args = TokenizerConfig(**{**base, **{k: v for k, v in overrides.items() if k in names}})
+    if not args.tokenizer_type:
         raise InputError(f"{where} was saved without a tokenizer (trained with --mock-data and no "
                          "--tokenizer-type): give --tokenizer-type and its files (--vocab-file/--merge-file, "
                          "--tokenizer-model) on the command line")
-    return SimpleNamespace(**args)
+    return args
 
 
 def build_tokenizer_for(meta: dict, overrides: dict | None = None):
     """The tokenizer a checkpoint was trained with (or the command line's), checked against the model."""
     from .data.tokenizers import build_tokenizer
 
-    args = tokenizer_args(meta.get("args", {}), overrides, meta.get("dir", "the checkpoint"))
+    args = tokenizer_config(from_saved(meta)["tokenizer"], overrides, meta.get("dir", "the checkpoint"))
     vocab = meta["model_config"]["vocab_size"]
     if args.tokenizer_type == "NullTokenizer" and not (overrides or {}).get("vocab_size"):
         args.vocab_size = vocab - 1  # its ids and its eod id fill the model's vocabulary (as training sets it)

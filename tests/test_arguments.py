@@ -18,7 +18,7 @@ def check(extra, world, pattern):
 
 def test_valid_layout_fills_derived_values():
     args = validate_args(parse_args(OK + ["--tensor-model-parallel-size", "2", "--global-batch-size", "16"]), 8)
-    assert (args.data_parallel_size, args.num_microbatches, args.kv_channels, args.ffn_hidden_size) == (4, 2, 16, 256)
+    assert (args.parallel.data_parallel_size, args.training.num_microbatches, args.model.kv_channels, args.model.ffn_hidden_size) == (4, 2, 16, 256)
 
 
 def test_world_not_divisible():

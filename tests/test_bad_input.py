@@ -301,7 +301,7 @@ def test_every_tool_takes_the_same_tokenizer_types(world, tmp_path):
     }
     for tool, parse in parsers.items():
         for t in TOKENIZER_TYPES:
-            assert parse(t).tokenizer_type == t, tool
+            assert vars(parse(t))["tokenizer.tokenizer_type"] == t, tool  # every tool: TokenizerConfig's flags
         with pytest.raises(UserError, match="--tokenizer-type"):
             parse("Llama2Tokenizer")
 
@@ -323,7 +323,7 @@ def test_gpt_sentencepiece_tokenizer_is_sentencepiece(world, tmp_path):
     args = validate_args(parse_args(["--data-path", os.path.join(world, "data", "good_text_document"),
                                      "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model]
                                     + TINY), 1)
-    assert args.tokenizer_type == "GPTSentencePieceTokenizer"
+    assert args.tokenizer.tokenizer_type == "GPTSentencePieceTokenizer"
 
 
 def test_tracker_name_agrees_with_checkpointing():

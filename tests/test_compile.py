@@ -23,8 +23,8 @@ BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-si
 
 
 def test_flag():
-    assert validate_args(parse_args(BASE + ["--compile"]), 1).compile
-    assert not validate_args(parse_args(BASE), 1).compile
+    assert validate_args(parse_args(BASE + ["--compile"]), 1).training.compile
+    assert not validate_args(parse_args(BASE), 1).training.compile
 
 
 @pytest.fixture(scope="module")

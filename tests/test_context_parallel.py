@@ -10,7 +10,6 @@
 That pretrain_gpt.py trains the same model as one process under CP (with TP, SP, PP, VPP, ZeRO-1,
 recompute) is in test_layouts.py.
 """
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -48,6 +47,7 @@ def _attention_worker(rank, world):
 def _cp_attention(rank, world, reset, backend):
     import torch.distributed as dist
 
+    from megalite.model import ExecutionConfig
     from megalite.model.attention import CoreAttention
     from megalite.context_parallel.attention import gather_kv
     from megalite.context_parallel.sharding import causal_mask
@@ -57,8 +57,7 @@ def _cp_attention(rank, world, reset, backend):
     q, w = torch.randn(s, b, n, hn), torch.randn(s, b, n * hn)
     k, v = torch.randn(s, b, g, hn), torch.randn(s, b, g, hn)
     full = build_batch(_documents(b, s, 3), eod=0, reset_attention_mask=reset)
-    attention = CoreAttention(SimpleNamespace(attention_dropout=0.0, use_flash_attn=False, attention_backend=backend),
-                              None)
+    attention = CoreAttention(0.0, ExecutionConfig(attention_backend=backend), None)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     out_ref = attention(*ref, full["attention_mask"])
     (out_ref * w).sum().backward()
@@ -132,9 +131,9 @@ def test_validate_args_fills_and_refuses_cp():
             "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1", "--lr", "1e-3",
             "--mock-data", "--vocab-size", "64"]
     args = validate_args(parse_args(base + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]), 8)
-    assert (args.data_parallel_size, args.rank_order) == (2, "tp-cp-dp-pp")
+    assert (args.parallel.data_parallel_size, args.parallel.rank_order) == (2, "tp-cp-dp-pp")
     args = validate_args(parse_args(base + ["--context-parallel-size", "2", "--use-tp-pp-dp-mapping"]), 2)
-    assert (args.data_parallel_size, args.rank_order) == (1, "tp-cp-pp-dp")
+    assert (args.parallel.data_parallel_size, args.parallel.rank_order) == (1, "tp-cp-pp-dp")
     with pytest.raises(ArgumentError, match="cannot be combined with --use-flash-attn"):
         validate_args(parse_args(base + ["--context-parallel-size", "2", "--use-flash-attn"]), 2)
     with pytest.raises(ArgumentError, match=r"--seq-length \(64\) divisible by 2 x CP = 128"):

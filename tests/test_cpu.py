@@ -23,15 +23,15 @@ def test_reads_this_machines_flags():
 
 
 def test_printed_once_at_start_up(monkeypatch, capsys):
-    from megalite.arguments import build_run_config, parse_args, validate_args
+    from megalite.arguments import parse_args, validate_args
     from megalite.training import setup
     flags = ["--mock-data", "--vocab-size", "100", "--num-layers", "1", "--hidden-size", "32",
              "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
              "--lr", "1e-3", "--eval-iters", "0"]
     monkeypatch.setattr(cpu, "cpu_flags", lambda: NO_BF16)  # a CPU without native bf16
     for extra, expected in ((["--bf16"], 1), ([], 0)):
-        setup(build_run_config(validate_args(parse_args(flags + extra), 1)))
+        setup(validate_args(parse_args(flags + extra), 1))
         assert capsys.readouterr().out.count("WARNING: --bf16 on a CPU without") == expected, extra
     monkeypatch.setattr(cpu, "cpu_flags", lambda: AMX)
-    setup(build_run_config(validate_args(parse_args(flags + ["--bf16"]), 1)))
+    setup(validate_args(parse_args(flags + ["--bf16"]), 1))
     assert "WARNING: --bf16" not in capsys.readouterr().out

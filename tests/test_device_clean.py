@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite import comm
-from megalite.model import GPTConfig, GPTModel
+from megalite.model import ExecutionConfig, GPTConfig, GPTModel, model_configs
 from megalite.tensor_parallel import seed_everything
 
 META = torch.device("meta")
@@ -50,10 +50,10 @@ VARIANTS = {
 }
 
 
-def config(**kw) -> GPTConfig:
+def config(**kw) -> tuple[GPTConfig, ExecutionConfig]:
     base = dict(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=V, padded_vocab_size=128,
                 seq_length=S, max_position_embeddings=S, hidden_dropout=0.1, attention_dropout=0.1)
-    return GPTConfig(**{**base, **kw})
+    return model_configs(**{**base, **kw})
 
 
 class NoCPUTensors(TorchDispatchMode):
@@ -74,17 +74,20 @@ class NoCPUTensors(TorchDispatchMode):
         return out
 
 
-def train_step_on_meta(cfg: GPTConfig, tp_group=None, tp_rank: int = 0, pre_process=True, post_process=True,
+def train_step_on_meta(cfg: tuple[GPTConfig, ExecutionConfig], tp_group=None, tp_rank: int = 0, pre_process=True,
+                       post_process=True,
                        attention_mask: bool = False, position_ids: bool = True):
     """Build on meta, run forward, backward and a foreach AdamW step; return (model, output, optimizer)."""
     tracker = seed_everything(3, tp_rank, 0, META)
-    model = GPTModel(cfg, tp_group, tracker, pre_process=pre_process, post_process=post_process, device=META)
+    cfg, execution = cfg
+    model = GPTModel(cfg, tp_group, tracker, pre_process=pre_process, post_process=post_process, device=META,
+                     execution=execution)
     model.train()
     ids = torch.zeros(B, S, dtype=torch.long, device=META)
     pos = torch.arange(S, device=META).unsqueeze(0).expand(B, S) if position_ids else None
     mask = torch.ones(S, S, dtype=torch.bool, device=META).tril().expand(B, 1, S, S) if attention_mask else None
     if not pre_process:  # a later pipeline stage: the activations arrive from the previous one
-        s_local = S // (comm.group_size(tp_group) if cfg.sequence_parallel else 1)
+        s_local = S // (comm.group_size(tp_group) if execution.sequence_parallel else 1)
         model.set_input_tensor(torch.zeros(s_local, B, cfg.hidden_size, device=META, requires_grad=True))
     with NoCPUTensors() as ops:
         out = model(ids, pos, mask, ids if post_process else None)
@@ -180,8 +183,8 @@ def test_context_parallel_on_meta(fake_tp2, variant, document_mask):
     causal mask built in global positions on the device, or a document mask [b, 1, s/2, s]."""
     from megalite.context_parallel.sharding import chunk_positions
     cp = comm.group_size(fake_tp2)
-    cfg = config(**VARIANTS[variant])
-    model = GPTModel(cfg, None, seed_everything(3, 0, 0, META), device=META, cp_group=fake_tp2)
+    cfg, execution = config(**VARIANTS[variant])
+    model = GPTModel(cfg, None, seed_everything(3, 0, 0, META), device=META, cp_group=fake_tp2, execution=execution)
     model.train()
     ids = torch.zeros(B, S // cp, dtype=torch.long, device=META)
     pos = chunk_positions(S, cp, 0, META).unsqueeze(0).expand(B, S // cp)

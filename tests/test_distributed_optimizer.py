@@ -20,9 +20,8 @@ OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 
 # -- buffer layout and overlap, in process ---------------------------------------------------------
 def _run(rank, world, extra):
-    from megalite.arguments import build_run_config
     from megalite.training import setup
-    return setup(build_run_config(validate_args(parse_args(BASE + extra), world)))
+    return setup(validate_args(parse_args(BASE + extra), world))
 
 
 def _layout_and_early_reductions(rank, world, extra):

@@ -10,6 +10,7 @@ import torch
 from dist_helpers import ROOT
 
 from megalite.checkpoint.checkpointing import save_full_state_dict
+from megalite.config import RunConfig
 from megalite.generation import generate, load_model, next_token_logits
 from megalite.model import GPTConfig, GPTModel
 
@@ -31,8 +32,7 @@ def checkpoint(tmp_path_factory):
     state = {n: p.detach().clone() for n, p in model.global_named_parameters()}
     state["embedding.word_embeddings.weight"] = state["embedding.word_embeddings.weight"][:VOCAB]
     root = str(tmp_path_factory.mktemp("gen") / "ck")
-    save_full_state_dict(root, state, config.to_dict(), {"make_vocab_size_divisible_by": 128, "vocab_size": VOCAB},
-                         tp=2)
+    save_full_state_dict(root, state, config.to_dict(), RunConfig().to_dict(), tp=2)
     model.eval()
     return root, model
 

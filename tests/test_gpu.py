@@ -77,10 +77,10 @@ def _syncs_in_one_step(micro_batches: int) -> int:
     """Host synchronisations in one (warm) training step with this many micro-batches."""
     import warnings
 
-    from megalite.arguments import build_run_config, parse_args, validate_args
+    from megalite.arguments import parse_args, validate_args
     from megalite.training import setup, train_step
     flags = BASE + LLAMA + ["--bf16", "--log-interval", "1000", "--global-batch-size", str(2 * micro_batches)]
-    run = setup(build_run_config(validate_args(parse_args(flags), 1)))
+    run = setup(validate_args(parse_args(flags), 1))
     train_step(run)  # warm-up: allocations, cuBLAS handles, lazy inits
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")

@@ -23,6 +23,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megalite.checkpoint.checkpointing import load_full_state_dict, read_metadata, save_full_state_dict
+from megalite.config import RunConfig
 from megalite.generation import build_tokenizer_for, generate, load_model, next_token_logits
 from megalite.checkpoint.hf_conversion import ConversionError, hf_architecture, pretrain_flags
 from megalite.model import GPTConfig, GPTModel, pad_vocab_size
@@ -167,7 +168,7 @@ def test_llama_export_matches_transformers_and_imports_back(llama_ckpt, tmp_path
     assert sorted(original) == sorted(imported)
     for name in original:
         assert torch.equal(original[name], imported[name]), name
-    assert meta["layout"]["tp"] == 2 and meta["args"]["tokenizer_type"] == "HuggingFaceTokenizer"
+    assert meta["layout"]["tp"] == 2 and meta["config"]["tokenizer"]["tokenizer_type"] == "HuggingFaceTokenizer"
     ids = torch.randint(0, 360, (2, 30), generator=torch.Generator().manual_seed(1))
     assert torch.equal(next_token_logits(load_model(llama_ckpt)[0], ids), next_token_logits(load_model(back)[0], ids))
 
@@ -237,7 +238,7 @@ def _random_checkpoint(root, config):
     state["embedding.word_embeddings.weight"] = state["embedding.word_embeddings.weight"][: config.vocab_size]
     if "output_layer.weight" in state:
         state["output_layer.weight"] = state["output_layer.weight"][: config.vocab_size]
-    save_full_state_dict(str(root), state, config.to_dict(), {"make_vocab_size_divisible_by": 128})
+    save_full_state_dict(str(root), state, config.to_dict(), RunConfig().to_dict())
     return str(root)
 
 
@@ -260,7 +261,7 @@ def test_variants_match_transformers(kw, tmp_path):
                          str(tmp_path / "hf"), "--save-dir", back, "--target-pipeline-parallel-size", "2"]) == 0
     (_, a), (meta, b) = load_full_state_dict(ck), load_full_state_dict(back)
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
-    assert "tokenizer_type" not in meta["args"]  # no tokenizer files were exported
+    assert meta["config"]["tokenizer"]["tokenizer_type"] is None  # no tokenizer files were exported
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
-from megalite.config import DDPConfig, OptimizerConfig, from_args
+from megalite.config import DDPConfig, OptimizerConfig
+from megalite.model import ExecutionConfig
 from megalite.num_microbatches_calculator import NumMicroBatchesCalculator, parse_step_schedule
 from megalite.optimizer import LRScheduler, build_lr_scheduler
 
@@ -64,15 +65,15 @@ def test_step_schedule_syntax():
 
 def test_rampup_flags_validate_as_megatron():
     a = args_of(["--train-samples", "100", "--rampup-batch-size", "2", "2", "12", "--global-batch-size", "8"])
-    assert (a.train_iters, a.global_batch_size, a.num_microbatches) == (14, 8, 4)  # 2+2+4+6 = 14 samples, 86/8 = 10
+    assert (a.training.train_iters, a.training.global_batch_size, a.training.num_microbatches) == (14, 8, 4)  # 2+2+4+6 = 14 samples, 86/8 = 10
     a = args_of(["--train-samples", "100", "--step-batch-size-schedule", "0:2 64:4"])
-    assert (a.global_batch_size, a.train_iters) == (4, 26)  # 2 x 2 samples, then 96 / 4
+    assert (a.training.global_batch_size, a.training.train_iters) == (4, 26)  # 2 x 2 samples, then 96 / 4
 
 
 # -- the learning-rate schedule in samples -------------------------------------------------------
 def lrs(extra, iterations, batch=4):
     a = args_of(extra + ["--global-batch-size", str(batch)])
-    s = build_lr_scheduler(from_args(OptimizerConfig, a))
+    s = build_lr_scheduler(a.optimizer)
     out = []
     for _ in range(iterations):
         out.append(s.get_lr())
@@ -113,6 +114,11 @@ def tiny_config(**kw):
                      seq_length=16, max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0, **kw)
 
 
+def tiny_model(execution=None, **kw):
+    from megalite.model import GPTModel
+    return GPTModel(tiny_config(**kw), execution=execution)
+
+
 def loss_of(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 64, (2, 17), generator=g)
@@ -123,7 +129,7 @@ def loss_of(model, seed=0):
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 def test_layernorm_1p_stores_w_minus_1_and_computes_the_same(normalization):
     from megalite.model import GPTModel
-    plain, one_p = (GPTModel(tiny_config(normalization=normalization, apply_layernorm_1p=f)) for f in (False, True))
+    plain, one_p = (tiny_model(normalization=normalization, apply_layernorm_1p=f) for f in (False, True))
     for m in (plain, one_p):
         m.initialize(seed=3)
     norms = {n: p for n, p in one_p.named_parameters() if "layernorm.weight" in n}
@@ -184,7 +190,7 @@ def test_cross_entropy_fusion_is_selected_and_fuses_the_sums(monkeypatch):
     used = []
     monkeypatch.setattr(gpt_module, "fused_vocab_parallel_cross_entropy",
                         lambda *a: used.append(1) or fused_vocab_parallel_cross_entropy(*a))
-    model = GPTModel(tiny_config(cross_entropy_loss_fusion=True))
+    model = tiny_model(ExecutionConfig(cross_entropy_loss_fusion=True))
     model.initialize(seed=1)
     loss_of(model)
     assert used == [1]
@@ -207,10 +213,10 @@ def record_sdpa(monkeypatch):
 def test_attention_backend_selects_the_kernel(monkeypatch, backend, allowed):
     from megalite.model.attention import CoreAttention
     seen = record_sdpa(monkeypatch)
-    config = SimpleNamespace(attention_dropout=0.0, use_flash_attn=False, attention_backend=backend)
+    execution = ExecutionConfig(attention_backend=backend)
     q = torch.randn(8, 2, 4, 16)
     k, v = torch.randn(8, 2, 2, 16), torch.randn(8, 2, 2, 16)  # grouped-query: 2 groups of 2 heads
-    out = CoreAttention(config, None)(q, k, v)
+    out = CoreAttention(0.0, execution, None)(q, k, v)
     assert seen == ([allowed] if allowed else [])  # local never calls SDPA
     ref = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True, enable_gqa=True)
     assert torch.allclose(out, ref.permute(2, 0, 1, 3).reshape(8, 2, 64), atol=1e-5)
@@ -231,8 +237,8 @@ def test_decoupled_lr_groups_and_schedule():
     from megalite.parallel_state import single_process_state
     a = args_of(["--train-iters", "10", "--lr-warmup-iters", "2", "--decoupled-lr", "5e-3", "--decoupled-min-lr",
                  "5e-4", "--min-lr", "1e-4", "--untie-embeddings-and-output-weights"])
-    c = from_args(OptimizerConfig, a)
-    model = GPTModel(tiny_config(untie_embeddings_and_output_weights=True))
+    c = a.optimizer
+    model = tiny_model(untie_embeddings_and_output_weights=True)
     model.initialize(seed=1)
     named = list(model.global_named_parameters())
     dp = DataParallel([model], [p for _, p in named], single_process_state(), DDPConfig(), 1)
@@ -254,7 +260,7 @@ def test_grad_reduce_in_bf16_makes_a_bf16_buffer_that_steps():
     from megalite.model import GPTModel
     from megalite.optimizer import build_optimizer
     from megalite.parallel_state import single_process_state
-    model = GPTModel(tiny_config(params_dtype=torch.bfloat16))
+    model = tiny_model(ExecutionConfig(params_dtype=torch.bfloat16))
     model.initialize(seed=1)
     named = list(model.global_named_parameters())
     ps = single_process_state()
@@ -299,9 +305,9 @@ def test_per_token_loss_and_megatron_default():
 
 def test_sequence_parallel_at_tp1_is_switched_off_with_a_notice():
     a = args_of(["--train-iters", "1", "--sequence-parallel"])
-    assert not a.sequence_parallel and any("--sequence-parallel switched off" in n for n in a.notices)
+    assert not a.parallel.sequence_parallel and any("--sequence-parallel switched off" in n for n in a.notices)
     assert args_of(["--train-iters", "1", "--sequence-parallel", "--tensor-model-parallel-size", "2"],
-                   2).sequence_parallel
+                   2).parallel.sequence_parallel
 
 
 def test_attention_mask_flag():
@@ -408,4 +414,4 @@ def test_accepted_no_ops_and_notices():
                  "--transformer-impl", "local", "--timing-log-level", "0", "--rerun-mode", "disabled",
                  "--log-validation-ppl-to-tensorboard", "--empty-unused-memory-level", "2"])
     assert any("--empty-unused-memory-level 2: a no-op on CPU" in n for n in a.notices)
-    assert math.isclose(a.lr_decay_samples, 2)  # one iteration of 2 samples
+    assert math.isclose(a.optimizer.lr_decay_samples, 2)  # one iteration of 2 samples

@@ -121,8 +121,8 @@ BASE = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-siz
 
 
 def test_precision_flags():
-    assert validate_args(parse_args(BASE + ["--fp16"]), 1).params_dtype == torch.float16
-    assert validate_args(parse_args(BASE + ["--bf16"]), 1).params_dtype == torch.bfloat16
+    assert validate_args(parse_args(BASE + ["--fp16"]), 1).optimizer.params_dtype == "float16"
+    assert validate_args(parse_args(BASE + ["--bf16"]), 1).optimizer.params_dtype == "bfloat16"
     bad = [
         (["--fp16", "--bf16"], "mutually exclusive"),
         (["--loss-scale", "128"], "--loss-scale needs --fp16 or --bf16"),

@@ -12,6 +12,8 @@ from dist_helpers import ROOT, run_pretrain
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import plan  # noqa: E402
 
+from megalite.planning.memory import stage_params, total_params  # noqa: E402
+
 SMALL = ["--vocab-size", "1000", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--micro-batch-size", "2"]
 # every option that changes the parameter set
@@ -30,31 +32,27 @@ GPT3_175B = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-he
                          ids=["gpt2", "variant", "untied", "odd-padding"])
 @pytest.mark.parametrize("pp,vpp_layers", [(1, None), (2, None), (2, 1)], ids=["pp1", "pp2", "pp2-vpp"])
 def test_stage_params_match_built_model(options, pp, vpp_layers):
-    import dataclasses
-
-    from megalite.arguments import build_run_config
     from megalite.model import GPTModel
     from megalite.parallel_state import stage_layers
     argv = SMALL + options + ["--pipeline-model-parallel-size", str(pp), "--world-size", str(pp)]
     if vpp_layers:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers), "--global-batch-size", "4"]
-    args = plan.parse(argv)
-    config = dataclasses.replace(build_run_config(args).model, padded_vocab_size=args.padded_vocab_size)
-    v = args.virtual_pipeline_model_parallel_size
+    c, _ = plan.parse(argv)
+    config, v = c.model, c.parallel.virtual_pipeline_model_parallel_size
     built = []
     for r in range(pp):
         n = 0
-        for c, (offset, layers) in enumerate(stage_layers(args.num_layers, pp, v, r)):
-            chunk = GPTModel(config, None, None, pre_process=r == 0 and c == 0, post_process=r == pp - 1 and c == v - 1,
+        for k, (offset, layers) in enumerate(stage_layers(config.num_layers, pp, v, r)):
+            chunk = GPTModel(config, None, None, pre_process=r == 0 and k == 0, post_process=r == pp - 1 and k == v - 1,
                              layer_offset=offset, num_layers=layers)
             n += sum(p.numel() for p in chunk.parameters())
         built.append(n)
-    assert [plan.stage_params(args, r) for r in range(pp)] == built
+    assert [stage_params(c, r) for r in range(pp)] == built
     if pp == 1:
-        assert plan.total_params(args) == built[0]
+        assert total_params(c) == built[0]
     else:  # the whole model, once: the last stage's copy of a tied embedding is not counted
-        copy = 0 if args.untie_embeddings_and_output_weights else args.padded_vocab_size * args.hidden_size
-        assert plan.total_params(args) == sum(built) - copy
+        copy = 0 if config.untie_embeddings_and_output_weights else config.padded_vocab_size * config.hidden_size
+        assert total_params(c) == sum(built) - copy
 
 
 # -- against the memory_footprint record of real runs ----------------------------------------------

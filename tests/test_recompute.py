@@ -16,7 +16,7 @@ import megalite.model.attention as attention_module
 import megalite.model.transformer as transformer_module
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.data.batch import build_batch
-from megalite.model import GPTConfig, GPTModel
+from megalite.model import GPTModel, model_configs
 from megalite.model.attention import CoreAttention
 from megalite.model.transformer import TransformerBlock
 from megalite.recompute import SavedActivations, recompute
@@ -39,7 +39,7 @@ def config(mode="none", variant=False, dropout=0.2, **kw):
     base = dict(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=90, padded_vocab_size=128,
                 seq_length=16, max_position_embeddings=16, hidden_dropout=dropout, attention_dropout=dropout,
                 recompute_granularity=g, recompute_method=m, recompute_num_layers=n)
-    return GPTConfig(**{**base, **extra, **kw})
+    return model_configs(**{**base, **extra, **kw})  # (GPTConfig, ExecutionConfig)
 
 
 def batch(variant=False, b=2, s=16, vocab=90, seed=0):
@@ -50,7 +50,7 @@ def batch(variant=False, b=2, s=16, vocab=90, seed=0):
 
 def grads(cfg, data, rng_seed=11):
     """Loss and every parameter gradient of one forward/backward from a fixed RNG state."""
-    model = GPTModel(cfg, None, None)
+    model = GPTModel(cfg[0], None, None, execution=cfg[1])
     model.initialize(5)
     model.train()
     # seed after construction (which may draw from the default generator), then hand the tracker
@@ -75,14 +75,16 @@ def args_for(extra, world=1):
 
 def test_flags_fill_config_fields():
     a = args_for(["--recompute-activations"])
-    assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == ("selective", None, None)
+    r = a.recompute
+    assert (r.recompute_granularity, r.recompute_method, r.recompute_num_layers) == ("selective", None, None)
     a = args_for(["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2",
                   "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)
-    assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers, a.sequence_parallel) == \
+    r = a.recompute
+    assert (r.recompute_granularity, r.recompute_method, r.recompute_num_layers, a.parallel.sequence_parallel) == \
         ("full", "block", 2, True)
     # uniform chunks need not divide the stage (Megatron-LM: the last chunk is shorter)
     assert args_for(["--recompute-granularity", "full", "--recompute-method", "uniform",
-                     "--recompute-num-layers", "3"]).recompute_num_layers == 3
+                     "--recompute-num-layers", "3"]).recompute.recompute_num_layers == 3
 
 
 @pytest.mark.parametrize("extra,world,pattern", [
@@ -159,7 +161,7 @@ def test_eval_and_no_grad_skip_recompute(monkeypatch, mode):
     data = batch()
 
     def forward(cfg, training, grad):
-        model = GPTModel(cfg, None, None)
+        model = GPTModel(cfg[0], None, None, execution=cfg[1])
         model.initialize(5)
         model.train(training)
         calls.clear()
@@ -187,11 +189,11 @@ def decoder_saved(mode_or_cfg, dropout=0.1, regions=False):
     if isinstance(mode_or_cfg, str):
         g, m, n = {"uniform-1": ("full", "uniform", 1), "uniform-2": ("full", "uniform", 2),
                    "block-2": ("full", "block", 2)}.get(mode_or_cfg, MODES.get(mode_or_cfg, (None,) * 3))
-        cfg = GPTConfig(num_layers=L, hidden_size=H, num_attention_heads=4, vocab_size=64, padded_vocab_size=64,
+        cfg = model_configs(num_layers=L, hidden_size=H, num_attention_heads=4, vocab_size=64, padded_vocab_size=64,
                         seq_length=S, max_position_embeddings=S, hidden_dropout=dropout, attention_dropout=dropout,
                         recompute_granularity=g, recompute_method=m, recompute_num_layers=n)
     tracker = seed_everything(3, 0, 0, torch.device("cpu"))
-    block = TransformerBlock(cfg, None, tracker, post_process=False)
+    block = TransformerBlock(*cfg, None, tracker, post_process=False)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(S, B, H, requires_grad=True)
@@ -263,7 +265,8 @@ def test_full_recompute_lowers_peak_activation_memory_of_a_whole_model():
     result = {}
     for name, rc in (("none", {}), ("selective", dict(recompute_granularity="selective")),
                      ("full", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))):
-        model = GPTModel(GPTConfig(**cfg, **rc), None, seed_everything(1, 0, 0, torch.device("cpu")))
+        arch, execution = model_configs(**cfg, **rc)
+        model = GPTModel(arch, None, seed_everything(1, 0, 0, torch.device("cpu")), execution=execution)
         model.initialize(1)
         model.train()
         with SavedActivations(model.parameters()) as saved:

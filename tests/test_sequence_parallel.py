@@ -16,7 +16,7 @@ import torch
 from dist_helpers import spawn
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.data.batch import build_batch
-from megalite.model import GPTConfig, GPTModel
+from megalite.model import GPTModel, model_configs
 from megalite.tensor_parallel import seed_everything
 
 RECOMPUTE = {"none": {}, "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform",
@@ -28,14 +28,14 @@ RECOMPUTE = {"none": {}, "full-uniform-1": dict(recompute_granularity="full", re
 def config(**kw):
     base = dict(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=90, padded_vocab_size=128,
                 seq_length=16, max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
-    return GPTConfig(**{**base, **kw})
+    return model_configs(**{**base, **kw})  # (GPTConfig, ExecutionConfig)
 
 
 def run_model(cfg, group, rank, data, rng_seed=11, reduce_sp=False):
     """Loss and parameter gradients (by global name) of one forward/backward on this TP rank."""
     from megalite import comm
     from megalite.tensor_parallel.param_info import param_info
-    model = GPTModel(cfg, group, seed_everything(rng_seed, rank, 0, torch.device("cpu")))
+    model = GPTModel(cfg[0], group, seed_everything(rng_seed, rank, 0, torch.device("cpu")), execution=cfg[1])
     model.initialize(5)
     model.train()
     tracker = seed_everything(rng_seed, rank, 0, torch.device("cpu"))  # fresh RNG state after init
@@ -65,7 +65,7 @@ def _worker(rank, world):
     ids = torch.randint(1, 90, (b, s // 2), generator=torch.Generator().manual_seed(3)).repeat(1, 2)
     for sp in (False, True):
         cfg = config(hidden_dropout=0.5, position_embedding_type="rope", sequence_parallel=sp)
-        model = GPTModel(cfg, group, seed_everything(7, rank, 0, torch.device("cpu")))
+        model = GPTModel(cfg[0], group, seed_everything(7, rank, 0, torch.device("cpu")), execution=cfg[1])
         model.initialize(5)
         model.train()
         emb = model.embedding(ids, None)  # [s/tp, b, h] with SP, [s, b, h] without
@@ -76,7 +76,8 @@ def _worker(rank, world):
 
     # the embedding's sequence shard owns its storage: a view would keep the whole [s, b, h] alive
     # for as long as the first layer norm keeps its input (dropout 0: no copy hides it)
-    emb = GPTModel(config(sequence_parallel=True, position_embedding_type="rope"), group).embedding(ids, None)
+    arch, execution = config(sequence_parallel=True, position_embedding_type="rope")
+    emb = GPTModel(arch, group, execution=execution).embedding(ids, None)
     result["embedding_storage_elements"] = (emb.untyped_storage().nbytes() // emb.element_size(), emb.numel())
 
     # (b) SP with dropout 0: the same loss and (after the TP all-reduce) the same gradients
@@ -143,9 +144,9 @@ def test_sequence_parallel_flags():
           "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
     # TP = 1: switched off with a notice, as Megatron-LM does (its Llama-3 script passes it at TP = 1)
     args = validate_args(parse_args(ok + ["--seq-length", "16", "--sequence-parallel"]), 1)
-    assert not args.sequence_parallel and any("--sequence-parallel switched off" in n for n in args.notices)
+    assert not args.parallel.sequence_parallel and any("--sequence-parallel switched off" in n for n in args.notices)
     with pytest.raises(ArgumentError, match=r"--seq-length \(15\) divisible by --tensor-model-parallel-size \(2\)"):
         validate_args(parse_args(ok + ["--seq-length", "15", "--max-position-embeddings", "16",
                                        "--sequence-parallel", "--tensor-model-parallel-size", "2"]), 2)
     assert validate_args(parse_args(ok + ["--seq-length", "16", "--sequence-parallel",
-                                          "--tensor-model-parallel-size", "2"]), 4).sequence_parallel
+                                          "--tensor-model-parallel-size", "2"]), 4).parallel.sequence_parallel

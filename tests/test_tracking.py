@@ -12,7 +12,8 @@ import pytest
 from dist_helpers import run_pretrain
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
-from megalite.runtime.tracking import Tracker, json_safe
+from megalite.config.run import json_safe
+from megalite.runtime.tracking import Tracker
 
 BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -43,9 +44,9 @@ def test_json_safe_config():
 
 
 def test_disabled_tracker_writes_nothing(tmp_path):
-    args = parse_args(BASE + ["--tensorboard-dir", str(tmp_path / "tb")])
-    t = Tracker(args, enabled=False)  # not the logging rank
-    t.log_config(vars(args))
+    config = validate_args(parse_args(BASE + ["--tensorboard-dir", str(tmp_path / "tb")]), world_size=1)
+    t = Tracker(config.tracking, enabled=False)  # not the logging rank
+    t.log_config(config.to_dict())
     t.log({"lm_loss": 1.0}, 1, "train")
     t.close()
     assert not t.active and not (tmp_path / "tb").exists()
@@ -112,8 +113,9 @@ def test_wandb_offline_run_holds_the_metrics(tracked_run):
     assert history[2]["valid/lm_loss"] == pytest.approx(evals[("valid", 2)]["lm_loss"], rel=1e-9)
     assert history[4]["test/ppl"] == pytest.approx(evals[("test", 4)]["ppl"], rel=1e-9)
     config = {i.key: json.loads(i.value_json) for r, k in zip(records, kinds) if k == "config" for i in r.config.update}
-    assert config["num_layers"] == 2 and config["hidden_size"] == 64 and config["padded_vocab_size"] == 1024
-    assert config["data_parallel_size"] == 2 and config["params_dtype"] == "float32"
+    model = config["model"]  # the RunConfig record, by section
+    assert model["num_layers"] == 2 and model["hidden_size"] == 64 and model["padded_vocab_size"] == 1024
+    assert config["parallel"]["data_parallel_size"] == 2 and config["optimizer"]["params_dtype"] == "float32"
 
 
 def test_tensorboard_event_files_hold_the_scalars(tracked_run):
@@ -131,4 +133,4 @@ def test_tensorboard_event_files_hold_the_scalars(tracked_run):
     assert acc.Scalars("train/tokens_per_sec")[-1].value == pytest.approx(train[4]["tokens_per_sec"], rel=1e-6)
     (config,) = acc.Tensors("config/text_summary")
     text = config.tensor_proto.string_val[0].decode()
-    assert "| num_layers | 2 |" in text and "| padded_vocab_size | 1024 |" in text
+    assert "| model.num_layers | 2 |" in text and "| model.padded_vocab_size | 1024 |" in text

@@ -139,9 +139,8 @@ def test_offload_gives_identical_losses(bf16_run):
 
 # -- what lives in memory, in process -------------------------------------------------------------
 def _one_step_memory(rank, world, flags):
-    from megalite.arguments import build_run_config
     from megalite.training import setup, train_step
-    run = setup(build_run_config(validate_args(parse_args(flags), world)))
+    run = setup(validate_args(parse_args(flags), world))
     dp = run.dp
     train_step(run)
     p = dp.param_buffer
@@ -201,7 +200,7 @@ def test_use_distributed_optimizer_is_optim():
              "--lr", "1e-3"]
     zero1 = validate_args(parse_args(flags + ["--use-distributed-optimizer"]), 2)
     assert zero1.data_parallel_sharding_strategy == "optim"
-    assert validate_args(parse_args(flags), 2).data_parallel_sharding_strategy == "no_shard"
+    assert validate_args(parse_args(flags), 2).ddp.data_parallel_sharding_strategy == "no_shard"
     args = validate_args(parse_args(flags + strategy("optim_grads_params")), 2)
     assert args.use_distributed_optimizer and args.optimizer_offload_fraction == 1.0
 

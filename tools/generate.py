@@ -21,7 +21,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.data.tokenizers import TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, add_tiktoken_args  # noqa: E402
+from megalite.arguments.parser import add_config_args, section_values  # noqa: E402
+from megalite.config import TokenizerConfig  # noqa: E402
 from megalite.errors import ArgumentParser, UserError, cli  # noqa: E402
 
 PROG = "tools/generate.py"
@@ -38,15 +39,10 @@ def get_args(argv=None):
     p.add_argument("--seed", type=int, default=1234, help="sampling seed (>= 0)")
     p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
                    help="recompute the whole sequence for every new token (the reference; slower)")
-    g = p.add_argument_group("tokenizer (default: as saved in the checkpoint)")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help=TOKENIZER_TYPES_HELP)
-    g.add_argument("--vocab-file")
-    g.add_argument("--merge-file")
-    g.add_argument("--tokenizer-model")
-    g.add_argument("--vocab-size", type=int,
-                   help="for --tokenizer-type NullTokenizer (default: the model's vocabulary - 1, its eod)")
-    add_tiktoken_args(g, num_special_default=None)
+    add_config_args(p, TokenizerConfig, "tokenizer", "tokenizer (default: as saved in the checkpoint; "
+                    "NullTokenizer's --vocab-size: the model's vocabulary - 1, its eod)")
     args = p.parse_args(argv)
+    args.tokenizer = section_values(args, "tokenizer")  # the overrides of the saved tokenizer
     # refused here, before the model is loaded
     if args.max_new_tokens < 0:
         p.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -56,8 +52,8 @@ def get_args(argv=None):
         p.error(f"--top-k must be >= 0 (0: no top-k filter), got {args.top_k}")
     if args.seed < 0:
         p.error(f"--seed must be >= 0, got {args.seed}")
-    if args.vocab_size is not None and args.vocab_size < 1:
-        p.error(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    if args.tokenizer.get("vocab_size") is not None and args.tokenizer["vocab_size"] < 1:
+        p.error(f"--vocab-size must be >= 1, got {args.tokenizer['vocab_size']}")
     return args
 
 
@@ -78,10 +74,7 @@ def main(argv=None) -> int:
     try:
         with torch.no_grad():  # scoped: main() is also called in-process (tests)
             model, meta = load_model(args.load, tp_group=tp_group)
-            tokenizer = build_tokenizer_for(meta, {k: getattr(args, k) for k in
-                                                   ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
-                                                    "vocab_size", "tiktoken_pattern", "tiktoken_num_special_tokens",
-                                                    "tiktoken_special_tokens")})
+            tokenizer = build_tokenizer_for(meta, args.tokenizer)
             prompt = tokenizer.tokenize(args.prompt) or [tokenizer.eod]  # as Megatron: an empty prompt starts a document
             if max(prompt) >= model.config.vocab_size:
                 raise UserError(f"--prompt gives token id {max(prompt)}, outside the model's vocabulary "

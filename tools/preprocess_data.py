@@ -34,8 +34,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: E402
-from megalite.data.tokenizers import (TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, add_tiktoken_args,  # noqa: E402
-                                      build_tokenizer)
+from megalite.arguments.parser import add_config_args, section_from_namespace  # noqa: E402
+from megalite.config import TokenizerConfig  # noqa: E402
+from megalite.data.tokenizers import build_tokenizer  # noqa: E402
 from megalite.errors import ArgumentParser, cli  # noqa: E402
 
 PROG = "tools/preprocess_data.py"
@@ -72,14 +73,8 @@ def get_args(argv=None):
     g.add_argument("--keep-newlines", action="store_true",
                    help="--split-sentences: keep the whitespace and newlines between sentences")
     g.add_argument("--lang", default="english", help="--split-sentences: punkt's language")
-    g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES, help=TOKENIZER_TYPES_HELP)
-    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
-    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
-    g.add_argument("--tokenizer-model", default=None,
-                   help="SentencePiece .model file, or HuggingFace tokenizer directory")
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
-    add_tiktoken_args(g)
+    add_config_args(p, TokenizerConfig, "tokenizer", "tokenizer (--tokenizer-type is required)")
+    g = p.add_argument_group("documents")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
@@ -87,6 +82,9 @@ def get_args(argv=None):
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     g.add_argument("--log-interval", type=int, default=10000, help="progress line every N documents")
     args = p.parse_args(argv)
+    args.tokenizer = section_from_namespace(args, TokenizerConfig, "tokenizer")
+    if args.tokenizer.tokenizer_type is None:
+        p.error("the following arguments are required: --tokenizer-type")
     if args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
     if args.log_interval < 1:
@@ -137,7 +135,7 @@ _worker = {}
 def _init_worker(args, dtype, tokenizer=None):
     # The worker processes are the parallelism: the tokenizers' own thread pools would only compete.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(tokenizer=tokenizer or build_tokenizer(args), keys=args.json_keys, append_eod=args.append_eod, dtype=dtype,
+    _worker.update(tokenizer=tokenizer or build_tokenizer(args.tokenizer), keys=args.json_keys, append_eod=args.append_eod, dtype=dtype,
                    split=sentence_splitter(args.lang, args.keep_newlines) if args.split_sentences else None)
 
 
@@ -331,7 +329,7 @@ def _results(args, stats, dtype, tokenizer):
 def main(argv=None):
     args = get_args(argv)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # --workers is the parallelism, in every process
-    tokenizer = build_tokenizer(args)  # fail fast on bad tokenizer flags, before any worker starts
+    tokenizer = build_tokenizer(args.tokenizer)  # fail fast on bad tokenizer flags, before any worker starts
     if args.split_sentences:
         sentence_splitter(args.lang, args.keep_newlines)  # likewise: a missing nltk or punkt stops here
     dtype = best_dtype(tokenizer.vocab_size)

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from .. import comm
+from ..config.run import CONFIG_VERSION
 from .index import INDEX, CheckpointError, build_index, open_index
 from ..model.init import global_shape, shard
 from ..parallel_state import ParallelState, stage_layers
@@ -85,7 +86,7 @@ ROPE_FLAGS = {"use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "
 class TrainState:
     """What a checkpoint saves and restores: the model's parameters (global names), the optimizer
     (masters and moments of the pieces it steps), the schedule and loss scaler, RNG states, and
-    where the run stands. `flags` is recorded in metadata.json for the tools."""
+    where the run stands. `config` (RunConfig.to_dict()) is recorded in metadata.json for the tools."""
     ps: ParallelState
     model_config: object  # model.GPTConfig
     named_params: list
@@ -93,7 +94,7 @@ class TrainState:
     scheduler: object  # optimizer.LRScheduler
     rng_tracker: object
     device: torch.device
-    flags: dict
+    config: dict
     iteration: int = 0
     consumed_samples: int = 0
     load_stats: object = None  # LoadStats of the checkpoint load, if any
@@ -282,29 +283,18 @@ def non_finite(tensors: dict) -> list[str]:
             and not bool(torch.isfinite(t).all())]
 
 
-def _json_safe(d: dict) -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, (str, int, float, bool)) or v is None:
-            out[k] = v
-        elif isinstance(v, (list, tuple)) and all(isinstance(x, (str, int, float, bool)) for x in v):
-            out[k] = list(v)
-        else:
-            out[k] = str(v)
-    return out
-
-
 def build_metadata(train_state: TrainState, iteration: int) -> dict:
     ps, opt = train_state.ps, train_state.optimizer
     return {
         "format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": train_state.consumed_samples,
-        "args": _json_safe(train_state.flags), "model_config": train_state.model_config.to_dict(),
+        "config_version": CONFIG_VERSION, "config": train_state.config,
+        "model_config": train_state.model_config.to_dict(),
         "layout": {"world_size": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vpp": ps.vpp,
                    "dp": ps.dp_size, "cp": ps.cp_size, "distributed_optimizer": bool(opt.distributed),
                    "data_parallel_sharding_strategy": opt.dp.strategy},
         "scheduler": train_state.scheduler.state_dict(),
         "grad_scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
-        "optimizer": {"type": train_state.flags.get("optimizer", "adam"), "fp32_params": bool(opt.fp32_params)},
+        "optimizer": {"type": train_state.config["optimizer"]["optimizer"], "fp32_params": bool(opt.fp32_params)},
         "has_optimizer_state": True,
     }
 
@@ -665,17 +655,19 @@ def load_full_state_dict(root: str, iteration: int | None = None) -> tuple[dict,
     return meta, state
 
 
-def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config: dict, args: dict,
+def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config: dict, config: dict,
                          iteration: int = 0, tp: int = 1, pp: int = 1) -> str:
     """Write whole-model weights as a weights-only megalite checkpoint for a TP x PP layout,
-    one process playing every (tp, pp) rank; returns the iteration directory."""
+    one process playing every (tp, pp) rank; returns the iteration directory. `config` is the
+    RunConfig record (RunConfig.to_dict()) the checkpoint carries for the tools."""
     from ..model import GPTConfig, pad_vocab_size
 
     cfg = dict(model_config)
-    cfg["padded_vocab_size"] = pad_vocab_size(cfg["vocab_size"], int(args.get("make_vocab_size_divisible_by", 128)), tp)
-    config = GPTConfig.from_dict(cfg)
-    if config.num_layers % pp:
-        raise CheckpointError(f"--target-pipeline-parallel-size {pp} does not divide {config.num_layers} layers")
+    divisible_by = cfg.get("make_vocab_size_divisible_by") or config["model"].get("make_vocab_size_divisible_by", 128)
+    cfg["padded_vocab_size"] = pad_vocab_size(cfg["vocab_size"], divisible_by, tp)
+    gpt = GPTConfig.from_dict(cfg)
+    if gpt.num_layers % pp:
+        raise CheckpointError(f"--target-pipeline-parallel-size {pp} does not divide {gpt.num_layers} layers")
     tmp = iteration_dir(root, iteration) + ".tmp"
     if os.path.isdir(tmp):
         shutil.rmtree(tmp)
@@ -684,8 +676,8 @@ def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             rank = tp_rank + tp * pp_rank  # DP = 1: Megatron's order
-            (offset, n), = stage_layers(config.num_layers, pp, 1, pp_rank)
-            chunk = _build_chunk_on_meta(config, pp_rank == 0, pp_rank == pp - 1, offset, n, tp, tp_rank)
+            (offset, n), = stage_layers(gpt.num_layers, pp, 1, pp_rank)
+            chunk = _build_chunk_on_meta(gpt, pp_rank == 0, pp_rank == pp - 1, offset, n, tp, tp_rank)
             tensors, entries = {}, []
             for name, p in chunk.global_named_parameters():
                 if not param_info(p).is_owner(tp_rank):
@@ -696,7 +688,7 @@ def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config
                 key = f"param/{name}/0"
                 tensors[key] = local_shard(state[name].float(), p, tp_rank, tp).reshape(-1).clone()
                 entries.append({"key": key, "kind": "param", "name": name, "lo": 0, "hi": p.numel(), "tied": False,
-                                "layout": shard_layout(p, tp_rank, tp, config.vocab_size), "dtype": "F32"})
+                                "layout": shard_layout(p, tp_rank, tp, gpt.vocab_size), "dtype": "F32"})
             head, offsets = plan(tensors)
             for e in entries:
                 e["offset"] = offsets[e["key"]]
@@ -706,10 +698,10 @@ def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config
         shutil.rmtree(tmp)
         raise CheckpointError(f"weights missing for: {', '.join(sorted(missing)[:5])}")
     meta = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": 0,
-            "args": _json_safe(args), "model_config": config.to_dict(),
+            "config_version": CONFIG_VERSION, "config": config, "model_config": gpt.to_dict(),
             "layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "vpp": 1, "dp": 1, "distributed_optimizer": False},
             "scheduler": {"num_steps": iteration}, "grad_scaler": None,
-            "optimizer": {"type": args.get("optimizer", "adam"), "fp32_params": True},
+            "optimizer": {"type": config["optimizer"]["optimizer"], "fp32_params": True},
             "has_optimizer_state": False}
     _write_metadata_and_index(tmp, meta, None, records)
     os.makedirs(root, exist_ok=True)

@@ -9,7 +9,7 @@ import os
 
 # = megalite.checkpoint.checkpointing.TRACKER (Megatron-LM's name), here so that checking flags needs no torch
 TRACKER = "latest_checkpointed_iteration.txt"
-_METADATA_KEYS = ("iteration", "model_config", "layout", "args")
+_METADATA_KEYS = ("iteration", "model_config", "layout")
 
 
 def _read_json(path: str, flag: str, root: str):
@@ -40,6 +40,8 @@ def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> di
     if os.path.isfile(meta_path):
         meta = _read_json(meta_path, flag, root)
         missing = [k for k in _METADATA_KEYS if not isinstance(meta, dict) or k not in meta]
+        if isinstance(meta, dict) and "config" not in meta and "args" not in meta:  # "args": before config version 2
+            missing.append("config")
         if missing:
             raise CheckpointError(f"{flag} {root}: {meta_path} lacks {', '.join(missing)}: not a megalite checkpoint")
     try:

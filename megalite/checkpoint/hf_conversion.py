@@ -554,7 +554,7 @@ def has_tokenizer_files(in_dir: str) -> bool:
 
 
 def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
-    """(model_config, args, state) of a local GPT2LMHeadModel / LlamaForCausalLM directory:
+    """(model_config, run config record, state) of a local GPT2LMHeadModel / LlamaForCausalLM directory:
     everything save_full_state_dict needs. The args name the directory as the tokenizer
     (HuggingFaceTokenizer) when it holds tokenizer files."""
     from transformers import AutoConfig
@@ -594,19 +594,14 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     if rows != cfg["vocab_size"]:
         raise ConversionError(f"--load-dir {in_dir}: vocab_size {cfg['vocab_size']} but the embedding has {rows} rows")
     cfg["padded_vocab_size"] = pad_vocab_size(cfg["vocab_size"], 128, 1)
-    args = {k: cfg[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                                "ffn_hidden_size", "seq_length", "max_position_embeddings", "position_embedding_type",
-                                "rotary_base", "normalization", "norm_epsilon", "swiglu", "vocab_size",
-                                "openai_gelu", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
-                                "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
-                                "rotary_seq_len_interpolation_factor")
-            if k in cfg}
-    args.update(disable_bias_linear=not cfg["add_bias_linear"], make_vocab_size_divisible_by=128,
-                untie_embeddings_and_output_weights=cfg["untie_embeddings_and_output_weights"],
-                hf_source=os.path.abspath(in_dir))
+    from ..config import RunConfig, TokenizerConfig
+    from ..model import GPTConfig
+    tokenizer = TokenizerConfig()
     if has_tokenizer_files(in_dir):
-        args.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(in_dir))
-    return cfg, args, state
+        tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(in_dir))
+    run = RunConfig(model=GPTConfig.from_dict(cfg), tokenizer=tokenizer)
+    run.model.group_query_attention = run.model.num_query_groups != run.model.num_attention_heads
+    return cfg, run.to_dict(), state
 
 
 def pretrain_flags(cfg: dict) -> list[str]:

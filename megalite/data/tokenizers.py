@@ -6,8 +6,9 @@ end-of-document id that ``--append-eod`` writes), ``tokenize(str) -> list[int]``
 what preprocessing uses) and ``detokenize(list[int]) -> str``. The optional libraries are imported only by the tokenizer that
 needs them, so the core install works without them.
 
-``TOKENIZER_TYPES`` is the one list of types every tool accepts (pretrain_gpt.py,
-tools/preprocess_data.py, tools/checkpoint/convert.py, tools/generate.py, tools/plan.py).
+``TOKENIZERS`` (at the end) is the one registry of types; every tool takes its flags from
+config/data.py's TokenizerConfig (pretrain_gpt.py, tools/preprocess_data.py,
+tools/checkpoint/convert.py, tools/generate.py, tools/plan.py).
 A file that is missing or that the library cannot read is an ``InputNotFound`` / ``InputError``
 naming the flag and the file.
 """
@@ -16,21 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 from megalite.errors import InputError, InputNotFound, MissingPackage
 
-# --tokenizer-type -> the flags (argparse dests) whose files it reads. GPTSentencePieceTokenizer is
-# Megatron's name for SentencePiece used for GPT; here it is the same tokenizer as
-# SentencePieceTokenizer (see that class), accepted under both names by every tool.
-TOKENIZER_FILE_FLAGS = {
-    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-    "SentencePieceTokenizer": ("tokenizer_model",),
-    "GPTSentencePieceTokenizer": ("tokenizer_model",),
-    "HuggingFaceTokenizer": ("tokenizer_model",),
-    "TikTokenizer": ("tokenizer_model",),
-    "NullTokenizer": (),
-}
-TOKENIZER_TYPES = tuple(TOKENIZER_FILE_FLAGS)
 TOKENIZER_TYPES_HELP = ("GPTSentencePieceTokenizer is SentencePieceTokenizer under Megatron-LM's name; "
                         "TikTokenizer reads Megatron-LM's tiktoken vocabulary (a JSON list, --tokenizer-model) "
                         "with --tiktoken-pattern; NullTokenizer reads whitespace-separated ids below --vocab-size N "
@@ -40,16 +31,6 @@ TIKTOKEN_FLAGS = {"tiktoken_pattern": None, "tiktoken_num_special_tokens": 1000,
 TIKTOKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 
 
-def add_tiktoken_args(group, num_special_default: int | None = 1000) -> None:
-    """TikTokenizer's flags, for every tool that builds tokenizers (tools/generate.py: None, the
-    checkpoint's value)."""
-    group.add_argument("--tiktoken-pattern", choices=["v1", "v2"],
-                       help="TikTokenizer (required there): the pre-tokenisation regex, Megatron-LM's v1 or v2")
-    group.add_argument("--tiktoken-num-special-tokens", type=int, default=num_special_default,
-                       help="TikTokenizer: ids 0..N-1 are special tokens, the vocabulary file's ranks follow")
-    group.add_argument("--tiktoken-special-tokens", nargs="+",
-                       help="TikTokenizer: the first special tokens (must include <unk> <s> </s>; default those "
-                            "three; </s> is the end-of-document)")
 _FILE_FLAGS = ("vocab_file", "merge_file", "tokenizer_model")
 
 
@@ -57,12 +38,12 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def check_tokenizer_args(args) -> None:
+def check_tokenizer_args(config) -> None:
     """Refuse tokenizer flags that cannot work together, without reading any file: a type without
     its files, files the type does not read, NullTokenizer without --vocab-size."""
-    kind = getattr(args, "tokenizer_type", None)
+    kind = getattr(config, "tokenizer_type", None)
     if kind is None:
-        given = [_flag(d) for d in _FILE_FLAGS if getattr(args, d, None)]
+        given = [_flag(d) for d in _FILE_FLAGS if getattr(config, d, None)]
         if given:
             raise InputError(f"{given[0]} is only read by a tokenizer: give --tokenizer-type too "
                              f"({', '.join(TOKENIZER_TYPES)})")
@@ -71,24 +52,24 @@ def check_tokenizer_args(args) -> None:
         raise InputError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
     needs = TOKENIZER_FILE_FLAGS[kind]
     for dest in needs:
-        if not getattr(args, dest, None):
+        if not getattr(config, dest, None):
             raise InputError(f"--tokenizer-type {kind} needs {_flag(dest)}")
     for dest in _FILE_FLAGS:
-        if dest not in needs and getattr(args, dest, None):
+        if dest not in needs and getattr(config, dest, None):
             readers = [k for k, v in TOKENIZER_FILE_FLAGS.items() if dest in v]
             raise InputError(f"{_flag(dest)} is not read by --tokenizer-type {kind} (only by {', '.join(readers)}); "
                              f"drop it or change --tokenizer-type")
-    if kind == "NullTokenizer" and getattr(args, "vocab_size", None) is None:
+    if kind == "NullTokenizer" and getattr(config, "vocab_size", None) is None:
         raise InputError("--tokenizer-type NullTokenizer needs --vocab-size N (ids 0..N-1; N is the end-of-document id)")
     if kind == "TikTokenizer":
-        if getattr(args, "tiktoken_pattern", None) is None:
+        if getattr(config, "tiktoken_pattern", None) is None:
             raise InputError("--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2")
-        _check_special_tokens(getattr(args, "tiktoken_special_tokens", None),
-                              getattr(args, "tiktoken_num_special_tokens", None) or 1000,
-                              getattr(args, "vocab_size", None))
+        _check_special_tokens(getattr(config, "tiktoken_special_tokens", None),
+                              getattr(config, "tiktoken_num_special_tokens", None) or 1000,
+                              getattr(config, "vocab_size", None))
     else:
         for dest, default in TIKTOKEN_FLAGS.items():
-            if getattr(args, dest, None) not in (None, default):
+            if getattr(config, dest, None) not in (None, default):
                 raise InputError(f"{_flag(dest)} is only read by --tokenizer-type TikTokenizer, not {kind}; drop it")
 
 
@@ -106,18 +87,18 @@ def _check_special_tokens(special, num_special: int, vocab_size: int | None) -> 
                          f"({num_special}) < --vocab-size ({vocab})")
 
 
-def model_vocab_size(args, tokenizer) -> int:
+def model_vocab_size(config, tokenizer) -> int:
     """The model's (unpadded) vocabulary for `tokenizer` and --vocab-size.
 
     NullTokenizer: --vocab-size N is the tokenizer's own argument (ids 0..N-1 plus the eod id N), so
     the model gets N + 1, as in Megatron-LM. TikTokenizer: --vocab-size is its whole vocabulary.
     Other tokenizers: their vocabulary, or a larger --vocab-size (extra rows never seen in the data)."""
-    if tokenizer.name in ("NullTokenizer", "TikTokenizer") or getattr(args, "vocab_size", None) is None:
+    if tokenizer.name in ("NullTokenizer", "TikTokenizer") or config.vocab_size is None:
         return tokenizer.vocab_size
-    if args.vocab_size < tokenizer.vocab_size:
-        raise InputError(f"--vocab-size ({args.vocab_size}) is smaller than the vocabulary of --tokenizer-type "
-                         f"{args.tokenizer_type} ({tokenizer.vocab_size}); drop --vocab-size to use the tokenizer's")
-    return args.vocab_size
+    if config.vocab_size < tokenizer.vocab_size:
+        raise InputError(f"--vocab-size ({config.vocab_size}) is smaller than the vocabulary of --tokenizer-type "
+                         f"{config.tokenizer_type} ({tokenizer.vocab_size}); drop --vocab-size to use the tokenizer's")
+    return config.vocab_size
 
 
 def _require_file(path, flag: str, what: str) -> str:
@@ -402,20 +383,46 @@ class TikTokenizer:
         return self._model.decode([int(i) for i in ids])
 
 
-def build_tokenizer(args):
-    """Tokenizer for ``args.tokenizer_type`` (+ vocab_file, merge_file, tokenizer_model, vocab_size)."""
-    kind = getattr(args, "tokenizer_type", None)
-    if kind == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(getattr(args, "vocab_file", None), getattr(args, "merge_file", None))
-    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-        return SentencePieceTokenizer(getattr(args, "tokenizer_model", None))
-    if kind == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(getattr(args, "tokenizer_model", None))
-    if kind == "NullTokenizer":
-        return NullTokenizer(getattr(args, "vocab_size", None))
-    if kind == "TikTokenizer":
-        return TikTokenizer(getattr(args, "tokenizer_model", None), getattr(args, "tiktoken_pattern", None),
-                            getattr(args, "vocab_size", None),
-                            getattr(args, "tiktoken_num_special_tokens", None) or 1000,
-                            getattr(args, "tiktoken_special_tokens", None))
-    raise InputError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """One --tokenizer-type: the TokenizerConfig fields naming the files it reads (checked before
+    any process starts) and how it is built from a TokenizerConfig."""
+    files: tuple[str, ...]
+    build: Callable
+
+
+# The registry: adding a tokenizer is its class and one entry here (and its flags, if it has new
+# ones, in config/data.py's TokenizerConfig). GPTSentencePieceTokenizer is Megatron's name for
+# SentencePiece used for GPT; here it is the same tokenizer as SentencePieceTokenizer.
+TOKENIZERS: dict[str, TokenizerSpec] = {
+    "GPT2BPETokenizer": TokenizerSpec(("vocab_file", "merge_file"),
+                                      lambda c: GPT2BPETokenizer(c.vocab_file, c.merge_file)),
+    "SentencePieceTokenizer": TokenizerSpec(("tokenizer_model",), lambda c: SentencePieceTokenizer(c.tokenizer_model)),
+    "GPTSentencePieceTokenizer": TokenizerSpec(("tokenizer_model",),
+                                               lambda c: SentencePieceTokenizer(c.tokenizer_model)),
+    "HuggingFaceTokenizer": TokenizerSpec(("tokenizer_model",), lambda c: HuggingFaceTokenizer(c.tokenizer_model)),
+    "TikTokenizer": TokenizerSpec(("tokenizer_model",), lambda c: TikTokenizer(
+        c.tokenizer_model, c.tiktoken_pattern, c.vocab_size, c.tiktoken_num_special_tokens or 1000,
+        c.tiktoken_special_tokens)),
+    "NullTokenizer": TokenizerSpec((), lambda c: NullTokenizer(c.vocab_size)),
+}
+TOKENIZER_TYPES = tuple(TOKENIZERS)  # every tool's --tokenizer-type choices
+TOKENIZER_FILE_FLAGS = {name: spec.files for name, spec in TOKENIZERS.items()}
+
+
+def build_tokenizer(config):
+    """The tokenizer of a TokenizerConfig (or any object with its fields)."""
+    kind = getattr(config, "tokenizer_type", None)
+    if kind not in TOKENIZERS:
+        raise InputError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
+    return TOKENIZERS[kind].build(_Fields(config))
+
+
+class _Fields:
+    """A TokenizerConfig's fields, None where an object built elsewhere lacks one."""
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name):
+        return getattr(self._config, name, None)

@@ -88,7 +88,7 @@ class Zero3Schedule:
                     self.params.gather(b, async_op=True)
 
     def _pre_forward(self, pos):
-        def hook(module, args):
+        def hook(module, inputs):
             if in_backward():  # a recompute: gather this unit only (the next ran its backward already)
                 for b in self._buckets(pos):
                     self.params.gather(b)
@@ -97,7 +97,7 @@ class Zero3Schedule:
         return hook
 
     def _post_forward(self, pos):
-        def hook(module, args, output):
+        def hook(module, inputs, output):
             if in_backward():  # a recompute: backward frees, as gradients arrive
                 return
             training = torch.is_grad_enabled()

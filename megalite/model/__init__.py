@@ -1,5 +1,5 @@
 """The GPT model built from tensor-parallel layers."""
-from .config import GPTConfig, pad_vocab_size
+from .config import ExecutionConfig, GPTConfig, model_configs, pad_vocab_size
 from .gpt import GPTModel
 
-__all__ = ["GPTConfig", "GPTModel", "pad_vocab_size"]
+__all__ = ["ExecutionConfig", "GPTConfig", "GPTModel", "model_configs", "pad_vocab_size"]

@@ -18,7 +18,7 @@ from torch import nn
 from .. import comm
 from ..recompute import recompute
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from .config import GPTConfig
+from .config import ExecutionConfig, GPTConfig
 from ..context_parallel.attention import gather_kv
 
 try:  # optional accelerator, used only when asked for with --use-flash-attn
@@ -120,11 +120,11 @@ class CoreAttention(nn.Module):
     (--use-flash-attn), or megalite's explicit `local_attention`.
     """
 
-    def __init__(self, config: GPTConfig, rng_tracker):
+    def __init__(self, attention_dropout: float, execution: ExecutionConfig, rng_tracker):
         super().__init__()
-        self.dropout = config.attention_dropout
-        self.use_flash = config.use_flash_attn
-        self.backend = getattr(config, "attention_backend", "auto")
+        self.dropout = attention_dropout
+        self.use_flash = execution.use_flash_attn
+        self.backend = execution.attention_backend
         self.rng_tracker = rng_tracker
 
     def forward(self, q, k, v, attention_mask=None):
@@ -153,9 +153,8 @@ def probe_attention(backend: str, use_flash_attn: bool, heads: int, groups: int,
     """Forward and backward once through CoreAttention with these settings on `device`; raises
     what the kernel raises when the device cannot run them (validate_args turns that into a
     refusal naming --attention-backend)."""
-    from types import SimpleNamespace
-    config = SimpleNamespace(attention_dropout=dropout, use_flash_attn=use_flash_attn, attention_backend=backend)
-    attention = CoreAttention(config, None).train()
+    attention = CoreAttention(dropout, ExecutionConfig(use_flash_attn=use_flash_attn, attention_backend=backend),
+                              None).train()
     s = 16
     q = torch.randn(s, 1, heads, head_dim, dtype=dtype, device=device, requires_grad=True)
     k, v = (torch.randn(s, 1, groups, head_dim, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
@@ -169,7 +168,8 @@ class SelfAttention(nn.Module):
     CP group after RoPE (each rank rotates its own tokens by their global positions), and the
     attention mask, [b or 1, 1, s/c, s] with columns in gathered order, is always given."""
 
-    def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, device=None, cp_group=None):
+    def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, rng_tracker=None, device=None,
+                 cp_group=None):
         super().__init__()
         self.cp_group = cp_group
         tp = comm.group_size(tp_group)
@@ -182,10 +182,10 @@ class SelfAttention(nn.Module):
         self.hn = config.kv_channels
         std, out_std = config.init_method_std, config.init_method_std / math.sqrt(2.0 * config.num_layers)
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.hn
-        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      dtype=config.params_dtype, device=device)
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=execution.sequence_parallel,
+                      dtype=execution.params_dtype, device=device)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, init_std=std, **common)
-        self.core_attention = CoreAttention(config, rng_tracker)
+        self.core_attention = CoreAttention(config.attention_dropout, execution, rng_tracker)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.hn, config.hidden_size,
                                              init_std=out_std, **common)
         self.recompute_core_attention = False  # set by activation recompute ("selective")

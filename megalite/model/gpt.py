@@ -24,7 +24,7 @@ from ..tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import set_tp_attributes
 from ..tensor_parallel.param_info import param_info
 from .attention import RotaryEmbedding
-from .config import GPTConfig
+from .config import ExecutionConfig, GPTConfig
 from ..context_parallel.sharding import causal_mask, chunk_positions
 from .init import initialize_parameters
 from .transformer import TransformerBlock
@@ -33,17 +33,17 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 class Embedding(nn.Module):
-    def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, device=None):
+    def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, rng_tracker=None, device=None):
         super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, config.sequence_parallel
+        self.tp_group, self.sequence_parallel = tp_group, execution.sequence_parallel
         self.rng_tracker = rng_tracker
         self.dropout = config.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, tp_group=tp_group, init_std=config.init_method_std,
-            init_rows=config.vocab_size, dtype=config.params_dtype, device=device)
+            init_rows=config.vocab_size, dtype=execution.params_dtype, device=device)
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
-                                                    dtype=config.params_dtype, device=device)
+                                                    dtype=execution.params_dtype, device=device)
             set_init(self.position_embeddings.weight, "normal", config.init_method_std)
         else:
             self.position_embeddings = None
@@ -68,31 +68,32 @@ class Embedding(nn.Module):
 class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, pre_process: bool = True,
                  post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None,
-                 device=None, cp_group=None):
+                 device=None, cp_group=None, execution: ExecutionConfig | None = None):
         super().__init__()
-        self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
+        execution = ExecutionConfig() if execution is None else execution
+        self.config, self.execution, self.tp_group, self.cp_group = config, execution, tp_group, cp_group
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset = layer_offset
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
         if config.position_embedding_type not in ("learned_absolute", "rope"):
             raise ValueError(f"--position-embedding-type must be learned_absolute or rope, "
                              f"got {config.position_embedding_type!r}")
-        if (rng_tracker is None and (comm.group_size(tp_group) > 1 or config.sequence_parallel)
+        if (rng_tracker is None and (comm.group_size(tp_group) > 1 or execution.sequence_parallel)
                 and max(config.hidden_dropout, config.attention_dropout) > 0):
             # dropout on TP-sharded heads or sequence-sharded tokens must differ per TP rank
             raise ValueError("a tensor-parallel GPTModel with dropout needs rng_tracker "
                              "(megalite.tensor_parallel.seed_everything)")
         if pre_process:
-            self.embedding = Embedding(config, tp_group, rng_tracker, device)
+            self.embedding = Embedding(config, execution, tp_group, rng_tracker, device)
         self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base,
                                        config.rope_scaling(), config.rotary_seq_len_interpolation_factor, device)
                        if config.position_embedding_type == "rope" else None)
-        self.decoder = TransformerBlock(config, tp_group, rng_tracker, layer_offset, num_layers, post_process, device,
-                                        cp_group)
+        self.decoder = TransformerBlock(config, execution, tp_group, rng_tracker, layer_offset, num_layers,
+                                        post_process, device, cp_group)
         self.output_layer = None
         if post_process and (config.untie_embeddings_and_output_weights or not pre_process):
             tp = comm.group_size(tp_group)
-            weight = torch.empty(config.padded_vocab_size // tp, config.hidden_size, dtype=config.params_dtype,
+            weight = torch.empty(config.padded_vocab_size // tp, config.hidden_size, dtype=execution.params_dtype,
                                  device=device)
             self.output_layer = nn.Module()
             self.output_layer.weight = nn.Parameter(weight)
@@ -151,7 +152,7 @@ class GPTModel(nn.Module):
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary = None
         cp, cp_rank = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)
-        s = x.size(0) * (comm.group_size(self.tp_group) if self.config.sequence_parallel else 1)  # local tokens
+        s = x.size(0) * (comm.group_size(self.tp_group) if self.execution.sequence_parallel else 1)  # local tokens
         if self.rotary is not None:
             if position_ids is None:
                 pos = (chunk_positions(s * cp, cp, cp_rank, x.device) if cp > 1
@@ -168,14 +169,14 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rotary, attention_mask)
         if not self.post_process:
             return x
-        if self.config.sequence_parallel:
+        if self.execution.sequence_parallel:
             x = gather_from_sp(x, self.tp_group)
         else:
             x = copy_to_tp(x, self.tp_group)
         logits = F.linear(x, self.output_weight())  # [s, b, v/tp]
         if labels is None:
             return logits
-        cross_entropy = (fused_vocab_parallel_cross_entropy if self.config.cross_entropy_loss_fusion
+        cross_entropy = (fused_vocab_parallel_cross_entropy if self.execution.cross_entropy_loss_fusion
                          else vocab_parallel_cross_entropy)
         loss = cross_entropy(logits, labels.transpose(0, 1), self.tp_group, self.config.vocab_size)
         return loss.transpose(0, 1)  # [b, s]

@@ -16,7 +16,7 @@ from ..recompute import recompute
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
 from ..tensor_parallel.param_info import param_info
 from .attention import SelfAttention
-from .config import GPTConfig
+from .config import ExecutionConfig, GPTConfig
 
 
 class Norm(nn.Module):
@@ -28,20 +28,20 @@ class Norm(nn.Module):
     the weight is stored as w - 1, initialised to 0, and applied as 1 + w. The function and its
     gradients are the same; a weight near 0 keeps more precision in bf16 than one near 1."""
 
-    def __init__(self, config: GPTConfig, device=None):
+    def __init__(self, config: GPTConfig, execution: ExecutionConfig, device=None):
         super().__init__()
-        h, dtype = config.hidden_size, config.params_dtype
+        h, dtype = config.hidden_size, execution.params_dtype
         self.kind, self.eps = config.normalization, config.norm_epsilon
         if self.kind not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {self.kind!r}")
         self.zero_centered = config.apply_layernorm_1p
         self.weight = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
         set_init(self.weight, "zeros" if self.zero_centered else "ones")
-        param_info(self.weight).sequence_parallel = config.sequence_parallel
+        param_info(self.weight).sequence_parallel = execution.sequence_parallel
         if self.kind == "LayerNorm":
             self.bias = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
             set_init(self.bias, "zeros")
-            param_info(self.bias).sequence_parallel = config.sequence_parallel
+            param_info(self.bias).sequence_parallel = execution.sequence_parallel
         else:
             self.register_parameter("bias", None)
 
@@ -56,13 +56,13 @@ class MLP(nn.Module):
     """h -> ffn -> h. fc1 is column-parallel, fc2 row-parallel; SwiGLU (Shazeer 2020, Eq. 6)
     fuses [gate; up] into fc1 with stride 2, so each rank holds its slice of both halves."""
 
-    def __init__(self, config: GPTConfig, tp_group, device=None):
+    def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, device=None):
         super().__init__()
         self.swiglu = config.swiglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         std, out_std = config.init_method_std, config.init_method_std / math.sqrt(2.0 * config.num_layers)
-        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      dtype=config.params_dtype, device=device)
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=execution.sequence_parallel,
+                      dtype=execution.params_dtype, device=device)
         fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_out, init_std=std,
                                                stride=2 if self.swiglu else 1, **common)
@@ -79,17 +79,18 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, layer_number: int = 0, device=None,
+    def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, rng_tracker=None, layer_number: int = 0,
+                 device=None,
                  cp_group=None):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init depend on it
         self.hidden_dropout = config.hidden_dropout
-        self.sequence_parallel = config.sequence_parallel
+        self.sequence_parallel = execution.sequence_parallel
         self.rng_tracker = rng_tracker
-        self.input_layernorm = Norm(config, device)
-        self.self_attention = SelfAttention(config, tp_group, rng_tracker, device, cp_group)
-        self.pre_mlp_layernorm = Norm(config, device)
-        self.mlp = MLP(config, tp_group, device)
+        self.input_layernorm = Norm(config, execution, device)
+        self.self_attention = SelfAttention(config, execution, tp_group, rng_tracker, device, cp_group)
+        self.pre_mlp_layernorm = Norm(config, execution, device)
+        self.mlp = MLP(config, execution, tp_group, device)
 
     def _dropout(self, x):
         if not self.training or self.hidden_dropout == 0:
@@ -109,19 +110,19 @@ class TransformerBlock(nn.Module):
     """Layers [layer_offset, layer_offset + num_layers) of the model, plus the final norm on the
     last pipeline stage."""
 
-    def __init__(self, config: GPTConfig, tp_group, rng_tracker=None, layer_offset: int = 0,
+    def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, rng_tracker=None, layer_offset: int = 0,
                  num_layers: int | None = None, post_process: bool = True, device=None, cp_group=None):
         super().__init__()
         n = config.num_layers if num_layers is None else num_layers
         self.layer_offset, self.rng_tracker = layer_offset, rng_tracker
-        self.recompute_granularity = config.recompute_granularity
-        self.recompute_method, self.recompute_num_layers = config.recompute_method, config.recompute_num_layers
+        self.recompute_granularity = execution.recompute_granularity
+        self.recompute_method, self.recompute_num_layers = execution.recompute_method, execution.recompute_num_layers
         self.layers = nn.ModuleList(
-            TransformerLayer(config, tp_group, rng_tracker, layer_offset + i, device, cp_group) for i in range(n))
+            TransformerLayer(config, execution, tp_group, rng_tracker, layer_offset + i, device, cp_group) for i in range(n))
         if self.recompute_granularity == "selective":
             for layer in self.layers:
                 layer.self_attention.recompute_core_attention = True
-        self.final_layernorm = Norm(config, device) if post_process else None
+        self.final_layernorm = Norm(config, execution, device) if post_process else None
 
     def _run(self, start: int, end: int):
         def fn(x, rotary_cos, rotary_sin, attention_mask):

@@ -3,7 +3,7 @@
 One rank logs (the logging rank: last pipeline stage, TP 0, DP 0, which owns the loss): the
 same metrics as the console line and the JSONL record, under `train/...` at each log interval
 and `valid/...`, `test/...` at each evaluation, with the iteration as the step; plus the full
-configuration (vars(args), made JSON-safe) once at start-up.
+configuration (RunConfig.to_dict(), JSON-safe) once at start-up.
 
 Neither package is required. Asking for one that is not installed fails in `validate_args`,
 before any process group exists, with the `pip install` line to fix it (`check_available`).
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
+
+from ..config.run import json_safe
+from ..config.training import TrackingConfig
 
 # flag -> (module that must be importable, what to install)
 REQUIREMENTS = {
@@ -30,29 +32,15 @@ def _installed(module: str) -> bool:
         return False
 
 
-def missing_packages(args) -> list[str]:
+def missing_packages(config: TrackingConfig) -> list[str]:
     """One message per tracker asked for whose package is not importable."""
     out = []
     for attr, (module, install) in REQUIREMENTS.items():
-        if getattr(args, attr, None) and not _installed(module):
+        if getattr(config, attr) and not _installed(module):
             flag = "--" + attr.replace("_", "-")
             out.append(f"{flag} needs the {module} package, which is not installed: {install} "
                        f"(or `pip install megalite[{module}]`), or drop {flag}")
     return out
-
-
-def json_safe(value):
-    """vars(args) -> something json.dumps, wandb's config and TensorBoard's text accept:
-    dtypes, paths and other objects become strings, NaN/inf become strings, containers recurse."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set)):
-        return [json_safe(v) for v in value]
-    return str(value).replace("torch.", "")
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -64,23 +52,23 @@ def scalars(record: dict) -> dict[str, float]:
 class Tracker:
     """Fans metrics out to the trackers asked for; a no-op when none is (or off the logging rank)."""
 
-    def __init__(self, args=None, enabled: bool = True):
+    def __init__(self, config: TrackingConfig | None = None, enabled: bool = True):
         self.wandb_run = None
         self.tb_writer = None
-        if args is None or not enabled:
+        if config is None or not enabled:
             return
-        if getattr(args, "wandb_project", None):
+        if config.wandb_project:
             import wandb
-            save_dir = args.wandb_save_dir
-            if save_dir is None and getattr(args, "save", None):
-                save_dir = os.path.join(args.save, "wandb")  # Megatron-LM's default
+            save_dir = config.wandb_save_dir
+            if save_dir is None and config.save:
+                save_dir = os.path.join(config.save, "wandb")  # Megatron-LM's default
             if save_dir:
                 os.makedirs(save_dir, exist_ok=True)
-            self.wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
-                                        entity=args.wandb_entity, dir=save_dir)
-        if getattr(args, "tensorboard_dir", None):
+            self.wandb_run = wandb.init(project=config.wandb_project, name=config.wandb_exp_name,
+                                        entity=config.wandb_entity, dir=save_dir)
+        if config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb_writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+            self.tb_writer = SummaryWriter(log_dir=config.tensorboard_dir, max_queue=1000)
 
     @property
     def active(self) -> bool:
@@ -92,7 +80,8 @@ class Tracker:
         if self.wandb_run is not None:
             self.wandb_run.config.update(safe, allow_val_change=True)
         if self.tb_writer is not None:
-            rows = "\n".join(f"| {k} | {json.dumps(v)} |" for k, v in sorted(safe.items()))
+            flat = {f"{s}.{k}": v for s, section in safe.items() for k, v in section.items()}  # RunConfig.to_dict()
+            rows = "\n".join(f"| {k} | {json.dumps(v)} |" for k, v in sorted(flat.items()))
             self.tb_writer.add_text("config", "| flag | value |\n| --- | --- |\n" + rows, global_step=0)
 
     def log(self, record: dict, step: int, prefix: str) -> None:

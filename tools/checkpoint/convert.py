@@ -26,7 +26,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megalite.data.tokenizers import TOKENIZER_TYPES, TOKENIZER_TYPES_HELP  # noqa: E402
+from megalite.arguments.parser import add_config_args, section_values  # noqa: E402
+from megalite.config import TokenizerConfig  # noqa: E402
 from megalite.errors import ArgumentParser, InputError, cli  # noqa: E402
 
 PROG = "tools/checkpoint/convert.py"
@@ -43,13 +44,11 @@ def get_args(argv=None):
                    help="--saver megalite: TP of the written layout (>= 1; default 1)")
     p.add_argument("--target-pipeline-parallel-size", type=int,
                    help="--saver megalite: PP of the written layout (>= 1; default 1)")
-    g = p.add_argument_group("tokenizer for --saver hf (default: as saved in the checkpoint's arguments)")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help=TOKENIZER_TYPES_HELP)
-    g.add_argument("--vocab-file")
-    g.add_argument("--merge-file")
-    g.add_argument("--tokenizer-model")
-    g.add_argument("--no-tokenizer", action="store_true", help="write the model only")
+    add_config_args(p, TokenizerConfig, "tokenizer",
+                    "tokenizer for --saver hf (default: as saved in the checkpoint's configuration)")
+    p.add_argument("--no-tokenizer", action="store_true", help="--saver hf: write the model only")
     args = p.parse_args(argv)
+    args.tokenizer = section_values(args, "tokenizer")  # the overrides of the saved tokenizer
     if args.loader == "hf" and args.saver == "hf":
         p.error("--loader hf --saver hf: nothing to convert")
     if args.saver == "hf" and (args.target_tensor_parallel_size or args.target_pipeline_parallel_size):
@@ -67,8 +66,7 @@ def get_args(argv=None):
         p.error(f"--save-dir {args.save_dir} is not empty: choose a new directory (nothing is overwritten)")
     if os.path.realpath(args.save_dir) == os.path.realpath(args.load_dir):
         p.error("--save-dir is --load-dir: choose a new directory (nothing is overwritten)")
-    if args.no_tokenizer and any(getattr(args, k) for k in ("tokenizer_type", "vocab_file", "merge_file",
-                                                             "tokenizer_model")):
+    if args.no_tokenizer and args.tokenizer:
         p.error("--no-tokenizer writes no tokenizer: drop the tokenizer flags, or --no-tokenizer")
     return args
 
@@ -91,6 +89,7 @@ def main(argv=None) -> int:
     from megalite.checkpoint.files import inspect_checkpoint
     from megalite.checkpoint.checkpointing import load_full_state_dict, save_full_state_dict
     from megalite.checkpoint.hf_conversion import from_hf, pretrain_flags, to_hf
+    from megalite.config import RunConfig, from_saved
 
     tp, pp = args.target_tensor_parallel_size or 1, args.target_pipeline_parallel_size or 1
     if args.loader == "megalite":
@@ -100,25 +99,25 @@ def main(argv=None) -> int:
             tokenizer = None
             if not args.no_tokenizer:
                 from megalite.generation import build_tokenizer_for
-                tokenizer = build_tokenizer_for(meta, {k: getattr(args, k) for k in
-                                                       ("tokenizer_type", "vocab_file", "merge_file",
-                                                        "tokenizer_model")})
+                tokenizer = build_tokenizer_for(meta, args.tokenizer)
             arch = to_hf(meta, state, args.save_dir, tokenizer)
             print(f"wrote {args.save_dir}: {'GPT2LMHeadModel' if arch == 'gpt2' else 'LlamaForCausalLM'}"
                   f"{' and ' + tokenizer.name + ' tokenizer' if tokenizer else ''}")
             return 0
-        cfg, saved_args = meta["model_config"], dict(meta["args"])
+        cfg, saved = meta["model_config"], from_saved(meta)
         check_layout(cfg, tp, pp)
-        saved_args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        where = save_full_state_dict(args.save_dir, state, cfg, saved_args, int(meta["iteration"]), tp, pp)
+        saved = {**saved, "parallel": dict(saved.get("parallel", {}), tensor_model_parallel_size=tp,
+                                           pipeline_model_parallel_size=pp)}
+        saved = RunConfig.from_dict(saved).to_dict()  # a record of version 1 becomes one of version 2
+        where = save_full_state_dict(args.save_dir, state, cfg, saved, int(meta["iteration"]), tp, pp)
         print(f"wrote {where} (TP {tp} x PP {pp}, weights only: continue with --finetune or --no-load-optim)")
         return 0
-    cfg, saved_args, state = from_hf(args.load_dir)
+    cfg, saved, state = from_hf(args.load_dir)
     check_layout(cfg, tp, pp)
-    saved_args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    where = save_full_state_dict(args.save_dir, state, cfg, saved_args, 0, tp, pp)
-    tok = (f" --tokenizer-type HuggingFaceTokenizer --tokenizer-model {saved_args['tokenizer_model']}"
-           if "tokenizer_type" in saved_args else "")
+    saved["parallel"].update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    where = save_full_state_dict(args.save_dir, state, cfg, saved, 0, tp, pp)
+    tok = (f" --tokenizer-type HuggingFaceTokenizer --tokenizer-model {saved['tokenizer']['tokenizer_model']}"
+           if saved["tokenizer"]["tokenizer_type"] else "")
     print(f"wrote {where} (TP {tp} x PP {pp}). Continue training with:\n  pretrain_gpt.py --load {args.save_dir} "
           f"--finetune --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
           f"{' '.join(pretrain_flags(cfg))}{tok} ...")

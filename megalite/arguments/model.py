@@ -1,0 +1,181 @@
+"""The model's shape, activation recompute and sequence/context parallelism, mixed precision and
+the data-parallel sharding strategy, and the attention backend (probed on this machine)."""
+from __future__ import annotations
+
+import os
+
+from ..config.run import RunConfig
+from .errors import fail
+
+
+def check_model_shape(c: RunConfig) -> None:
+    m, k, tp = c.model, c.kernels, c.parallel.tensor_model_parallel_size
+    heads = m.num_attention_heads
+    if "model.num_query_groups" in c.explicit and not m.group_query_attention:
+        fail("--num-query-groups needs --group-query-attention")
+    if not m.group_query_attention:
+        m.num_query_groups = heads
+    elif "model.num_query_groups" not in c.explicit:
+        fail("--group-query-attention needs --num-query-groups")
+    if heads % m.num_query_groups:
+        fail(f"--num-attention-heads ({heads}) is not divisible by --num-query-groups ({m.num_query_groups})")
+    if heads % tp:
+        fail(f"--num-attention-heads ({heads}) is not divisible by --tensor-model-parallel-size ({tp})")
+    if m.num_query_groups % tp:
+        fail(f"--num-query-groups ({m.num_query_groups}) is not divisible by --tensor-model-parallel-size ({tp})")
+    if "model.kv_channels" not in c.explicit:
+        if m.hidden_size % heads:
+            fail(f"--hidden-size ({m.hidden_size}) is not divisible by --num-attention-heads ({heads}); "
+                 f"set --kv-channels")
+        m.kv_channels = m.hidden_size // heads
+    if "model.ffn_hidden_size" not in c.explicit:
+        # SwiGLU keeps the MLP's parameter count near 8h² with ffn = 8h/3 (Megatron does the same)
+        m.ffn_hidden_size = max(1, int(8 * m.hidden_size / 3)) if m.swiglu else 4 * m.hidden_size
+    if m.ffn_hidden_size % tp:
+        fail(f"--ffn-hidden-size ({m.ffn_hidden_size}) is not divisible by --tensor-model-parallel-size ({tp})")
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
+        fail(f"--seq-length ({m.seq_length}) exceeds --max-position-embeddings ({m.max_position_embeddings})")
+    if m.position_embedding_type == "rope":
+        # RoPE rotates channel pairs: the rotated part of each head must be a positive even size
+        rot = int(m.kv_channels * m.rotary_percent)
+        if rot < 2 or rot % 2:
+            fail(f"--rotary-percent {m.rotary_percent} x {m.kv_channels} channels per head = {rot} rotated "
+                 f"channels; RoPE needs a positive even number")
+    if c.data.reset_attention_mask and k.use_flash_attn:
+        fail("--reset-attention-mask needs an explicit mask, which --use-flash-attn does not take")
+    if k.use_flash_attn and k.attention_backend not in ("auto", "flash"):
+        fail(f"--use-flash-attn selects the flash-attn package, which --attention-backend "
+             f"{k.attention_backend} excludes; use --attention-backend flash (or auto)")
+    if m.openai_gelu and m.swiglu:
+        fail("--openai-gelu selects the GeLU MLP's activation; --swiglu has none (choose one)")
+    if (m.use_rope_scaling or m.rotary_seq_len_interpolation_factor) and m.position_embedding_type != "rope":
+        fail("--use-rope-scaling / --rotary-seq-len-interpolation-factor need --position-embedding-type rope")
+    if m.use_rope_scaling and not m.rope_scaling_low_freq_factor < m.rope_scaling_high_freq_factor:
+        fail("--rope-scaling-low-freq-factor must be below --rope-scaling-high-freq-factor")
+
+
+def check_recompute(c: RunConfig) -> None:
+    """Activation memory: recompute and sequence parallelism (Megatron-LM's rules)."""
+    r, p = c.recompute, c.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if r.recompute_activations:
+        if r.recompute_granularity == "full":
+            fail("--recompute-activations (selective recompute) conflicts with --recompute-granularity full")
+        r.recompute_granularity = "selective"
+    if r.recompute_granularity == "full":
+        per_chunk = c.model.num_layers // (pp * p.virtual_pipeline_model_parallel_size)
+        if r.recompute_method is None:
+            fail("--recompute-granularity full needs --recompute-method uniform or block")
+        if r.recompute_num_layers is None or not 1 <= r.recompute_num_layers <= per_chunk:
+            fail(f"--recompute-granularity full needs --recompute-num-layers between 1 and the layers per "
+                 f"pipeline stage (model chunk), {per_chunk}; got {r.recompute_num_layers}")
+    elif r.recompute_granularity == "selective":
+        if r.recompute_method is not None or r.recompute_num_layers is not None:
+            fail("--recompute-method / --recompute-num-layers apply to --recompute-granularity full only, "
+                 "not selective")
+    elif r.recompute_method is not None or r.recompute_num_layers is not None:
+        fail("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    if p.sequence_parallel and tp == 1:
+        # as Megatron-LM: without TP there is nothing to shard along the sequence
+        p.sequence_parallel = False
+        c.notices.append("--sequence-parallel switched off: --tensor-model-parallel-size is 1 (as Megatron-LM)")
+    if p.sequence_parallel and c.model.seq_length % tp:
+        fail(f"--sequence-parallel needs --seq-length ({c.model.seq_length}) divisible by "
+             f"--tensor-model-parallel-size ({tp})")
+
+
+def check_context_parallel(c: RunConfig) -> None:
+    """--context-parallel-size: the sequence must cut into 2·CP equal chunks (each split again over
+    TP under sequence parallelism), and the features that cannot follow a sequence split are refused."""
+    p = c.parallel
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    if cp == 1:
+        return
+    sp = p.sequence_parallel and tp > 1
+    need = 2 * cp * (tp if sp else 1)
+    if c.model.seq_length % need:
+        fail(f"--context-parallel-size {cp} needs --seq-length ({c.model.seq_length}) divisible by 2 x CP"
+             + (f" x --tensor-model-parallel-size (with --sequence-parallel) = {need}" if sp else f" = {need}"))
+    if c.kernels.use_flash_attn:
+        fail(f"--context-parallel-size {cp} cannot be combined with --use-flash-attn: context-parallel attention "
+             f"needs an explicit mask over the gathered keys, which flash_attn_func does not take; drop "
+             f"--use-flash-attn (torch SDPA is used)")
+
+
+def check_precision(c: RunConfig) -> None:
+    """Mixed precision and the distributed optimizer."""
+    o, d = c.optimizer, c.ddp
+    if o.fp16 and o.bf16:
+        fail("--fp16 and --bf16 are mutually exclusive")
+    if o.loss_scale is not None and not (o.fp16 or o.bf16):
+        fail("--loss-scale needs --fp16 or --bf16 (fp32 training does not scale the loss)")
+    dynamic = {"initial_loss_scale": 2.0**32, "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2}
+    for name, default in dynamic.items():
+        if getattr(o, name) != default and (not o.fp16 or o.loss_scale is not None):
+            fail(f"--{name.replace('_', '-')} sets dynamic loss scaling, which only --fp16 without --loss-scale uses")
+    if o.fp16 and o.min_loss_scale > o.initial_loss_scale:
+        fail(f"need 0 < --min-loss-scale ({o.min_loss_scale}) <= --initial-loss-scale ({o.initial_loss_scale})")
+    if o.inject_overflow_at_iteration is not None and not (o.fp16 or o.loss_scale is not None):
+        fail("--inject-overflow-at-iteration needs loss scaling (--fp16, or --loss-scale)")
+    strategy = d.data_parallel_sharding_strategy
+    if "ddp.data_parallel_sharding_strategy" in c.explicit and strategy == "no_shard" and \
+            "ddp.use_distributed_optimizer" in c.explicit:
+        fail("--use-distributed-optimizer shards the optimizer state, which --data-parallel-sharding-strategy "
+             "no_shard does not; drop one of them")
+    d.use_distributed_optimizer = strategy != "no_shard"
+    if d.overlap_param_gather and not d.use_distributed_optimizer:
+        fail("--overlap-param-gather needs --use-distributed-optimizer (or a --data-parallel-sharding-strategy "
+             "other than no_shard)")
+    if "optimizer.optimizer_offload_fraction" in c.explicit and not o.optimizer_cpu_offload:
+        fail("--optimizer-offload-fraction needs --optimizer-cpu-offload")
+    if o.optimizer_cpu_offload:
+        if not d.use_distributed_optimizer:
+            fail("--optimizer-cpu-offload offloads each rank's shard of the optimizer state: it needs "
+                 "--use-distributed-optimizer or --data-parallel-sharding-strategy optim, optim_grads or "
+                 "optim_grads_params")
+        if not 0.0 < o.optimizer_offload_fraction <= 1.0:
+            fail(f"--optimizer-offload-fraction must be in (0, 1], got {o.optimizer_offload_fraction} "
+                 "(to offload nothing, drop --optimizer-cpu-offload)")
+    if c.training.compile and strategy == "optim_grads_params":
+        fail("--compile with --data-parallel-sharding-strategy optim_grads_params is not supported: ZeRO-3 "
+             "gathers and frees each layer's parameters in hooks around the very layers --compile traces; "
+             "use optim_grads, or drop --compile")
+    if d.grad_reduce_in_bf16 and not o.bf16:
+        fail("--grad-reduce-in-bf16 needs --bf16 (with fp16 or fp32 parameters the gradients stay fp32; "
+             "Megatron-LM ignores it there)")
+    o.params_dtype = "float16" if o.fp16 else "bfloat16" if o.bf16 else "float32"
+
+
+def check_attention_backend(c: RunConfig) -> None:
+    """Run the chosen attention backend once, forward and backward, on this machine's device with
+    the run's dtype, head shape, dropout and mask: a backend the device cannot run is refused here,
+    naming it, instead of failing inside the first iteration."""
+    import warnings
+
+    import torch
+
+    from ..model.attention import probe_attention
+    k, m, tp = c.kernels, c.model, c.parallel.tensor_model_parallel_size
+    if k.attention_backend == "auto" and not k.use_flash_attn:
+        return
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+              if c.parallel.distributed_backend == "nccl" else torch.device("cpu"))
+    dtype = getattr(torch, c.optimizer.params_dtype)
+    with warnings.catch_warnings(record=True) as caught:  # SDPA says why a kernel was skipped in warnings
+        warnings.simplefilter("always")
+        try:
+            probe_attention(k.attention_backend, k.use_flash_attn, heads=m.num_attention_heads // tp,
+                            groups=m.num_query_groups // tp, head_dim=m.kv_channels, dtype=dtype,
+                            dropout=m.attention_dropout, with_mask=c.data.reset_attention_mask, device=device)
+            return
+        except Exception as e:  # the kernel's own reason, shortened
+            error = e
+    why = [w for w in (str(w.message).split(" (Triggered")[0].strip() for w in caught) if not w.endswith(":")]
+    reason = "; ".join(dict.fromkeys(why + [str(error).strip().splitlines()[0] if str(error).strip()
+                                            else type(error).__name__]))[:300]
+    fail(f"--attention-backend {k.attention_backend} cannot run here ({device.type}, "
+         f"{c.optimizer.params_dtype}, head size {m.kv_channels}"
+         f"{', attention dropout ' + str(m.attention_dropout) if m.attention_dropout else ''}"
+         f"{', --reset-attention-mask' if c.data.reset_attention_mask else ''}): {reason}")

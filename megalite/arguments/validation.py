@@ -1,0 +1,212 @@
+"""Validation: a RunConfig in, a completed RunConfig out (derived fields filled), or one
+`ArgumentError` naming the flags. It runs before torch.distributed is initialised, so a layout
+that cannot work stops every rank with the same message instead of hanging in a collective.
+
+1. each flag's own range, declared with its field (config/fields.py `check`); required flags;
+2. combinations across configs: the rank grid, batch and pipeline divisibility (here and
+   arguments/batch.py), model shape, recompute, CP, precision (arguments/model.py), the data source
+   (arguments/data.py), the learning-rate schedule, checkpointing, trackers, operations, and the
+   Megatron-LM flags megalite refuses;
+3. files (arguments/paths.py, only with `check_files`): datasets, tokenizer files, the checkpoint
+   to load, and outputs that must not overwrite anything.
+
+torch is imported only at the very end of a successful validation, so a bad flag is refused in a
+fraction of a second."""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import fields
+
+from ..config.fields import flagged_fields
+from ..config.megatron import FP8_FLAGS, REFUSED_FLAGS
+from ..config.run import SECTIONS, RunConfig
+from .batch import check_batch_schedule, check_lr_schedule
+from .data import check_data
+from .errors import fail, flag
+from .model import check_attention_backend, check_context_parallel, check_model_shape, check_precision, \
+    check_recompute
+from .paths import check_paths
+
+
+def validate(config: RunConfig, world_size: int | None = None, check_files: bool = True) -> RunConfig:
+    """Check `config` for `world_size` ranks (default $WORLD_SIZE) and return it completed; the
+    argument is left as it was. No collective; file checks (stat and small reads) only with
+    `check_files`."""
+    c = copy.deepcopy(config)
+    c.notices = list(c.notices)
+    c.parallel.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    _check_ranges(c)
+    _check_refused(c)
+    _check_layout(c)
+    check_model_shape(c)
+    check_context_parallel(c)
+    check_recompute(c)
+    check_data(c)
+    check_lr_schedule(c)
+    check_precision(c)
+    _check_operations(c)
+    _check_outputs(c)
+    if check_files:
+        check_paths(c)
+    _check_with_torch(c, check_files)
+    _fill_copies(c)
+    return c
+
+
+def _check_ranges(c: RunConfig) -> None:
+    for section, cls in SECTIONS.items():
+        for f, fl in flagged_fields(cls):
+            if fl.required and f"{section}.{f.name}" not in c.explicit:
+                fail(f"{fl.name} is required")
+    for section, cls in SECTIONS.items():
+        values = getattr(c, section)
+        for f, fl in flagged_fields(cls):
+            v = getattr(values, f.name)
+            if fl.check is not None and v is not None and not fl.check[0](v):  # NaN fails every comparison
+                fail(f"{fl.name} must be {fl.check[1]}, got {v}")
+
+
+def _check_refused(c: RunConfig) -> None:
+    """Megatron-LM flags megalite does not implement, and values of accepted flags it cannot honour."""
+    m = c.megatron
+    by_name = {f.name: fl for f, fl in flagged_fields(type(m))}
+    for name in REFUSED_FLAGS:
+        if getattr(m, name) not in (None, False):
+            fl = by_name[name]
+            fail(f"{fl.name} is not supported: {fl.help.removeprefix('refused: ')}; drop it")
+    fp8 = [f for f in FP8_FLAGS if getattr(m, f)]
+    if fp8:
+        fail(f"{flag(fp8[0])} is not supported: FP8 training needs Hopper-class (or newer) GPUs and NVIDIA "
+             f"Transformer Engine, which megalite does not use; drop the --fp8-* flags (--bf16 is the nearest)")
+    if m.ckpt_format is not None:
+        what = {"torch": "one pickled model_optim_rng.pt per model-parallel rank",
+                "torch_dist": "Megatron-LM's distributed checkpoint format",
+                "zarr": "Megatron-LM's zarr distributed checkpoints",
+                "torch_dcp": "torch.distributed.checkpoint files", "fsdp_dtensor": "FSDP DTensor checkpoints"}
+        fail(f"--ckpt-format {m.ckpt_format} ({what[m.ckpt_format]}) is not supported: megalite reads and "
+             f"writes one format of its own (rank_NNNNN.pt shards + metadata.json, loadable on any layout; "
+             f"tools/checkpoint/convert.py converts to Hugging Face); drop the flag")
+    if m.transformer_impl == "transformer_engine":
+        fail("--transformer-impl transformer_engine is not supported: megalite does not use NVIDIA Transformer "
+             "Engine; drop the flag (or give local: megalite's own layers)")
+    if m.timing_log_level:
+        fail(f"--timing-log-level {m.timing_log_level} is not supported: megalite times whole iterations only "
+             f"(level 0)")
+    if m.rerun_mode not in (None, "disabled"):
+        fail(f"--rerun-mode {m.rerun_mode} is not supported: megalite has no re-run state machine "
+             f"(give disabled, or drop the flag)")
+
+
+def _check_layout(c: RunConfig) -> list[int]:
+    """The rank grid, the batch schedule, pipeline stages and virtual chunks."""
+    p, t, world = c.parallel, c.training, c.parallel.world_size
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    if world % (tp * pp * cp):
+        fail(f"world size {world} is not divisible by --tensor-model-parallel-size ({tp}) x "
+             f"--pipeline-model-parallel-size ({pp})" + (f" x --context-parallel-size ({cp})" if cp > 1 else ""))
+    p.data_parallel_size = dp = world // (tp * pp * cp)
+    p.rank_order = "tp-cp-pp-dp" if p.use_tp_pp_dp_mapping else "tp-cp-dp-pp"
+    cp_text = f" x CP {cp}" if cp > 1 else ""
+    batch_sizes = check_batch_schedule(c, f"data-parallel size ({dp} = world {world} / (TP {tp} x PP {pp}{cp_text}))")
+    layers = c.model.num_layers
+    if layers % pp:
+        fail(f"--num-layers ({layers}) is not divisible by --pipeline-model-parallel-size ({pp})")
+    p.virtual_pipeline_model_parallel_size = 1
+    k = p.num_layers_per_virtual_pipeline_stage
+    if k is not None:
+        if pp < 2:
+            fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
+        if (layers // pp) % k:
+            fail(f"--num-layers ({layers}) / --pipeline-model-parallel-size ({pp}) = {layers // pp} layers per "
+                 f"stage is not divisible by --num-layers-per-virtual-pipeline-stage ({k})")
+        p.virtual_pipeline_model_parallel_size = layers // (pp * k)
+        for g in batch_sizes if p.virtual_pipeline_model_parallel_size > 1 else ():
+            m = g // (t.micro_batch_size * dp)
+            if m % pp:
+                fail(f"the interleaved schedule needs the number of micro-batches (global batch {g} / "
+                     f"(--micro-batch-size x DP) = {m}) to be a multiple of --pipeline-model-parallel-size ({pp})")
+    return batch_sizes
+
+
+def _check_operations(c: RunConfig) -> None:
+    """Profiling, determinism, timeouts and garbage collection."""
+    t = c.training
+    if t.profile:
+        if t.profile_step_end <= t.profile_step_start:
+            fail(f"--profile-step-end ({t.profile_step_end}) must be greater than --profile-step-start "
+                 f"({t.profile_step_start})")
+        if t.profile_step_start >= t.train_iters:
+            fail(f"--profile-step-start ({t.profile_step_start}) is not below the {t.train_iters} training "
+                 f"iterations: nothing would be traced")
+        bad = [r for r in t.profile_ranks if not 0 <= r < c.parallel.world_size]
+        if bad:
+            fail(f"--profile-ranks {bad[0]} is not a rank of this run (world size {c.parallel.world_size})")
+        t.profile_dir = c.tracking.tensorboard_dir or "profile"
+    else:
+        for name in ("profile_step_start", "profile_step_end", "profile_ranks"):
+            if f"training.{name}" in c.explicit:
+                fail(f"{flag(name)} needs --profile")
+        t.profile_dir = None
+    if t.deterministic_mode:
+        if c.kernels.use_flash_attn:
+            fail("--deterministic-mode cannot use --use-flash-attn (its backward is not deterministic)")
+        if c.kernels.cross_entropy_loss_fusion:
+            fail("--deterministic-mode refuses --cross-entropy-loss-fusion, as Megatron-LM does")
+    if not t.manual_gc and (t.manual_gc_interval or not t.manual_gc_eval):
+        fail("--manual-gc-interval / --no-manual-gc-eval need --manual-gc")
+
+
+def _check_outputs(c: RunConfig) -> None:
+    """Experiment trackers (optional packages, checked before any process starts) and checkpointing."""
+    from ..runtime.tracking import missing_packages
+    tr, ck = c.tracking, c.checkpoint
+    for msg in missing_packages(tr):
+        fail(msg)
+    for name in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
+        if getattr(tr, name) and not tr.wandb_project:
+            fail(f"{flag(name)} needs --wandb-project")
+    if ck.save_interval and not ck.save:
+        fail("--save-interval needs --save")
+    if ck.async_save and not ck.save:
+        fail("--async-save needs --save")
+    if (ck.finetune or ck.no_load_optim or ck.no_load_rng) and not ck.load:
+        fail("--finetune / --no-load-optim / --no-load-rng need --load")
+
+
+def _check_with_torch(c: RunConfig, check_files: bool) -> None:
+    """Last, the checks that need torch (imported only now: a bad flag above is refused fast)."""
+    import torch
+    k, p, t = c.kernels, c.parallel, c.training
+    if k.use_flash_attn:
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            fail("--use-flash-attn needs the flash-attn package (pip install flash-attn); it is not installed")
+        if not torch.cuda.is_available() or not c.optimizer.bf16:
+            fail("--use-flash-attn needs CUDA and --bf16")
+    if p.distributed_backend is None:
+        p.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if p.distributed_backend == "nccl" and not torch.cuda.is_available():
+        fail("--distributed-backend nccl needs CUDA; use gloo on CPU")
+    if check_files:  # a probe on this machine's device; tools/plan.py plans for another one
+        check_attention_backend(c)
+    if t.deterministic_mode and p.distributed_backend == "nccl":
+        if not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+            fail("--deterministic-mode on CUDA needs CUBLAS_WORKSPACE_CONFIG=:4096:8 (deterministic cuBLAS)")
+        algos = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+        if os.environ.get("NCCL_ALGO") not in algos:
+            fail(f"--deterministic-mode needs NCCL_ALGO set to one of {', '.join(algos)} (as Megatron-LM)")
+    if t.empty_unused_memory_level and p.distributed_backend != "nccl":
+        c.notices.append(f"--empty-unused-memory-level {t.empty_unused_memory_level}: a no-op on CPU "
+                         f"(it frees cached CUDA memory)")
+
+
+def _fill_copies(c: RunConfig) -> None:
+    """Derived fields that copy a value another config owns (`derived(copy_of=...)`)."""
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            source = f.metadata.get("copy_of")
+            if source:
+                owner, name = source.split(".")
+                setattr(getattr(c, section), f.name, getattr(getattr(c, owner), name))

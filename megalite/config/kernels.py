@@ -1,0 +1,30 @@
+"""Which kernels compute the model: the attention backend and the fused cross entropy. They change
+speed and memory, never the function, so checkpoints do not record them (GPTConfig does)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fields import flag
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+
+@dataclass
+class KernelConfig:
+    """kernels"""
+    # core attention: auto | flash | fused | unfused | local (model/attention.py)
+    attention_backend: str = flag(
+        "--attention-backend", "auto",
+        "core attention: auto (torch SDPA picks its kernel; flash-attn with --use-flash-attn), flash (SDPA's "
+        "FlashAttention kernel, or the flash-attn package with --use-flash-attn), fused (SDPA's cuDNN / "
+        "memory-efficient kernels; CUDA only), unfused (SDPA's math path), local (megalite's explicit "
+        "softmax(QK^T/sqrt(d))V); a backend the device cannot run is refused at start-up", choices=ATTENTION_BACKENDS)
+    use_flash_attn: bool = flag("--use-flash-attn", False, "flash-attn kernels (needs the flash-attn package and "
+                                "CUDA)", action="store_true")
+    # the vocabulary-parallel cross entropy with its two sum all-reduces fused (tensor_parallel/cross_entropy.py)
+    cross_entropy_loss_fusion: bool = flag(
+        "--cross-entropy-loss-fusion", False, "the fused vocabulary-parallel cross entropy (one all-reduce of "
+        "[target logit, sum of exp] instead of two; the same loss)", action="store_true")
+
+
+__all__ = ["ATTENTION_BACKENDS", "KernelConfig"]

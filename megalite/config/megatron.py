@@ -1,0 +1,78 @@
+"""Megatron-LM flags that megalite accepts as no-ops or refuses. They are parsed, so that a
+Megatron-LM launch script gets one line saying why instead of argparse's "unrecognized arguments";
+validation refuses each one set to a value megalite cannot honour (`REFUSED` says why)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fields import flag
+
+_FP8 = ("FP8 training needs Hopper-class (or newer) GPUs and NVIDIA Transformer Engine, which megalite does not "
+        "use")
+_NOOP = "accepted, changes nothing: "
+
+
+@dataclass
+class MegatronCompatConfig:
+    """Megatron-LM flags megalite accepts as no-ops or refuses (docs/megatron.md)"""
+    use_mcore_models: bool = flag("--use-mcore-models", False, _NOOP + "megalite has one model implementation, laid "
+                                  "out and named as Megatron Core's GPTModel", action="store_true")
+    log_validation_ppl_to_tensorboard: bool = flag(
+        "--log-validation-ppl-to-tensorboard", False, _NOOP + "megalite always logs the validation perplexity",
+        action="store_true")
+    gradient_accumulation_fusion: bool = flag(
+        "--no-gradient-accumulation-fusion", True, _NOOP + "megalite never fuses weight-gradient accumulation into "
+        "the GEMM (Megatron-LM does with apex / Transformer Engine)", action="store_false")
+    apply_rope_fusion: bool = flag("--no-rope-fusion", True, _NOOP + "megalite's RoPE is plain PyTorch, never a "
+                                   "fused kernel", action="store_false")
+    transformer_impl: str | None = flag("--transformer-impl", None, "local is megalite's own layers (accepted); "
+                                        "transformer_engine is refused: megalite does not use Transformer Engine",
+                                        choices=["local", "transformer_engine"])
+    timing_log_level: int | None = flag("--timing-log-level", None, "0 is megalite's timing (the iteration time; "
+                                        "accepted); 1 and 2 (per-phase timers) are refused", choices=[0, 1, 2],
+                                        type=int)
+    rerun_mode: str | None = flag("--rerun-mode", None, "disabled is accepted; megalite has no re-run state machine, "
+                                  "so the others are refused", choices=["disabled", "validate_results",
+                                                                        "report_stats"])
+    log_num_zeros_in_grad: bool = flag("--log-num-zeros-in-grad", False, "refused: megalite does not count zero "
+                                       "gradients", action="store_true")
+    log_timers_to_tensorboard: bool = flag("--log-timers-to-tensorboard", False, "refused: megalite keeps no "
+                                           "per-phase timers; the iteration time is logged (train/elapsed_ms)",
+                                           action="store_true")
+    attention_softmax_in_fp32: bool = flag(
+        "--attention-softmax-in-fp32", False, "refused: not a switch in megalite (--attention-backend local and "
+        "SDPA's fused kernels compute the softmax in fp32; SDPA's math path keeps PyTorch's choice)",
+        action="store_true")
+    apply_query_key_layer_scaling: bool = flag(
+        "--apply-query-key-layer-scaling", False, "refused: not implemented (an fp16 overflow guard that scales "
+        "Q·K^T by 1/layer and back)", action="store_true")
+    squared_relu: bool = flag("--squared-relu", False, "refused: megalite's MLP is GeLU or SwiGLU",
+                              action="store_true")
+    save_retain_interval: int | None = flag("--save-retain-interval", None, "refused: megalite keeps every "
+                                            "checkpoint it saves", type=int)
+    dist_ckpt_strictness: str | None = flag("--dist-ckpt-strictness", None, "refused: an option of Megatron-LM's "
+                                            "torch_dist checkpoints, which megalite does not write", type=str)
+    dist_ckpt_optim_fully_reshardable: bool = flag(
+        "--dist-ckpt-optim-fully-reshardable", False, "refused: an option of torch_dist checkpoints; megalite's are "
+        "always reshardable over TP, PP and DP, optimizer state included", action="store_true")
+    use_persistent_ckpt_worker: bool = flag(
+        "--use-persistent-ckpt-worker", False, "refused: megalite's --async-save writes from a thread, not a worker "
+        "process", action="store_true")
+    ckpt_format: str | None = flag(
+        "--ckpt-format", None, "refused: megalite reads and writes one format of its own (per-rank shards, "
+        "layout-independent; see docs/checkpoints.md), none of Megatron-LM's; drop the flag",
+        choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"])
+    fp8_format: str | None = flag("--fp8-format", None, "refused: " + _FP8, choices=["e4m3", "hybrid"])
+    fp8_amax_history_len: int | None = flag("--fp8-amax-history-len", None, "refused: " + _FP8, type=int)
+    fp8_amax_compute_algo: str | None = flag("--fp8-amax-compute-algo", None, "refused: " + _FP8,
+                                             choices=["most_recent", "max"])
+    fp8_param_gather: bool = flag("--fp8-param-gather", False, "refused: " + _FP8, action="store_true")
+
+
+# the fields refused whenever they are set (to anything but their default); each flag's help says why
+REFUSED_FLAGS = ("log_num_zeros_in_grad", "log_timers_to_tensorboard", "attention_softmax_in_fp32",
+                 "apply_query_key_layer_scaling", "squared_relu", "save_retain_interval", "dist_ckpt_strictness",
+                 "dist_ckpt_optim_fully_reshardable", "use_persistent_ckpt_worker")
+FP8_FLAGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
+
+__all__ = ["MegatronCompatConfig", "REFUSED_FLAGS", "FP8_FLAGS"]

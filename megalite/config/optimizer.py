@@ -1,0 +1,88 @@
+"""The update: optimizer, learning-rate schedule, mixed precision and loss scaling, offload."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fields import AT_LEAST_1, IN_0_1, NON_NEGATIVE, POSITIVE, at_least_0, derived, flag
+
+_FP16 = "--fp16: "
+
+
+@dataclass
+class OptimizerConfig:
+    """optimizer, learning rate and mixed precision"""
+    optimizer: str = flag("--optimizer", "adam", choices=["adam", "sgd"])
+    lr: float = flag("--lr", 1e-4, "peak learning rate (> 0; required)", check=POSITIVE, required=True)
+    min_lr: float = flag("--min-lr", 0.0, "learning rate at the end of decay (>= 0, <= --lr)", check=NON_NEGATIVE)
+    weight_decay: float = flag("--weight-decay", 0.01, "decoupled weight decay (>= 0)", check=NON_NEGATIVE)
+    adam_beta1: float = flag("--adam-beta1", 0.9, "in [0, 1)", check=IN_0_1)
+    adam_beta2: float = flag("--adam-beta2", 0.999, "in [0, 1)", check=IN_0_1)
+    adam_eps: float = flag("--adam-eps", 1e-8, "> 0", check=POSITIVE)
+    sgd_momentum: float = flag("--sgd-momentum", 0.9, "in [0, 1)", check=IN_0_1)
+    clip_grad: float = flag("--clip-grad", 1.0, "global gradient-norm clip (>= 0; 0: off)",
+                            check=(NON_NEGATIVE[0], "a number >= 0 (0: no clipping)"))
+    fused_optimizer: bool = flag("--no-fused-optimizer", True,
+                                 "use the unfused torch.optim update instead of torch's fused AdamW / SGD, which is "
+                                 "the default where the device has it", action="store_false")
+    # ZeRO-Offload (Ren et al. 2021): this fraction of the rank's fp32 masters and Adam moments
+    # lives in host memory and is stepped there
+    optimizer_cpu_offload: bool = flag(
+        "--optimizer-cpu-offload", False, "keep fp32 master weights and optimizer state (a fraction of them: "
+        "--optimizer-offload-fraction) in host memory and step them on the CPU; needs a sharded strategy",
+        action="store_true")
+    optimizer_offload_fraction: float = flag(
+        "--optimizer-offload-fraction", 1.0, "with --optimizer-cpu-offload: fraction of each rank's optimizer state "
+        "offloaded, in (0, 1]")
+    # the learning-rate schedule, given in iterations or samples; validation converts it to samples
+    lr_decay_style: str = flag("--lr-decay-style", "linear", choices=["constant", "linear", "cosine", "WSD"])
+    lr_decay_iters: int | None = flag("--lr-decay-iters", None,
+                                      "iterations of warmup + decay (>= 1; default --train-iters)", type=int,
+                                      check=AT_LEAST_1)
+    lr_decay_samples: int | None = flag("--lr-decay-samples", None, "with --train-samples: samples of warmup + decay "
+                                        "(>= 1; default --train-samples)", type=int, check=AT_LEAST_1)
+    lr_warmup_iters: int = flag("--lr-warmup-iters", 0, "warmup iterations (>= 0; 0: no warmup)",
+                                check=at_least_0("0: no warmup"))
+    lr_warmup_samples: float = flag("--lr-warmup-samples", 0, "with --train-samples: warmup samples (>= 0; 0: no "
+                                    "warmup)", type=int, check=at_least_0("0: no warmup"))
+    lr_warmup_fraction: float | None = flag("--lr-warmup-fraction", None, "warmup as a fraction of --lr-decay-iters "
+                                            "/ --lr-decay-samples, in [0, 1]", type=float,
+                                            check=(lambda v: 0 <= v <= 1, "in [0, 1]"))
+    lr_warmup_init: float = flag("--lr-warmup-init", 0.0, "learning rate at the start of warmup (>= 0)",
+                                 check=NON_NEGATIVE)
+    lr_wsd_decay_iters: int | None = flag("--lr-wsd-decay-iters", None, "WSD: length of the final decay phase "
+                                          "(>= 1, <= --lr-decay-iters)", type=int, check=AT_LEAST_1)
+    lr_wsd_decay_samples: int | None = flag("--lr-wsd-decay-samples", None, "WSD with --train-samples: samples of "
+                                            "the final decay phase (>= 1, <= --lr-decay-samples)", type=int,
+                                            check=AT_LEAST_1)
+    lr_wsd_decay_style: str = flag("--lr-wsd-decay-style", "exponential", "WSD: shape of the final decay",
+                                   choices=["linear", "cosine", "exponential", "minus_sqrt"])
+    # --decoupled-lr / --decoupled-min-lr: peak and minimum of the embedding and output layer
+    decoupled_lr: float | None = flag("--decoupled-lr", None, "peak learning rate of the word embedding and output "
+                                      "layer (> 0); they follow the schedule of --lr with this peak", type=float,
+                                      check=POSITIVE)
+    decoupled_min_lr: float | None = flag("--decoupled-min-lr", None, "with --decoupled-lr: their minimum learning "
+                                          "rate (>= 0; default --min-lr)", type=float, check=NON_NEGATIVE)
+    global_batch_size: int = derived(1, "converts the iteration count of schedules saved before samples",
+                                     copy_of="training.global_batch_size")
+    # mixed precision; loss scaling: --loss-scale (constant) or --fp16 (dynamic)
+    bf16: bool = flag("--bf16", False, "bf16 parameters and activations, fp32 grads and master weights",
+                      action="store_true")
+    fp16: bool = flag("--fp16", False, "fp16 parameters and activations, fp32 grads and master weights, loss "
+                      "scaling", action="store_true")
+    loss_scale: float | None = flag("--loss-scale", None, "static loss scale (> 0; a power of 2 is exact); default "
+                                    "with --fp16: dynamic scaling", type=float, check=POSITIVE)
+    initial_loss_scale: float = flag("--initial-loss-scale", 2.0**32, _FP16 + "first dynamic loss scale (> 0)",
+                                     check=POSITIVE)
+    min_loss_scale: float = flag("--min-loss-scale", 1.0, _FP16 + "the dynamic scale never goes below this (> 0, "
+                                 "<= --initial-loss-scale)", check=POSITIVE)
+    loss_scale_window: int = flag("--loss-scale-window", 1000, _FP16 + "double the dynamic scale after this many "
+                                  "steps without overflow (>= 1)", check=AT_LEAST_1)
+    hysteresis: int = flag("--hysteresis", 2, _FP16 + "overflows tolerated before the dynamic scale is halved (>= 1)",
+                           check=AT_LEAST_1)
+    inject_overflow_at_iteration: int | None = flag(
+        "--inject-overflow-at-iteration", None, "testing only: put an inf into one rank's gradients at iteration N "
+        "(>= 1), as an fp16 overflow", type=int, metavar="N", check=AT_LEAST_1)
+    params_dtype: str = derived("float32", "float32, bfloat16 (--bf16) or float16 (--fp16)")
+
+
+__all__ = ["OptimizerConfig"]

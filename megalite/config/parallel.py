@@ -1,0 +1,116 @@
+"""The rank grid and the data-parallel side: parallel sizes, rank order, backend, sequence
+parallelism, activation recompute, and what is sharded over data-parallel ranks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fields import AT_LEAST_1, derived, flag, internal
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+@dataclass
+class ParallelConfig:
+    """parallelism"""
+    tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", 1, "TP (>= 1)", check=AT_LEAST_1)
+    pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", 1, "PP (>= 1)", check=AT_LEAST_1)
+    num_layers_per_virtual_pipeline_stage: int | None = flag(
+        "--num-layers-per-virtual-pipeline-stage", None,
+        "layers per model chunk (>= 1): v = layers / (PP x this) chunks per rank (interleaved 1F1B)", type=int,
+        check=AT_LEAST_1)
+    context_parallel_size: int = flag(
+        "--context-parallel-size", 1,
+        "CP (>= 1): each sequence split over this many ranks (2·CP chunks, rank r keeps chunks r and 2·CP-1-r); "
+        "keys/values all-gathered for exact attention; gradients reduced and ZeRO-1 sharded over DP x CP. "
+        "--seq-length must divide by 2·CP (2·CP·TP with --sequence-parallel)", check=AT_LEAST_1)
+    use_tp_pp_dp_mapping: bool = flag("--use-tp-pp-dp-mapping", False,
+                                      "rank order TP-CP-PP-DP instead of Megatron's default TP-CP-DP-PP",
+                                      action="store_true")
+    sequence_parallel: bool = flag("--sequence-parallel", False,
+                                   "shard activations outside the tensor-parallel regions along the sequence "
+                                   "(needs --tensor-model-parallel-size > 1)", action="store_true")
+    distributed_backend: str | None = flag("--distributed-backend", None, "default: nccl with CUDA, gloo without",
+                                           choices=["nccl", "gloo"])
+    distributed_timeout_minutes: float = flag(
+        "--distributed-timeout-minutes", 10.0,
+        "timeout of every collective and of start-up (fractions allowed, e.g. 0.5); when it fires, every rank "
+        "still running dumps its Python stacks and the error names the collective, its group, the iteration and "
+        "the pipeline stage", check=(lambda v: v == v and 0 < v < float("inf"), "a number > 0 (fractions allowed)"))
+    world_size: int = derived(1, "WORLD_SIZE at validation")
+    data_parallel_size: int = derived(1, "world / (TP x PP x CP)")
+    virtual_pipeline_model_parallel_size: int = derived(1, "layers / (PP x --num-layers-per-virtual-pipeline-stage)")
+    rank_order: str = derived("tp-cp-dp-pp", "from --use-tp-pp-dp-mapping")
+
+
+@dataclass
+class RecomputeConfig:
+    """activation recompute"""
+    recompute_granularity: str | None = flag(
+        "--recompute-granularity", None, "activation recompute: 'full' recomputes whole transformer layers (with "
+        "--recompute-method and --recompute-num-layers), 'selective' only core attention",
+        choices=["full", "selective"])
+    recompute_method: str | None = flag(
+        "--recompute-method", None, "with full recompute: 'uniform' keeps the input of every chunk of "
+        "--recompute-num-layers layers and recomputes the chunk; 'block' recomputes the first "
+        "--recompute-num-layers layers of each pipeline stage (model chunk) and keeps the rest",
+        choices=["uniform", "block"])
+    recompute_num_layers: int | None = flag(
+        "--recompute-num-layers", None, "layers per recomputed chunk (uniform) or recomputed layers per stage "
+        "(block); from 1 to the layers per stage", type=int)
+    recompute_activations: bool = flag("--recompute-activations", False,
+                                       "shorthand for --recompute-granularity selective", action="store_true")
+
+    def check(self) -> None:
+        """For configs built in code (validation checks the flags with their names first)."""
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(f"recompute_granularity must be None, 'full' or 'selective', "
+                             f"got {self.recompute_granularity!r}")
+        if self.recompute_granularity == "full":
+            if self.recompute_method not in ("uniform", "block"):
+                raise ValueError(f"full recompute needs recompute_method 'uniform' or 'block', "
+                                 f"got {self.recompute_method!r}")
+            if not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
+                raise ValueError(f"full recompute needs recompute_num_layers >= 1, got {self.recompute_num_layers!r}")
+        elif self.recompute_method is not None or self.recompute_num_layers is not None:
+            raise ValueError("recompute_method and recompute_num_layers apply to recompute_granularity 'full' only")
+
+
+@dataclass
+class DDPConfig:
+    """distributed optimizer: what is sharded over DP (Megatron-LM's --data-parallel-sharding-strategy:
+    no_shard; optim = ZeRO-1 = --use-distributed-optimizer; optim_grads = ZeRO-2; optim_grads_params =
+    ZeRO-3), bucketed reductions and gathers"""
+    data_parallel_sharding_strategy: str | None = flag(
+        "--data-parallel-sharding-strategy", None,
+        "what is sharded over data-parallel ranks: nothing; the optimizer state (ZeRO-1); and the gradients "
+        "(ZeRO-2); and the parameters, gathered per layer for forward and backward (ZeRO-3). Default: optim with "
+        "--use-distributed-optimizer, else no_shard", choices=SHARDING_STRATEGIES)
+    use_distributed_optimizer: bool = flag(
+        "--use-distributed-optimizer", False, "ZeRO-1: shard fp32 master weights and optimizer state over "
+        "data-parallel ranks (= --data-parallel-sharding-strategy optim)", action="store_true")
+    overlap_grad_reduce: bool = flag("--overlap-grad-reduce", False, "start each bucket's DP gradient reduction "
+                                     "during backward, as soon as it is complete", action="store_true")
+    overlap_param_gather: bool = flag(
+        "--overlap-param-gather", False, "with a sharded strategy: all-gather each bucket's parameters during the "
+        "next forward, just before they are used (ZeRO-3: prefetch the next layer's gather)", action="store_true")
+    ddp_bucket_size: int = flag("--ddp-bucket-size", 40_000_000, "elements per gradient all-reduce bucket (>= 1)",
+                                check=AT_LEAST_1)
+    grad_reduce_in_bf16: bool = flag(
+        "--grad-reduce-in-bf16", False, "with --bf16: accumulate and data-parallel-reduce gradients in bf16 instead "
+        "of fp32 (half the gradient memory and traffic; the fp32 master weights stay)", action="store_true")
+    # Measured alternatives (benchmarks/RESULTS_zero.md), not flags: the defaults won.
+    reduce_grads_every_microbatch: bool = internal(
+        True, "ZeRO-2/3 with several micro-batches: reduce-scatter every micro-batch's gradients (True), or "
+        "accumulate the step's gradients in a full-size fp32 buffer and reduce once (False)")
+    keep_params_gathered_in_step: bool = internal(
+        False, "ZeRO-3: free gathered parameters after each use (False), or keep them gathered from their first "
+        "use in a step until the last micro-batch's backward (True)")
+
+    def __post_init__(self):
+        if self.data_parallel_sharding_strategy is None:
+            self.data_parallel_sharding_strategy = "optim" if self.use_distributed_optimizer else "no_shard"
+        if self.data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"data_parallel_sharding_strategy must be one of {SHARDING_STRATEGIES}, "
+                             f"got {self.data_parallel_sharding_strategy!r}")
+        if self.data_parallel_sharding_strategy != "no_shard":
+            self.use_distributed_optimizer = True  # (no_shard with it is refused by validation, naming both)

@@ -1,0 +1,136 @@
+"""The loop: batch and length, evaluation, logging, profiling, exits and operations; checkpoint
+cadence; experiment trackers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fields import AT_LEAST_0, AT_LEAST_1, POSITIVE, at_least_0, derived, flag
+
+
+@dataclass
+class TrainingConfig:
+    """training"""
+    micro_batch_size: int = flag("--micro-batch-size", 1, "samples per micro-batch per DP rank (>= 1; required)",
+                                 check=AT_LEAST_1, required=True)
+    global_batch_size: int | None = flag(
+        "--global-batch-size", None, "samples per iteration (>= 1, a multiple of micro x DP; default micro x DP); "
+        "with --rampup-batch-size the batch it ramps up to", type=int, check=AT_LEAST_1)
+    rampup_batch_size: list[int] | None = flag(
+        "--rampup-batch-size", None, "ramp the global batch from START by INCREMENT up to --global-batch-size, "
+        "evenly over the first SAMPLES samples (Megatron-LM's syntax; needs --train-samples, as there)", type=int,
+        nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
+    step_batch_size_schedule: str | None = flag(
+        "--step-batch-size-schedule", None, "global batch by tokens consumed, e.g. '0:768 250B:1536' (K/M/B/T "
+        "suffixes; thresholds // --seq-length give samples; the first is 0); the last batch is the global batch, "
+        "so --global-batch-size is refused beside it; needs --train-samples", type=str, metavar="'TOKENS:BATCH ...'")
+    # with --train-samples: the whole global batches that fit in them
+    train_iters: int | None = flag("--train-iters", None, "iterations to train (>= 1); this or --train-samples is "
+                                   "required", type=int, check=AT_LEAST_1)
+    train_samples: int | None = flag(
+        "--train-samples", None, "samples to train (>= 1): as many whole global batches as fit (the schedule, the "
+        "batch ramp-up and --lr-*-samples then count samples)", type=int, check=AT_LEAST_1)
+    calculate_per_token_loss: bool = flag(
+        "--calculate-per-token-loss", False, "the gradient of the loss summed over the global batch's tokens / "
+        "their number (Megatron-LM's per-token loss); default: each micro-batch's token mean, averaged over "
+        "micro-batches and DP ranks (Megatron-LM's default); the same unless tokens are masked", action="store_true")
+    deterministic_mode: bool = flag(
+        "--deterministic-mode", False, "torch.use_deterministic_algorithms(True); refuses flash-attn and the fused "
+        "cross entropy, and with NCCL needs CUBLAS_WORKSPACE_CONFIG and NCCL_ALGO set (Megatron-LM's rules)",
+        action="store_true")
+    empty_unused_memory_level: int = flag(
+        "--empty-unused-memory-level", 0, "torch.cuda.empty_cache() where Megatron-LM calls it: 1 after each "
+        "forward-backward (training and evaluation), 2 also after the optimizer step; a no-op on CPU",
+        choices=[0, 1, 2])
+    seed: int = flag("--seed", 1234, "random seed, in [0, 2^31)", check=(lambda v: 0 <= v < 2**31,
+                                                                       "an integer in [0, 2^31)"))
+    compile: bool = flag("--compile", False, "torch.compile each transformer layer (Inductor); compiled during the "
+                         "first iteration", action="store_true")
+    # logging and evaluation
+    log_interval: int = flag("--log-interval", 100, "iterations between log lines (>= 1)", check=AT_LEAST_1)
+    log_jsonl: str | None = flag("--log-jsonl", None, "append one JSON object per logged iteration / evaluation to "
+                                 "this file", type=str)
+    peak_tflops: float | None = flag("--peak-tflops", None, "per-device peak for MFU (> 0; default: known GPUs "
+                                     "only)", type=float, check=POSITIVE)
+    log_throughput: bool = flag("--log-throughput", False, "add TFLOP/s per device (and MFU where the peak is "
+                                "known) to the console line (the JSONL record always has them)", action="store_true")
+    log_params_norm: bool = flag("--log-params-norm", False, "add the global norm of the parameters to each log "
+                                 "line (an extra all-reduce)", action="store_true")
+    log_memory_to_tensorboard: bool = flag(
+        "--log-memory-to-tensorboard", False, "add memory (CUDA allocated / peak / reserved bytes; max RSS on CPU) "
+        "to each logged record, and so to TensorBoard / W&B", action="store_true")
+    # --profile: torch.profiler over iterations (profile_step_start, profile_step_end] on profile_ranks
+    profile: bool = flag(
+        "--profile", False, "torch.profiler trace (CPU and CUDA activity, shapes) of the iterations after "
+        "--profile-step-start up to --profile-step-end, one file per profiled rank, written to --tensorboard-dir "
+        "(TensorBoard's profiler plugin reads it; as Megatron-LM's --use-pytorch-profiler), else ./profile",
+        action="store_true")
+    profile_step_start: int = flag("--profile-step-start", 10, "with --profile: iterations completed when the trace "
+                                   "starts (>= 0)", check=AT_LEAST_0)
+    profile_step_end: int = flag("--profile-step-end", 12, "with --profile: iterations completed when it stops "
+                                 "(> start)", check=AT_LEAST_1)
+    profile_ranks: list[int] = flag("--profile-ranks", None, "with --profile: global ranks to trace (default: 0, as "
+                                    "Megatron-LM)", type=int, nargs="+", default_factory=lambda: [0])
+    eval_interval: int = flag("--eval-interval", 1000, "iterations between evaluations (>= 1)", check=AT_LEAST_1)
+    eval_iters: int = flag("--eval-iters", 100, "global batches per evaluation (>= 0; 0: none)",
+                           check=at_least_0("0: no evaluation"))
+    exit_signal_handler: bool = flag("--exit-signal-handler", False, "on SIGTERM, save and exit cleanly",
+                                     action="store_true")
+    exit_interval: int | None = flag("--exit-interval", None, "exit (after saving) when the iteration is a multiple "
+                                     "of this (>= 1)", type=int, check=AT_LEAST_1)
+    exit_duration_in_mins: float | None = flag("--exit-duration-in-mins", None, "exit (after saving) after this many "
+                                               "minutes (> 0)", type=float, check=POSITIVE)
+    # operations: NaN checks, stragglers, garbage collection
+    check_for_nan_in_loss_and_grad: bool = flag(
+        "--check-for-nan-in-loss-and-grad", True, "stop the run, naming the iteration and the rank(s), when the "
+        "loss or the gradients hold a NaN or Inf, before the optimizer writes them into the weights; a checkpoint "
+        "with non-finite weights is refused. With --fp16 an overflow still just skips the step (loss scaling)",
+        action="boolean_optional")
+    log_straggler: bool = flag(
+        "--log-straggler", False, "add each rank's compute time (step time minus time blocked in collectives) and "
+        "data-wait time, min and max with their ranks, to every log line, and a 'straggler' JSONL record with every "
+        "rank's; on CUDA also GPU power, temperature and clock (needs pynvml)", action="store_true")
+    manual_gc: bool = flag(
+        "--manual-gc", False, "disable Python's automatic garbage collector; collect at the same iterations on every "
+        "rank (--manual-gc-interval) and around each evaluation, so no rank stalls the others at random",
+        action="store_true")
+    manual_gc_interval: int = flag("--manual-gc-interval", 0, "with --manual-gc: collect every this many iterations "
+                                   "(>= 0; 0: only around evaluations)",
+                                   check=at_least_0("0: only around evaluations"))
+    manual_gc_eval: bool = flag("--no-manual-gc-eval", True, "with --manual-gc: do not collect at the start and end "
+                                "of each evaluation", action="store_false")
+    num_microbatches: int = derived(1, "global batch / (micro batch x DP), at the final global batch")
+    profile_dir: str | None = derived(None, "--tensorboard-dir, else ./profile, with --profile")
+    seq_length: int = derived(1024, copy_of="model.seq_length")
+
+
+@dataclass
+class CheckpointConfig:
+    """checkpointing"""
+    save: str | None = flag("--save", None, "directory to save checkpoints to; one that already holds checkpoints "
+                            "must also be --load (resume), so that nothing is overwritten", type=str)
+    save_interval: int | None = flag("--save-interval", None, "iterations between checkpoints (>= 1; and one at the "
+                                     "end)", type=int, check=AT_LEAST_1)
+    load: str | None = flag("--load", None, "directory to resume from (its latest checkpoint; none there: start "
+                            "from scratch)", type=str)
+    async_save: bool = flag("--async-save", False, "write checkpoints in the background", action="store_true")
+    finetune: bool = flag("--finetune", False, "load weights only; start at iteration 0", action="store_true")
+    no_load_optim: bool = flag("--no-load-optim", False, "do not load optimizer state", action="store_true")
+    no_load_rng: bool = flag("--no-load-rng", False, "do not load RNG states", action="store_true")
+
+
+@dataclass
+class TrackingConfig:
+    """experiment tracking"""
+    wandb_project: str | None = flag("--wandb-project", None, "log to this Weights & Biases project (needs wandb; "
+                                     "WANDB_MODE=offline works)", type=str)
+    wandb_exp_name: str | None = flag("--wandb-exp-name", None, "W&B run name (default: W&B's own)", type=str)
+    wandb_save_dir: str | None = flag("--wandb-save-dir", None, "local directory for W&B run files (default: "
+                                      "--save/wandb, else ./wandb)", type=str)
+    wandb_entity: str | None = flag("--wandb-entity", None, "W&B team or user (default: your default entity)",
+                                    type=str)
+    tensorboard_dir: str | None = flag("--tensorboard-dir", None, "write TensorBoard event files here (needs "
+                                       "tensorboard)", type=str)
+    save: str | None = derived(None, copy_of="checkpoint.save")  # W&B files default to --save/wandb
+
+
+__all__ = ["TrainingConfig", "CheckpointConfig", "TrackingConfig"]

@@ -1,0 +1,248 @@
+"""Setting a run up: the process groups, the model chunks of this rank (initialised
+layout-invariantly), DataParallel and the optimizer, the checkpoint to resume, datasets and
+iterators, and the start-up report. `setup` returns the `Run` that the loop (training.py) steps."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import comm, parallel_state
+from .checkpoint.checkpointing import CheckpointSaver, TrainState, load_checkpoint
+from .config import ParallelConfig, RunConfig
+from .data.batch import micro_batches
+from .distributed import DataParallel
+from .model import ExecutionConfig, GPTConfig, GPTModel, pad_vocab_size
+from .model.init import initial_value
+from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
+from .optimizer import build_lr_scheduler, build_optimizer
+from .pipeline_parallel import get_forward_backward_func
+from .pipeline_parallel.p2p import PipeComm
+from .runtime.metrics import JsonlWriter, peak_tflops
+from .runtime.monitor import CommMonitor
+from .runtime.profiling import Profiler
+from .runtime.straggler import StragglerDetector
+from .runtime.tracking import Tracker
+from .tensor_parallel import seed_everything
+from .tensor_parallel.param_info import param_info
+
+
+@dataclass
+class Run:
+    """What the loop holds for one rank."""
+    cfg: RunConfig
+    state: TrainState
+    model: list
+    dp: DataParallel
+    datasets: list  # train, valid, test (None where empty)
+    eod: int | None
+    train_batches: list  # one micro-batch iterator per model chunk
+    forward_backward: object
+    pipe_comm: PipeComm
+    jsonl: JsonlWriter
+    tracker: Tracker
+    saver: CheckpointSaver | None
+    batch: NumMicroBatchesCalculator  # the global batch for each iteration, from consumed_samples
+    profiler: Profiler
+    peak: float | None
+    monitor: CommMonitor
+    straggler: StragglerDetector | None = None  # --log-straggler
+    signal_received: list = field(default_factory=lambda: [False])
+
+    def log(self, msg: str) -> None:
+        self.state.log(msg)
+
+
+# -- set up -----------------------------------------------------------------------------------------
+def initialize_distributed(cfg: ParallelConfig) -> tuple[parallel_state.ParallelState, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device("cpu")
+    use_cuda = cfg.distributed_backend == "nccl"
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        comm.init_distributed(cfg.distributed_backend, cfg.distributed_timeout_minutes,
+                              device_id=device if use_cuda else None)
+    ps = parallel_state.initialize(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                                   cfg.virtual_pipeline_model_parallel_size, cfg.rank_order,
+                                   timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size)
+    return ps, device
+
+
+def resolve_vocab(cfg: RunConfig) -> tuple[GPTConfig, int | None]:
+    """The model config with the vocabulary size filled in (from the tokenizer unless
+    --vocab-size is given) and padded as Megatron-LM does; and the end-of-document id."""
+    tok, tp = cfg.tokenizer, cfg.parallel.tensor_model_parallel_size
+    vocab_size, eod = tok.vocab_size, None
+    if not (cfg.data.mock_data and tok.tokenizer_type is None):
+        from .data.tokenizers import build_tokenizer, model_vocab_size
+        tokenizer = build_tokenizer(tok)
+        vocab_size = model_vocab_size(tok, tokenizer)  # NullTokenizer: --vocab-size + 1 (its eod)
+        eod = tokenizer.eod
+    padded = pad_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    return dataclasses.replace(cfg.model, vocab_size=vocab_size, padded_vocab_size=padded), eod
+
+
+def build_model(config: GPTConfig, ps, seed: int, device: torch.device, on_meta: bool = False,
+                execution: ExecutionConfig | None = None):
+    """This rank's model chunks (one per virtual pipeline stage), initialised layout-invariantly,
+    and the TP RNG tracker their dropout uses. `on_meta` (ZeRO-3): parameters without storage,
+    which DataParallel materialises straight into this rank's slices."""
+    rng_tracker = seed_everything(seed, ps.tp_rank, ps.pp_rank, device)
+    chunks = []
+    layers = parallel_state.stage_layers(config.num_layers, ps.pp_size, ps.vpp, ps.pp_rank)
+    for c, (offset, n) in enumerate(layers):
+        chunk = GPTModel(config, ps.tp_group, rng_tracker, pre_process=ps.is_first_stage and c == 0,
+                         post_process=ps.is_last_stage and c == ps.vpp - 1, layer_offset=offset, num_layers=n,
+                         device="meta" if on_meta else device, cp_group=ps.cp_group, execution=execution)
+        if not on_meta:
+            chunk.initialize(seed)
+        chunks.append(chunk)
+    return chunks, rng_tracker
+
+
+def build_datasets(cfg: RunConfig, model_vocab_size: int | None = None) -> list:
+    """(train, valid, test) sized for --train-samples (or --train-iters global batches) and
+    --eval-iters global batches. Token ids are checked against `model_vocab_size` (NullTokenizer's
+    --vocab-size N leaves out its eod id N)."""
+    t, data = cfg.training, cfg.data
+    train = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
+    num_samples = (train, t.eval_iters * t.global_batch_size, t.eval_iters * t.global_batch_size)
+    if data.mock_data:
+        from .data.mock import MockGPTDataset
+        return [MockGPTDataset(n, data.seq_length, data.vocab_size, data.seed + i) if n else None
+                for i, n in enumerate(num_samples)]
+    from .data.builder import build_train_valid_test_datasets
+    if model_vocab_size is not None:
+        data = dataclasses.replace(data, vocab_size=model_vocab_size)
+    return list(build_train_valid_test_datasets(data, num_samples))
+
+
+def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod, straggler=None) -> list:
+    """One micro-batch iterator per model chunk: every chunk consumes the iteration's
+    micro-batches in order, at its own pace in the schedule. With a straggler detector, the
+    time spent in them is timed as data wait."""
+    its = [micro_batches(dataset, consumed, cfg.data, ps, device, eod) for _ in range(ps.vpp)]
+    return [straggler.data_iterator(it) for it in its] if straggler is not None else its
+
+
+def setup(cfg: RunConfig) -> Run:
+    if cfg.training.deterministic_mode:
+        torch.use_deterministic_algorithms(True)
+    ps, device = initialize_distributed(cfg.parallel)
+    t = cfg.training
+    # every blocking collective from here on is seen by the monitor (timeouts name where the run
+    # stood; --log-straggler times the waits)
+    monitor = CommMonitor(ps, device, cfg.parallel.distributed_timeout_minutes, time_waits=t.log_straggler)
+    comm.set_monitor(monitor)  # pretrain() stops it and uninstalls it, whatever happens
+    monitor.start_watchdog()
+    model_config, eod = resolve_vocab(cfg)
+    zero3 = cfg.ddp.data_parallel_sharding_strategy == "optim_grads_params"
+    execution = ExecutionConfig.from_configs(cfg.optimizer, cfg.parallel, cfg.recompute, cfg.kernels)
+    model, rng_tracker = build_model(model_config, ps, cfg.training.seed, device, on_meta=zero3, execution=execution)
+    if cfg.training.compile:  # --compile: each transformer layer, in place (model/compile.py)
+        from .model.compile import compile_layers
+        n = compile_layers(model)
+        if ps.rank == ps.logging_rank:
+            print(f"> compile: torch.compile of {n} transformer layers (Inductor)", flush=True)
+    named_params = [(n, p) for m in model for n, p in m.global_named_parameters()]
+    names = {p: n for n, p in named_params}
+    dp = DataParallel(model, [p for _, p in named_params], ps, cfg.ddp, cfg.training.num_microbatches, device=device,
+                      init_fn=lambda p: initial_value(p, names[p], cfg.training.seed, ps.tp_group))
+    optimizer = build_optimizer(named_params, cfg.optimizer, dp, ps)
+    state = TrainState(ps, model_config, named_params, optimizer, build_lr_scheduler(cfg.optimizer), rng_tracker,
+                       device, dataclasses.replace(cfg, model=model_config).to_dict())
+    state.log(f"> optimizer: {optimizer.describe()}")
+    ck = cfg.checkpoint
+    if ck.load:
+        monitor.where = "in the checkpoint load"
+        state.iteration = load_checkpoint(state, ck.load, finetune=ck.finetune, load_optim=not ck.no_load_optim,
+                                          load_rng=not ck.no_load_rng)
+        monitor.where = "at start-up"
+    datasets = build_datasets(cfg, model_config.vocab_size)
+    # activations between stages: this rank's s/c tokens (CP), split over TP under sequence parallelism
+    s = cfg.data.seq_length // ps.cp_size // (ps.tp_size if execution.sequence_parallel else 1)
+    logging_rank = ps.rank == ps.logging_rank
+    straggler = StragglerDetector(ps, device, monitor) if t.log_straggler else None
+    run = Run(cfg=cfg, state=state, model=model, dp=dp, datasets=datasets, eod=eod,
+              train_batches=batch_iterators(cfg, datasets[0], state.consumed_samples, ps, device, eod, straggler),
+              forward_backward=get_forward_backward_func(ps.pp_size, ps.vpp),
+              pipe_comm=PipeComm(ps, (s, cfg.data.micro_batch_size, model_config.hidden_size),
+                                 execution.params_dtype, device),
+              jsonl=JsonlWriter(cfg.training.log_jsonl if logging_rank else None),
+              tracker=Tracker(cfg.tracking, enabled=logging_rank),  # W&B / TensorBoard
+              saver=CheckpointSaver(ck.save, ck.async_save, check_finite=t.check_for_nan_in_loss_and_grad)
+              if ck.save else None,
+              batch=build_num_microbatches_calculator(cfg.training, ps.dp_size),
+              profiler=Profiler(cfg.training, ps.rank, device),
+              peak=peak_tflops(cfg.training.peak_tflops, execution.params_dtype), monitor=monitor,
+              straggler=straggler)
+    run.tracker.log_config(state.config)
+    log_startup(run)
+    if state.load_stats is not None:
+        log_checkpoint_load(run)
+    return run
+
+
+def log_startup(run: Run) -> None:
+    ps, c, t, k = run.state.ps, run.state.model_config, run.cfg.training, run.cfg.kernels
+    from .runtime.cpu import slow_bf16_warning  # --bf16 on a CPU without native bf16: say it once
+    if (warning := slow_bf16_warning(run.state.device, run.model[0].execution.params_dtype)) is not None:
+        run.log(warning)
+    if k.use_flash_attn:
+        attention = "flash-attn"
+    elif k.attention_backend == "local":
+        attention = "megalite's local softmax(QK^T)V"
+    else:
+        kernels = "" if k.attention_backend == "auto" else f" ({k.attention_backend} kernels)"
+        attention = "torch scaled_dot_product_attention" + kernels
+    for notice in run.cfg.notices:
+        run.log(f"> note: {notice}")
+    run.log(f"> megalite: {ps.describe()}, {t.num_microbatches} micro-batches of {t.micro_batch_size} "
+            f"per iteration (global batch {t.global_batch_size})")
+    if run.batch.steps is not None or run.batch.rampup is not None:
+        run.log(f"> batch schedule: {run.batch.describe()}; {t.train_iters} iterations")
+    run.log(f"> model: {count_parameters(run.state) / 1e6:.2f}M parameters, {c.num_layers} layers, "
+            f"hidden {c.hidden_size}, {c.num_attention_heads} heads, vocab {c.vocab_size} (padded "
+            f"{c.padded_vocab_size}), seq {c.seq_length}, {run.cfg.optimizer.params_dtype}, attention: "
+            f"{attention}, device: {run.state.device.type}, backend: "
+            f"{run.cfg.parallel.distributed_backend if dist.is_initialized() else 'none'}")
+    mine = {"rank": ps.rank, "tp": ps.tp_rank, "pp": ps.pp_rank, "dp": ps.dp_rank, "cp": ps.cp_rank,
+            "num_params": sum(p.numel() for _, p in run.state.named_params),
+            "param_bytes": run.dp.param_bytes,  # ZeRO-1/2: the flat buffer with padding; ZeRO-3: this rank's slices
+            "grad_bytes": run.dp.grad_bytes,
+            "optimizer_bytes": run.state.optimizer.state_bytes()}  # fp32 masters + Adam m, v (this rank's shard)
+    run.jsonl.write({"event": "memory_footprint", "ranks": comm.all_gather_object(mine, comm.world_group())})
+    if run.straggler is not None and run.state.device.type == "cuda" and run.straggler.gpu_unavailable:
+        run.log(f"> --log-straggler: GPU power, temperature and clock not reported ({run.straggler.gpu_unavailable}; "
+                "pip install nvidia-ml-py)")
+
+
+def log_checkpoint_load(run: Run) -> None:
+    """One `checkpoint_load` JSONL record per rank (gathered to the logging rank, which owns the
+    JSONL file) and a summary line: what each rank read to resume."""
+    ps, stats = run.state.ps, run.state.load_stats
+    mine = {"event": "checkpoint_load", "rank": ps.rank, "bytes_read": stats.bytes_read,
+            "files_opened": stats.files_opened, "seconds": round(stats.seconds, 3)}
+    records = comm.gather_object(mine, ps.logging_rank, comm.world_group())
+    if records is None:
+        return
+    for r in records:
+        run.jsonl.write(r)
+    most = max(records, key=lambda r: r["bytes_read"])
+    files = max(records, key=lambda r: r["files_opened"])
+    run.log(f"> checkpoint load: {sum(r['bytes_read'] for r in records) / 2**20:.2f} MiB read by {len(records)} "
+            f"rank(s); at most {most['bytes_read'] / 2**20:.2f} MiB (rank {most['rank']}) and "
+            f"{files['files_opened']} files (rank {files['rank']}) on one rank")
+
+
+def count_parameters(state: TrainState) -> int:
+    """Parameters of the whole model, each counted once: replicated copies (TP, tied embedding
+    on the last stage, DP and CP replicas) are skipped."""
+    ps = state.ps
+    local = sum(p.numel() for _, p in state.named_params if param_info(p).is_owner(ps.tp_rank))
+    return int(sum(comm.all_gather_object(local if ps.dp_rank == 0 and ps.cp_rank == 0 else 0, comm.world_group())))

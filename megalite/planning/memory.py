@@ -1,0 +1,244 @@
+"""What one GPU of a layout holds, computed from the same RunConfig the trainer runs: parameters
+(exact for megalite's model), gradients, optimizer state and ZeRO's working set for every
+data-parallel sharding strategy, and activations at the pipeline schedule's peak.
+
+Memory per GPU (Megatron-LM's accounting, bytes per parameter; d = DP size), for the strategy of
+--data-parallel-sharding-strategy and, side by side, for every other one:
+  params     4 (fp32) or 2 (--bf16 / --fp16); / d under ZeRO-3 (optim_grads_params)
+  grads      4: the contiguous fp32 gradient buffer, whatever the parameter dtype; / d under
+             ZeRO-2 (optim_grads) and ZeRO-3
+  optimizer  Adam m and v: 8, plus an fp32 master copy (4) when parameters are 16-bit;
+             / d under ZeRO-1 (optim, --use-distributed-optimizer), ZeRO-2 and ZeRO-3; with
+             --optimizer-cpu-offload the fraction --optimizer-offload-fraction of it is host memory
+  working set  ZeRO-2/3 only, what comes and goes during a step: gradients pass through
+             bucket-sized fp32 staging buffers (at most 4 at once: 2 reducing, 2 filling, so the
+             4 biggest buckets);
+             ZeRO-3 gathers whole parameters per unit (the chunk's own: output layer, final
+             norm; plus the two biggest of the embedding and the layers: the one in use and the
+             prefetched next), in the parameter dtype
+  padding    each bucket is padded to a multiple of d: at most (d-1) elements per bucket of the
+             parameter and gradient buffers, stated as a bound, not added to the total
+  activations  Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+             Models"), Table 2, per layer and micro-batch in 16-bit:
+                 s·b·h·(10 + 24/t + 5·a·s/(h·t))    TP
+                 s·b·h·(34 + 5·a·s/h)/t             TP + sequence parallel
+             selective recompute (or flash attention) drops the 5·a·s/h term (the s² attention
+             scores are recomputed / never stored); full recompute keeps only each recomputed
+             group's 2·s·b·h input (/t with SP). The 24 is 8 (Q, K, V, attention output) + 16 (a
+             4h GeLU MLP); it is scaled here for GQA (K, V by groups/heads), other MLP sizes and
+             SwiGLU (1.5x). The first pipeline stage holds the activations of the micro-batches
+             in flight: min(p, m) with 1F1B, p + (p-1)/v chunks' worth with the interleaved
+             schedule (Sec. 4.2.3). The last stage adds the output layer and fp32 logits,
+             4·s·b·h·(1 + v/h)/t. fp32 activations count double. Context parallelism
+             (--context-parallel-size c) divides every term by c (s -> s/c per rank; the scores are
+             [s/c, s]), and adds the K and V of the whole sequence that its all-gather keeps for
+             backward, 4·s·b·h·(groups/heads)/t per layer.
+Parameter counts are exact for megalite's model (checked against the `memory_footprint`
+record of real runs in tests/test_plan.py): padded vocabulary, the tied embedding's copy on the
+last stage when PP > 1, position embeddings on the first stage, biases and norms per the flags.
+Not counted: the CUDA context, NCCL buffers, allocator fragmentation, temporary buffers (a few GB).
+
+Pipeline bubble (Narayanan et al. 2021, Sec. 2.2): (p - 1) / (v·m + p - 1), m micro-batches per
+iteration, v virtual stages per rank. FLOPs: megalite.runtime.metrics.num_floating_point_operations.
+"""
+from __future__ import annotations
+
+import math
+
+from ..config.parallel import SHARDING_STRATEGIES
+
+# -- parameters --------------------------------------------------------------------------------
+def layer_params(c) -> tuple[int, int]:
+    """(elements sharded over TP, on one TP rank; elements replicated on every TP rank) of one
+    transformer layer, as megalite builds it."""
+    h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
+    bias = not (not c.model.add_bias_linear)
+    norm = h * (2 if c.model.normalization == "LayerNorm" else 1)
+    qkv = (c.model.num_attention_heads + 2 * c.model.num_query_groups) * c.model.kv_channels // t
+    proj_in = c.model.num_attention_heads * c.model.kv_channels // t
+    fc1 = c.model.ffn_hidden_size * (2 if c.model.swiglu else 1) // t
+    fc2_in = c.model.ffn_hidden_size // t
+    sharded = qkv * h + proj_in * h + fc1 * h + fc2_in * h + ((qkv + fc1) if bias else 0)
+    replicated = 2 * norm + (2 * h if bias else 0)  # two norms; row-parallel biases are whole
+    return sharded, replicated
+
+
+def stage_params(c, pp_rank: int) -> int:
+    """Parameters held by one GPU of pipeline stage `pp_rank` (every TP and DP rank of a stage
+    holds the same number)."""
+    h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
+    p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
+    sharded, replicated = layer_params(c)
+    n = (c.model.num_layers // p) * (sharded + replicated)
+    word = c.model.padded_vocab_size // t * h
+    for chunk in range(v):
+        pre, post = pp_rank == 0 and chunk == 0, pp_rank == p - 1 and chunk == v - 1
+        if pre:
+            n += word
+            if c.model.position_embedding_type == "learned_absolute":
+                n += c.model.max_position_embeddings * h
+        if post:
+            n += h * (2 if c.model.normalization == "LayerNorm" else 1)  # final norm
+            if c.model.untie_embeddings_and_output_weights or not pre:
+                n += word  # output layer, or the tied embedding's copy on the last stage
+    return n
+
+
+def total_params(c) -> int:
+    """Parameters of the whole model, each counted once (as the trainer's start-up line)."""
+    h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
+    sharded, replicated = layer_params(c)
+    n = c.model.num_layers * (sharded * t + replicated)
+    n += c.model.padded_vocab_size * h * (2 if c.model.untie_embeddings_and_output_weights else 1)
+    if c.model.position_embedding_type == "learned_absolute":
+        n += c.model.max_position_embeddings * h
+    return n + h * (2 if c.model.normalization == "LayerNorm" else 1)
+
+
+# -- activations -------------------------------------------------------------------------------
+def recompute_setting(c) -> tuple[str | None, str | None, int]:
+    granularity = c.recompute.recompute_granularity  # validation resolved --recompute-activations
+    method = c.recompute.recompute_method or "uniform"
+    k = c.recompute.recompute_num_layers or 1
+    return granularity, (method if granularity == "full" else None), k
+
+
+def layer_activation_bytes(c) -> tuple[float, float]:
+    """(bytes one layer stores for one micro-batch, bytes of its input alone), Korthikanti et al.
+    2022 Table 2, for this TP / SP / recompute setting."""
+    cp = c.parallel.context_parallel_size
+    s, b, h = c.model.seq_length // cp, c.training.micro_batch_size, c.model.hidden_size  # this rank's s/c tokens
+    a, t = c.model.num_attention_heads, c.parallel.tensor_model_parallel_size
+    sp = bool(c.parallel.sequence_parallel) and t > 1
+    granularity, _, _ = recompute_setting(c)
+    # 24 = 8 attention (Q, K, V, context) + 16 MLP (4h GeLU): scaled for GQA, the MLP size, SwiGLU;
+    # under CP the all-gathered K and V of the whole sequence (c x this rank's) are kept too
+    attention = 4 + 4 * c.model.num_query_groups / a * (1 + cp if cp > 1 else 1)
+    mlp = 4 * c.model.ffn_hidden_size / h * (1.5 if c.model.swiglu else 1.0)
+    # the scores of s/c queries against all s keys
+    scores = 0.0 if (granularity == "selective" or c.kernels.use_flash_attn) else 5 * a * c.model.seq_length / h
+    coeff = (10 + attention + mlp + scores) / t if sp else 10 + (attention + mlp + scores) / t
+    scale = 1.0 if (c.optimizer.bf16 or c.optimizer.fp16) else 2.0  # the formula is for 16-bit
+    return s * b * h * coeff * scale, 2 * s * b * h / (t if sp else 1) * scale
+
+
+def in_flight_chunks(c, pp_rank: int) -> int:
+    """Model chunks' worth of micro-batch activations pipeline rank `pp_rank` holds at its peak:
+    Megatron-LM's warm-up count plus one, at most all m·v of them."""
+    p, v, m = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size, c.training.num_microbatches
+    if p == 1:
+        return 1
+    warmup = (p - pp_rank - 1) * 2 + (v - 1) * p if v > 1 else p - pp_rank - 1
+    return min(warmup + 1, m * v)
+
+
+def stage_activation_bytes(c, pp_rank: int) -> float:
+    p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
+    s, b, h, t = c.model.seq_length, c.training.micro_batch_size, c.model.hidden_size, c.parallel.tensor_model_parallel_size
+    s //= c.parallel.context_parallel_size  # this rank's tokens under CP
+    sp = bool(c.parallel.sequence_parallel) and t > 1
+    full, checkpoint = layer_activation_bytes(c)
+    granularity, method, k = recompute_setting(c)
+    n = c.model.num_layers // (p * v)  # layers per model chunk
+    transient = 0.0
+    if granularity == "full":
+        if method == "block":
+            kept = min(k, n) * checkpoint + (n - min(k, n)) * full
+        else:  # uniform: the input of every group of k layers; one group is rebuilt at a time
+            kept = math.ceil(n / k) * checkpoint
+        transient = min(k, n) * full
+    else:
+        kept = n * full
+    chunks = in_flight_chunks(c, pp_rank)
+    total = chunks * kept + transient
+    scale = 1.0 if (c.optimizer.bf16 or c.optimizer.fp16) else 2.0
+    if pp_rank == 0:  # embedding dropout mask per micro-batch in flight
+        total += chunks / v * s * b * h / (t if sp else 1)
+    if pp_rank == p - 1:  # final norm output, output-layer input, fp32 logits (one micro-batch)
+        total += 4 * s * b * h / t * (1 + c.model.padded_vocab_size / h) * scale
+    return total
+
+
+# -- data-parallel sharding ------------------------------------------------------------------------
+STRATEGIES = SHARDING_STRATEGIES
+ZERO_STAGE = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+def unit_params(c, pp_rank: int) -> tuple[int, list[int]]:
+    """ZeRO-3 units of one GPU of stage `pp_rank` (distributed/zero3.py): (the largest chunk's own
+    unit: output layer, final norm, and the word embedding when it is the output layer too; the
+    other units: embedding and layers), in elements."""
+    h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
+    p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
+    sharded, replicated = layer_params(c)
+    word = c.model.padded_vocab_size // t * h
+    pos = c.model.max_position_embeddings * h if c.model.position_embedding_type == "learned_absolute" else 0
+    tied = not c.model.untie_embeddings_and_output_weights
+    own, units = 0, [sharded + replicated] * (c.model.num_layers // (p * v))
+    for chunk in range(v):
+        pre, post = pp_rank == 0 and chunk == 0, pp_rank == p - 1 and chunk == v - 1
+        n = 0
+        if post:
+            n += h * (2 if c.model.normalization == "LayerNorm" else 1) + (word if (not tied or not pre) else 0)
+        if pre and post and tied:
+            n += word + pos
+        elif pre:
+            units.append(word + pos)
+        own = max(own, n)
+    return own, units
+
+
+def bucket_sizes(c, pp_rank: int, stage: int) -> list[int]:
+    """Approximate bucket sizes (elements) of the sharded-gradient layouts (distributed/buckets.py):
+    a vocabulary table of at least --ddp-bucket-size elements gets a bucket of its own; ZeRO-3
+    cuts every unit into buckets, ZeRO-2 only the stage's parameters as a whole."""
+    bs, h, t = c.ddp.ddp_bucket_size, c.model.hidden_size, c.parallel.tensor_model_parallel_size
+    word = c.model.padded_vocab_size // t * h
+    p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
+    tables = 0  # word embedding and output layer tables on this stage
+    for chunk in range(v):
+        pre, post = pp_rank == 0 and chunk == 0, pp_rank == p - 1 and chunk == v - 1
+        tables += int(pre) + int(post and (c.model.untie_embeddings_and_output_weights or not pre))
+    tables = tables if word >= bs else 0
+    own, units = unit_params(c, pp_rank)
+    parts = units + [own] if stage == 3 else [stage_params(c, pp_rank)]
+    sizes, left = [word] * tables, tables
+    for u in sorted(parts, reverse=True):
+        cut = min(left, u // word) if tables else 0  # the tables come out of the units holding them
+        left -= cut
+        u -= cut * word
+        sizes += [bs] * (u // bs) + ([u % bs] if u % bs else [])
+    return sizes
+
+
+def strategy_bytes(c, pp_rank: int, strategy: str) -> dict:
+    """Bytes per GPU of stage `pp_rank` under `strategy` (module docstring). ZeRO shards over
+    DP x CP: context-parallel ranks hold the same parameters."""
+    d, stage = c.parallel.data_parallel_size * c.parallel.context_parallel_size, ZERO_STAGE[strategy]
+    n = stage_params(c, pp_rank)
+    sixteen_bit = bool(c.optimizer.bf16 or c.optimizer.fp16)
+    pb = 2 if sixteen_bit else 4
+    state = 8 if c.optimizer.optimizer == "adam" else (4 if c.optimizer.sgd_momentum else 0)
+    opt_per_param = state + (4 if sixteen_bit else 0)
+    offload = c.optimizer.optimizer_offload_fraction if c.optimizer.optimizer_cpu_offload else 0.0
+    if stage >= 1 and offload and not sixteen_bit:
+        opt_per_param += 4  # an offloaded fp32 parameter gets a host master of its own
+    optimizer = n * opt_per_param / (d if stage >= 1 else 1)
+    own, units = unit_params(c, pp_rank)
+    v = c.parallel.virtual_pipeline_model_parallel_size
+    if stage == 3:
+        buckets = v * (c.model.num_layers // (c.parallel.pipeline_model_parallel_size * v) + 3)
+    else:
+        buckets = math.ceil(n / c.ddp.ddp_bucket_size) + (v + 1 if stage == 2 else 0)
+    gathered = staging = 0.0
+    if stage >= 2:
+        staging = 4 * sum(sorted(bucket_sizes(c, pp_rank, stage))[-4:])
+    if stage == 3:
+        gathered = (own + sum(sorted(units)[-2:])) * pb
+    out = {"params": n * pb / (d if stage == 3 else 1), "grads": 4 * n / (d if stage >= 2 else 1),
+           "optimizer": optimizer * (1 - offload), "optimizer_host": optimizer * offload,
+           "working_set": gathered + staging, "gathered_params": gathered, "staging_grads": staging,
+           "buckets": buckets, "padding_max": (d - 1) * buckets * (pb + 4) if stage >= 1 else 0}
+    return out
+
+

@@ -1,0 +1,143 @@
+"""The plan of a layout: per-stage memory by sharding strategy, the pipeline bubble, FLOPs; and its
+text report (tools/plan.py prints it). The arithmetic is in planning/memory.py."""
+from __future__ import annotations
+
+from ..config.run import RunConfig
+from ..runtime.metrics import num_floating_point_operations
+from .memory import (STRATEGIES, ZERO_STAGE, in_flight_chunks, recompute_setting, stage_activation_bytes,
+                     stage_params, strategy_bytes, total_params)
+
+GIB = 2**30
+
+
+def make_plan(c: RunConfig, gpu_memory_gb: float = 80.0) -> dict:
+    """The plan (tools/plan.py's --json object) of a validated RunConfig whose model has its
+    vocabulary sizes filled in; `c.kernels.use_flash_attn` plans for the flash-attn kernels."""
+    p, t, dp = c.parallel.pipeline_model_parallel_size, c.parallel.tensor_model_parallel_size, c.parallel.data_parallel_size
+    cp = c.parallel.context_parallel_size
+    strategy = c.ddp.data_parallel_sharding_strategy
+    zero1 = strategy != "no_shard"
+    stages = []
+    for r in range(p):
+        n = stage_params(c, r)
+        by = {s: strategy_bytes(c, r, s) for s in STRATEGIES}
+        activations = stage_activation_bytes(c, r)
+        for b in by.values():
+            b["total"] = b["params"] + b["grads"] + b["optimizer"] + b["working_set"] + activations
+        mem = by[strategy]
+        opt_full, opt_zero1 = by["no_shard"]["optimizer"], by["optim"]["optimizer"] + by["optim"]["optimizer_host"]
+        stages.append({
+            "pp_rank": r, "num_params": n, "param_bytes": mem["params"], "grad_bytes": mem["grads"],
+            "optimizer_bytes": mem["optimizer"], "optimizer_host_bytes": mem["optimizer_host"],
+            "optimizer_bytes_without_zero1": opt_full, "optimizer_bytes_with_zero1": opt_zero1,
+            "working_set_bytes": mem["working_set"], "gathered_param_bytes": mem["gathered_params"],
+            "staging_grad_bytes": mem["staging_grads"], "padding_bytes_max": mem["padding_max"],
+            "activation_bytes": activations, "total_bytes": mem["total"],
+            "total_bytes_without_zero1": by["no_shard"]["total"],
+            "total_bytes_with_zero1": by["optim"]["total"] - by["optim"]["optimizer"] + opt_zero1,
+            "total_bytes_by_strategy": {s: b["total"] for s, b in by.items()},
+            "by_strategy": by,
+            "in_flight_micro_batches": in_flight_chunks(c, r) / c.parallel.virtual_pipeline_model_parallel_size,
+        })
+    worst = max(stages, key=lambda st: st["total_bytes"])
+    v, m = c.parallel.virtual_pipeline_model_parallel_size, c.training.num_microbatches
+    granularity, method, k = recompute_setting(c)
+    memory_gb = {key: worst[f"{field}_bytes"] / GIB for key, field in
+                 (("params", "param"), ("grads", "grad"), ("optimizer", "optimizer"),
+                  ("working_set", "working_set"), ("activations", "activation"), ("total", "total"))}
+    by_strategy_gb = {s: {k: val / GIB for k, val in worst["by_strategy"][s].items() if k != "buckets"}
+                      for s in STRATEGIES}
+    return {
+        "layout": {"world_size": c.parallel.world_size, "tp": t, "pp": p, "dp": dp, "cp": cp, "vpp": v,
+                   "micro_batch_size": c.training.micro_batch_size, "global_batch_size": c.training.global_batch_size,
+                   "num_microbatches": m, "seq_length": c.model.seq_length,
+                   "precision": "bf16" if c.optimizer.bf16 else ("fp16" if c.optimizer.fp16 else "fp32"),
+                   "distributed_optimizer": zero1, "data_parallel_sharding_strategy": strategy,
+                   "optimizer_cpu_offload": bool(c.optimizer.optimizer_cpu_offload),
+                   "sequence_parallel": bool(c.parallel.sequence_parallel) and t > 1,
+                   "recompute": granularity or "none", "recompute_method": method,
+                   "recompute_num_layers": k if granularity == "full" else None,
+                   "flash_attn": bool(c.kernels.use_flash_attn)},
+        "model": {"num_layers": c.model.num_layers, "hidden_size": c.model.hidden_size,
+                  "num_attention_heads": c.model.num_attention_heads, "num_query_groups": c.model.num_query_groups,
+                  "ffn_hidden_size": c.model.ffn_hidden_size, "vocab_size": c.model.vocab_size,
+                  "padded_vocab_size": c.model.padded_vocab_size},
+        "num_params_total": total_params(c),
+        "num_params_per_gpu": max(st["num_params"] for st in stages),
+        "memory_gb": memory_gb,
+        "memory_gb_optimizer_without_zero1": worst["optimizer_bytes_without_zero1"] / GIB,
+        "memory_gb_optimizer_with_zero1": worst["optimizer_bytes_with_zero1"] / GIB,
+        "memory_gb_total_without_zero1": worst["total_bytes_without_zero1"] / GIB,
+        "memory_gb_total_with_zero1": worst["total_bytes_with_zero1"] / GIB,
+        "memory_gb_optimizer_host": worst["optimizer_host_bytes"] / GIB,
+        "memory_gb_padding_max": worst["padding_bytes_max"] / GIB,
+        "memory_gb_by_strategy": by_strategy_gb,
+        "worst_pp_rank": worst["pp_rank"],
+        "stages": stages,
+        "bubble_fraction": (p - 1) / (v * m + p - 1),
+        "flops_per_iteration": num_floating_point_operations(c.model, c.training.global_batch_size),
+        "tokens_per_iteration": c.training.global_batch_size * c.model.seq_length,
+        "gpu_memory_gb": gpu_memory_gb,
+        "fits": memory_gb["total"] <= gpu_memory_gb,
+    }
+
+
+def format_plan(plan: dict) -> str:
+    lay, mod = plan["layout"], plan["model"]
+    rec = lay["recompute"] + (f" ({lay['recompute_method']}, {lay['recompute_num_layers']} layers)"
+                              if lay["recompute"] == "full" else "")
+    lines = [
+        f"model   {plan['num_params_total'] / 1e9:.3f}B parameters: {mod['num_layers']} layers, hidden "
+        f"{mod['hidden_size']}, {mod['num_attention_heads']} heads ({mod['num_query_groups']} query groups), "
+        f"ffn {mod['ffn_hidden_size']}, vocab {mod['vocab_size']} (padded {mod['padded_vocab_size']})",
+        f"layout  {lay['world_size']} GPUs = TP {lay['tp']}" + (f" x CP {lay['cp']}" if lay["cp"] > 1 else "")
+        + f" x PP {lay['pp']} x DP {lay['dp']}"
+        + (f", {lay['vpp']} virtual stages per rank" if lay["vpp"] > 1 else "")
+        + f"; {lay['precision']}, DP sharding {lay['data_parallel_sharding_strategy']}"
+        + (" + optimizer offload" if lay["optimizer_cpu_offload"] else "") + ", "
+        f"sequence parallel {'on' if lay['sequence_parallel'] else 'off'}, recompute {rec}"
+        + (", flash-attn" if lay["flash_attn"] else ""),
+        f"batch   {lay['num_microbatches']} micro-batches of {lay['micro_batch_size']} x {lay['seq_length']} tokens "
+        f"per DP rank; global batch {lay['global_batch_size']} ({plan['tokens_per_iteration'] / 1e6:.2f}M tokens)",
+        "",
+        f"memory per GPU, GiB (pipeline stage with the most: {plan['worst_pp_rank']}; "
+        f"{plan['num_params_per_gpu'] / 1e6:.1f}M parameters on it)",
+    ]
+    mem = plan["memory_gb"]
+    zero_note = (f"   (without ZeRO-1: {plan['memory_gb_optimizer_without_zero1']:.2f})"
+                 if lay["distributed_optimizer"] else
+                 f"   (with ZeRO-1 over DP {lay['dp']}" + (f" x CP {lay['cp']}" if lay["cp"] > 1 else "")
+                 + f": {plan['memory_gb_optimizer_with_zero1']:.2f})")
+    if lay["optimizer_cpu_offload"]:
+        zero_note += f"   + {plan['memory_gb_optimizer_host']:.2f} in host memory (offloaded)"
+    for key in ("params", "grads", "optimizer", "working_set", "activations"):
+        if key == "working_set" and not mem[key]:
+            continue
+        lines.append(f"  {key.replace('_', ' '):<12}{mem[key]:9.2f}" + (zero_note if key == "optimizer" else "")
+                     + ("   (gathered parameters + gradient staging, ZeRO-2/3)" if key == "working_set" else ""))
+    lines.append(f"  {'total':<12}{mem['total']:9.2f}   of {plan['gpu_memory_gb']:.0f}: "
+                 + ("fits" if plan["fits"] else "DOES NOT FIT")
+                 + " (plus CUDA context, NCCL buffers, fragmentation: a few GiB)")
+    if plan["memory_gb_padding_max"]:
+        lines.append(f"  {'':<12}(plus bucket padding, at most {plan['memory_gb_padding_max'] * 2**20:.1f} KiB)")
+    lines.append(f"  by DP sharding strategy over DP {lay['dp']}:  params   grads  optimizer  working set   total")
+    for s, b in plan["memory_gb_by_strategy"].items():
+        mark = "*" if s == lay["data_parallel_sharding_strategy"] else " "
+        name = f"{s} (ZeRO-{ZERO_STAGE[s]})" if ZERO_STAGE[s] else s
+        lines.append(f"   {mark} {name:<30}{b['params']:8.2f}{b['grads']:8.2f}{b['optimizer']:11.2f}"
+                     f"{b['working_set']:13.2f}{b['total']:8.2f}"
+                     + ("" if b["total"] <= plan["gpu_memory_gb"] else "  no fit"))
+    if len(plan["stages"]) > 1:
+        lines.append("  by stage:   " + "  ".join(f"{st['pp_rank']}: {st['total_bytes'] / GIB:.1f}"
+                                                  for st in plan["stages"]))
+    lines += [
+        "",
+        f"pipeline bubble  {100 * plan['bubble_fraction']:.1f}% of an iteration "
+        f"((p-1)/(v*m+p-1) = {lay['pp'] - 1}/({lay['vpp']}*{lay['num_microbatches']}+{lay['pp'] - 1}))",
+        f"FLOPs/iteration  {plan['flops_per_iteration']:.3e} "
+        f"({plan['flops_per_iteration'] / lay['world_size'] / 1e12:.1f} TFLOP per GPU; "
+        f"at 400 TFLOP/s/GPU: {plan['flops_per_iteration'] / lay['world_size'] / 400e12:.2f} s/iteration)",
+    ]
+    return "\n".join(lines)
+
+
