@@ -1,4 +1,5 @@
-"""Greedy generation with and without the key/value cache, on CPU (numbers go to README.md).
+"""Greedy generation with and without the key/value cache, on CPU (numbers go to docs/checkpoints.md,
+"Generating text").
 
     OMP_NUM_THREADS=1 python benchmarks/bench_generate.py [--new-tokens 256] [--layers 4 --hidden 256 ...]
 

@@ -4,7 +4,7 @@
 # sets as written there, with only model sizes, batch sizes and iteration counts shrunk so that
 # each trains for a few iterations on a CPU, under torchrun with TP=2 (gloo). The few other
 # differences follow Megatron-LM's own validation or the device; each is marked "megalite:" and
-# README.md ("Megatron-LM's launch scripts") lists them.
+# docs/megatron.md ("Megatron-LM's launch scripts") lists them.
 #
 #   bash examples/megatron/run_cpu.sh [WORK_DIR]    # data, checkpoints, logs under WORK_DIR (default: a new temp dir)
 #   DRY_RUN=1 bash examples/megatron/run_cpu.sh     # print the two commands only

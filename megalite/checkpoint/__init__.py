@@ -1,2 +1,3 @@
-"""Checkpoints: save and load on any layout (per-rank shards, an index of who holds what,
-resharding reads), the tensor file format, and Hugging Face conversion."""
+"""Checkpoints: save and load on any layout and sharding strategy (per-rank shards, an index of
+who holds what, resharding reads), the tensor file format, up-front checks of a checkpoint's
+files, and Hugging Face conversion."""

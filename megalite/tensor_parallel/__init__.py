@@ -1,4 +1,5 @@
-"""Tensor parallelism: autograd collectives, parallel layers, vocab-parallel loss, RNG tracker."""
+"""Tensor (and sequence) parallelism: autograd collectives, parallel layers, vocab-parallel loss,
+RNG tracker, and ParamInfo, the per-parameter record of how a tensor is sharded."""
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_init, set_tp_attributes
 from .mappings import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp,
