@@ -35,9 +35,10 @@ def add_config_args(parser, cls, section: str, title: str | None = None) -> None
             kwargs["action"] = argparse.BooleanOptionalAction
         elif flag.action:
             kwargs["action"] = flag.action
-        else:
+        else:  # metavar: the field's name, as argparse would show a plain dest (not "SECTION.FIELD")
+            metavar = flag.metavar or (None if flag.choices else f.name.upper())
             kwargs.update({k: v for k, v in (("type", flag.type), ("choices", flag.choices), ("nargs", flag.nargs),
-                                             ("metavar", flag.metavar)) if v is not None})
+                                             ("metavar", metavar)) if v is not None})
         group.add_argument(flag.name, **kwargs)
 
 
