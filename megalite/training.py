@@ -32,7 +32,7 @@ from .runtime.monitor import CommMonitor
 from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
 from .model.init import initial_value
 from .optimizer import build_lr_scheduler, build_optimizer
-from .pipeline_parallel import get_forward_backward_func
+from .pipeline_parallel import default_schedule_name, get_schedule
 from .pipeline_parallel.p2p import PipeComm
 from .runtime.profiling import Profiler
 from .runtime.straggler import StragglerDetector
@@ -180,7 +180,7 @@ def setup(cfg: RunConfig) -> Run:
     straggler = StragglerDetector(ps, device, monitor) if t.log_straggler else None
     run = Run(cfg=cfg, state=state, model=model, dp=dp, datasets=datasets, eod=eod,
               train_batches=batch_iterators(cfg, datasets[0], state.consumed_samples, ps, device, eod, straggler),
-              forward_backward=get_forward_backward_func(ps.pp_size, ps.vpp),
+              forward_backward=get_schedule(default_schedule_name(ps.pp_size, ps.vpp)),
               pipe_comm=PipeComm(ps, (s, cfg.data.micro_batch_size, model_config.hidden_size),
                                  model_config.params_dtype, device),
               jsonl=JsonlWriter(cfg.training.log_jsonl if logging_rank else None),

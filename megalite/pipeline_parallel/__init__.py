@@ -1,4 +1,4 @@
 """Pipeline schedules (and, with more than one stage, the point-to-point exchange)."""
-from .schedules import get_forward_backward_func
+from .schedules import SCHEDULES, check_schedule, default_schedule_name, get_schedule
 
-__all__ = ["get_forward_backward_func"]
+__all__ = ["SCHEDULES", "check_schedule", "default_schedule_name", "get_schedule"]
