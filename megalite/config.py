@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from .distributed.strategy import NAMES as SHARDING_STRATEGIES
+
 
 @dataclass
 class ParallelConfig:
@@ -20,9 +22,6 @@ class ParallelConfig:
     rank_order: str = "tp-cp-dp-pp"
     distributed_backend: str = "gloo"
     distributed_timeout_minutes: float = 10.0
-
-
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass

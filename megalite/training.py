@@ -23,7 +23,7 @@ from . import comm, parallel_state
 from .checkpoint.checkpointing import CheckpointSaver, TrainState, load_checkpoint
 from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
-from .distributed import DataParallel
+from .distributed import DataParallel, get_strategy
 from .errors import UserError
 from .runtime.metrics import (JsonlWriter, Timer, console_line, memory_record, memory_string, num_floating_point_operations,
                       peak_tflops, perplexity)
@@ -152,7 +152,7 @@ def setup(cfg: RunConfig) -> Run:
     comm.set_monitor(monitor)  # pretrain() stops it and uninstalls it, whatever happens
     monitor.start_watchdog()
     model_config, eod = resolve_vocab(cfg)
-    zero3 = cfg.ddp.data_parallel_sharding_strategy == "optim_grads_params"
+    zero3 = get_strategy(cfg.ddp.data_parallel_sharding_strategy).shards_params
     model, rng_tracker = build_model(model_config, ps, cfg.training.seed, device, on_meta=zero3)
     if cfg.training.compile:  # --compile: each transformer layer, in place (model/compile.py)
         from .model.compile import compile_layers
@@ -498,7 +498,7 @@ def params_norm(run: Run) -> float:
     ps, dp = run.state.ps, run.dp
     t = torch.zeros(1, dtype=torch.float64, device=run.state.device)
     dp.finish_param_sync()  # every rank: pending ZeRO-1/2 gathers would leave stale values
-    if dp.shards_params or (ps.dp_rank == 0 and ps.cp_rank == 0):
+    if dp.strategy.shards_params or (ps.dp_rank == 0 and ps.cp_rank == 0):
         for p, _, _, stored in dp.param_pieces():
             if param_info(p).is_owner(ps.tp_rank):
                 t += stored.detach().double().pow(2).sum()

@@ -61,6 +61,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.arguments import DEFAULT_SPLIT, build_parser, validate_args  # noqa: E402
+from megalite.distributed.strategy import STRATEGIES, ShardingStrategy, default_strategy_name  # noqa: E402
 from megalite.errors import cli  # noqa: E402
 from megalite.runtime.metrics import num_floating_point_operations  # noqa: E402
 from megalite.model import pad_vocab_size  # noqa: E402
@@ -257,10 +258,6 @@ def stage_activation_bytes(args, pp_rank: int) -> float:
 
 
 # -- data-parallel sharding ------------------------------------------------------------------------
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-ZERO_STAGE = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
-
-
 def unit_params(args, pp_rank: int) -> tuple[int, list[int]]:
     """ZeRO-3 units of one GPU of stage `pp_rank` (distributed/zero3.py): (the largest chunk's own
     unit: output layer, final norm, and the word embedding when it is the output layer too; the
@@ -285,7 +282,7 @@ def unit_params(args, pp_rank: int) -> tuple[int, list[int]]:
     return own, units
 
 
-def bucket_sizes(args, pp_rank: int, stage: int) -> list[int]:
+def bucket_sizes(args, pp_rank: int, strategy: ShardingStrategy) -> list[int]:
     """Approximate bucket sizes (elements) of the sharded-gradient layouts (distributed/buckets.py):
     a vocabulary table of at least --ddp-bucket-size elements gets a bucket of its own; ZeRO-3
     cuts every unit into buckets, ZeRO-2 only the stage's parameters as a whole."""
@@ -298,7 +295,7 @@ def bucket_sizes(args, pp_rank: int, stage: int) -> list[int]:
         tables += int(pre) + int(post and (args.untie_embeddings_and_output_weights or not pre))
     tables = tables if word >= bs else 0
     own, units = unit_params(args, pp_rank)
-    parts = units + [own] if stage == 3 else [stage_params(args, pp_rank)]
+    parts = units + [own] if strategy.shards_params else [stage_params(args, pp_rank)]
     sizes, left = [word] * tables, tables
     for u in sorted(parts, reverse=True):
         cut = min(left, u // word) if tables else 0  # the tables come out of the units holding them
@@ -308,34 +305,35 @@ def bucket_sizes(args, pp_rank: int, stage: int) -> list[int]:
     return sizes
 
 
-def strategy_bytes(args, pp_rank: int, strategy: str) -> dict:
+def strategy_bytes(args, pp_rank: int, strategy: ShardingStrategy) -> dict:
     """Bytes per GPU of stage `pp_rank` under `strategy` (module docstring). ZeRO shards over
     DP x CP: context-parallel ranks hold the same parameters."""
-    d, stage = args.data_parallel_size * getattr(args, "context_parallel_size", 1), ZERO_STAGE[strategy]
+    d = args.data_parallel_size * getattr(args, "context_parallel_size", 1)
+    s_opt, s_grads, s_params = strategy.shards_optimizer, strategy.shards_grads, strategy.shards_params
     n = stage_params(args, pp_rank)
     sixteen_bit = bool(args.bf16 or getattr(args, "fp16", False))
     pb = 2 if sixteen_bit else 4
     state = 8 if args.optimizer == "adam" else (4 if args.sgd_momentum else 0)
     opt_per_param = state + (4 if sixteen_bit else 0)
     offload = getattr(args, "optimizer_offload_fraction", 1.0) if getattr(args, "optimizer_cpu_offload", False) else 0.0
-    if stage >= 1 and offload and not sixteen_bit:
+    if s_opt and offload and not sixteen_bit:
         opt_per_param += 4  # an offloaded fp32 parameter gets a host master of its own
-    optimizer = n * opt_per_param / (d if stage >= 1 else 1)
+    optimizer = n * opt_per_param / (d if s_opt else 1)
     own, units = unit_params(args, pp_rank)
     v = args.virtual_pipeline_model_parallel_size
-    if stage == 3:
+    if s_params:
         buckets = v * (args.num_layers // (args.pipeline_model_parallel_size * v) + 3)
     else:
-        buckets = math.ceil(n / args.ddp_bucket_size) + (v + 1 if stage == 2 else 0)
+        buckets = math.ceil(n / args.ddp_bucket_size) + (v + 1 if s_grads else 0)
     gathered = staging = 0.0
-    if stage >= 2:
-        staging = 4 * sum(sorted(bucket_sizes(args, pp_rank, stage))[-4:])
-    if stage == 3:
+    if s_grads:
+        staging = 4 * sum(sorted(bucket_sizes(args, pp_rank, strategy))[-4:])
+    if s_params:
         gathered = (own + sum(sorted(units)[-2:])) * pb
-    out = {"params": n * pb / (d if stage == 3 else 1), "grads": 4 * n / (d if stage >= 2 else 1),
+    out = {"params": n * pb / (d if s_params else 1), "grads": 4 * n / (d if s_grads else 1),
            "optimizer": optimizer * (1 - offload), "optimizer_host": optimizer * offload,
            "working_set": gathered + staging, "gathered_params": gathered, "staging_grads": staging,
-           "buckets": buckets, "padding_max": (d - 1) * buckets * (pb + 4) if stage >= 1 else 0}
+           "buckets": buckets, "padding_max": (d - 1) * buckets * (pb + 4) if s_opt else 0}
     return out
 
 
@@ -348,13 +346,13 @@ def make_plan(argv=None) -> dict:
 def plan_from_args(args) -> dict:
     p, t, dp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.data_parallel_size
     cp = getattr(args, "context_parallel_size", 1)
-    strategy = getattr(args, "data_parallel_sharding_strategy", None) or (
-        "optim" if getattr(args, "use_distributed_optimizer", False) else "no_shard")
-    zero1 = strategy != "no_shard"
+    strategy = getattr(args, "data_parallel_sharding_strategy", None) or default_strategy_name(
+        getattr(args, "use_distributed_optimizer", False))
+    zero1 = STRATEGIES[strategy].shards_optimizer
     stages = []
     for r in range(p):
         n = stage_params(args, r)
-        by = {s: strategy_bytes(args, r, s) for s in STRATEGIES}
+        by = {name: strategy_bytes(args, r, s) for name, s in STRATEGIES.items()}
         activations = stage_activation_bytes(args, r)
         for b in by.values():
             b["total"] = b["params"] + b["grads"] + b["optimizer"] + b["working_set"] + activations
@@ -457,7 +455,7 @@ def format_plan(plan: dict) -> str:
     lines.append(f"  by DP sharding strategy over DP {lay['dp']}:  params   grads  optimizer  working set   total")
     for s, b in plan["memory_gb_by_strategy"].items():
         mark = "*" if s == lay["data_parallel_sharding_strategy"] else " "
-        name = f"{s} (ZeRO-{ZERO_STAGE[s]})" if ZERO_STAGE[s] else s
+        name = STRATEGIES[s].describe()
         lines.append(f"   {mark} {name:<30}{b['params']:8.2f}{b['grads']:8.2f}{b['optimizer']:11.2f}"
                      f"{b['working_set']:13.2f}{b['total']:8.2f}"
                      + ("" if b["total"] <= plan["gpu_memory_gb"] else "  no fit"))

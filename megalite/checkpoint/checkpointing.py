@@ -301,7 +301,7 @@ def build_metadata(train_state: TrainState, iteration: int) -> dict:
         "args": _json_safe(train_state.flags), "model_config": train_state.model_config.to_dict(),
         "layout": {"world_size": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "vpp": ps.vpp,
                    "dp": ps.dp_size, "cp": ps.cp_size, "distributed_optimizer": bool(opt.distributed),
-                   "data_parallel_sharding_strategy": opt.dp.strategy},
+                   "data_parallel_sharding_strategy": opt.dp.strategy.name},
         "scheduler": train_state.scheduler.state_dict(),
         "grad_scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
         "optimizer": {"type": train_state.flags.get("optimizer", "adam"), "fp32_params": bool(opt.fp32_params)},
@@ -558,7 +558,7 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
             kind = "master" if prefer_master and has(names[id(p)], "master") else "param"
             t = opt.dp.param_slice(p, lo, hi)
             t.copy_(read(p, kind, lo, hi).to(t.dtype))
-        _sum_to_all([(p, t) for p, _, _, t in stored], ps, replicated_over_dp=not opt.dp.shards_params)
+        _sum_to_all([(p, t) for p, _, _, t in stored], ps, replicated_over_dp=not opt.dp.strategy.shards_params)
         # optimizer: masters (16-bit runs) and moments of the pieces this rank steps, read where
         # this rank owns them, summed over the groups that share them
         owned_ids = {(id(p), lo) for p, lo, _, _ in owned}
