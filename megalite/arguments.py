@@ -22,10 +22,10 @@ import math
 import os
 
 from .data.data_paths import parse_and_normalize_split, parse_blend
-from .data.indexed_dataset import IndexedDataset
+from .data.reader import open_dataset
 from .data.tokenizers import (TOKENIZER_FILE_FLAGS, TOKENIZER_TYPES, TOKENIZER_TYPES_HELP, add_tiktoken_args,
                               check_tokenizer_args)
-from .errors import ArgumentParser, InputError
+from .errors import ArgumentParser, InputError, UserError
 
 DEFAULT_SPLIT = "969, 30, 1"
 
@@ -978,18 +978,10 @@ def check_paths(args) -> None:
         if getattr(args, dest):
             prefixes, _ = parse_blend(getattr(args, dest), _flag(dest))
             for prefix in prefixes:
-                missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-                if missing:
-                    _fail(f"{_flag(dest)} {prefix}: dataset not found (missing {', '.join(missing)}); a prefix names "
-                          f"a .bin/.idx pair made by tools/preprocess_data.py")
-                # header, sizes and dtype (memory-mapped: the same cost for any corpus size)
-                try:
-                    ds = IndexedDataset(prefix)
-                except InputError as e:
-                    _fail(f"{_flag(dest)} {prefix}: {e}")
-                if ds.dtype.kind not in "iu":
-                    _fail(f"{_flag(dest)} {prefix}: {prefix}.idx declares {ds.dtype.name} tokens; a GPT dataset "
-                          f"holds integer token ids")
+                try:  # files, header, sizes and dtype (memory-mapped: the same cost for any corpus size)
+                    open_dataset(prefix, _flag(dest))
+                except UserError as e:
+                    _fail(str(e))
     # tokenizer files
     for dest in TOKENIZER_FILE_FLAGS.get(args.tokenizer_type, ()):
         path = getattr(args, dest)
