@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from . import comm, parallel_state
-from .checkpoint.checkpointing import CheckpointSaver, TrainState, load_checkpoint
+from .checkpoint.load import load_checkpoint
+from .checkpoint.save import CheckpointSaver
+from .checkpoint.state import TrainState
 from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
 from .distributed import DataParallel, get_strategy
