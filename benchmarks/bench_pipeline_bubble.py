@@ -58,7 +58,7 @@ def _run(rank, world, m, v, tf):
     import torch.distributed as dist
 
     from megalite import parallel_state
-    from megalite.pipeline_parallel import get_forward_backward_func
+    from megalite.pipeline_parallel import default_schedule_name, get_schedule
     from megalite.pipeline_parallel.p2p import PipeComm
 
     ps = parallel_state.initialize(tp=1, pp=world, vpp=v)
@@ -70,7 +70,7 @@ def _run(rank, world, m, v, tf):
     # the schedule reads one micro-batch per chunk per step; the stand-ins ignore all but the mask
     batch = {"input_ids": None, "position_ids": None, "attention_mask": None, "labels": None,
              "loss_mask": torch.ones(shape[:2])}
-    fb = get_forward_backward_func(world, v)
+    fb = get_schedule(default_schedule_name(world, v))
     comm = PipeComm(ps, shape, torch.float32, torch.device("cpu"))
     results = []
     for it in range(3):  # first iteration warms up the communicators

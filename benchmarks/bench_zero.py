@@ -32,9 +32,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from megalite.config.sharding import STRATEGIES  # noqa: E402
 GIB, MIB = 2**30, 2**20
-STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-ZERO = {"no_shard": "", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 
 
@@ -69,7 +68,7 @@ def worker(argv) -> None:
             "grad_bytes": dp.grad_bytes, "optimizer_bytes": run.state.optimizer.state_bytes(),
             "buckets": len(dp.layout.buckets),
             "peak_staging_bytes": getattr(dp.grads, "peak_staging_bytes", 0)}
-    if dp.shards_params:
+    if dp.strategy.shards_params:
         mine.update(peak_gathered_bytes=dp.param_buffer.peak_gathered_bytes,
                     gathers_per_step=dp.param_buffer.gathers / cfg.training.train_iters)
     ranks = comm.all_gather_object(mine, comm.world_group())
@@ -120,8 +119,9 @@ SMALL = ["--mock-data", "--vocab-size", "8192", "--num-layers", "4", "--hidden-s
 
 def formula_bytes(strategy: str, n: int, d: int) -> tuple[float, float, float]:
     """fp32 parameters and Adam: (params 4, grads 4, optimizer 8) bytes per parameter, / d where sharded."""
-    k = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}[strategy]
-    return 4 * n / (d if k >= 3 else 1), 4 * n / (d if k >= 2 else 1), 8 * n / (d if k >= 1 else 1)
+    s = STRATEGIES[strategy]
+    return 4 * n / (d if s.shards_params else 1), 4 * n / (d if s.shards_grads else 1), \
+        8 * n / (d if s.shards_optimizer else 1)
 
 
 def bench_strategies(dps, iters: int) -> None:
@@ -131,14 +131,15 @@ def bench_strategies(dps, iters: int) -> None:
     for d in dps:
         for s in STRATEGIES:
             flags = SMALL + ["--global-batch-size", str(4 * d), "--train-iters", str(iters),
-                             "--data-parallel-sharding-strategy", s] + (OVERLAP if s != "no_shard" else
-                                                                          ["--overlap-grad-reduce"])
+                             "--data-parallel-sharding-strategy", s] + (OVERLAP if STRATEGIES[s].shards_optimizer
+                                                                          else ["--overlap-grad-reduce"])
             with tempfile.TemporaryDirectory() as tmp:
                 out = launch(d, flags, tmp)
             r = out["ranks"][0]
             f = formula_bytes(s, r["num_params"], d)
             peaks = f"{r.get('peak_gathered_bytes', 0) / MIB:.1f} / {r['peak_staging_bytes'] / MIB:.1f}"
-            print(f"| {d} | {s} {ZERO[s]} | {r['param_bytes'] / MIB:.2f} ({f[0] / MIB:.2f}) | "
+            zero = f"ZeRO-{STRATEGIES[s].zero_stage}" if STRATEGIES[s].zero_stage else ""
+            print(f"| {d} | {s} {zero} | {r['param_bytes'] / MIB:.2f} ({f[0] / MIB:.2f}) | "
                   f"{r['grad_bytes'] / MIB:.2f} ({f[1] / MIB:.2f}) | "
                   f"{r['optimizer_bytes'] / MIB:.2f} ({f[2] / MIB:.2f}) | "
                   f"{peaks} | {step_ms(out['records']):.0f} | {r['max_rss_bytes'] / MIB:.0f} |", flush=True)
@@ -282,7 +283,7 @@ def bench_memory_wall(strategy: str, iters: int, out_path: str, num_layers: int 
     with tempfile.TemporaryDirectory() as tmp:
         flags = _corpus(tmp) + WALL + ["--train-iters", str(iters), "--data-parallel-sharding-strategy", strategy,
                                        "--num-layers", str(num_layers)]
-        flags += OVERLAP if strategy != "no_shard" else []
+        flags += OVERLAP if STRATEGIES[strategy].shards_optimizer else []
         out = launch(8, flags, tmp)
         p = plan.make_plan(flags + ["--world-size", "8", "--gpu-memory-gb", "3"])
     ranks = out["ranks"]
@@ -312,7 +313,7 @@ def main(argv=None) -> None:
     p.add_argument("what", choices=["strategies", "alternatives", "fsdp2", "memory-wall"])
     p.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--iters", type=int, help="iterations per run (default: 6; memory-wall: 3)")
-    p.add_argument("--strategy", default="optim_grads_params", choices=STRATEGIES)
+    p.add_argument("--strategy", default="optim_grads_params", choices=list(STRATEGIES))
     p.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "memory_wall.jsonl"),
                    help="memory-wall: append the JSON record here")
     p.add_argument("--num-layers", type=int, default=24, help="memory-wall: a smaller model to calibrate with")

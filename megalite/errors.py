@@ -33,6 +33,10 @@ class InputNotFound(UserError, FileNotFoundError):
     """A file or directory a flag names does not exist."""
 
 
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that is missing, incomplete, or does not fit this run."""
+
+
 class MissingPackage(UserError, ImportError):
     """An optional package a flag needs is not installed (the message says what to pip install)."""
 

@@ -19,8 +19,10 @@ import torch
 
 from . import comm
 from .checkpoint.files import inspect_checkpoint
-from .checkpoint.checkpointing import CheckpointError, load_full_state_dict, local_shard
+from .checkpoint.offline import load_full_state_dict
+from .checkpoint.state import local_shard
 from .config import TokenizerConfig, from_saved
+from .errors import CheckpointError
 from .errors import InputError, InputNotFound
 from .model import GPTConfig, GPTModel, pad_vocab_size
 from .model.attention import SelfAttention

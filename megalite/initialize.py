@@ -11,15 +11,17 @@ import torch
 import torch.distributed as dist
 
 from . import comm, parallel_state
-from .checkpoint.checkpointing import CheckpointSaver, TrainState, load_checkpoint
+from .checkpoint.load import load_checkpoint
+from .checkpoint.save import CheckpointSaver
+from .checkpoint.state import TrainState
 from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
-from .distributed import DataParallel
+from .distributed import DataParallel, get_strategy
 from .model import ExecutionConfig, GPTConfig, GPTModel, pad_vocab_size
 from .model.init import initial_value
 from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
 from .optimizer import build_lr_scheduler, build_optimizer
-from .pipeline_parallel import get_forward_backward_func
+from .pipeline_parallel import get_schedule
 from .pipeline_parallel.p2p import PipeComm
 from .runtime.metrics import JsonlWriter, peak_tflops
 from .runtime.monitor import CommMonitor
@@ -141,7 +143,7 @@ def setup(cfg: RunConfig) -> Run:
     comm.set_monitor(monitor)  # pretrain() stops it and uninstalls it, whatever happens
     monitor.start_watchdog()
     model_config, eod = resolve_vocab(cfg)
-    zero3 = cfg.ddp.data_parallel_sharding_strategy == "optim_grads_params"
+    zero3 = get_strategy(cfg.ddp.data_parallel_sharding_strategy).shards_params
     execution = ExecutionConfig.from_configs(cfg.optimizer, cfg.parallel, cfg.recompute, cfg.kernels)
     model, rng_tracker = build_model(model_config, ps, cfg.training.seed, device, on_meta=zero3, execution=execution)
     if cfg.training.compile:  # --compile: each transformer layer, in place (model/compile.py)
@@ -170,7 +172,7 @@ def setup(cfg: RunConfig) -> Run:
     straggler = StragglerDetector(ps, device, monitor) if t.log_straggler else None
     run = Run(cfg=cfg, state=state, model=model, dp=dp, datasets=datasets, eod=eod,
               train_batches=batch_iterators(cfg, datasets[0], state.consumed_samples, ps, device, eod, straggler),
-              forward_backward=get_forward_backward_func(ps.pp_size, ps.vpp),
+              forward_backward=get_schedule(cfg.parallel.pipeline_schedule),
               pipe_comm=PipeComm(ps, (s, cfg.data.micro_batch_size, model_config.hidden_size),
                                  execution.params_dtype, device),
               jsonl=JsonlWriter(cfg.training.log_jsonl if logging_rank else None),

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .checkpoint.checkpointing import TrainState
+from .checkpoint.state import TrainState
 from .config import RunConfig
 from .errors import UserError
 from .initialize import Run, batch_iterators, setup
@@ -265,7 +265,7 @@ def params_norm(run: Run) -> float:
     ps, dp = run.state.ps, run.dp
     t = torch.zeros(1, dtype=torch.float64, device=run.state.device)
     dp.finish_param_sync()  # every rank: pending ZeRO-1/2 gathers would leave stale values
-    if dp.shards_params or (ps.dp_rank == 0 and ps.cp_rank == 0):
+    if dp.strategy.shards_params or (ps.dp_rank == 0 and ps.cp_rank == 0):
         for p, _, _, stored in dp.param_pieces():
             if param_info(p).is_owner(ps.tp_rank):
                 t += stored.detach().double().pow(2).sum()

@@ -109,7 +109,7 @@ def assert_loss_falls(losses: list[float], by: float):
 
 def load_params(root: str) -> dict:
     """{global name: whole fp32 tensor} of the latest checkpoint under root, whatever the layout."""
-    from megalite.checkpoint.checkpointing import load_full_state_dict
+    from megalite.checkpoint.offline import load_full_state_dict
     return load_full_state_dict(root)[1]
 
 

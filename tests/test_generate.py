@@ -9,7 +9,7 @@ import torch
 
 from dist_helpers import ROOT
 
-from megalite.checkpoint.checkpointing import save_full_state_dict
+from megalite.checkpoint.offline import save_full_state_dict
 from megalite.config import RunConfig
 from megalite.generation import generate, load_model, next_token_logits
 from megalite.model import GPTConfig, GPTModel

@@ -161,7 +161,8 @@ def test_layernorm_1p_exports_the_weight_itself(tmp_path):
 
 
 def test_layernorm_1p_is_checked_against_checkpoints():
-    from megalite.checkpoint.checkpointing import CheckpointError, check_model_config
+    from megalite.checkpoint.state import check_model_config
+    from megalite.errors import CheckpointError
     with pytest.raises(CheckpointError, match="--apply-layernorm-1p is False in the checkpoint and True"):
         check_model_config(tiny_config().to_dict(), tiny_config(apply_layernorm_1p=True).to_dict(), "ck")
     old = {k: v for k, v in tiny_config().to_dict().items() if k != "apply_layernorm_1p"}

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from dist_helpers import run_pretrain
-from megalite.checkpoint.checkpointing import CheckpointError, CheckpointSaver, load_full_state_dict, read_tracker
+from megalite.checkpoint.files import read_tracker
+from megalite.checkpoint.offline import load_full_state_dict
+from megalite.checkpoint.save import CheckpointSaver
+from megalite.errors import CheckpointError
 
 DIVERGE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
            "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -47,7 +50,7 @@ def train_state():
 
 
 def test_a_save_of_non_finite_weights_is_refused(tmp_path, train_state, monkeypatch):
-    monkeypatch.setattr("megalite.checkpoint.checkpointing._rng_state", lambda ts: ({"rng/torch": torch.get_rng_state()}, {}))
+    monkeypatch.setattr("megalite.checkpoint.save.rng_state", lambda ts: ({"rng/torch": torch.get_rng_state()}, {}))
     name, p = train_state.named_params[3]
     with torch.no_grad():
         p.view(-1)[0] = float("nan")

@@ -4,7 +4,9 @@ bias correction, so the resumed run's weights differ from an uninterrupted run's
 import pytest
 import torch
 
-from megalite.checkpoint.checkpointing import CheckpointSaver, TrainState, load_checkpoint
+from megalite.checkpoint.load import load_checkpoint
+from megalite.checkpoint.save import CheckpointSaver
+from megalite.checkpoint.state import TrainState
 from megalite.config import DDPConfig, OptimizerConfig
 from megalite.distributed import DataParallel
 from megalite.model import GPTConfig, GPTModel
@@ -73,9 +75,9 @@ def train(model: GPTModel, state: TrainState, iterations: int) -> list[float]:
 @pytest.fixture(autouse=True)
 def _no_rng_tracker(monkeypatch):
     # one process without tensor parallelism has no RNG tracker: save the default generator only
-    monkeypatch.setattr("megalite.checkpoint.checkpointing._rng_state",
+    monkeypatch.setattr("megalite.checkpoint.save.rng_state",
                         lambda ts: ({"rng/torch": torch.get_rng_state()}, {}))
-    monkeypatch.setattr("megalite.checkpoint.checkpointing._set_rng_state", lambda ts, tensors, values: None)
+    monkeypatch.setattr("megalite.checkpoint.load.set_rng_state", lambda ts, tensors, values: None)
 
 
 @pytest.mark.parametrize("per_group", [False, True], ids=["per-parameter", "per-group"])

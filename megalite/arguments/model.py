@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from ..config.run import RunConfig
+from ..config.sharding import get_strategy
 from .errors import fail
 
 
@@ -120,11 +121,11 @@ def check_precision(c: RunConfig) -> None:
     if o.inject_overflow_at_iteration is not None and not (o.fp16 or o.loss_scale is not None):
         fail("--inject-overflow-at-iteration needs loss scaling (--fp16, or --loss-scale)")
     strategy = d.data_parallel_sharding_strategy
-    if "ddp.data_parallel_sharding_strategy" in c.explicit and strategy == "no_shard" and \
+    if "ddp.data_parallel_sharding_strategy" in c.explicit and not get_strategy(strategy).shards_optimizer and \
             "ddp.use_distributed_optimizer" in c.explicit:
         fail("--use-distributed-optimizer shards the optimizer state, which --data-parallel-sharding-strategy "
              "no_shard does not; drop one of them")
-    d.use_distributed_optimizer = strategy != "no_shard"
+    d.use_distributed_optimizer = get_strategy(strategy).shards_optimizer
     if d.overlap_param_gather and not d.use_distributed_optimizer:
         fail("--overlap-param-gather needs --use-distributed-optimizer (or a --data-parallel-sharding-strategy "
              "other than no_shard)")
@@ -138,7 +139,7 @@ def check_precision(c: RunConfig) -> None:
         if not 0.0 < o.optimizer_offload_fraction <= 1.0:
             fail(f"--optimizer-offload-fraction must be in (0, 1], got {o.optimizer_offload_fraction} "
                  "(to offload nothing, drop --optimizer-cpu-offload)")
-    if c.training.compile and strategy == "optim_grads_params":
+    if c.training.compile and get_strategy(strategy).shards_params:
         fail("--compile with --data-parallel-sharding-strategy optim_grads_params is not supported: ZeRO-3 "
              "gathers and frees each layer's parameters in hooks around the very layers --compile traces; "
              "use optim_grads, or drop --compile")

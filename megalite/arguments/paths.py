@@ -7,9 +7,9 @@ import os
 
 from ..config.run import RunConfig
 from ..data.data_paths import parse_blend
-from ..data.indexed_dataset import IndexedDataset
+from ..data.reader import open_dataset
 from ..data.tokenizers import TOKENIZER_FILE_FLAGS
-from ..errors import InputError
+from ..errors import UserError
 from .data import DATA_PATHS
 from .errors import fail, flag
 
@@ -58,18 +58,10 @@ def _check_datasets(c: RunConfig) -> None:
         if getattr(c.data, dest):
             prefixes, _ = parse_blend(getattr(c.data, dest), flag(dest))
             for prefix in prefixes:
-                missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-                if missing:
-                    fail(f"{flag(dest)} {prefix}: dataset not found (missing {', '.join(missing)}); a prefix names "
-                         f"a .bin/.idx pair made by tools/preprocess_data.py")
-                # header, sizes and dtype (memory-mapped: the same cost for any corpus size)
-                try:
-                    ds = IndexedDataset(prefix)
-                except InputError as e:
-                    fail(f"{flag(dest)} {prefix}: {e}")
-                if ds.dtype.kind not in "iu":
-                    fail(f"{flag(dest)} {prefix}: {prefix}.idx declares {ds.dtype.name} tokens; a GPT dataset "
-                         f"holds integer token ids")
+                try:  # files, header, sizes and dtype (memory-mapped: the same cost for any corpus size)
+                    open_dataset(prefix, flag(dest))
+                except UserError as e:
+                    fail(str(e))
 
 
 def _check_creatable(path: str, flag_name: str) -> None:

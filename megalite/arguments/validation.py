@@ -129,6 +129,18 @@ def _check_layout(c: RunConfig) -> list[int]:
     return batch_sizes
 
 
+def _check_pipeline_schedule(c: RunConfig) -> None:
+    """--pipeline-schedule: a registered name the layout can run (default: the one it implies)."""
+    from ..pipeline_parallel.schedules import check_schedule, default_schedule_name
+    p = c.parallel
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    if p.pipeline_schedule is None:
+        p.pipeline_schedule = default_schedule_name(pp, vpp)
+    why = check_schedule(p.pipeline_schedule, pp, vpp)  # the message names the flags
+    if why:
+        fail(why)
+
+
 def _check_operations(c: RunConfig) -> None:
     """Profiling, determinism, timeouts and garbage collection."""
     t = c.training
@@ -177,6 +189,7 @@ def _check_outputs(c: RunConfig) -> None:
 def _check_with_torch(c: RunConfig, check_files: bool) -> None:
     """Last, the checks that need torch (imported only now: a bad flag above is refused fast)."""
     import torch
+    _check_pipeline_schedule(c)  # (the schedules' module imports torch)
     k, p, t = c.kernels, c.parallel, c.training
     if k.use_flash_attn:
         try:

@@ -1,19 +1,58 @@
-"""A checkpoint's files read up front, so that a missing or corrupt one is a one-line error
-naming the file before any model is built or process group started (pretrain_gpt.py --load,
-tools/generate.py, tools/checkpoint/convert.py). Reads the JSON files only, never the tensors."""
+"""A checkpoint's names on disk (the latest pointer, iteration directories, rank files) and its
+JSON files read up front, so that a missing or corrupt one is a one-line error naming the file
+before any model is built or process group started (pretrain_gpt.py --load, tools/generate.py,
+tools/checkpoint/convert.py). Reads the JSON files only, never the tensors; imports no torch."""
 from __future__ import annotations
 
 import glob
 import json
 import os
 
-# = megalite.checkpoint.checkpointing.TRACKER (Megatron-LM's name), here so that checking flags needs no torch
-TRACKER = "latest_checkpointed_iteration.txt"
+from ..errors import CheckpointError
+
+FORMAT_VERSION = 2  # 2: global index, safetensors-layout data files; 1: per-rank index + torch.save
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
 _METADATA_KEYS = ("iteration", "model_config", "layout")
 
 
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def data_file(rank: int) -> str:
+    """The name of rank `rank`'s tensor file in an iteration directory."""
+    return f"rank_{rank:05d}.safetensors"
+
+
+def read_tracker(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+
+
+def read_metadata(root: str, iteration: int | None = None) -> dict:
+    """metadata.json of the latest (or the given) checkpoint under `root`."""
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise CheckpointError(f"no checkpoint under {root}: {TRACKER} is missing")
+    path = os.path.join(iteration_dir(root, iteration), "metadata.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing: {iteration_dir(root, iteration)} is not a complete checkpoint")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format_version") not in (1, FORMAT_VERSION):
+        raise CheckpointError(f"{path}: format version {meta.get('format_version')}, expected 1 or {FORMAT_VERSION}")
+    meta["dir"] = iteration_dir(root, iteration)
+    return meta
+
+
 def _read_json(path: str, flag: str, root: str):
-    from .checkpointing import CheckpointError
     try:
         with open(path) as f:
             return json.load(f)
@@ -25,7 +64,6 @@ def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> di
     """metadata.json of the latest (or given) checkpoint under `root`, after checking that it and
     the global index parse (format 2), or every rank's index and tensor file (format 1). Raises
     CheckpointError."""
-    from .checkpointing import CheckpointError, iteration_dir, read_metadata, read_tracker
     if not os.path.isdir(root):
         raise CheckpointError(f"{flag} {root}: directory not found")
     if iteration is None:

@@ -27,16 +27,11 @@ import os
 
 import torch
 
-from ..errors import UserError
+from ..errors import CheckpointError
 from .tensor_file import RangeReader, element_size
 
 INDEX = "index.jsonl"
 FORMAT = "megalite-checkpoint-index"
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that is missing, incomplete, or does not fit this run (checkpointing.py
-    re-exports it)."""
 
 
 class Piece:
@@ -48,7 +43,7 @@ class Piece:
 
 
 def section_layout(layout: dict) -> dict:
-    """A saved entry's shard layout (checkpointing.shard_layout) as the section records it."""
+    """A saved entry's shard layout (state.shard_layout) as the section records it."""
     shape = list(layout["local_shape"])
     if layout["tp"]:
         shape[layout["dim"]] *= layout["tp_size"]

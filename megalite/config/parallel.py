@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .fields import AT_LEAST_1, derived, flag, internal
-
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+from .sharding import NAMES as SHARDING_STRATEGIES
+from .sharding import default_strategy_name, get_strategy
 
 
 @dataclass
@@ -23,6 +23,11 @@ class ParallelConfig:
         "CP (>= 1): each sequence split over this many ranks (2·CP chunks, rank r keeps chunks r and 2·CP-1-r); "
         "keys/values all-gathered for exact attention; gradients reduced and ZeRO-1 sharded over DP x CP. "
         "--seq-length must divide by 2·CP (2·CP·TP with --sequence-parallel)", check=AT_LEAST_1)
+    # a name of pipeline_parallel/schedules.py's SCHEDULES (checked by validation; torch-free here)
+    pipeline_schedule: str | None = flag(
+        "--pipeline-schedule", None, "the pipeline schedule by name: no_pipelining (PP 1), 1f1b (one model chunk "
+        "per rank), interleaved_1f1b (--num-layers-per-virtual-pipeline-stage); default: the one the layout "
+        "implies", type=str)
     use_tp_pp_dp_mapping: bool = flag("--use-tp-pp-dp-mapping", False,
                                       "rank order TP-CP-PP-DP instead of Megatron's default TP-CP-DP-PP",
                                       action="store_true")
@@ -108,9 +113,6 @@ class DDPConfig:
 
     def __post_init__(self):
         if self.data_parallel_sharding_strategy is None:
-            self.data_parallel_sharding_strategy = "optim" if self.use_distributed_optimizer else "no_shard"
-        if self.data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
-            raise ValueError(f"data_parallel_sharding_strategy must be one of {SHARDING_STRATEGIES}, "
-                             f"got {self.data_parallel_sharding_strategy!r}")
-        if self.data_parallel_sharding_strategy != "no_shard":
+            self.data_parallel_sharding_strategy = default_strategy_name(self.use_distributed_optimizer)
+        if get_strategy(self.data_parallel_sharding_strategy).shards_optimizer:
             self.use_distributed_optimizer = True  # (no_shard with it is refused by validation, naming both)

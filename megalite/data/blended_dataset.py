@@ -11,10 +11,12 @@ index in seconds without a compiler. The order is not sample-for-sample Megatron
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 
-from megalite.data.gpt_dataset import build_cached
+from megalite.data.gpt_dataset import GPTDataset, build_cached
 
 BLEND_FORMAT_VERSION = 1
 
@@ -45,7 +47,7 @@ def build_blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
 class BlendedDataset(torch.utils.data.Dataset):
     """``size`` samples drawn from ``datasets`` in proportion to ``weights``."""
 
-    def __init__(self, datasets, weights, size: int, cache_dir: str, split_name: str = "train"):
+    def __init__(self, datasets: Sequence[GPTDataset], weights, size: int, cache_dir: str, split_name: str = "train"):
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = list(datasets)

@@ -20,13 +20,11 @@ from __future__ import annotations
 import math
 import os
 
-import numpy as np
-
 from megalite.data.blended_dataset import BlendedDataset
 from megalite.data.data_paths import parse_and_normalize_split, parse_blend  # noqa: F401 (also imported from here)
 from megalite.data.gpt_dataset import GPTDataset, _rank
-from megalite.data.indexed_dataset import IndexedDataset, dataset_exists
-from megalite.errors import InputError, InputNotFound
+from megalite.data.reader import open_dataset
+from megalite.errors import InputError
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -40,32 +38,6 @@ def split_document_ranges(split: list[float], num_documents: int) -> list[tuple[
         bounds.append(bounds[-1] + int(round(w * float(num_documents))))
     bounds[1:] = [b - (bounds[-1] - num_documents) for b in bounds[1:]]
     return [None if w == 0 else (lo, hi) for w, lo, hi in zip(split, bounds, bounds[1:])]
-
-
-# tokens read per dataset to check their ids against the vocabulary: a bounded cost at any corpus size
-_TOKEN_CHECK_LIMIT = 1 << 22
-
-
-def _open(prefix: str, flag: str, vocab_size: int | None = None, mmap: bool = True) -> IndexedDataset:
-    if not dataset_exists(prefix):
-        missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
-        raise InputNotFound(f"{flag} {prefix}: dataset not found (missing {', '.join(missing)}); "
-                            f"a prefix names a .bin/.idx pair made by tools/preprocess_data.py")
-    ds = IndexedDataset(prefix, mmap=mmap)
-    if not np.issubdtype(ds.dtype, np.integer):
-        raise InputError(f"{flag} {prefix}: {prefix}.idx declares {ds.dtype.name} tokens; a GPT dataset holds "
-                         f"integer token ids")
-    n = min(int(ds.sequence_lengths.sum(dtype=np.int64)), _TOKEN_CHECK_LIMIT)
-    if vocab_size is not None and n:
-        # an id outside the embedding would fail deep inside the model; a dataset made with another
-        # tokenizer is the usual cause
-        head = ds.head(n)
-        lo, hi = int(head.min()), int(head.max())
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            raise InputError(f"{flag} {prefix}: token id {bad} in {prefix}.bin is outside the model's vocabulary "
-                             f"[0, {vocab_size}); was the dataset made with another tokenizer (--tokenizer-type)?")
-    return ds
 
 
 def _mmap(args) -> bool:
@@ -82,7 +54,7 @@ def _cache_dir(args, prefix: str) -> str:
 
 def _build_split(args, prefixes, weights, ranges, num_samples, split_name, flag):
     """One split's dataset: a GPTDataset, or a BlendedDataset over several."""
-    indexed = [_open(p, flag, getattr(args, "vocab_size", None), _mmap(args)) for p in prefixes]
+    indexed = [open_dataset(p, flag, getattr(args, "vocab_size", None), _mmap(args)) for p in prefixes]
     doc_ranges = [r if r is not None else (0, len(d)) for r, d in zip(ranges, indexed)]
     seq_length, seed = int(args.seq_length), int(args.seed)
 
@@ -134,7 +106,7 @@ def build_train_valid_test_datasets(args, train_valid_test_num_samples):
         prefixes, weights = parse_blend(data_path, "--data-path")
         split = parse_and_normalize_split(getattr(args, "split", None) or "969,30,1")
         # all files checked before any build
-        indexed = [_open(p, "--data-path", getattr(args, "vocab_size", None), _mmap(args)) for p in prefixes]
+        indexed = [open_dataset(p, "--data-path", getattr(args, "vocab_size", None), _mmap(args)) for p in prefixes]
         ranges = [split_document_ranges(split, len(d)) for d in indexed]
         for i, name in enumerate(SPLIT_NAMES):
             if ranges[0][i] is None or num_samples[i] == 0:
@@ -146,7 +118,7 @@ def build_train_valid_test_datasets(args, train_valid_test_num_samples):
         for (name, blend) in zip(SPLIT_NAMES, parsed):
             if blend:
                 for p in blend[0]:
-                    _open(p, f"--{name}-data-path", getattr(args, "vocab_size", None), _mmap(args))
+                    open_dataset(p, f"--{name}-data-path", getattr(args, "vocab_size", None), _mmap(args))
         for i, (name, blend) in enumerate(zip(SPLIT_NAMES, parsed)):
             if blend is None or num_samples[i] == 0:
                 continue

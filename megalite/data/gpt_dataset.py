@@ -26,7 +26,7 @@ import os
 import numpy as np
 import torch
 
-from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.reader import DatasetReader
 from megalite.errors import InputError
 
 # Bump when the index algorithm changes, so stale caches are never reused.
@@ -141,7 +141,7 @@ class GPTDataset(torch.utils.data.Dataset):
     so does this class.
     """
 
-    def __init__(self, indexed_dataset: IndexedDataset, doc_begin: int, doc_end: int, num_samples: int | None,
+    def __init__(self, indexed_dataset: DatasetReader, doc_begin: int, doc_end: int, num_samples: int | None,
                  seq_length: int, seed: int, cache_dir: str, split_name: str = "train"):
         self.dataset = indexed_dataset
         self.seq_length = int(seq_length)
@@ -157,13 +157,12 @@ class GPTDataset(torch.utils.data.Dataset):
         self.tokens_per_epoch = tokens_per_epoch
         self.num_samples_requested = num_samples
         self.seed = int(seed)
-        idx_path = prefix + ".idx"
         description = {
             "class": "GPTDataset",
             "format_version": INDEX_FORMAT_VERSION,
             "path_prefix": os.path.abspath(prefix),
             # A re-preprocessed corpus under the same prefix must not reuse stale indices.
-            "idx_size": os.path.getsize(idx_path),
+            "idx_size": indexed_dataset.cache_stamp(),
             "num_sequences": len(indexed_dataset),
             "tokens_per_epoch": tokens_per_epoch,
             "split": split_name,

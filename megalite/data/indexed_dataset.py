@@ -63,10 +63,6 @@ def index_file_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
-def dataset_exists(prefix: str) -> bool:
-    return os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))
-
-
 def write_index(idx_path: str, dtype, sequence_lengths, document_indices) -> None:
     """Write an ``.idx`` file from whole arrays (used by the builder and by benchmarks)."""
     dtype = np.dtype(dtype)
@@ -167,6 +163,7 @@ class IndexedDatasetBuilder:
 
 class IndexedDataset:
     """Read-only view of ``{path_prefix}.bin/.idx``; ``ds[i]`` is sequence ``i`` as a NumPy array.
+    Implements reader.DatasetReader (the contract of each member is written there).
 
     Arrays returned by ``ds[i]``/``ds.get`` are read-only views into the memory map; copy them
     before modifying.
@@ -248,6 +245,10 @@ class IndexedDataset:
     def head(self, count: int) -> np.ndarray:
         """The first `count` tokens of the .bin (for checks)."""
         return self._read(0, count)
+
+    def cache_stamp(self) -> int:
+        """The .idx file's size (what GPTDataset's cache key has always recorded as idx_size)."""
+        return os.path.getsize(index_file_path(self.path_prefix))
 
     def __len__(self) -> int:
         return self.sequence_lengths.shape[0]

@@ -4,5 +4,7 @@ from .buckets import BucketLayout
 from .data_parallel import DataParallel
 from .grad_buffer import GradBuffer, ShardedGradBuffer
 from .param_buffer import FlatParamBuffer, ShardedParams
+from ..config.sharding import STRATEGIES, ShardingStrategy, get_strategy
 
-__all__ = ["BucketLayout", "DataParallel", "GradBuffer", "ShardedGradBuffer", "FlatParamBuffer", "ShardedParams"]
+__all__ = ["BucketLayout", "DataParallel", "GradBuffer", "ShardedGradBuffer", "FlatParamBuffer", "ShardedParams",
+           "STRATEGIES", "ShardingStrategy", "get_strategy"]

@@ -36,18 +36,21 @@ counts as its parent's. Under ZeRO-3 the flag prefetches the next unit's gather.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from .. import comm
-from ..config import DDPConfig
 from ..tensor_parallel.param_info import param_info
 from .buckets import BucketLayout
 from .grad_buffer import GradBuffer, ShardedGradBuffer
 from .param_buffer import FlatParamBuffer, ShardedParams
+from ..config.sharding import get_strategy
 from .zero3 import Zero3Schedule, unit_of_params
 
-ZERO_STAGE = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+if TYPE_CHECKING:  # for the annotation only: config.py imports .strategy, so this package
+    from ..config import DDPConfig  # must not import config.py while it loads
 
 
 def _has_forward(m: nn.Module) -> bool:
@@ -69,11 +72,7 @@ class DataParallel:
         the parameters may be on the meta device: they are materialised on `device` from
         `init_fn(p)` (the TP-local initial value) one at a time, straight into this rank's slices."""
         self.ps, self.config = ps, config
-        self.strategy = config.data_parallel_sharding_strategy
-        self.zero_stage = ZERO_STAGE[self.strategy]
-        self.sharded = self.zero_stage >= 1  # optimizer state sharded over DP
-        self.shards_grads = self.zero_stage >= 2
-        self.shards_params = self.zero_stage == 3
+        self.strategy = strategy = get_strategy(config.data_parallel_sharding_strategy)
         self.params = list(params)
         device = device if device is not None else self.params[0].device
         # context-parallel ranks are replicas too (same parameters, other tokens): gradients
@@ -82,36 +81,37 @@ class DataParallel:
         # --grad-reduce-in-bf16: gradients accumulate and are reduced in bf16 (half the bytes)
         grad_dtype = torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32
         self.layout = BucketLayout(self.params, ps.dp_cp_group, config.ddp_bucket_size,
-                                   pad_to=dp if self.sharded else 1, unit_of=self._unit_key(model))
-        if any(p.device.type == "meta" for p in self.params) and not self.shards_params:
+                                   pad_to=dp if strategy.shards_optimizer else 1, unit_of=self._unit_key(model))
+        if any(p.device.type == "meta" for p in self.params) and not strategy.shards_params:
             raise ValueError("parameters on the meta device are materialised only under optim_grads_params")
         # ZeRO-3 first: materialising swaps tensors, which must happen before hooks are registered
-        self.param_buffer = ShardedParams(self.layout, ps.dp_cp_group, device, init_fn) if self.shards_params else None
-        if self.shards_grads:
+        self.param_buffer = (ShardedParams(self.layout, ps.dp_cp_group, device, init_fn) if strategy.shards_params
+                             else None)
+        if strategy.shards_grads:
             self.grads = ShardedGradBuffer(self.layout, ps.dp_cp_group, config.overlap_grad_reduce, num_microbatches,
                                            config.reduce_grads_every_microbatch, device, dtype=grad_dtype,
                                            on_round_complete=self._on_round_complete)
         else:
-            self.grads = GradBuffer(self.layout, ps.dp_cp_group, reduce_scatter=self.sharded,
+            self.grads = GradBuffer(self.layout, ps.dp_cp_group, reduce_scatter=strategy.shards_optimizer,
                                     overlap_grad_reduce=config.overlap_grad_reduce,
                                     num_microbatches=num_microbatches, device=device, dtype=grad_dtype)
         self.zero3 = None
-        if self.shards_params:
+        if strategy.shards_params:
             self.zero3 = Zero3Schedule(model, self.param_buffer, prefetch=config.overlap_param_gather and dp > 1,
                                        keep_gathered=config.keep_params_gathered_in_step,
                                        num_microbatches=num_microbatches)
-        elif self.sharded:
+        elif strategy.shards_optimizer:
             self.param_buffer = FlatParamBuffer(self.layout, ps.dp_cp_group)
         self.embedding_params = [p for p in self.params if param_info(p).embedding_group_sync]
         self.sequence_parallel_params = [p for p in self.params if param_info(p).sequence_parallel]
         self._embedding_buckets = sorted({self.layout.param_bucket[p] for p in self.embedding_params})
-        self._sp_grad_views = [] if not self.shards_grads else [
+        self._sp_grad_views = [] if not strategy.shards_grads else [
             self.grads.grad_shard(b)[off:off + hi - lo] for b, p, lo, hi, off in self.shard_pieces()
             if param_info(p).sequence_parallel]
         # ZeRO-1/2 --overlap-param-gather
         n = len(self.layout.buckets)
-        self.overlap_param_gather = (self.sharded and not self.shards_params and config.overlap_param_gather
-                                     and dp > 1)
+        self.overlap_param_gather = (strategy.shards_optimizer and not strategy.shards_params
+                                     and config.overlap_param_gather and dp > 1)
         self._slices = None  # ZeRO-3: param -> [(lo, hi, stored slice)], built on first use
         self._gather_order: list[int] | None = None  # bucket indices, learned on the first step
         self._requested: list[int] = []
@@ -125,10 +125,10 @@ class DataParallel:
         chunks and the tied embedding for sharded gradients; every ZeRO-3 unit for sharded
         parameters. The tied embedding gets a bucket of its own so that its slices line up on
         the first and last stage (finish_grad_sync sums them after the reduction)."""
-        if self.zero_stage < 2:
+        if not self.strategy.shards_grads:
             return None
         chunk_of = {p: c for c, chunk in enumerate(model) for p in chunk.parameters()}
-        unit_of = unit_of_params(model) if self.shards_params else {}
+        unit_of = unit_of_params(model) if self.strategy.shards_params else {}
 
         def key(p):
             unit = unit_of.get(p)
@@ -138,8 +138,8 @@ class DataParallel:
     # -- gradients ---------------------------------------------------------------------------------
     def main_grad(self, p: nn.Parameter) -> torch.Tensor:
         """p's fp32 gradient, accumulated over the iteration's micro-batches (a buffer view)."""
-        if self.shards_grads:
-            raise RuntimeError(f"under {self.strategy} no rank holds a whole gradient: use grad_shard()")
+        if self.strategy.shards_grads:
+            raise RuntimeError(f"under {self.strategy.name} no rank holds a whole gradient: use grad_shard()")
         return self.grads.main_grad[p]
 
     def zero_grad(self) -> None:
@@ -155,7 +155,7 @@ class DataParallel:
 
     def finish_grad_sync(self) -> None:
         """Every gradient sum of the iteration (see the module docstring), waited for."""
-        if not self.shards_grads:
+        if not self.strategy.shards_grads:
             for p in self.embedding_params:
                 comm.all_reduce(self.main_grad(p), self.ps.embedding_group)
             self.grads.finish_grad_sync()
@@ -169,7 +169,7 @@ class DataParallel:
             flat = torch.cat(self._sp_grad_views)
             comm.all_reduce(flat, self.ps.tp_group)
             torch._foreach_copy_(self._sp_grad_views, list(flat.split([v.numel() for v in self._sp_grad_views])))
-        if self.shards_params:
+        if self.strategy.shards_params:
             self.param_buffer.free_all()  # the optimizer is about to change the slices
 
     def _on_round_complete(self, b: int, c: int) -> None:
@@ -202,14 +202,14 @@ class DataParallel:
         """(param, lo, hi, tensor) for what this rank stores of every parameter: whole
         parameters (replicated over DP), or under ZeRO-3 its flat slices. Checkpoints save and
         load through these, so no parameter is gathered for them."""
-        if not self.shards_params:
+        if not self.strategy.shards_params:
             return [(p, 0, p.numel(), p) for p in self.params]
         return [(p, lo, hi, self.param_shard(b)[off:off + hi - lo]) for b, p, lo, hi, off in self.shard_pieces()]
 
     def param_slice(self, p: nn.Parameter, lo: int, hi: int) -> torch.Tensor:
         """A view of elements [lo, hi) of p's flat values, which this rank must store (any range
         under no_shard/ZeRO-1/2; under ZeRO-3 one inside a slice it owns)."""
-        if not self.shards_params:
+        if not self.strategy.shards_params:
             return p.detach().view(-1)[lo:hi]
         if self._slices is None:
             self._slices = {}
@@ -224,7 +224,7 @@ class DataParallel:
     def start_param_sync(self) -> None:
         """After the optimizer wrote its slices: ZeRO-1/2 gather every bucket (overlapped with
         the next forward under --overlap-param-gather). ZeRO-3 gathers on use."""
-        if not self.sharded or self.shards_params or self.ps.dp_cp_size == 1:
+        if not self.strategy.shards_optimizer or self.strategy.shards_params or self.ps.dp_cp_size == 1:
             return
         if self.overlap_param_gather:
             if self._gather_order is None:
@@ -241,7 +241,7 @@ class DataParallel:
     def finish_param_sync(self) -> None:
         """Wait until every parameter holds the latest update (a no-op unless gathers are
         pending); under ZeRO-3, free what is gathered."""
-        if self.shards_params:
+        if self.strategy.shards_params:
             self.param_buffer.free_all()
         elif self._waited < len(self._handles):
             self._wait_through(len(self._handles) - 1)
@@ -286,13 +286,13 @@ class DataParallel:
     # -- reporting ---------------------------------------------------------------------------------
     def describe(self) -> list[str]:
         parts = []
-        if self.sharded:
-            parts.append(f"{self.strategy} (ZeRO-{self.zero_stage}) over DP {self.ps.dp_size}"
+        if self.strategy.shards_optimizer:
+            parts.append(f"{self.strategy.describe()} over DP {self.ps.dp_size}"
                          + (f" x CP {self.ps.cp_size}" if self.ps.cp_size > 1 else ""))
         if self.config.overlap_grad_reduce:
             parts.append("overlapped grad reduce")
         if self.overlap_param_gather or (self.zero3 is not None and self.zero3.prefetch):
-            parts.append("overlapped param gather" if not self.shards_params else "prefetched param gather")
+            parts.append("overlapped param gather" if not self.strategy.shards_params else "prefetched param gather")
         if self.grads.dtype != torch.float32:
             parts.append(f"{str(self.grads.dtype).replace('torch.', '')} grads")
         return parts + [f"{len(self.layout.buckets)} bucket(s)"]

@@ -9,8 +9,8 @@ from .optimizer import MixedPrecisionOptimizer, build_inner_optimizer
 
 def build_optimizer(named_params, config, dp, ps) -> MixedPrecisionOptimizer:
     """The optimizer for an OptimizerConfig over the data-parallel module `dp`: sharded over DP
-    when `dp` shards (every strategy but no_shard), else one replica per DP rank."""
-    cls = DistributedOptimizer if dp.sharded else MixedPrecisionOptimizer
+    (ZeRO-1) when `dp` shards, else one replica per DP rank."""
+    cls = DistributedOptimizer if dp.strategy.shards_optimizer else MixedPrecisionOptimizer
     return cls(named_params, config, dp, ps)
 
 

@@ -39,7 +39,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     distributed = True
 
     def __init__(self, named_params, args, dp, ps):
-        if not dp.sharded:
+        if not dp.strategy.shards_optimizer:
             raise ValueError("the distributed optimizer needs a DataParallel with a sharding strategy other "
                              "than no_shard")
         self.offload = args.optimizer_cpu_offload

@@ -17,8 +17,14 @@ Schedules (Narayanan et al. 2021, Sec. 2.2):
 - 1F1B (PipeDream-Flush): min(p - rank - 1, m) warm-up forwards, then one forward / one
   backward, then cool-down backwards; at most p micro-batches' activations live at once;
 - interleaved 1F1B: v model chunks per rank, bubble (p-1)/(v·m) instead of (p-1)/m.
+SCHEDULES names them ("no_pipelining", "1f1b", "interleaved_1f1b"); default_schedule_name
+gives the one used when none is named, check_schedule what a named one needs of the layout.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable
 
 import torch
 from torch.autograd import Variable
@@ -132,123 +138,194 @@ def forward_backward_1f1b(batches, model, num_microbatches: int, backward_scale:
     return step.stats
 
 
+class _Interleaved:
+    """The bookkeeping of one interleaved iteration on one rank: per chunk, the queues of
+    input activations, outputs and output gradients, and which chunk virtual micro-batch k
+    runs on. Its three phases are the schedule's warm-up, steady state and cool-down."""
+
+    def __init__(self, step: _Step, comm: PipeComm, v: int, m: int, forward_only: bool):
+        ps = comm.ps
+        self.step, self.comm, self.forward_only = step, comm, forward_only
+        self.p, self.v, self.total = ps.pp_size, v, m * v
+        self.first_rank, self.last_rank = ps.is_first_stage, ps.is_last_stage
+        self.all_warmup = forward_only or m == self.p
+        self.num_warmup = (self.total if self.all_warmup
+                           else min((self.p - ps.pp_rank - 1) * 2 + (v - 1) * self.p, self.total))
+        self.num_steady = self.total - self.num_warmup
+        self.inputs = [[] for _ in range(v)]
+        self.outputs = [[] for _ in range(v)]
+        self.output_grads = [[] for _ in range(v)]
+
+    def chunk_of(self, k: int, forward: bool) -> int:
+        c = (k % (self.p * self.v)) // self.p
+        return c if forward else self.v - 1 - c
+
+    def is_first_virtual(self, c: int) -> bool:
+        return self.first_rank and c == 0
+
+    def is_last_virtual(self, c: int) -> bool:
+        return self.last_rank and c == self.v - 1
+
+    def forward_k(self, k: int):
+        c = self.chunk_of(k, True)
+        inputs, outputs = self.inputs[c], self.outputs[c]
+        if self.is_first_virtual(c) and len(inputs) == len(outputs):
+            inputs.append(None)
+        y = self.step.forward(c, inputs[-1])
+        outputs.append(y)
+        if self.forward_only:  # nothing to keep for a backward
+            inputs.pop()
+            outputs.pop()
+        return y
+
+    def backward_k(self, k: int):
+        c = self.chunk_of(k, False)
+        if self.is_last_virtual(c) and not self.output_grads[c]:
+            self.output_grads[c].append(None)
+        return self.step.backward(self.inputs[c].pop(0), self.outputs[c].pop(0), self.output_grads[c].pop(0))
+
+    def warmup(self):
+        """Forwards only."""
+        comm, v = self.comm, self.v
+        self.inputs[0].append(None if self.first_rank else comm.communicate(recv_prev=True)[0])
+        for k in range(self.num_warmup):
+            y = self.forward_k(k)
+            c, next_c = self.chunk_of(k, True), self.chunk_of(k + 1, True)
+            recv_prev = not (self.first_rank and next_c == 0) and k != self.total - 1
+            send = None if self.is_last_virtual(c) else y
+            if k == self.num_warmup - 1 and not self.all_warmup:
+                x, dy = comm.communicate(send_next=send, recv_prev=recv_prev, recv_next=not self.last_rank)
+                self.output_grads[v - 1].append(dy)
+            else:
+                x, _ = comm.communicate(send_next=send, recv_prev=recv_prev)
+            if not self.forward_only:
+                release(send)
+            if recv_prev:
+                self.inputs[next_c].append(x)
+
+    def next_chunks(self, fk: int, bk: int) -> tuple[int, bool, int, bool]:
+        """After forward fk and backward bk of the steady state: the chunk of the next input
+        activation and whether one comes, and likewise for the next output gradient."""
+        p, v = self.p, self.v
+        recv_prev = True
+        if self.first_rank:
+            # rank 0's next input comes from rank p-1, which is p-1 virtual steps behind
+            next_fc = self.chunk_of(fk - (p - 1), True)
+            if next_fc == v - 1:
+                recv_prev = False
+            next_fc += 1
+        else:
+            next_fc = self.chunk_of(fk + 1, True)
+        recv_next = True
+        if self.last_rank:
+            next_bc = self.chunk_of(bk - (p - 1), False)
+            if next_bc == 0:
+                recv_next = False
+            next_bc -= 1
+        else:
+            next_bc = self.chunk_of(bk + 1, False)
+        return next_fc, recv_prev, next_bc, recv_next
+
+    def steady(self):
+        """One forward, one backward."""
+        for i in range(self.num_steady):
+            fk, bk = i + self.num_warmup, i
+            y = self.forward_k(fk)
+            dx = self.backward_k(bk)
+            send_y = None if self.is_last_virtual(self.chunk_of(fk, True)) else y
+            send_dx = None if self.is_first_virtual(self.chunk_of(bk, False)) else dx
+            next_fc, recv_prev, next_bc, recv_next = self.next_chunks(fk, bk)
+            if i == self.num_steady - 1:
+                recv_prev = False
+            x, dy = self.comm.communicate(send_next=send_y, send_prev=send_dx, recv_prev=recv_prev,
+                                          recv_next=recv_next)
+            release(send_y)
+            if recv_prev:
+                self.inputs[next_fc].append(x)
+            if recv_next:
+                self.output_grads[next_bc].append(dy)
+
+    def cooldown(self):
+        """Backwards only."""
+        comm, v = self.comm, self.v
+        if self.all_warmup:
+            self.output_grads[v - 1].append(None if self.last_rank else comm.communicate(recv_next=True)[1])
+        for k in range(self.num_steady, self.total):
+            dx = self.backward_k(k)
+            bc, next_bc = self.chunk_of(k, False), self.chunk_of(k + 1, False)
+            recv_next = not (self.last_rank and next_bc == v - 1) and k != self.total - 1
+            _, dy = comm.communicate(send_prev=None if self.is_first_virtual(bc) else dx, recv_next=recv_next)
+            if recv_next:
+                self.output_grads[next_bc].append(dy)
+
+
 def forward_backward_interleaved(batches, model, num_microbatches: int, backward_scale: float,
                                  forward_only: bool = False, comm: PipeComm = None, microbatch_mean: bool = False,
                                  **_):
     """Interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2.2), following Megatron-LM's
     forward_backward_pipelining_with_interleaving. Virtual micro-batch k runs on chunk
     (k // p) % v (reversed for backward); chunk c of rank p-1 feeds chunk c+1 of rank 0."""
-    ps = comm.ps
-    p, rank, v, m = ps.pp_size, ps.pp_rank, len(model), num_microbatches
     step = _Step(batches, model, backward_scale, forward_only, microbatch_mean)
-    total = m * v
-    all_warmup = forward_only or m == p
-    num_warmup = total if all_warmup else min((p - rank - 1) * 2 + (v - 1) * p, total)
-    num_steady = total - num_warmup
-    inputs = [[] for _ in range(v)]
-    outputs = [[] for _ in range(v)]
-    output_grads = [[] for _ in range(v)]
-    first_rank, last_rank = ps.is_first_stage, ps.is_last_stage
-
-    def chunk_of(k: int, forward: bool) -> int:
-        c = (k % (p * v)) // p
-        return c if forward else v - 1 - c
-
-    def is_first_virtual(c):
-        return first_rank and c == 0
-
-    def is_last_virtual(c):
-        return last_rank and c == v - 1
-
-    def forward_k(k):
-        c = chunk_of(k, True)
-        if is_first_virtual(c) and len(inputs[c]) == len(outputs[c]):
-            inputs[c].append(None)
-        y = step.forward(c, inputs[c][-1])
-        outputs[c].append(y)
-        if forward_only:  # nothing to keep for a backward
-            inputs[c].pop()
-            outputs[c].pop()
-        return y
-
-    def backward_k(k):
-        c = chunk_of(k, False)
-        if is_last_virtual(c) and not output_grads[c]:
-            output_grads[c].append(None)
-        return step.backward(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0))
-
-    # warm-up: forwards only
-    if not first_rank:
-        inputs[0].append(comm.communicate(recv_prev=True)[0])
-    else:
-        inputs[0].append(None)
-    for k in range(num_warmup):
-        y = forward_k(k)
-        c = chunk_of(k, True)
-        next_c = chunk_of(k + 1, True)
-        recv_prev = not (first_rank and next_c == 0) and k != total - 1
-        send = None if is_last_virtual(c) else y
-        if k == num_warmup - 1 and not all_warmup:
-            x, dy = comm.communicate(send_next=send, recv_prev=recv_prev, recv_next=not last_rank)
-            output_grads[v - 1].append(dy)
-        else:
-            x, _ = comm.communicate(send_next=send, recv_prev=recv_prev)
-        if not forward_only:
-            release(send)
-        if recv_prev:
-            inputs[next_c].append(x)
-
-    # steady state: one forward, one backward
-    for i in range(num_steady):
-        fk, bk = i + num_warmup, i
-        y = forward_k(fk)
-        dx = backward_k(bk)
-        fc, bc = chunk_of(fk, True), chunk_of(bk, False)
-        send_y = None if is_last_virtual(fc) else y
-        send_dx = None if is_first_virtual(bc) else dx
-
-        recv_prev = True
-        if first_rank:
-            # rank 0's next input comes from rank p-1, which is p-1 virtual steps behind
-            next_fc = chunk_of(fk - (p - 1), True)
-            if next_fc == v - 1:
-                recv_prev = False
-            next_fc += 1
-        else:
-            next_fc = chunk_of(fk + 1, True)
-        recv_next = True
-        if last_rank:
-            next_bc = chunk_of(bk - (p - 1), False)
-            if next_bc == 0:
-                recv_next = False
-            next_bc -= 1
-        else:
-            next_bc = chunk_of(bk + 1, False)
-        if i == num_steady - 1:
-            recv_prev = False
-        x, dy = comm.communicate(send_next=send_y, send_prev=send_dx, recv_prev=recv_prev, recv_next=recv_next)
-        release(send_y)
-        if recv_prev:
-            inputs[next_fc].append(x)
-        if recv_next:
-            output_grads[next_bc].append(dy)
-
-    # cool-down: backwards only
+    run = _Interleaved(step, comm, len(model), num_microbatches, forward_only)
+    run.warmup()
+    run.steady()
     if not forward_only:
-        if all_warmup:
-            output_grads[v - 1].append(None if last_rank else comm.communicate(recv_next=True)[1])
-        for k in range(num_steady, total):
-            dx = backward_k(k)
-            bc = chunk_of(k, False)
-            next_bc = chunk_of(k + 1, False)
-            recv_next = not (last_rank and next_bc == v - 1) and k != total - 1
-            _, dy = comm.communicate(send_prev=None if is_first_virtual(bc) else dx, recv_next=recv_next)
-            if recv_next:
-                output_grads[next_bc].append(dy)
+        run.cooldown()
     return step.stats
 
 
-def get_forward_backward_func(pp_size: int, vpp_size: int = 1):
-    if pp_size == 1:
-        return forward_backward_no_pipelining
-    return forward_backward_interleaved if vpp_size > 1 else forward_backward_1f1b
+def _one_stage(pp: int, vpp: int) -> str | None:  # it never exchanges activations between stages
+    return None if pp == 1 else f"needs --pipeline-model-parallel-size 1 (got {pp})"
+
+
+def _one_chunk(pp: int, vpp: int) -> str | None:  # it runs chunk 0 only
+    return None if vpp == 1 else (f"runs one model chunk per pipeline rank, not {vpp}: use interleaved_1f1b "
+                                  f"or drop --num-layers-per-virtual-pipeline-stage")
+
+
+def _virtual_chunks(pp: int, vpp: int) -> str | None:
+    return None if vpp > 1 else ("needs --num-layers-per-virtual-pipeline-stage "
+                                 "(more than one model chunk per pipeline rank)")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    run: Callable  # forward_backward(batches, model, num_microbatches, backward_scale, forward_only, comm, ...)
+    layout_problem: Callable[[int, int], str | None]  # (pp, vpp) -> what it needs of the layout, or None
+
+
+# The schedules by the name --pipeline-schedule takes: a new one is its function plus one entry.
+SCHEDULES = MappingProxyType({
+    "no_pipelining": Schedule(forward_backward_no_pipelining, _one_stage),
+    "1f1b": Schedule(forward_backward_1f1b, _one_chunk),
+    "interleaved_1f1b": Schedule(forward_backward_interleaved, _virtual_chunks),
+})
+
+
+def default_schedule_name(pp: int, vpp: int = 1) -> str:
+    """The schedule chosen when none is named: no pipelining on one stage, interleaved 1F1B
+    with virtual chunks, 1F1B otherwise."""
+    if pp == 1:
+        return "no_pipelining"
+    return "interleaved_1f1b" if vpp > 1 else "1f1b"
+
+
+def _unknown(name: str) -> str:
+    return f"--pipeline-schedule {name!r} is not a schedule; choose from {', '.join(SCHEDULES)}"
+
+
+def check_schedule(name: str, pp: int, vpp: int = 1) -> str | None:
+    """Why the schedule `name` cannot run with pp stages of vpp chunks each (an error message
+    naming the flags), or None if it can."""
+    if name not in SCHEDULES:
+        return _unknown(name)
+    problem = SCHEDULES[name].layout_problem(pp, vpp)
+    return None if problem is None else f"--pipeline-schedule {name} {problem}"
+
+
+def get_schedule(name: str):
+    """The forward-backward function of the schedule `name`."""
+    if name not in SCHEDULES:
+        raise ValueError(_unknown(name))
+    return SCHEDULES[name].run
+

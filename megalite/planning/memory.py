@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 
-from ..config.parallel import SHARDING_STRATEGIES
+from ..config.sharding import ShardingStrategy
 
 # -- parameters --------------------------------------------------------------------------------
 def layer_params(c) -> tuple[int, int]:
@@ -160,8 +160,6 @@ def stage_activation_bytes(c, pp_rank: int) -> float:
 
 
 # -- data-parallel sharding ------------------------------------------------------------------------
-STRATEGIES = SHARDING_STRATEGIES
-ZERO_STAGE = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 
 
 def unit_params(c, pp_rank: int) -> tuple[int, list[int]]:
@@ -188,7 +186,7 @@ def unit_params(c, pp_rank: int) -> tuple[int, list[int]]:
     return own, units
 
 
-def bucket_sizes(c, pp_rank: int, stage: int) -> list[int]:
+def bucket_sizes(c, pp_rank: int, strategy: ShardingStrategy) -> list[int]:
     """Approximate bucket sizes (elements) of the sharded-gradient layouts (distributed/buckets.py):
     a vocabulary table of at least --ddp-bucket-size elements gets a bucket of its own; ZeRO-3
     cuts every unit into buckets, ZeRO-2 only the stage's parameters as a whole."""
@@ -201,7 +199,7 @@ def bucket_sizes(c, pp_rank: int, stage: int) -> list[int]:
         tables += int(pre) + int(post and (c.model.untie_embeddings_and_output_weights or not pre))
     tables = tables if word >= bs else 0
     own, units = unit_params(c, pp_rank)
-    parts = units + [own] if stage == 3 else [stage_params(c, pp_rank)]
+    parts = units + [own] if strategy.shards_params else [stage_params(c, pp_rank)]
     sizes, left = [word] * tables, tables
     for u in sorted(parts, reverse=True):
         cut = min(left, u // word) if tables else 0  # the tables come out of the units holding them
@@ -211,34 +209,35 @@ def bucket_sizes(c, pp_rank: int, stage: int) -> list[int]:
     return sizes
 
 
-def strategy_bytes(c, pp_rank: int, strategy: str) -> dict:
+def strategy_bytes(c, pp_rank: int, strategy: ShardingStrategy) -> dict:
     """Bytes per GPU of stage `pp_rank` under `strategy` (module docstring). ZeRO shards over
     DP x CP: context-parallel ranks hold the same parameters."""
-    d, stage = c.parallel.data_parallel_size * c.parallel.context_parallel_size, ZERO_STAGE[strategy]
+    d = c.parallel.data_parallel_size * c.parallel.context_parallel_size
+    s_opt, s_grads, s_params = strategy.shards_optimizer, strategy.shards_grads, strategy.shards_params
     n = stage_params(c, pp_rank)
     sixteen_bit = bool(c.optimizer.bf16 or c.optimizer.fp16)
     pb = 2 if sixteen_bit else 4
     state = 8 if c.optimizer.optimizer == "adam" else (4 if c.optimizer.sgd_momentum else 0)
     opt_per_param = state + (4 if sixteen_bit else 0)
     offload = c.optimizer.optimizer_offload_fraction if c.optimizer.optimizer_cpu_offload else 0.0
-    if stage >= 1 and offload and not sixteen_bit:
+    if s_opt and offload and not sixteen_bit:
         opt_per_param += 4  # an offloaded fp32 parameter gets a host master of its own
-    optimizer = n * opt_per_param / (d if stage >= 1 else 1)
+    optimizer = n * opt_per_param / (d if s_opt else 1)
     own, units = unit_params(c, pp_rank)
     v = c.parallel.virtual_pipeline_model_parallel_size
-    if stage == 3:
+    if s_params:
         buckets = v * (c.model.num_layers // (c.parallel.pipeline_model_parallel_size * v) + 3)
     else:
-        buckets = math.ceil(n / c.ddp.ddp_bucket_size) + (v + 1 if stage == 2 else 0)
+        buckets = math.ceil(n / c.ddp.ddp_bucket_size) + (v + 1 if s_grads else 0)
     gathered = staging = 0.0
-    if stage >= 2:
-        staging = 4 * sum(sorted(bucket_sizes(c, pp_rank, stage))[-4:])
-    if stage == 3:
+    if s_grads:
+        staging = 4 * sum(sorted(bucket_sizes(c, pp_rank, strategy))[-4:])
+    if s_params:
         gathered = (own + sum(sorted(units)[-2:])) * pb
-    out = {"params": n * pb / (d if stage == 3 else 1), "grads": 4 * n / (d if stage >= 2 else 1),
+    out = {"params": n * pb / (d if s_params else 1), "grads": 4 * n / (d if s_grads else 1),
            "optimizer": optimizer * (1 - offload), "optimizer_host": optimizer * offload,
            "working_set": gathered + staging, "gathered_params": gathered, "staging_grads": staging,
-           "buckets": buckets, "padding_max": (d - 1) * buckets * (pb + 4) if stage >= 1 else 0}
+           "buckets": buckets, "padding_max": (d - 1) * buckets * (pb + 4) if s_opt else 0}
     return out
 
 

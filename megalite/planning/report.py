@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ..config.run import RunConfig
 from ..runtime.metrics import num_floating_point_operations
-from .memory import (STRATEGIES, ZERO_STAGE, in_flight_chunks, recompute_setting, stage_activation_bytes,
+from ..config.sharding import STRATEGIES
+from .memory import (in_flight_chunks, recompute_setting, stage_activation_bytes,
                      stage_params, strategy_bytes, total_params)
 
 GIB = 2**30
@@ -16,11 +17,11 @@ def make_plan(c: RunConfig, gpu_memory_gb: float = 80.0) -> dict:
     p, t, dp = c.parallel.pipeline_model_parallel_size, c.parallel.tensor_model_parallel_size, c.parallel.data_parallel_size
     cp = c.parallel.context_parallel_size
     strategy = c.ddp.data_parallel_sharding_strategy
-    zero1 = strategy != "no_shard"
+    zero1 = STRATEGIES[strategy].shards_optimizer
     stages = []
     for r in range(p):
         n = stage_params(c, r)
-        by = {s: strategy_bytes(c, r, s) for s in STRATEGIES}
+        by = {name: strategy_bytes(c, r, s) for name, s in STRATEGIES.items()}
         activations = stage_activation_bytes(c, r)
         for b in by.values():
             b["total"] = b["params"] + b["grads"] + b["optimizer"] + b["working_set"] + activations
@@ -123,7 +124,7 @@ def format_plan(plan: dict) -> str:
     lines.append(f"  by DP sharding strategy over DP {lay['dp']}:  params   grads  optimizer  working set   total")
     for s, b in plan["memory_gb_by_strategy"].items():
         mark = "*" if s == lay["data_parallel_sharding_strategy"] else " "
-        name = f"{s} (ZeRO-{ZERO_STAGE[s]})" if ZERO_STAGE[s] else s
+        name = STRATEGIES[s].describe()
         lines.append(f"   {mark} {name:<30}{b['params']:8.2f}{b['grads']:8.2f}{b['optimizer']:11.2f}"
                      f"{b['working_set']:13.2f}{b['total']:8.2f}"
                      + ("" if b["total"] <= plan["gpu_memory_gb"] else "  no fit"))

@@ -11,8 +11,8 @@
     python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megalite --load-dir hf_out \\
         --save-dir ckpt_from_hf --target-tensor-parallel-size 2
 
-Only the model weights travel (no optimizer state). The mapping lives in megalite/checkpoint/hf_conversion.py:
-GPT-2's gelu_new becomes --openai-gelu; a Llama's rope_theta and rope scaling (llama3, linear; read
+Only the model weights travel (no optimizer state). The mapping lives in megalite/checkpoint/hf_conversion.py
+(configs and flags in hf_config.py, tokenizers in hf_tokenizer.py): GPT-2's gelu_new becomes --openai-gelu; a Llama's rope_theta and rope scaling (llama3, linear; read
 from config.json in the transformers 4.x or 5.x layout) become --rotary-base, --use-rope-scaling
 --rope-scaling-*, --rotary-seq-len-interpolation-factor. The import prints the flags to train on with.
 --save-dir must be new or empty: nothing existing is overwritten. Bad input ends with one `error:`
@@ -87,8 +87,9 @@ def check_layout(cfg: dict, tp: int, pp: int) -> None:
 def main(argv=None) -> int:
     args = get_args(argv)
     from megalite.checkpoint.files import inspect_checkpoint
-    from megalite.checkpoint.checkpointing import load_full_state_dict, save_full_state_dict
-    from megalite.checkpoint.hf_conversion import from_hf, pretrain_flags, to_hf
+    from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict
+    from megalite.checkpoint.hf_config import pretrain_flags
+    from megalite.checkpoint.hf_conversion import from_hf, to_hf
     from megalite.config import RunConfig, from_saved
 
     tp, pp = args.target_tensor_parallel_size or 1, args.target_pipeline_parallel_size or 1

@@ -1,0 +1,231 @@
+"""Hugging Face model configs: which transformers architecture a megalite model is
+(`hf_architecture`), its config.json and RoPE settings both ways, and the pretrain_gpt.py flags
+of an imported model. What maps, and what is refused, is in hf_conversion.py's docstring."""
+from __future__ import annotations
+
+import json
+
+from ..errors import InputError
+
+
+class ConversionError(InputError):
+    """A model or tokenizer the other side cannot represent exactly, or a malformed input."""
+
+
+# -- which Hugging Face architecture a megalite model is ------------------------------------------
+def hf_architecture(cfg: dict) -> str:
+    """"gpt2" or "llama" for a megalite model_config; ConversionError naming the flag otherwise."""
+    def refuse(setting: str, target: str):
+        raise ConversionError(f"cannot export to Hugging Face: {setting}, which {target} cannot express "
+                              "(the export would be a different model)")
+
+    heads, groups = cfg["num_attention_heads"], cfg.get("num_query_groups") or cfg["num_attention_heads"]
+    if cfg["position_embedding_type"] == "learned_absolute":
+        gpt2 = "a GPT-2 style model (--position-embedding-type learned_absolute) as GPT2LMHeadModel"
+        if cfg["normalization"] != "LayerNorm":
+            refuse(f"--normalization {cfg['normalization']} with learned absolute positions", gpt2)
+        if cfg["swiglu"]:
+            refuse("--swiglu with learned absolute positions", gpt2)
+        if not cfg["add_bias_linear"]:
+            refuse("--disable-bias-linear with learned absolute positions", gpt2)
+        if groups != heads:
+            refuse(f"--num-query-groups {groups} (grouped-query attention) with learned absolute positions", gpt2)
+        if cfg["kv_channels"] * heads != cfg["hidden_size"]:
+            refuse(f"--kv-channels {cfg['kv_channels']} != --hidden-size / --num-attention-heads "
+                   f"({cfg['hidden_size']} / {heads})", gpt2)
+        return "gpt2"
+    if cfg["position_embedding_type"] == "rope":
+        llama = "a RoPE model as LlamaForCausalLM"
+        if cfg["normalization"] != "RMSNorm":
+            refuse(f"--normalization {cfg['normalization']} with --position-embedding-type rope", llama)
+        if not cfg["swiglu"]:
+            refuse("a GeLU MLP (no --swiglu) with --position-embedding-type rope", llama)
+        if cfg.get("rotary_percent", 1.0) != 1.0:
+            refuse(f"--rotary-percent {cfg['rotary_percent']} (Llama rotates every head channel)", llama)
+        if cfg.get("use_rope_scaling") and cfg.get("rotary_seq_len_interpolation_factor"):
+            refuse("--use-rope-scaling with --rotary-seq-len-interpolation-factor (one rope_type at a time)", llama)
+        if cfg.get("openai_gelu"):
+            refuse("--openai-gelu with --swiglu", llama)
+        return "llama"
+    raise ConversionError(f"--position-embedding-type {cfg['position_embedding_type']!r} has no Hugging Face mapping")
+
+
+# -- configs ---------------------------------------------------------------------------------------
+# GPT2Config.activation_function -> megalite's openai_gelu. gelu_new, gelu_pytorch_tanh and
+# gelu_fast are one function (0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), Hendrycks & Gimpel 2016),
+# written three ways; "gelu" is the exact erf form.
+GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}
+
+
+# keys each transformers rope_type may carry, besides rope_type / type / rope_theta
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def hf_rope(cfg: dict) -> tuple[dict, dict | None]:
+    """(transformers 5 `rope_parameters`, transformers 4.x `rope_scaling`) of a megalite model_config."""
+    if cfg.get("use_rope_scaling"):
+        scaling = {"rope_type": "llama3", "factor": float(cfg["rope_scaling_factor"]),
+                   "low_freq_factor": float(cfg["rope_scaling_low_freq_factor"]),
+                   "high_freq_factor": float(cfg["rope_scaling_high_freq_factor"]),
+                   "original_max_position_embeddings": int(cfg["rope_scaling_original_max_position_embeddings"])}
+    elif cfg.get("rotary_seq_len_interpolation_factor"):
+        scaling = {"rope_type": "linear", "factor": float(cfg["rotary_seq_len_interpolation_factor"])}
+    else:
+        scaling = None
+    params = dict(scaling or {"rope_type": "default"}, rope_theta=float(cfg["rotary_base"]))
+    return params, scaling
+
+
+def rope_from_hf(raw: dict, model_type: str = "llama") -> dict:
+    """megalite's RoPE settings of a config.json in either layout: transformers 5's `rope_parameters`,
+    or 4.x's `rope_theta` + `rope_scaling` (with "rope_type" or the older "type"). Read from the
+    file itself, so that the installed transformers version cannot drop or default a field."""
+    def refuse(what: str):
+        raise ConversionError(f"cannot import {model_type} model: {what}, which megalite does not implement")
+
+    def parse(field: str, d: dict) -> dict:
+        kind = d.get("rope_type", d.get("type", "default"))
+        if "type" in d and "rope_type" in d and d["type"] != d["rope_type"]:
+            refuse(f"{field}.type {d['type']!r} with {field}.rope_type {d['rope_type']!r}")
+        if kind not in ROPE_TYPES:
+            refuse(f"{field}.rope_type {kind!r} (megalite implements default, linear and llama3 RoPE)")
+        allowed = {"rope_type", "type", "rope_theta", *ROPE_TYPES[kind]}
+        if d.get("partial_rotary_factor", 1.0) == 1.0:
+            allowed.add("partial_rotary_factor")  # every channel rotated: plain RoPE
+        extra = sorted(set(d) - allowed)
+        if extra:
+            refuse(f"{field}.{extra[0]} = {d[extra[0]]!r} with rope_type {kind!r}")
+        needed = [k for k in ROPE_TYPES[kind] if k != "original_max_position_embeddings" and d.get(k) is None]
+        if needed:
+            refuse(f"{field}.rope_type {kind!r} without {field}.{needed[0]}")
+        out = dict(rotary_base=float(d.get("rope_theta") or raw.get("rope_theta") or 10000.0),
+                   use_rope_scaling=kind == "llama3", rotary_seq_len_interpolation_factor=None)
+        if kind == "linear":
+            out["rotary_seq_len_interpolation_factor"] = float(d["factor"])
+        if kind == "llama3":  # transformers falls back to max_position_embeddings, as here
+            out.update(rope_scaling_factor=float(d["factor"]), rope_scaling_low_freq_factor=float(d["low_freq_factor"]),
+                       rope_scaling_high_freq_factor=float(d["high_freq_factor"]),
+                       rope_scaling_original_max_position_embeddings=int(
+                           d.get("original_max_position_embeddings") or raw["max_position_embeddings"]))
+        return out
+
+    layouts = [(f, raw[f]) for f in ("rope_parameters", "rope_scaling") if raw.get(f) is not None]
+    for f, d in layouts:
+        if not isinstance(d, dict) or any(isinstance(v, dict) for v in d.values()):
+            refuse(f"{f} {d!r} (one RoPE setting for every layer expected)")
+    parsed = [parse(f, d) for f, d in layouts] or [parse("rope_scaling", {})]
+    if len(parsed) == 2 and parsed[0] != parsed[1]:
+        raise ConversionError(f"cannot import {model_type} model: its config.json's rope_parameters {raw['rope_parameters']} "
+                              f"and rope_scaling {raw['rope_scaling']} (with rope_theta {raw.get('rope_theta')}) disagree")
+    return parsed[0]
+
+
+def hf_config(cfg: dict, bos_id: int | None = None, eos_id: int | None = None):
+    """The transformers config of a megalite model_config (raises if it has none)."""
+    from transformers import GPT2Config, LlamaConfig
+
+    arch = hf_architecture(cfg)
+    common = dict(vocab_size=cfg["vocab_size"], bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=None,
+                  initializer_range=cfg.get("init_method_std", 0.02),
+                  tie_word_embeddings=not cfg["untie_embeddings_and_output_weights"])
+    if arch == "gpt2":
+        return GPT2Config(
+            n_embd=cfg["hidden_size"], n_layer=cfg["num_layers"], n_head=cfg["num_attention_heads"],
+            n_inner=cfg["ffn_hidden_size"], n_positions=cfg["max_position_embeddings"],
+            activation_function="gelu_new" if cfg.get("openai_gelu") else "gelu",  # tanh approximation or exact erf
+            layer_norm_epsilon=cfg["norm_epsilon"], resid_pdrop=cfg.get("hidden_dropout", 0.0),
+            embd_pdrop=cfg.get("hidden_dropout", 0.0), attn_pdrop=cfg.get("attention_dropout", 0.0),
+            architectures=["GPT2LMHeadModel"], **common)
+    rope_parameters, _ = hf_rope(cfg)
+    return LlamaConfig(
+        hidden_size=cfg["hidden_size"], intermediate_size=cfg["ffn_hidden_size"], num_hidden_layers=cfg["num_layers"],
+        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_query_groups"],
+        head_dim=cfg["kv_channels"], hidden_act="silu", max_position_embeddings=cfg["max_position_embeddings"],
+        rms_norm_eps=cfg["norm_epsilon"], rope_parameters=rope_parameters,
+        attention_bias=cfg["add_bias_linear"], mlp_bias=cfg["add_bias_linear"],
+        attention_dropout=cfg.get("attention_dropout", 0.0), architectures=["LlamaForCausalLM"], **common)
+
+
+def config_from_hf(c, raw: dict) -> dict:
+    """megalite model_config (without padded_vocab_size) of a transformers config and its config.json."""
+    def refuse(what: str):
+        raise ConversionError(f"cannot import {c.model_type} model: {what}, which megalite does not implement")
+
+    common = dict(vocab_size=c.vocab_size, init_method_std=getattr(c, "initializer_range", 0.02),
+                  untie_embeddings_and_output_weights=not getattr(c, "tie_word_embeddings", True))
+    if c.model_type == "gpt2":
+        if c.activation_function not in GPT2_ACTIVATIONS:
+            refuse(f"activation_function {c.activation_function!r} (megalite's GeLU MLP computes "
+                   f"{', '.join(repr(a) for a in GPT2_ACTIVATIONS)})")
+        if c.scale_attn_by_inverse_layer_idx or c.reorder_and_upcast_attn or not c.scale_attn_weights:
+            refuse("non-default attention scaling (scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn / "
+                   "scale_attn_weights)")
+        if getattr(c, "add_cross_attention", False):
+            refuse("cross-attention")
+        return dict(num_layers=c.n_layer, hidden_size=c.n_embd, num_attention_heads=c.n_head,
+                    num_query_groups=c.n_head, kv_channels=c.n_embd // c.n_head,
+                    ffn_hidden_size=c.n_inner or 4 * c.n_embd, seq_length=c.n_positions,
+                    max_position_embeddings=c.n_positions, position_embedding_type="learned_absolute",
+                    normalization="LayerNorm", norm_epsilon=c.layer_norm_epsilon, swiglu=False,
+                    add_bias_linear=True, hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
+                    openai_gelu=GPT2_ACTIVATIONS[c.activation_function], **common)
+    if c.model_type == "llama":
+        if c.hidden_act != "silu":
+            refuse(f"hidden_act {c.hidden_act!r} (megalite's SwiGLU uses silu)")
+        rope = rope_from_hf(raw, c.model_type)
+        if bool(c.attention_bias) != bool(c.mlp_bias):
+            refuse(f"attention_bias {c.attention_bias} with mlp_bias {c.mlp_bias} (megalite has one switch, "
+                   "--disable-bias-linear)")
+        heads = c.num_attention_heads
+        return dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=heads,
+                    num_query_groups=c.num_key_value_heads or heads,
+                    kv_channels=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                    ffn_hidden_size=c.intermediate_size, seq_length=c.max_position_embeddings,
+                    max_position_embeddings=c.max_position_embeddings, position_embedding_type="rope",
+                    rotary_percent=1.0, **rope,
+                    normalization="RMSNorm", norm_epsilon=c.rms_norm_eps, swiglu=True,
+                    add_bias_linear=bool(c.attention_bias), hidden_dropout=0.0,
+                    attention_dropout=float(c.attention_dropout or 0.0), **common)
+    raise ConversionError(f"model_type {c.model_type!r}: only gpt2 (GPT2LMHeadModel) and llama "
+                          "(LlamaForCausalLM) directories can be imported")
+
+
+def update_json(path: str, **values) -> None:
+    with open(path) as f:
+        d = json.load(f)
+    d.update(values)
+    with open(path, "w") as f:
+        json.dump(d, f, indent=2, sort_keys=True)
+
+
+def pretrain_flags(cfg: dict) -> list[str]:
+    """pretrain_gpt.py model flags that build `cfg` (to continue training with --load --finetune)."""
+    flags = ["--num-layers", cfg["num_layers"], "--hidden-size", cfg["hidden_size"],
+             "--num-attention-heads", cfg["num_attention_heads"], "--ffn-hidden-size", cfg["ffn_hidden_size"],
+             "--kv-channels", cfg["kv_channels"], "--max-position-embeddings", cfg["max_position_embeddings"],
+             "--position-embedding-type", cfg["position_embedding_type"], "--normalization", cfg["normalization"],
+             "--norm-epsilon", cfg["norm_epsilon"], "--vocab-size", cfg["vocab_size"]]
+    if cfg["num_query_groups"] != cfg["num_attention_heads"]:
+        flags += ["--group-query-attention", "--num-query-groups", cfg["num_query_groups"]]
+    if cfg["position_embedding_type"] == "rope":
+        flags += ["--rotary-base", cfg["rotary_base"]]
+        if cfg.get("rotary_percent", 1.0) != 1.0:
+            flags += ["--rotary-percent", cfg["rotary_percent"]]
+        if cfg.get("use_rope_scaling"):
+            flags += ["--use-rope-scaling", "--rope-scaling-factor", cfg["rope_scaling_factor"],
+                      "--rope-scaling-low-freq-factor", cfg["rope_scaling_low_freq_factor"],
+                      "--rope-scaling-high-freq-factor", cfg["rope_scaling_high_freq_factor"],
+                      "--rope-scaling-original-max-position-embeddings",
+                      cfg["rope_scaling_original_max_position_embeddings"]]
+        if cfg.get("rotary_seq_len_interpolation_factor"):
+            flags += ["--rotary-seq-len-interpolation-factor", cfg["rotary_seq_len_interpolation_factor"]]
+    if cfg.get("openai_gelu"):
+        flags.append("--openai-gelu")
+    if cfg["swiglu"]:
+        flags.append("--swiglu")
+    if not cfg["add_bias_linear"]:
+        flags.append("--disable-bias-linear")
+    if cfg["untie_embeddings_and_output_weights"]:
+        flags.append("--untie-embeddings-and-output-weights")
+    return [str(f) for f in flags]

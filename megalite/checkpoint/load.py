@@ -1,0 +1,261 @@
+"""Loading a checkpoint on any layout: each rank reads the elements it owns in this run
+(state.owned_pieces) from the saved pieces that overlap them, and group sums bring the rest
+(see the package docstring). `read_region` is the one reader of saved pieces."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import comm
+from ..errors import CheckpointError
+from ..tensor_parallel.param_info import param_info
+from .files import FORMAT_VERSION, TRACKER, iteration_dir, read_metadata, read_tracker
+from .index import INDEX, open_index
+from .reshard import ShardLayout, coalesce, locate, runs, split_at
+from .state import STATE_KINDS, TrainState, check_model_config, owned_pieces, set_rng_state, target_layout
+from .tensor_file import RangeReader, element_size
+
+READ_GAP_BYTES = 4096  # two ranges of one piece closer than this are read as one (a page)
+
+
+@dataclass
+class LoadStats:
+    """What one rank's load cost: bytes read and files opened (the tracker file included)."""
+    bytes_read: int = 0
+    files_opened: int = 0
+    seconds: float = 0.0
+
+
+def open_checkpoint(root: str, iteration: int | None = None, io: RangeReader | None = None):
+    """(metadata, index) of the latest (or given) checkpoint under `root`: format 2 reads the
+    global index only (its header holds the metadata); format 1 every rank index."""
+    io = io or RangeReader()
+    if iteration is None:
+        tracker = os.path.join(root, TRACKER)
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise CheckpointError(f"no checkpoint under {root}: {TRACKER} is missing")
+        io.opened.add(tracker)
+        io.bytes_read += os.path.getsize(tracker)
+    directory = iteration_dir(root, iteration)
+    if os.path.isfile(os.path.join(directory, INDEX)):
+        index = open_index(directory, {"format_version": FORMAT_VERSION}, io)
+        meta = dict(index.metadata)
+    else:
+        meta = read_metadata(root, iteration)
+        if int(meta["format_version"]) >= 2:
+            raise CheckpointError(f"{directory}/{INDEX} is missing: {directory} is not a complete checkpoint")
+        io.opened.add(os.path.join(directory, "metadata.json"))
+        index = open_index(directory, meta, io)
+    meta["dir"] = directory
+    return meta, index
+
+
+def read_region(index, name: str, kind: str, target: ShardLayout, tp_rank: int, lo: int, hi: int,
+                tied: bool = False) -> torch.Tensor:
+    """Elements [lo, hi) of TP rank `tp_rank`'s local shard of `kind` of `name`, in the layout
+    `target`, read from the saved pieces that overlap them (fp32; zeros in padded vocabulary
+    rows). `tied`: prefer the pieces saved for the tied embedding's last-stage copy."""
+    found = index.entry(name)
+    pieces = [pc for pc in (found[1] if found else []) if pc.kind == kind]
+    pieces = ([pc for pc in pieces if pc.tied] if tied else []) or [pc for pc in pieces if not pc.tied]
+    if not pieces:
+        raise CheckpointError(f"{index.directory} has no {kind} for {name}")
+    lay = found[0]
+    old = ShardLayout(tuple(lay["full_shape"]), lay["dim"], lay["stride"], lay["tp_size"])
+    row_elems = int(np.prod(target.full_shape[1:], dtype=np.int64))
+    if lay["rows"] is None and tuple(target.full_shape) != old.full_shape:
+        raise CheckpointError(f"{index.directory}: {name} has shape {old.full_shape} in the checkpoint and "
+                              f"{tuple(target.full_shape)} in this run")
+    out = torch.zeros(hi - lo, dtype=torch.float32)
+    full_start, length = runs(target, tp_rank, lo, hi)
+    dest = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+    if lay["rows"] is not None:  # padded vocabulary: rows past the real ones stay zero
+        limit = lay["rows"] * row_elems
+        length = np.clip(limit - full_start, 0, length)
+        keep = length > 0
+        full_start, length, dest = full_start[keep], length[keep], dest[keep]
+    old_rank, start, length, dest = locate(old, full_start, length, dest)
+    for r in np.unique(old_rank):
+        mine = sorted((pc for pc in pieces if pc.tp_rank == r), key=lambda pc: pc.lo)
+        if not mine or mine[0].lo != 0 or mine[-1].hi != old.local_numel or \
+                any(a.hi != b.lo for a, b in zip(mine, mine[1:])):
+            raise CheckpointError(f"{index.directory}: the saved pieces of {kind} of {name} do not cover TP rank "
+                                  f"{int(r)}'s shard (incomplete or duplicated)")
+        sel = old_rank == r
+        cuts = np.array([pc.lo for pc in mine] + [mine[-1].hi], dtype=np.int64)
+        which, s, n, d = split_at(cuts, start[sel], length[sel], dest[sel])
+        for k in np.unique(which):
+            pc, sk = mine[k], which == k
+            s_k, n_k, d_k = s[sk] - pc.lo, n[sk], d[sk]
+            gap = READ_GAP_BYTES // (4 if pc.dtype is None else element_size(pc.dtype))  # format 1: dtype unknown
+            for a, b, members in coalesce(s_k, n_k, gap):
+                data = index.read(pc, a, b)
+                for m in members:
+                    o = int(s_k[m]) - a
+                    out[int(d_k[m]):int(d_k[m]) + int(n_k[m])] = data[o:o + int(n_k[m])]
+    return out
+
+
+def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, load_optim: bool = True,
+                    load_rng: bool = True) -> int:
+    """Load the latest checkpoint under `root` into `train_state`; returns its iteration (0 with
+    --finetune). No checkpoint there: a notice, and training starts from scratch. What this rank
+    read is left in `train_state.load_stats`."""
+    ps, opt = train_state.ps, train_state.optimizer
+    if read_tracker(root) is None:
+        train_state.log(f"> no checkpoint found under {root} ({TRACKER} missing): training from scratch")
+        return 0
+    start = time.perf_counter()
+    io = RangeReader()
+    meta, index = open_checkpoint(root, io=io)
+    where = meta["dir"]
+    check_model_config(meta["model_config"], train_state.model_config.to_dict(), where)
+    restore_optim = load_optim and not finetune
+    if restore_optim and not meta.get("has_optimizer_state", True):
+        raise CheckpointError(f"{where} holds weights only (no optimizer state); "
+                              "load it with --no-load-optim or --finetune")
+    lay = meta["layout"]
+    same_layout = ((lay["world_size"], lay["tp"], lay["pp"], lay.get("cp", 1))
+                   == (ps.world_size, ps.tp_size, ps.pp_size, ps.cp_size))
+    reader = _OwnedReader(train_state, index)
+    index.prefetch([f"param/{reader.names[id(pc[0])]}" for pc in reader.owned]
+                   + ([f"rank/{ps.rank}"] if same_layout else []))
+    with torch.no_grad():
+        _load_weights(train_state, reader)
+        _load_optimizer_state(train_state, reader, restore_optim, meta)
+        if opt.fp32_params:
+            opt.masters_from_params()
+    if finetune:
+        _finish_stats(train_state, io, start)
+        train_state.log(f"> loaded weights from {where} (--finetune: iteration 0, fresh optimizer)")
+        return 0
+    iteration = int(meta["iteration"])
+    _restore_progress(train_state, meta, index, restore_optim, load_rng and same_layout, load_rng)
+    _finish_stats(train_state, io, start)
+    train_state.log(f"> loaded checkpoint {where} (iteration {iteration}, written with TP {lay['tp']} x PP {lay['pp']} "
+                    f"x DP {lay['dp']}{', distributed optimizer' if lay['distributed_optimizer'] else ''})")
+    return iteration
+
+
+class _OwnedReader:
+    """Reads, from one checkpoint's index, the pieces this rank owns in this run."""
+
+    def __init__(self, train_state: TrainState, index):
+        self.index, self.ps = index, train_state.ps
+        self.names = {id(p): n for n, p in train_state.named_params}
+        self.owned = owned_pieces(train_state)
+
+    def has(self, name: str, kind: str) -> bool:
+        found = self.index.entry(name)
+        return found is not None and any(pc.kind == kind for pc in found[1])
+
+    def read(self, p, kind: str, lo: int, hi: int) -> torch.Tensor:
+        return read_region(self.index, self.names[id(p)], kind, target_layout(p, self.ps.tp_size), self.ps.tp_rank,
+                           lo, hi, tied=param_info(p).tied_copy)
+
+
+def _load_weights(train_state: TrainState, reader: _OwnedReader) -> None:
+    """Owners read, the group sums bring the weights to everyone else (who hold zeros). What a
+    rank stores of a parameter: all of it, or under ZeRO-3 its slices (whose DP ranks own
+    disjoint parts, so nothing is summed over DP there)."""
+    ps, opt, names = train_state.ps, train_state.optimizer, reader.names
+    prefer_master = opt.fp32_params  # an fp32 run takes the fp32 masters of a 16-bit checkpoint
+    stored = opt.dp.param_pieces()
+    for _, _, _, t in stored:
+        t.zero_()
+    for p, lo, hi, _ in reader.owned:
+        if param_info(p).tied_copy:
+            continue  # arrives from the first stage over the embedding group
+        kind = "master" if prefer_master and reader.has(names[id(p)], "master") else "param"
+        t = opt.dp.param_slice(p, lo, hi)
+        t.copy_(reader.read(p, kind, lo, hi).to(t.dtype))
+    _sum_to_all([(p, t) for p, _, _, t in stored], ps, replicated_over_dp=not opt.dp.strategy.shards_params)
+
+
+def _load_optimizer_state(train_state: TrainState, reader: _OwnedReader, restore_optim: bool, meta: dict) -> None:
+    """Masters (16-bit runs) and moments of the pieces this rank steps, read where this rank
+    owns them, summed over the groups that share them."""
+    ps, opt, names = train_state.ps, train_state.optimizer, reader.names
+    owned_ids = {(id(p), lo) for p, lo, _, _ in reader.owned}
+    to_sum = []
+    for p, lo, hi, master in opt.pieces():
+        name, state = names[id(p)], opt.optimizer.state.get(master, {})
+        mine = (id(p), lo) in owned_ids
+        # fp32 runs: the master is the parameter (or a view of it), loaded with the weights, or a
+        # host copy of it (offload), copied after
+        tensors = [] if opt.fp32_params else [(master, "master" if mine and reader.has(name, "master") else "param")]
+        tensors += [(state[k], k) for k in STATE_KINDS if restore_optim and k in state]
+        for t, kind in tensors:
+            if not mine:
+                t.zero_()
+                continue
+            if not reader.has(name, kind):
+                raise CheckpointError(f"{meta['dir']} has no optimizer state {kind!r} for {name} (written with "
+                                      f"--optimizer {meta['optimizer']['type']}); use --no-load-optim")
+            t.view(-1).copy_(reader.read(p, kind, lo, hi))
+        to_sum.append((p, [t for t, _ in tensors]))
+    _sum_optimizer_state(to_sum, ps, replicated_over_dp=not opt.distributed)
+
+
+def _restore_progress(train_state: TrainState, meta: dict, index, restore_optim: bool, restore_rng: bool,
+                      load_rng: bool) -> None:
+    """Where the run stood: consumed samples, the optimizer's step count, the schedule and loss
+    scaler, and (on the layout that saved it) this rank's RNG states."""
+    ps, opt, lay = train_state.ps, train_state.optimizer, meta["layout"]
+    train_state.consumed_samples = int(meta["consumed_samples"])
+    if restore_optim:
+        if index.optimizer_step is not None:
+            opt.set_step_count(index.optimizer_step)
+        train_state.scheduler.load_state_dict(meta["scheduler"])
+        if opt.scaler is not None and meta.get("grad_scaler"):
+            opt.scaler.load_state_dict(meta["grad_scaler"])
+    saved_rng = index.rank_state(ps.rank) if restore_rng else None
+    if saved_rng is not None and saved_rng[0]:
+        set_rng_state(train_state, saved_rng[1], saved_rng[0])
+    elif load_rng:
+        train_state.log(f"> checkpoint layout (world {lay['world_size']}, TP {lay['tp']}, PP {lay['pp']}) differs from "
+                        "this run's: RNG states are not restored (dropout masks will differ from an uninterrupted run)")
+
+
+def _finish_stats(train_state: TrainState, io: RangeReader, start: float) -> None:
+    io.close()
+    train_state.load_stats = LoadStats(io.bytes_read, len(io.opened), time.perf_counter() - start)
+
+
+def _sum_to_all(stored: list, ps, replicated_over_dp: bool) -> None:
+    """Complete what only the owners filled (zeros elsewhere), given as (param, tensor stored
+    of it) pairs: over TP for the TP-replicated, over DP, then over the embedding group for the
+    tied pair. Each phase walks the same list in the same order on every member of its groups
+    (TP ranks, and the tied embedding's two stages, lay their slices out alike)."""
+    for p, t in stored:
+        if not param_info(p).tensor_parallel:
+            _sum(t, ps.tp_group)
+    if replicated_over_dp:
+        for _, t in stored:
+            _sum(t, ps.dp_cp_group)
+    for p, t in stored:
+        if param_info(p).embedding_group_sync:
+            _sum(t, ps.embedding_group)
+
+
+def _sum_optimizer_state(pieces: list, ps, replicated_over_dp: bool) -> None:
+    """Masters and moments: over TP for TP-replicated parameters; over DP with the plain
+    optimizer (whose state every DP rank holds whole)."""
+    for p, tensors in pieces:
+        if not param_info(p).tensor_parallel:
+            for t in tensors:
+                _sum(t, ps.tp_group)
+    if replicated_over_dp:
+        for _, tensors in pieces:
+            for t in tensors:
+                _sum(t, ps.dp_cp_group)
+
+
+def _sum(t: torch.Tensor, group) -> None:
+    if comm.group_size(group) > 1:
+        comm.all_reduce(t.data, group)

@@ -1,0 +1,165 @@
+"""What a checkpoint holds of a run (`TrainState`) and which rank saves, and on load reads,
+which pieces of it (`owned_pieces`); how a local shard was cut from the whole tensor; RNG
+states; the model settings a checkpoint must share with the run loading it. The layout on disk
+is described in the package docstring (checkpoint/__init__.py)."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError
+from ..model.init import global_shape, shard
+from ..parallel_state import ParallelState
+from ..tensor_parallel.param_info import param_info
+from .reshard import ShardLayout
+
+STATE_KINDS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+
+# model settings that must agree between a checkpoint and the run loading it: config key -> flag
+MODEL_FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels", "ffn_hidden_size": "--ffn-hidden-size",
+    "vocab_size": "--vocab-size (the tokenizer's vocabulary)", "position_embedding_type": "--position-embedding-type",
+    "normalization": "--normalization", "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon", "openai_gelu": "--openai-gelu",
+    "apply_layernorm_1p": "--apply-layernorm-1p",
+}
+# RoPE settings, compared for RoPE models only; a key older checkpoints lack means its default
+ROPE_FLAGS = {"use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "--rope-scaling-factor",
+              "rope_scaling_low_freq_factor": "--rope-scaling-low-freq-factor",
+              "rope_scaling_high_freq_factor": "--rope-scaling-high-freq-factor",
+              "rope_scaling_original_max_position_embeddings": "--rope-scaling-original-max-position-embeddings",
+              "rotary_seq_len_interpolation_factor": "--rotary-seq-len-interpolation-factor"}
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint saves and restores: the model's parameters (global names), the optimizer
+    (masters and moments of the pieces it steps), the schedule and loss scaler, RNG states, and
+    where the run stands. `config` (RunConfig.to_dict()) is recorded in metadata.json for the tools."""
+    ps: ParallelState
+    model_config: object  # model.GPTConfig
+    named_params: list
+    optimizer: object  # optimizer.MixedPrecisionOptimizer
+    scheduler: object  # optimizer.LRScheduler
+    rng_tracker: object
+    device: torch.device
+    config: dict
+    iteration: int = 0
+    consumed_samples: int = 0
+    load_stats: object = None  # LoadStats of the checkpoint load, if any
+
+    def log(self, msg: str) -> None:
+        if self.ps.rank == self.ps.logging_rank:
+            print(msg, flush=True)
+
+
+def check_model_config(saved: dict, current: dict, where: str) -> None:
+    """Raise naming the first model setting that differs."""
+    from ..model import GPTConfig
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    flags = dict(MODEL_FLAGS, **(ROPE_FLAGS if current.get("position_embedding_type") == "rope" else {}))
+    if not current.get("use_rope_scaling"):  # the scaling parameters matter only when scaling is on
+        flags = {k: f for k, f in flags.items() if not k.startswith("rope_scaling_")}
+    for key, flag in flags.items():
+        if saved.get(key, defaults.get(key)) != current.get(key, defaults.get(key)):
+            raise CheckpointError(f"checkpoint {where} does not match this model: {flag} is {saved.get(key)!r} in "
+                                  f"the checkpoint and {current.get(key)!r} in this run")
+    if current.get("position_embedding_type") == "rope" and saved.get("rotary_base") != current.get("rotary_base"):
+        raise CheckpointError(f"checkpoint {where} does not match this model: --rotary-base is "
+                              f"{saved.get('rotary_base')} in the checkpoint and {current.get('rotary_base')} in this run")
+    if current.get("position_embedding_type") == "learned_absolute" and \
+            saved.get("max_position_embeddings") != current.get("max_position_embeddings"):
+        raise CheckpointError(f"checkpoint {where} does not match this model: --max-position-embeddings is "
+                              f"{saved.get('max_position_embeddings')} in the checkpoint and "
+                              f"{current.get('max_position_embeddings')} in this run")
+
+
+# -- how a local shard was cut from the whole tensor ----------------------------------------------
+def shard_layout(p: torch.nn.Parameter, tp_rank: int, tp_size: int, vocab_size: int) -> dict:
+    info = param_info(p)
+    is_tp = info.tensor_parallel
+    return {"tp": is_tp, "dim": info.partition_dim, "stride": info.partition_stride,
+            "tp_rank": tp_rank if is_tp else 0, "tp_size": tp_size if is_tp else 1,
+            "local_shape": list(p.shape), "rows": vocab_size if info.init_rows is not None else None}
+
+
+def local_shard(full: torch.Tensor, p: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's shard of `full` (the whole tensor, vocabulary unpadded)."""
+    info = param_info(p)
+    if info.init_rows is not None:  # pad the vocabulary rows to this layout's size
+        rows = p.shape[0] * (tp_size if info.tensor_parallel else 1)
+        if full.shape[0] < rows:
+            full = torch.cat([full, full.new_zeros((rows - full.shape[0],) + tuple(full.shape[1:]))])
+    return shard(full, info, tp_rank, tp_size)
+
+
+def target_layout(p: torch.nn.Parameter, tp_size: int) -> ShardLayout:
+    """How this run cut `p`'s shard from the whole tensor (vocabulary padded as this run pads it)."""
+    info = param_info(p)
+    if not info.tensor_parallel or tp_size == 1:
+        return ShardLayout(global_shape(p, tp_size if info.tensor_parallel else 1))
+    return ShardLayout(global_shape(p, tp_size), info.partition_dim, info.partition_stride, tp_size)
+
+
+# -- RNG states ------------------------------------------------------------------------------------
+def rng_state(train_state: TrainState) -> tuple[dict, dict]:
+    """RNG states as (tensors, JSON-safe values)."""
+    np_state = np.random.get_state()
+    tensors = {"rng/torch": torch.get_rng_state(), "rng/numpy": torch.from_numpy(np_state[1].astype(np.int64))}
+    if torch.cuda.is_available() and train_state.device.type == "cuda":
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(train_state.device)
+    for name, state in train_state.rng_tracker.get_states().items():
+        tensors[f"rng/tracker/{name}"] = state
+    py = random.getstate()
+    values = {"python": [py[0], list(py[1]), py[2]], "numpy": [np_state[0], int(np_state[2]), int(np_state[3]),
+                                                                  float(np_state[4])]}
+    return tensors, values
+
+
+def set_rng_state(train_state: TrainState, tensors: dict, values: dict) -> None:
+    py = values["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = values["numpy"]
+    np.random.set_state((n[0], tensors["rng/numpy"].numpy().astype(np.uint32), n[1], n[2], n[3]))
+    torch.set_rng_state(tensors["rng/torch"])
+    if "rng/cuda" in tensors and train_state.device.type == "cuda":
+        torch.cuda.set_rng_state(tensors["rng/cuda"], train_state.device)
+    train_state.rng_tracker.set_states({k[len("rng/tracker/"):]: v for k, v in tensors.items()
+                                    if k.startswith("rng/tracker/")})
+
+
+# -- who saves, and reads, what --------------------------------------------------------------------
+def _tp_owner(p, tp_rank: int) -> bool:
+    """The copy that is saved: TP-sharded tensors on every TP rank, replicated ones on TP rank 0
+    (the tied embedding's last-stage copy counts: its optimizer state is saved, tagged tied)."""
+    return param_info(p).tensor_parallel or tp_rank == 0
+
+
+def owned_pieces(train_state: TrainState) -> list[tuple]:
+    """(param, lo, hi, master) pieces this rank saves, and on load reads: with the distributed
+    optimizer its own slices; with the plain one whole parameters, spread over the DP ranks by
+    size (`dp_owners`). The same rule on every layout (see the module docstring)."""
+    ps, opt = train_state.ps, train_state.optimizer
+    pieces = opt.pieces()
+    if not opt.distributed:
+        # CP ranks are replicas like DP ranks: whole tensors spread over DP x CP, each written once
+        owners = dp_owners([p.numel() for p, *_ in pieces], ps.dp_cp_size)
+        pieces = [pc for pc, owner in zip(pieces, owners) if owner == ps.dp_cp_rank]
+    return [pc for pc in pieces if _tp_owner(pc[0], ps.tp_rank)]
+
+
+def dp_owners(sizes: list[int], dp_size: int) -> list[int]:
+    """The DP rank that owns each whole tensor: largest first, each to the least loaded rank
+    (ties: the lowest), so DP replicas read and write about equal shares. A function of the
+    sizes alone, hence the same on every DP rank."""
+    load, owners = [0] * dp_size, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owners[i] = min(range(dp_size), key=lambda r: (load[r], r))
+        load[owners[i]] += sizes[i]
+    return owners
