@@ -38,15 +38,15 @@ from .optimizer import MixedPrecisionOptimizer
 class DistributedOptimizer(MixedPrecisionOptimizer):
     distributed = True
 
-    def __init__(self, named_params, args, dp, ps):
+    def __init__(self, named_params, config, dp, ps):
         if not dp.strategy.shards_optimizer:
             raise ValueError("the distributed optimizer needs a DataParallel with a sharding strategy other "
                              "than no_shard")
-        self.offload = args.optimizer_cpu_offload
-        self.offload_fraction = args.optimizer_offload_fraction if self.offload else 0.0
+        self.offload = config.optimizer_cpu_offload
+        self.offload_fraction = config.optimizer_offload_fraction if self.offload else 0.0
         if not 0.0 <= self.offload_fraction <= 1.0:
             raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {self.offload_fraction}")
-        super().__init__(named_params, args, dp, ps)
+        super().__init__(named_params, config, dp, ps)
 
     # -- what is stepped: this rank's slice of every bucket ----------------------------------------
     def _build_masters(self) -> None:

@@ -56,17 +56,17 @@ def _torch_fused_supported(device: torch.device) -> bool:
         return device.type == "cuda"
 
 
-def build_inner_optimizer(groups, args: OptimizerConfig, device: torch.device, fused: bool | None = None):
-    """(torch optimizer over `groups`, description). `fused` defaults to args.fused_optimizer."""
-    fused = args.fused_optimizer if fused is None else fused
-    if args.optimizer == "adam":
-        betas = (args.adam_beta1, args.adam_beta2)
+def build_inner_optimizer(groups, config: OptimizerConfig, device: torch.device, fused: bool | None = None):
+    """(torch optimizer over `groups`, description). `fused` defaults to config.fused_optimizer."""
+    fused = config.fused_optimizer if fused is None else fused
+    if config.optimizer == "adam":
+        betas = (config.adam_beta1, config.adam_beta2)
         use_fused = fused and _torch_fused_supported(device)
         # decoupled weight decay (AdamW), as Megatron-LM's Adam with weight decay
-        opt = torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=args.adam_eps, fused=use_fused or None)
+        opt = torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps, fused=use_fused or None)
         return opt, "adam (torch AdamW, fused)" if use_fused else "adam (torch AdamW, unfused)"
     use_fused = fused and _torch_fused_supported(device)
-    opt = torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum, fused=use_fused or None)
+    opt = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, fused=use_fused or None)
     return opt, "sgd (torch SGD, fused)" if use_fused else "sgd (torch SGD, unfused)"
 
 
@@ -96,19 +96,19 @@ class MixedPrecisionOptimizer:
 
     distributed = False
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], args: OptimizerConfig, dp, ps):
-        self.dp, self.ps, self.clip_grad = dp, ps, args.clip_grad
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], config: OptimizerConfig, dp, ps):
+        self.dp, self.ps, self.clip_grad = dp, ps, config.clip_grad
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.device = self.params[0].device
         self.fp32_params = all(p.dtype == torch.float32 for p in self.params)
-        self.scaler = build_grad_scaler(args)
-        self.inject_overflow_at = args.inject_overflow_at_iteration
+        self.scaler = build_grad_scaler(config)
+        self.inject_overflow_at = config.inject_overflow_at_iteration
         self.skipped_iterations = 0  # steps skipped for overflow since the start of this run
         self._build_masters()
-        decoupled = [args.decoupled_lr is not None and param_info(p).embedding_or_output for p, *_ in self.pieces()]
-        groups = _param_groups(list(zip(self.masters, self.master_ndims, decoupled)), args.weight_decay)
-        self.optimizer, self.impl = build_inner_optimizer(groups, args, self.device)
+        decoupled = [config.decoupled_lr is not None and param_info(p).embedding_or_output for p, *_ in self.pieces()]
+        groups = _param_groups(list(zip(self.masters, self.master_ndims, decoupled)), config.weight_decay)
+        self.optimizer, self.impl = build_inner_optimizer(groups, config, self.device)
         init_optimizer_state(self.optimizer)
 
     # -- what is stepped -------------------------------------------------------------------------
