@@ -1,0 +1,190 @@
+"""Run pretrain_gpt.py's main() on N ranks without starting N fresh Python processes each time.
+
+Starting a run under torchrun costs torchrun's own `import torch` plus one per rank (2-4 s each,
+which on a 2-core machine serialise): most of what a layout test used to spend. The pool starts
+its ranks once per test session (spawned processes with torch and megalite imported) and hands
+each run to ranks 0..nproc-1 as in-process gloo ranks: RANK, WORLD_SIZE, MASTER_ADDR and a fresh
+MASTER_PORT per run, the env:// rendezvous torch.distributed also uses without torchrun. Every
+run is pretrain_gpt.main(argv) exactly as the command line calls it, with its own working
+directory and its own stdout/stderr (file descriptors 1 and 2, so C++ output is caught too).
+
+Between runs a rank puts back what a run may leave behind in a process: the working directory,
+signal handlers, torch's deterministic-algorithms switch, grad mode, the default dtype, comm's
+monitor and the default process group. A run whose ranks do not all finish in time, or that
+fails, takes the pool down with it (its ranks may be stuck in a collective); the next run starts
+a fresh one. Runs that are expected to fail, that test torchrun itself, or that compile
+(torch.compile's caches live per process) go through a real subprocess instead
+(dist_helpers.run_pretrain decides).
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import queue as queue_module
+import subprocess
+import sys
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZE = 8  # the largest layout the tests run
+
+
+def _serve(rank: int, tasks, results) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["PYTHONPATH"] = ROOT
+    sys.path.insert(0, ROOT)
+    import signal
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    import pretrain_gpt
+    from megalite import comm
+    import megalite.training  # noqa: F401  (the heavy imports, once)
+
+    signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)}
+    home = os.getcwd()
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        job, nproc, port, argv, cwd, out_path, err_path = task
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
+        if nproc > 1:  # one process: no torch.distributed variables at all, as `python pretrain_gpt.py`
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                              LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        out, err = open(out_path, "w"), open(err_path, "w")
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            os.chdir(cwd)
+            rc = pretrain_gpt.main(list(argv))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # a traceback, as the command line would print it
+            traceback.print_exc()
+            rc = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            out.close()
+            err.close()
+            os.chdir(home)
+            for s, handler in signals.items():
+                signal.signal(s, handler)
+            torch.use_deterministic_algorithms(False)
+            torch.set_grad_enabled(True)
+            torch.set_default_dtype(torch.float32)
+            monitor = comm.set_monitor(None)
+            if monitor is not None:
+                monitor.stop()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        results.put((job, rank, rc))
+
+
+class Pool:
+    def __init__(self):
+        self.ctx = mp.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.tasks, self.procs = [], []
+        self.jobs = itertools.count()
+
+    def grow(self, size: int) -> None:
+        """Ranks are started as the first run that needs them comes (most sessions need few)."""
+        while len(self.procs) < size:
+            r, q = len(self.procs), self.ctx.Queue()
+            # not a daemon: a run may start processes of its own (--num-workers data loaders)
+            p = self.ctx.Process(target=_serve, args=(r, q, self.results))
+            p.start()
+            self.tasks.append(q)
+            self.procs.append(p)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def run(self, nproc: int, argv: list[str], cwd: str, name: str, timeout: float) -> tuple[list[int], str, str]:
+        """(each rank's exit status, stdout, stderr: ranks' outputs one after another)."""
+        from dist_helpers import free_port
+        assert 1 <= nproc <= SIZE, nproc
+        self.grow(nproc)
+        job, port = next(self.jobs), free_port()
+        paths = [(os.path.join(cwd, f"{name}.rank{r}.out"), os.path.join(cwd, f"{name}.rank{r}.err"))
+                 for r in range(nproc)]
+        for r in range(nproc):
+            self.tasks[r].put((job, nproc, port, argv, cwd, *paths[r]))
+        codes = {}
+        deadline = time.time() + timeout
+        try:
+            while len(codes) < nproc:
+                try:
+                    j, rank, rc = self.results.get(timeout=1.0)
+                except queue_module.Empty:
+                    if not self.alive():
+                        raise RuntimeError("a pool rank died")
+                    if time.time() > deadline:
+                        raise subprocess.TimeoutExpired(f"pool run {name}", timeout)
+                    continue
+                assert j == job, (j, job)
+                codes[rank] = rc
+                if rc != 0 and nproc > 1:  # the other ranks may wait in a collective forever
+                    break
+        except BaseException:
+            codes = None
+            raise
+        finally:
+            if codes is None or len(codes) < nproc or any(codes.values()):
+                _drop()
+        read = lambda path: open(path).read() if os.path.exists(path) else ""  # noqa: E731
+        stdout = "".join(read(o) for o, _ in paths)
+        stderr = "".join(read(e) for _, e in paths)
+        return [codes.get(r, -9) for r in range(nproc)], stdout, stderr
+
+
+_pool: Pool | None = None
+
+
+def get() -> Pool:
+    global _pool
+    if _pool is None or not _pool.alive():
+        _drop()
+        _pool = Pool()
+    return _pool
+
+
+def _drop() -> None:
+    global _pool
+    if _pool is not None:
+        _pool.close(kill=True)
+        _pool = None
+
+
+@atexit.register
+def shutdown() -> None:
+    global _pool
+    if _pool is not None:
+        _pool.close()
+        _pool = None
