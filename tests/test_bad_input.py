@@ -25,10 +25,10 @@ import pytest
 from dist_helpers import ROOT
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, write_index
+from tiny import tiny
 
 PY = sys.executable
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0"]
+TINY = tiny(seq_length=16, global_batch_size=None, train_iters=1, eval_iters=0)
 MOCK = ["--mock-data", "--vocab-size", "100"] + TINY
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 DATA = ["--data-path", "data/good_text_document"] + NULL + TINY

@@ -12,11 +12,10 @@ import pytest
 
 from dist_helpers import (assert_loss_falls, assert_losses_close, assert_params_close, eval_losses, grad_norms,
                           load_params, run_pretrain, train_losses)
+from tiny import tiny
 
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--log-interval", "1",
-         "--eval-interval", "5", "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--seed", "7", "--clip-grad", "0.25",
+MODEL = tiny(num_layers=4, seq_length=256, lr=None, log_interval=1, eval_interval=5, eval_iters=1) + [
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--clip-grad", "0.25",
          # Adam turns rounding noise in tiny gradients into steps of ~lr; 1e-4 keeps them under atol
          # (with 1e-5 one embedding element drifted 1.008e-5 at lr 1e-2)
          "--adam-eps", "1e-4"]
