@@ -41,7 +41,13 @@ def _worker(rank, world_size, port, fn, args, queue):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def spawn(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+def spawn(fn, world_size: int, *args, timeout: float = 120.0, fresh: bool = False) -> list:
+    """fn(rank, world_size, *args) on world_size gloo ranks: on the session's pool of ready ranks
+    (launch_pool), or in new processes with `fresh` (for a fn that changes its process for good,
+    e.g. monkeypatches torch.distributed)."""
+    if not fresh:
+        import launch_pool
+        return launch_pool.get().call(fn, world_size, args, timeout)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

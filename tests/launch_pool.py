@@ -12,7 +12,8 @@ Between runs a rank puts back what a run may leave behind in a process: the work
 signal handlers, torch's deterministic-algorithms switch, grad mode, the default dtype, comm's
 monitor and the default process group. A run whose ranks do not all finish in time, or that
 fails, takes the pool down with it (its ranks may be stuck in a collective); the next run starts
-a fresh one. Runs that are expected to fail, that test torchrun itself, or that compile
+a fresh one. dist_helpers.spawn's functions run on the same ranks (Pool.call), in a gloo group
+initialised as spawn does, with the global generator put back to a new process's seed after. Runs that are expected to fail, that test torchrun itself, or that compile
 (torch.compile's caches live per process) go through a real subprocess instead
 (dist_helpers.run_pretrain decides).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import pickle
 import os
 import queue as queue_module
 import subprocess
@@ -31,12 +33,13 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = 8  # the largest layout the tests run
+FRESH_SEED = 67280421310721  # torch's default seed: torch.initial_seed() in a process that never seeded
 
 
 def _serve(rank: int, tasks, results) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["PYTHONPATH"] = ROOT
-    sys.path.insert(0, ROOT)
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # spawn's functions live in test modules
     import signal
 
     import torch
@@ -52,10 +55,10 @@ def _serve(rank: int, tasks, results) -> None:
         task = tasks.get()
         if task is None:
             return
-        job, nproc, port, argv, cwd, out_path, err_path = task
+        job, nproc, port, kind, payload, cwd, out_path, err_path = task
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key, None)
-        if nproc > 1:  # one process: no torch.distributed variables at all, as `python pretrain_gpt.py`
+        if nproc > 1 or kind == "call":  # one process of main(): no torch.distributed variables, as `python pretrain_gpt.py`
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                               LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         sys.stdout.flush()
@@ -64,14 +67,25 @@ def _serve(rank: int, tasks, results) -> None:
         out, err = open(out_path, "w"), open(err_path, "w")
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
+        status, value = "ok", None
         try:
             os.chdir(cwd)
-            rc = pretrain_gpt.main(list(argv))
+            if kind == "main":
+                value = pretrain_gpt.main(list(payload))
+            else:  # dist_helpers.spawn's contract: fn(rank, world, *args) in an initialised gloo group
+                fn, args = payload
+                dist.init_process_group("gloo", rank=rank, world_size=nproc)
+                value = pickle.dumps(fn(rank, nproc, *args))  # by value: tensors outlive this call
+                dist.barrier()
         except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
+            value = e.code if isinstance(e.code, int) else 1
+            if kind == "call":
+                status, value = "error", f"SystemExit({e.code!r})"
         except BaseException:  # a traceback, as the command line would print it
+            status, value = "error", traceback.format_exc()
             traceback.print_exc()
-            rc = 1
+            if kind == "main":
+                status, value = "ok", 1
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -87,12 +101,13 @@ def _serve(rank: int, tasks, results) -> None:
             torch.use_deterministic_algorithms(False)
             torch.set_grad_enabled(True)
             torch.set_default_dtype(torch.float32)
+            torch.manual_seed(FRESH_SEED)  # the global generator as a new process has it
             monitor = comm.set_monitor(None)
             if monitor is not None:
                 monitor.stop()
             if dist.is_initialized():
                 dist.destroy_process_group()
-        results.put((job, rank, rc))
+        results.put((job, rank, status, value))
 
 
 class Pool:
@@ -126,8 +141,7 @@ class Pool:
                 p.kill()
                 p.join()
 
-    def run(self, nproc: int, argv: list[str], cwd: str, name: str, timeout: float) -> tuple[list[int], str, str]:
-        """(each rank's exit status, stdout, stderr: ranks' outputs one after another)."""
+    def _submit(self, nproc: int, kind: str, payload, cwd: str, name: str, timeout: float) -> tuple[dict, list]:
         from dist_helpers import free_port
         assert 1 <= nproc <= SIZE, nproc
         self.grow(nproc)
@@ -135,13 +149,13 @@ class Pool:
         paths = [(os.path.join(cwd, f"{name}.rank{r}.out"), os.path.join(cwd, f"{name}.rank{r}.err"))
                  for r in range(nproc)]
         for r in range(nproc):
-            self.tasks[r].put((job, nproc, port, argv, cwd, *paths[r]))
-        codes = {}
+            self.tasks[r].put((job, nproc, port, kind, payload, cwd, *paths[r]))
+        done = {}
         deadline = time.time() + timeout
         try:
-            while len(codes) < nproc:
+            while len(done) < nproc:
                 try:
-                    j, rank, rc = self.results.get(timeout=1.0)
+                    j, rank, status, value = self.results.get(timeout=1.0)
                 except queue_module.Empty:
                     if not self.alive():
                         raise RuntimeError("a pool rank died")
@@ -149,19 +163,37 @@ class Pool:
                         raise subprocess.TimeoutExpired(f"pool run {name}", timeout)
                     continue
                 assert j == job, (j, job)
-                codes[rank] = rc
-                if rc != 0 and nproc > 1:  # the other ranks may wait in a collective forever
-                    break
+                done[rank] = (status, value)
+                if (status != "ok" or (kind == "main" and value != 0)) and nproc > 1:
+                    break  # the other ranks may wait in a collective forever
         except BaseException:
-            codes = None
+            done = None
             raise
         finally:
-            if codes is None or len(codes) < nproc or any(codes.values()):
+            if done is None or len(done) < nproc or any(s != "ok" or (kind == "main" and v != 0)
+                                                        for s, v in done.values()):
                 _drop()
+        return done, paths
+
+    def run(self, nproc: int, argv: list[str], cwd: str, name: str, timeout: float) -> tuple[list[int], str, str]:
+        """pretrain_gpt.main(argv) on ranks 0..nproc-1: (each rank's exit status, stdout, stderr:
+        the ranks' outputs one after another)."""
+        done, paths = self._submit(nproc, "main", list(argv), cwd, name, timeout)
         read = lambda path: open(path).read() if os.path.exists(path) else ""  # noqa: E731
         stdout = "".join(read(o) for o, _ in paths)
         stderr = "".join(read(e) for _, e in paths)
-        return [codes.get(r, -9) for r in range(nproc)], stdout, stderr
+        return [done.get(r, ("ok", -9))[1] for r in range(nproc)], stdout, stderr
+
+    def call(self, fn, nproc: int, args: tuple, timeout: float) -> list:
+        """fn(rank, nproc, *args) on ranks 0..nproc-1 in a gloo group: each rank's return value."""
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="pool-call-") as cwd:
+            done, _ = self._submit(nproc, "call", (fn, args), cwd, "call", timeout)
+        for rank in range(nproc):
+            status, value = done[rank]
+            if status != "ok":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+        return [pickle.loads(done[r][1]) for r in range(nproc)]
 
 
 _pool: Pool | None = None
