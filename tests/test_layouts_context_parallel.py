@@ -88,14 +88,23 @@ def test_cp_layout_matches_single_process(references, corpus, tmp_path, layout):
             assert abs(r["optimizer_bytes"] - 8 * r["num_params"] / cp) <= 0.01 * 8 * r["num_params"] / cp, r
 
 
+@pytest.fixture(scope="module")
+def cp2_checkpoint(references, corpus, tmp_path_factory):
+    """Saved at iteration 5 with CP 2 (x DP 2, ZeRO-1: optimizer shards over DP x CP); once for
+    both resumptions below (they only read it)."""
+    tmp = tmp_path_factory.mktemp("cp2-checkpoint")
+    ckpt = tmp / "ckpt"
+    first, _ = run_pretrain(4, corpus + MODEL + BASE + CP2 + ZERO + ["--exit-interval", "5", "--save", str(ckpt)],
+                            tmp, "first")
+    return first, ckpt
+
+
 @pytest.mark.parametrize("resume_cp", [1, 4])
-def test_cp_checkpoint_resumes_on_other_cp_sizes(references, corpus, tmp_path, resume_cp):
+def test_cp_checkpoint_resumes_on_other_cp_sizes(references, cp2_checkpoint, corpus, tmp_path, resume_cp):
     """Saved at iteration 5 with CP 2 (x DP 2, ZeRO-1: optimizer shards over DP x CP), resumed with
     CP `resume_cp`: iterations 6-10 are the uninterrupted single-process run's."""
     ref = train_losses(references["base"][0])
-    ckpt = tmp_path / "ckpt"
-    first, _ = run_pretrain(4, corpus + MODEL + BASE + CP2 + ZERO + ["--exit-interval", "5", "--save", str(ckpt)],
-                            tmp_path, "first")
+    first, ckpt = cp2_checkpoint
     assert_losses_close(ref[:5], train_losses(first), rtol=1e-5)
     second, _ = run_pretrain(resume_cp, corpus + MODEL + BASE + ["--context-parallel-size", str(resume_cp),
                                                                  "--load", str(ckpt)], tmp_path, "second")
