@@ -189,8 +189,7 @@ class Pool:
         import tempfile
         with tempfile.TemporaryDirectory(prefix="pool-call-") as cwd:
             done, _ = self._submit(nproc, "call", (fn, args), cwd, "call", timeout)
-        for rank in range(nproc):
-            status, value = done[rank]
+        for rank, (status, value) in sorted(done.items()):
             if status != "ok":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
         return [pickle.loads(done[r][1]) for r in range(nproc)]
