@@ -116,9 +116,9 @@ def test_layout_matches_single_process(references, corpus, tmp_path, layout):
 
 
 # -- the records the tests above read ---------------------------------------------------------------
-def test_jsonl_schema(tmp_path):
+def test_jsonl_schema(tmp_path, tiny_flags):
     """Mock data is enough here: only the records' shape matters."""
-    flags = mock(1000) + tiny(train_iters=4, log_interval=2, eval_interval=2, eval_iters=1)
+    flags = mock(1000) + tiny_flags(train_iters=4, log_interval=2, eval_interval=2, eval_iters=1)
     records, _ = run_pretrain(1, flags, tmp_path)
     assert records[0]["event"] == "memory_footprint"
     (rank,) = records[0]["ranks"]
