@@ -6,7 +6,8 @@ its ranks once per test session (spawned processes with torch and megalite impor
 each run to ranks 0..nproc-1 as in-process gloo ranks: RANK, WORLD_SIZE, MASTER_ADDR and a fresh
 MASTER_PORT per run, the env:// rendezvous torch.distributed also uses without torchrun. Every
 run is pretrain_gpt.main(argv) exactly as the command line calls it, with its own working
-directory and its own stdout/stderr (file descriptors 1 and 2, so C++ output is caught too).
+directory, the test process's environment as it is at the call (a test may set WANDB_MODE, say)
+and its own stdout/stderr (file descriptors 1 and 2, so C++ output is caught too).
 
 Between runs a rank puts back what a run may leave behind in a process: the working directory,
 signal handlers, torch's deterministic-algorithms switch, grad mode, the default dtype, comm's
@@ -55,7 +56,10 @@ def _serve(rank: int, tasks, results) -> None:
         task = tasks.get()
         if task is None:
             return
-        job, nproc, port, kind, payload, cwd, out_path, err_path = task
+        job, nproc, port, kind, payload, env, cwd, out_path, err_path = task
+        own_env = dict(os.environ)
+        os.environ.clear()  # the test process's environment now, as a subprocess would inherit it
+        os.environ.update(env, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key, None)
         if nproc > 1 or kind == "call":  # one process of main(): no torch.distributed variables, as `python pretrain_gpt.py`
@@ -96,6 +100,8 @@ def _serve(rank: int, tasks, results) -> None:
             out.close()
             err.close()
             os.chdir(home)
+            os.environ.clear()
+            os.environ.update(own_env)
             for s, handler in signals.items():
                 signal.signal(s, handler)
             torch.use_deterministic_algorithms(False)
@@ -149,7 +155,7 @@ class Pool:
         paths = [(os.path.join(cwd, f"{name}.rank{r}.out"), os.path.join(cwd, f"{name}.rank{r}.err"))
                  for r in range(nproc)]
         for r in range(nproc):
-            self.tasks[r].put((job, nproc, port, kind, payload, cwd, *paths[r]))
+            self.tasks[r].put((job, nproc, port, kind, payload, dict(os.environ), cwd, *paths[r]))
         done = {}
         deadline = time.time() + timeout
         try:
