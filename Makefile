@@ -1,5 +1,7 @@
 # make demo   set up a virtual environment and pretrain a small GPT on the bundled corpus
 # make test   set up a virtual environment and run the whole test suite
+# make test-fast   the in-process unit tests only (no pretrain runs, torchrun, spawned ranks or tool
+#             subprocesses: pytest -m "not launches and not slow"), for the everyday loop
 #
 # Torch is installed first, pinned by TORCH_SPEC (override for your platform, e.g.
 #   make test TORCH_SPEC='torch==2.5.1'   or   TORCH_SPEC='torch --index-url ...'),
@@ -10,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megalite-installed
 
-.PHONY: setup demo test data clean
+.PHONY: setup demo test test-fast data clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +37,9 @@ demo: data
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests -m "not launches and not slow"
 
 clean:
 	rm -rf $(VENV) data/build runs

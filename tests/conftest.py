@@ -1,4 +1,6 @@
+import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -50,3 +52,86 @@ def corpus(tmp_path_factory):
     return ["--data-path", str(tmp / "corpus_text_document"), "--split", "98,2,0",
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tmp / "tokenizer.model"),
             "--data-cache-path", str(tmp / "index-cache")]
+
+
+# -- processes: the `launches` marker -----------------------------------------------------------
+# A test that starts Python processes (pretrain_gpt.py on pool ranks or under torchrun, spawned
+# gloo ranks, a tool as a subprocess, also through a fixture) carries the `launches` marker, so
+# that `make test-fast` (-m "not launches and not slow") is the in-process unit tests alone. The
+# marker is added here for tests that use a launching fixture or call a launching helper in their
+# own body; any other test that starts a process fails at once with a message asking for the
+# marker, so a new test cannot forget it and slip into the fast set.
+LAUNCHING_FIXTURES = {"corpus"}  # and every fixture whose own code launches (found below)
+LAUNCHING_CALLS = re.compile(r"\b(run_pretrain|spawn|start_torchrun|subprocess\.\w+|Popen)\(|sys\.executable")
+
+
+def _launches(fn, depth: int = 3) -> bool:
+    """fn's code calls a launching helper, itself or through functions of its own module."""
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+    if LAUNCHING_CALLS.search(source):
+        return True
+    module = sys.modules.get(getattr(fn, "__module__", ""), None)
+    if depth == 0 or module is None:
+        return False
+    for name in set(re.findall(r"\b(\w+)\(", source)):
+        callee = getattr(module, name, None)
+        if (inspect.isfunction(callee) and callee is not fn and callee.__module__ == module.__name__
+                and _launches(callee, depth - 1)):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("launches"):
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        names = info.names_closure if info is not None else ()
+        fixture_fns = [d.func for n in names for d in info.name2fixturedefs.get(n, ())] if info is not None else []
+        if (set(names) & LAUNCHING_FIXTURES or _launches(getattr(item, "function", None))
+                or any(_launches(f) for f in fixture_fns if getattr(f, "__module__", "").startswith("test_"))):
+            item.add_marker(pytest.mark.launches)
+
+
+def _is_python_launch(args) -> bool:
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    text = " ".join(map(str, argv))
+    return "python" in os.path.basename(str(argv[0])) or ".py" in text or "torch.distributed.run" in text
+
+
+@pytest.fixture(autouse=True)
+def _launches_are_marked(request, monkeypatch):
+    """Outside `launches` tests, starting a Python process is an error that names the marker."""
+    if request.node.get_closest_marker("launches"):
+        yield
+        return
+    import multiprocessing.process
+    why = (f"{request.node.nodeid} starts a Python process: mark it @pytest.mark.launches "
+           f"(make test-fast leaves such tests out)")
+    popen_init = subprocess.Popen.__init__
+
+    def guarded_popen(self, args, *a, **kw):
+        if _is_python_launch(args):
+            raise AssertionError(why)
+        return popen_init(self, args, *a, **kw)
+
+    def guarded_start(self):
+        raise AssertionError(why)
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", guarded_start)
+    yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if "launch_pool" in sys.modules:
+        sys.modules["launch_pool"].shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_flags():
+    """tiny.tiny: the tiny GPT's flags, with keyword overrides (see tests/tiny.py)."""
+    from tiny import tiny
+    return tiny

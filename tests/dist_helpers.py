@@ -41,7 +41,13 @@ def _worker(rank, world_size, port, fn, args, queue):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def spawn(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+def spawn(fn, world_size: int, *args, timeout: float = 120.0, fresh: bool = False) -> list:
+    """fn(rank, world_size, *args) on world_size gloo ranks: on the session's pool of ready ranks
+    (launch_pool), or in new processes with `fresh` (for a fn that changes its process for good,
+    e.g. monkeypatches torch.distributed)."""
+    if not fresh:
+        import launch_pool
+        return launch_pool.get().call(fn, world_size, args, timeout)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -63,17 +69,34 @@ def spawn(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     return [results[r] for r in range(world_size)]
 
 
+# flags whose runs keep a real process: torch.compile's caches (and recompile limits) live per process
+_OWN_PROCESS_FLAGS = {"--compile"}
+
+
 def run_pretrain(nproc: int, flags: list[str], tmp_path, name: str = "run", check: bool = True,
-                 timeout: float = 300.0):
-    """Run pretrain_gpt.py (torchrun when nproc > 1); return (records, completed process)."""
+                 timeout: float = 300.0, fresh: bool = False):
+    """Run pretrain_gpt.py on `nproc` ranks; return (records, completed process).
+
+    A run that must succeed (check=True) goes to the session's pool of ready ranks (launch_pool:
+    in-process gloo ranks, pretrain_gpt.main(argv), the same code as the command line) unless
+    `fresh` asks for a new process; a failing one raises either way. A run whose failure is the
+    point (check=False), or with a flag in _OWN_PROCESS_FLAGS, starts `python pretrain_gpt.py`
+    (torchrun when nproc > 1), so its exit status and output are the command line's own."""
     jsonl = os.path.join(str(tmp_path), f"{name}.jsonl")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    argv = [*flags, "--log-jsonl", jsonl]
+    if check and not fresh and not _OWN_PROCESS_FLAGS.intersection(flags):
+        import launch_pool
+        codes, stdout, stderr = launch_pool.get().run(nproc, argv, str(tmp_path), name, timeout)
+        cmd = [f"pool[{nproc}]", "pretrain_gpt.py", *argv]
+        proc = subprocess.CompletedProcess(cmd, max(codes, key=abs), stdout, stderr)
     else:
-        cmd = [sys.executable]
-    cmd += [os.path.join(ROOT, "pretrain_gpt.py"), *flags, "--log-jsonl", jsonl]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        if nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        else:
+            cmd = [sys.executable]
+        cmd += [os.path.join(ROOT, "pretrain_gpt.py"), *argv]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     records = []

@@ -6,9 +6,9 @@ import pytest
 
 from dist_helpers import run_pretrain
 from megalite.arguments import ArgumentError, parse_args, validate_args
+from tiny import mock, tiny
 
-OK = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-      "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
+OK = mock(100) + tiny(seq_length=16, global_batch_size=None, train_iters=1)
 
 
 def check(extra, world, pattern):
@@ -60,10 +60,9 @@ def test_null_tokenizer_mock_data_trains(tmp_path):
     """Megatron-LM's own launch line: --mock-data --tokenizer-type NullTokenizer --vocab-size N. The
     tokenizer has N ids plus its end-of-document id, so the model's vocabulary is N + 1 (padded to
     a multiple of 128: 1024)."""
-    records, proc = run_pretrain(1, ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
-                                     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                                     "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
-                                     "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0"], tmp_path)
+    records, proc = run_pretrain(1, ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
+                                 + tiny(seq_length=16, global_batch_size=None, train_iters=2, log_interval=1,
+                                        eval_iters=0), tmp_path)
     train = [r for r in records if "consumed_samples" in r]
     assert [r["iteration"] for r in train] == [1, 2]
     assert all(math.isfinite(r["lm_loss"]) for r in train)

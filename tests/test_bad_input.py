@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -25,10 +26,10 @@ import pytest
 from dist_helpers import ROOT
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, write_index
+from tiny import tiny
 
 PY = sys.executable
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0"]
+TINY = tiny(seq_length=16, global_batch_size=None, train_iters=1, eval_iters=0)
 MOCK = ["--mock-data", "--vocab-size", "100"] + TINY
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 DATA = ["--data-path", "data/good_text_document"] + NULL + TINY
@@ -255,12 +256,34 @@ def _check_refused(proc, culprit: str) -> None:
     assert culprit in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("tool,args,culprit", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_refused_and_changes_nothing(world, tool, args, culprit):
-    before = _tree(world)
-    proc = _run(tool, args, world)
+CONCURRENCY = min(4, (os.cpu_count() or 1) + 1)  # most cases end before torch is imported: startup-bound
+
+
+@pytest.fixture(scope="module")
+def refusals(world, request, tmp_path_factory):
+    """{case id: (process, tree before, tree after)} for every selected case of the test below,
+    CONCURRENCY at a time, each in its own copy of `world` (so a case that changed a file would
+    still be the one caught, whatever runs beside it)."""
+    test = test_bad_input_is_refused_and_changes_nothing.__name__
+    selected = {item.callspec.id for item in request.session.items
+                if getattr(item, "originalname", None) == test and hasattr(item, "callspec")}
+
+    def run(case):
+        cid, tool, args, _ = case
+        root = str(tmp_path_factory.mktemp(cid) / "world")
+        shutil.copytree(world, root)
+        before = _tree(root)
+        proc = _run(tool, args, root)
+        return cid, (proc, before, _tree(root))
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        return dict(pool.map(run, [c for c in CASES if c[0] in selected]))
+
+
+@pytest.mark.parametrize("case,culprit", [(c[0], c[3]) for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_and_changes_nothing(refusals, case, culprit):
+    proc, before, after = refusals[case]
     _check_refused(proc, culprit)
-    assert _tree(world) == before
+    assert after == before
 
 
 def test_torchrun_reports_a_bad_flag_once(world):

@@ -6,11 +6,10 @@ records (bytes read, files opened: the tracker, the index and the data files).""
 import os
 
 from dist_helpers import run_pretrain
+from tiny import mock, tiny
 
-BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "4", "--hidden-size", "64",
-        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", "--use-distributed-optimizer",
-        "--ddp-bucket-size", "5000"]
+BASE = mock(1000) + tiny(num_layers=4, train_iters=None, log_interval=1, eval_iters=0, use_distributed_optimizer=True,
+                          ddp_bucket_size=5000)
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
 

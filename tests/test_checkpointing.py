@@ -10,10 +10,9 @@ import time
 import pytest
 
 from dist_helpers import ROOT, load_params, run_pretrain
+from tiny import tiny
 
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "20", "--lr", "3e-3",
-         "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "1000", "--seed", "5"]
+MODEL = tiny(num_layers=4, train_iters=20, lr=3e-3, log_interval=1, eval_iters=1, eval_interval=1000, seed=5)
 # mock tokens where only the process's behaviour matters (kill, SIGTERM, a mismatched model);
 # resumption is checked on real text, where a model that lost its weights would show it
 BASE = ["--mock-data", "--vocab-size", "1000"] + MODEL
@@ -32,10 +31,16 @@ def assert_resume_matches(straight, first, second, rtol):
     assert worst <= rtol, f"resumed run differs by {worst:.2e} (> {rtol:.0e})"
 
 
+@pytest.fixture(scope="module")
+def straight_with_dropout(corpus, tmp_path_factory):
+    """The uninterrupted 20 iterations both resumptions below compare with (run once)."""
+    return run_pretrain(1, corpus + MODEL, tmp_path_factory.mktemp("straight"), "straight")[0]
+
+
 @pytest.mark.parametrize("extra", [[], ["--async-save"]], ids=["sync", "async"])
-def test_resume_same_layout_is_exact_with_dropout(corpus, tmp_path, extra):
+def test_resume_same_layout_is_exact_with_dropout(corpus, straight_with_dropout, tmp_path, extra):
     flags = corpus + MODEL
-    straight, _ = run_pretrain(1, flags, tmp_path, "straight")
+    straight = straight_with_dropout
     ck = str(tmp_path / "ck")
     first, _ = run_pretrain(1, flags + ["--save", ck, "--save-interval", "10", "--exit-interval", "10"] + extra,
                             tmp_path, "first")
@@ -116,9 +121,8 @@ def test_finetune_and_no_load_optim_load_weights_but_not_optimizer_state(corpus,
     v̂ = g²), so it moves every weight with a gradient by exactly lr; with loaded moments the
     steps are m̂/√v̂·lr, mostly smaller. The weights themselves must be loaded every time."""
     lr = 1e-2
-    flags = corpus + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-                      "--micro-batch-size", "4", "--lr", str(lr), "--lr-decay-style", "constant", "--weight-decay", "0",
-                      "--log-interval", "1", "--eval-iters", "0", "--seed", "5"] + NO_DROPOUT
+    flags = corpus + tiny(micro_batch_size=4, global_batch_size=None, train_iters=None, lr=lr, lr_decay_style="constant",
+                          weight_decay=0, log_interval=1, eval_iters=0, seed=5) + NO_DROPOUT
     ck = str(tmp_path / "ck")
     first, _ = run_pretrain(1, flags + ["--train-iters", "4", "--save", ck], tmp_path, "first")
     loaded = load_params(ck)

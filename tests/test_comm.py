@@ -30,7 +30,7 @@ def _check_collectives(rank, world, native: bool):
 
         def refuse(*args, **kwargs):
             raise AssertionError("the emulation ran although gloo has the native collective")
-        dist.all_reduce = dist.all_gather = refuse  # this spawned process only
+        dist.all_reduce = dist.all_gather = refuse  # this spawned process only (spawn(..., fresh=True))
     else:
         comm.native_tensor_collectives = lambda group: False
 
@@ -85,11 +85,11 @@ def test_pinned_torch_gloo_has_native_flat_collectives():
 
 @pytest.mark.skipif(not comm.gloo_has_tensor_collectives(), reason="this torch's gloo has no flat collectives")
 def test_native_path_is_taken_and_matches_reference():
-    assert spawn(_check_collectives, WORLD, True) == [True] * WORLD
+    assert spawn(_check_collectives, WORLD, True, fresh=True) == [True] * WORLD
 
 
 def test_emulated_path_matches_reference():
-    assert spawn(_check_collectives, WORLD, False) == [True] * WORLD
+    assert spawn(_check_collectives, WORLD, False, fresh=True) == [True] * WORLD
 
 
 def test_size_one_groups_need_no_process_group():

@@ -13,12 +13,11 @@ from dist_helpers import assert_losses_close, run_pretrain, train_losses
 from megalite.arguments import parse_args, validate_args
 from megalite.model import GPTConfig, GPTModel
 from megalite.model.compile import compile_layers, graph_breaks
+from tiny import mock, tiny
 
-BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
-        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
-        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-        "--disable-bias-linear", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--train-iters", "10", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
+BASE = mock(1000) + tiny(global_batch_size=4, log_interval=1, eval_iters=0) + [
+        "--group-query-attention", "--num-query-groups", "2",
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7"]
 
 
@@ -53,6 +52,7 @@ def test_compiled_matches_eager(eager, tmp_path, nproc, extra):
     assert "> compile: torch.compile of" in proc.stdout
 
 
+@pytest.mark.launches  # Inductor starts its compile workers and the C compiler
 def test_one_process_layer_compiles_without_graph_breaks():
     """No recompute, one process: a layer is one graph (a graph break here would mean a host
     sync or an untraceable call crept into the layer)."""

@@ -8,10 +8,9 @@ import pytest
 from dist_helpers import (assert_loss_falls, assert_losses_close, assert_params_close, load_params, run_pretrain,
                           spawn, train_losses)
 from megalite.arguments import ArgumentError, parse_args, validate_args
+from tiny import mock, tiny
 
-BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
-        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", "10", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
+BASE = mock(1000) + tiny(log_interval=1, eval_iters=0) + [
         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
         "--clip-grad", "0.5"]  # below the gradient norm: clipping by the global norm is exercised
 ZERO = ["--use-distributed-optimizer", "--ddp-bucket-size", "5000"]
@@ -70,9 +69,8 @@ def test_invalid_flag_combinations():
 def test_sgd_fused_matches_unfused(corpus, tmp_path):
     """The optimizer choice is printed at start-up; both paths compute the same run. (Adam: the
     ZeRO-1 layout in test_layouts.py runs unfused against a fused reference.)"""
-    flags = corpus + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-                      "--micro-batch-size", "4", "--train-iters", "5", "--lr", "0.3", "--log-interval", "1",
-                      "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+    flags = corpus + tiny(micro_batch_size=4, global_batch_size=None, train_iters=5, lr=0.3, log_interval=1, eval_iters=0) + [
+                      "--hidden-dropout", "0", "--attention-dropout", "0",
                       "--optimizer", "sgd", "--sgd-momentum", "0.9", "--weight-decay", "0.1"]
     runs = {}
     for name, extra in (("fused", []), ("unfused", ["--no-fused-optimizer"])):

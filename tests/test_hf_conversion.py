@@ -28,10 +28,10 @@ from megalite.config import RunConfig
 from megalite.generation import build_tokenizer_for, generate, load_model, next_token_logits
 from megalite.checkpoint.hf_config import ConversionError, hf_architecture, pretrain_flags
 from megalite.model import GPTConfig, GPTModel, pad_vocab_size
+from tiny import tiny
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "64", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
-        "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+TINY = tiny(max_position_embeddings=64, global_batch_size=None, train_iters=2, log_interval=1, eval_iters=0) + [
+        "--hidden-dropout", "0", "--attention-dropout", "0",
         # a wide init: sharp, position-dependent logits, so greedy continuations are not one repeated token
         "--init-method-std", "0.3", "--mock-data"]
 LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "5000", "--normalization", "RMSNorm", "--swiglu",

@@ -16,11 +16,10 @@ import pytest
 
 from dist_helpers import (assert_loss_falls, assert_losses_close, assert_params_close, eval_losses, grad_norms,
                           load_params, run_pretrain, train_losses)
+from tiny import mock, tiny
 
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--log-interval", "1",
-         "--eval-interval", "5", "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--seed", "7",
+MODEL = tiny(num_layers=4, lr=None, log_interval=1, eval_interval=5, eval_iters=1) + [
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
          "--clip-grad", "0.5",  # below every iteration's norm: clipping by the global norm acts each step
          # Adam moves an element whose true gradient is 0 (e.g. the key bias) by ~lr on rounding noise
          # when eps is tiny; 1e-5 keeps that below the parameter tolerance, and the loss still falls
@@ -117,11 +116,9 @@ def test_layout_matches_single_process(references, corpus, tmp_path, layout):
 
 
 # -- the records the tests above read ---------------------------------------------------------------
-def test_jsonl_schema(tmp_path):
+def test_jsonl_schema(tmp_path, tiny_flags):
     """Mock data is enough here: only the records' shape matters."""
-    flags = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
-             "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
-             "--log-interval", "2", "--eval-interval", "2", "--eval-iters", "1", "--lr", "1e-3"]
+    flags = mock(1000) + tiny_flags(train_iters=4, log_interval=2, eval_interval=2, eval_iters=1)
     records, _ = run_pretrain(1, flags, tmp_path)
     assert records[0]["event"] == "memory_footprint"
     (rank,) = records[0]["ranks"]

@@ -12,11 +12,10 @@ import pytest
 
 from dist_helpers import (assert_loss_falls, assert_losses_close, assert_params_close, eval_losses, grad_norms,
                           load_params, run_pretrain, train_losses)
+from tiny import tiny
 
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--log-interval", "1",
-         "--eval-interval", "5", "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--seed", "7", "--clip-grad", "0.25",
+MODEL = tiny(num_layers=4, seq_length=256, lr=None, log_interval=1, eval_interval=5, eval_iters=1) + [
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--clip-grad", "0.25",
          # Adam turns rounding noise in tiny gradients into steps of ~lr; 1e-4 keeps them under atol
          # (with 1e-5 one embedding element drifted 1.008e-5 at lr 1e-2)
          "--adam-eps", "1e-4"]
@@ -89,14 +88,23 @@ def test_cp_layout_matches_single_process(references, corpus, tmp_path, layout):
             assert abs(r["optimizer_bytes"] - 8 * r["num_params"] / cp) <= 0.01 * 8 * r["num_params"] / cp, r
 
 
+@pytest.fixture(scope="module")
+def cp2_checkpoint(references, corpus, tmp_path_factory):
+    """Saved at iteration 5 with CP 2 (x DP 2, ZeRO-1: optimizer shards over DP x CP); once for
+    both resumptions below (they only read it)."""
+    tmp = tmp_path_factory.mktemp("cp2-checkpoint")
+    ckpt = tmp / "ckpt"
+    first, _ = run_pretrain(4, corpus + MODEL + BASE + CP2 + ZERO + ["--exit-interval", "5", "--save", str(ckpt)],
+                            tmp, "first")
+    return first, ckpt
+
+
 @pytest.mark.parametrize("resume_cp", [1, 4])
-def test_cp_checkpoint_resumes_on_other_cp_sizes(references, corpus, tmp_path, resume_cp):
+def test_cp_checkpoint_resumes_on_other_cp_sizes(references, cp2_checkpoint, corpus, tmp_path, resume_cp):
     """Saved at iteration 5 with CP 2 (x DP 2, ZeRO-1: optimizer shards over DP x CP), resumed with
     CP `resume_cp`: iterations 6-10 are the uninterrupted single-process run's."""
     ref = train_losses(references["base"][0])
-    ckpt = tmp_path / "ckpt"
-    first, _ = run_pretrain(4, corpus + MODEL + BASE + CP2 + ZERO + ["--exit-interval", "5", "--save", str(ckpt)],
-                            tmp_path, "first")
+    first, ckpt = cp2_checkpoint
     assert_losses_close(ref[:5], train_losses(first), rtol=1e-5)
     second, _ = run_pretrain(resume_cp, corpus + MODEL + BASE + ["--context-parallel-size", str(resume_cp),
                                                                  "--load", str(ckpt)], tmp_path, "second")

@@ -3,10 +3,9 @@ run are compared with one process in test_layouts.py)."""
 import pytest
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
+from tiny import mock, tiny
 
-BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "4", "--hidden-size", "64",
-        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", "10", "--lr", "1e-3"]
+BASE = mock(1000) + tiny(num_layers=4)
 
 
 def _check(extra, world, pattern):

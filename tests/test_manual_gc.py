@@ -7,9 +7,10 @@ import pytest
 
 import pretrain_gpt
 from megalite.arguments import ArgumentError, parse_args, validate_args
+from tiny import mock, tiny
 
-FLAGS = ["--mock-data", "--vocab-size", "100", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
-         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "7", "--lr", "1e-3", "--log-interval", "7"]
+FLAGS = mock(100) + tiny(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, global_batch_size=None,
+                          train_iters=7, log_interval=7)
 
 
 @pytest.mark.parametrize("extra,collections", [

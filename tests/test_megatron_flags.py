@@ -16,9 +16,9 @@ from megalite.config import DDPConfig, OptimizerConfig
 from megalite.model import ExecutionConfig
 from megalite.num_microbatches_calculator import NumMicroBatchesCalculator, parse_step_schedule
 from megalite.optimizer import LRScheduler, build_lr_scheduler
+from tiny import mock, tiny
 
-BASE = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3", "--eval-iters", "0"]
+BASE = mock(100) + tiny(hidden_size=32, seq_length=16, global_batch_size=None, train_iters=None, eval_iters=0)
 
 
 def args_of(extra, world=1):

@@ -13,11 +13,10 @@ import torch
 from dist_helpers import ROOT, assert_losses_close, run_pretrain, train_losses
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.optimizer import ConstantGradScaler, DynamicGradScaler
+from tiny import mock, tiny
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "30", "--lr", "3e-3",
-         "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--seed", "3", "--ddp-bucket-size", "20000"]
+MODEL = tiny(micro_batch_size=4, train_iters=30, lr=3e-3, log_interval=1, eval_iters=0) + [
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "3", "--ddp-bucket-size", "20000"]
 ZERO = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 FP16 = ["--fp16", "--initial-loss-scale", "4096", "--hysteresis", "1", "--inject-overflow-at-iteration", "10"]
 
@@ -116,8 +115,7 @@ def test_dynamic_loss_scaler_rules():
     assert c.scale == 128.0
 
 
-BASE = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
+BASE = mock(100) + tiny(seq_length=16, global_batch_size=None, train_iters=1)
 
 
 def test_precision_flags():

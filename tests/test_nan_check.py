@@ -12,11 +12,10 @@ from megalite.checkpoint.files import read_tracker
 from megalite.checkpoint.offline import load_full_state_dict
 from megalite.checkpoint.save import CheckpointSaver
 from megalite.errors import CheckpointError
+from tiny import mock, tiny
 
-DIVERGE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
-           "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-           "--train-iters", "30", "--lr", "1e6", "--clip-grad", "0", "--log-interval", "1", "--eval-iters", "0",
-           "--pipeline-model-parallel-size", "2"]
+DIVERGE = mock(1000) + tiny(global_batch_size=4, train_iters=30, lr=1e6, clip_grad=0, log_interval=1, eval_iters=0,
+                             pipeline_model_parallel_size=2)
 
 
 def test_divergence_stops_before_the_step_and_checkpoints_stay_finite(tmp_path):

@@ -21,6 +21,7 @@ from megalite.model.attention import CoreAttention
 from megalite.model.transformer import TransformerBlock
 from megalite.recompute import SavedActivations, recompute
 from megalite.tensor_parallel import seed_everything
+from tiny import mock, tiny
 
 MODES = {  # name -> (granularity, method, num_layers), for a 3-layer model
     "none": (None, None, None),
@@ -65,8 +66,7 @@ def grads(cfg, data, rng_seed=11):
 
 
 # -- flags ------------------------------------------------------------------------------------------
-BASE = ["--mock-data", "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
+BASE = mock(100) + tiny(num_layers=4, seq_length=16, global_batch_size=None, train_iters=1)
 
 
 def args_for(extra, world=1):

@@ -7,11 +7,10 @@ import signal
 
 from dist_helpers import run_pretrain
 from proc_helpers import kill_all, records, start_torchrun, wait_for, workers
+from tiny import mock, tiny
 
-FLAGS = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "20", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "1000",
-         "--seed", "7"]  # dropout on: the restored RNG states must make the masks match too
+FLAGS = mock(1000) + tiny(train_iters=20, log_interval=1, eval_iters=1, eval_interval=1000,
+                           seed=7)  # dropout on: the restored RNG states must make the masks match too
 
 
 def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path):

@@ -6,11 +6,10 @@ import signal
 import time
 
 from proc_helpers import kill_all, output, records, start_torchrun, state, wait_for, workers
+from tiny import mock, tiny
 
-FLAGS = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "16",
-         "--train-iters", "40", "--lr", "1e-3", "--log-interval", "5", "--eval-iters", "0", "--log-straggler",
-         "--tensor-model-parallel-size", "2"]
+FLAGS = mock(1000) + tiny(seq_length=64, micro_batch_size=4, global_batch_size=16, train_iters=40, log_interval=5,
+                           eval_iters=0, log_straggler=True, tensor_model_parallel_size=2)
 SLOW = 2
 
 

@@ -9,13 +9,12 @@ import signal
 import time
 
 from proc_helpers import kill_all, output, records, start_torchrun, state, wait_for, workers
+from tiny import mock, tiny
 
 TIMEOUT_MIN = 0.1  # 6 s
 TORCHRUN_GRACE_S = 30  # torch.distributed.elastic: SIGTERM, then SIGKILL after 30 s, when a worker fails
-FLAGS = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "100000", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
-         "--pipeline-model-parallel-size", "2", "--distributed-timeout-minutes", str(TIMEOUT_MIN)]
+FLAGS = mock(1000) + tiny(train_iters=100000, log_interval=1, eval_iters=0, pipeline_model_parallel_size=2,
+                           distributed_timeout_minutes=TIMEOUT_MIN)
 
 
 def test_a_paused_rank_ends_the_run_with_a_named_timeout(tmp_path):

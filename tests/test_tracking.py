@@ -14,10 +14,9 @@ from dist_helpers import run_pretrain
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.config.run import json_safe
 from megalite.runtime.tracking import Tracker
+from tiny import mock, tiny
 
-BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
-        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--train-iters", "4", "--lr", "1e-3", "--log-interval", "2", "--eval-interval", "2", "--eval-iters", "1"]
+BASE = mock(1000) + tiny(global_batch_size=4, train_iters=4, log_interval=2, eval_interval=2, eval_iters=1)
 
 
 # -- without the packages ----------------------------------------------------------------------------

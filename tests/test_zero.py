@@ -19,12 +19,11 @@ import pytest
 
 from dist_helpers import ROOT, assert_losses_close, grad_norms, run_pretrain, spawn, train_losses
 from megalite.arguments import ArgumentError, parse_args, validate_args
+from tiny import mock, tiny
 
 
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "3e-3",
-         "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--seed", "5", "--ddp-bucket-size", "6000",
+MODEL = tiny(num_layers=4, seq_length=64, lr=3e-3, log_interval=1, eval_iters=0) + [
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "5", "--ddp-bucket-size", "6000",
          # Adam's default eps (1e-8) turns float rounding in gradient elements that are exactly
          # zero in the reference into steps of ~lr: TP 2 alone (no_shard) then drifts from one
          # process by more than 1e-5 in the gradient norm. tests/test_layouts.py uses 1e-5 too.
@@ -160,10 +159,8 @@ def test_zero3_frees_what_it_gathers():
     never exceed the chunk's own unit plus two layers (the one in use and the prefetched next),
     all are freed after the step, each unit is gathered for every forward and every
     backward (re-gathered, not kept), and no full-size fp32 gradient buffer exists."""
-    flags = ["--mock-data", "--vocab-size", "256", "--num-layers", "8", "--hidden-size", "64",
-             "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
-             "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0", "--hidden-dropout", "0",
-             "--attention-dropout", "0", "--recompute-granularity", "full", "--recompute-method", "uniform",
+    flags = mock(256) + tiny(num_layers=8, micro_batch_size=1, global_batch_size=4, train_iters=1, eval_iters=0) + [
+             "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity", "full", "--recompute-method", "uniform",
              "--recompute-num-layers", "1"] + strategy("optim_grads_params") + OVERLAP
     for r in spawn(_one_step_memory, 2, flags):
         assert r["peak_gathered"] <= r["working_set"] < r["all_full"], r
