@@ -36,21 +36,17 @@ counts as its parent's. Under ZeRO-3 the flag prefetches the next unit's gather.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from .. import comm
+from ..config.parallel import DDPConfig
+from ..config.sharding import get_strategy
 from ..tensor_parallel.param_info import param_info
 from .buckets import BucketLayout
 from .grad_buffer import GradBuffer, ShardedGradBuffer
 from .param_buffer import FlatParamBuffer, ShardedParams
-from ..config.sharding import get_strategy
 from .zero3 import Zero3Schedule, unit_of_params
-
-if TYPE_CHECKING:  # for the annotation only: config.py imports .strategy, so this package
-    from ..config import DDPConfig  # must not import config.py while it loads
 
 
 def _has_forward(m: nn.Module) -> bool:
