@@ -135,3 +135,18 @@ def test_the_namespace_check_can_fail(tmp_path):
                    "def build(args):\n    return vars(args)\n")
     assert len(namespace_uses(str(bad))) == 4
     assert isinstance(parse_args(OK), argparse.Namespace)  # (the argument layer itself does use one)
+
+
+def test_pipeline_schedule_flag_defaults_and_refuses_by_the_registry():
+    from megalite.arguments import ArgumentError
+    pp2 = OK + ["--pipeline-model-parallel-size", "2"]
+    assert parse_config(OK, 1).parallel.pipeline_schedule == "no_pipelining"
+    assert parse_config(pp2, 2).parallel.pipeline_schedule == "1f1b"
+    vpp = pp2 + ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4"]
+    assert parse_config(vpp, 2).parallel.pipeline_schedule == "interleaved_1f1b"
+    with pytest.raises(ArgumentError, match="--pipeline-schedule 'zigzag' is not a schedule; choose from"):
+        parse_config(pp2 + ["--pipeline-schedule", "zigzag"], 2)
+    with pytest.raises(ArgumentError, match="--pipeline-schedule interleaved_1f1b needs"):
+        parse_config(pp2 + ["--pipeline-schedule", "interleaved_1f1b"], 2)
+    with pytest.raises(ArgumentError, match="--pipeline-schedule no_pipelining needs --pipeline-model-parallel-size 1"):
+        parse_config(pp2 + ["--pipeline-schedule", "no_pipelining"], 2)
