@@ -187,9 +187,9 @@ def test_both_flag_sets_train_on_cpu_with_tp2(tmp_path):
     assert all(r["decoupled_lr"] > r["lr"] for r in train[1:])  # --decoupled-lr 5e-4 over --lr 1.5e-4
     assert train[1]["decoupled_lr"] == pytest.approx(5e-4)  # warmed up after 8 samples
     meta = json.load(open(tmp_path / "llama" / "checkpoints" / "iter_0000004" / "metadata.json"))
-    assert {k: meta["model_config"][k] for k in ("apply_layernorm_1p", "cross_entropy_loss_fusion",
-                                                 "sequence_parallel")} == dict.fromkeys(
-        ("apply_layernorm_1p", "cross_entropy_loss_fusion", "sequence_parallel"), True)
+    config = meta["config"]  # the RunConfig record: the architecture and how it ran, by section
+    assert (meta["model_config"]["apply_layernorm_1p"], config["kernels"]["cross_entropy_loss_fusion"],
+            config["parallel"]["sequence_parallel"]) == (True, True, True)
     traces = [f for f in os.listdir(tmp_path / "llama" / "tensorboard") if f.endswith(".pt.trace.json")]
     assert len(traces) == 1 and traces[0].startswith("rank0.")  # --profile on rank 0 only, as Megatron-LM
     assert "throughput per GPU (TFLOP/s/GPU)" in proc.stdout  # --log-throughput

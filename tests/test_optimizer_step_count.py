@@ -7,7 +7,7 @@ import torch
 from megalite.checkpoint.load import load_checkpoint
 from megalite.checkpoint.save import CheckpointSaver
 from megalite.checkpoint.state import TrainState
-from megalite.config import DDPConfig, OptimizerConfig
+from megalite.config import DDPConfig, OptimizerConfig, RunConfig
 from megalite.distributed import DataParallel
 from megalite.model import GPTConfig, GPTModel
 from megalite.optimizer import build_lr_scheduler, build_optimizer
@@ -55,7 +55,7 @@ def build(per_group: bool) -> tuple[GPTModel, TrainState]:
                                        lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
         init_optimizer_state(opt.optimizer)
     return model, TrainState(ps, CONFIG, named, opt, build_lr_scheduler(opt_cfg), None, torch.device("cpu"),
-                             flags={"optimizer": "adam"})
+                             config=RunConfig().to_dict())
 
 
 def train(model: GPTModel, state: TrainState, iterations: int) -> list[float]:

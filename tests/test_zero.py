@@ -196,10 +196,10 @@ def test_use_distributed_optimizer_is_optim():
              "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1", "--train-iters", "1",
              "--lr", "1e-3"]
     zero1 = validate_args(parse_args(flags + ["--use-distributed-optimizer"]), 2)
-    assert zero1.data_parallel_sharding_strategy == "optim"
+    assert zero1.ddp.data_parallel_sharding_strategy == "optim"
     assert validate_args(parse_args(flags), 2).ddp.data_parallel_sharding_strategy == "no_shard"
     args = validate_args(parse_args(flags + strategy("optim_grads_params")), 2)
-    assert args.use_distributed_optimizer and args.optimizer_offload_fraction == 1.0
+    assert args.ddp.use_distributed_optimizer and args.optimizer.optimizer_offload_fraction == 1.0
 
 
 def test_grad_norm_is_accurate_for_large_tensors():
