@@ -8,7 +8,7 @@ import time
 from proc_helpers import kill_all, output, records, start_torchrun, state, wait_for, workers
 from tiny import mock, tiny
 
-FLAGS = mock(1000) + tiny(seq_length=64, micro_batch_size=4, global_batch_size=16, train_iters=40, log_interval=5,
+FLAGS = mock(1000) + tiny(seq_length=64, micro_batch_size=4, global_batch_size=16, train_iters=20, log_interval=5,
                            eval_iters=0, log_straggler=True, tensor_model_parallel_size=2)
 SLOW = 2
 
@@ -28,10 +28,10 @@ def test_paused_rank_is_named_slowest_in_compute(tmp_path):
     finally:
         kill_all(proc)
     reports = [r for r in records(jsonl) if r.get("event") == "straggler"]
-    assert len(reports) == 8 and all(len(r["compute_ms"]) == 4 and len(r["data_wait_ms"]) == 4 for r in reports)
+    assert len(reports) == 4 and all(len(r["compute_ms"]) == 4 and len(r["data_wait_ms"]) == 4 for r in reports)
     later = reports[1:]  # the first window may end before the pauses start
     total = [sum(r["compute_ms"][k] for r in later) for k in range(4)]
     assert max(range(4), key=total.__getitem__) == SLOW, total
     lines = [m.group(1) for m in re.finditer(r"compute \(ms\) min/max: [\d.]+ \(rank \d\) / [\d.]+ \(rank (\d)\)",
                                              output(proc)[0])]
-    assert len(lines) == 8 and sum(int(k) == SLOW for k in lines[1:]) > len(lines[1:]) / 2, lines
+    assert len(lines) == 4 and sum(int(k) == SLOW for k in lines[1:]) > len(lines[1:]) / 2, lines
