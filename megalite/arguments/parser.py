@@ -8,7 +8,6 @@ Flags left off the command line do not appear in the parsed Namespace (argparse.
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
 
 from ..config.fields import default_of, flagged_fields
 from ..config.run import SECTIONS, RunConfig
@@ -84,9 +83,3 @@ def configs_from_namespace(ns: argparse.Namespace) -> RunConfig:
 def flag_names() -> dict[str, str]:
     """"section.field" -> its flag, for messages."""
     return {f"{s}.{f.name}": flag.name for s, cls in SECTIONS.items() for f, flag in flagged_fields(cls)}
-
-
-def all_fields():
-    for section, cls in SECTIONS.items():
-        for f in fields(cls):
-            yield section, f

@@ -59,8 +59,7 @@ class RunConfig:
 
 def _section(cls, values: dict):
     known = {f.name for f in fields(cls) if f.init}
-    obj = cls(**{k: v for k, v in values.items() if k in known})
-    return obj
+    return cls(**{k: v for k, v in values.items() if k in known})
 
 
 def json_safe(value):
