@@ -1,13 +1,12 @@
 """Bad input never crashes and never destroys anything.
 
-Each case runs a real entry point (pretrain_gpt.py or a tool) as a subprocess on one shared
-directory of good and broken files, and checks that it
+Each case runs a real entry point (pretrain_gpt.py or a tool) as a process of its own (forked from
+one that has imported torch: fork_runner.py) on its copy of one directory of good and broken
+files, and checks that it
   - exits with status 2,
   - prints exactly one line containing `error:`, which names the culprit flag or file,
   - prints no traceback,
   - leaves every file of the directory as it was (and creates none).
-Most cases stop before torch is imported; those that need a checkpoint or a model take a few
-seconds each.
 """
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 
 from dist_helpers import ROOT
+from fork_runner import ForkRunner
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, write_index
 from tiny import tiny
@@ -42,10 +42,15 @@ def _write_dataset(prefix: str, docs, dtype=np.uint16) -> None:
     builder.finalize(prefix + ".idx")
 
 
-def _run(tool: str, args: list[str], cwd: str, timeout: float = 120.0, nproc: int = 1):
+def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                           "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def _run(tool: str, args: list[str], cwd: str, timeout: float = 120.0, nproc: int = 1):
+    env = _env()
     launcher = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run(launcher + [os.path.join(ROOT, tool), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -256,27 +261,37 @@ def _check_refused(proc, culprit: str) -> None:
     assert culprit in lines[0], lines[0]
 
 
-CONCURRENCY = min(4, (os.cpu_count() or 1) + 1)  # most cases end before torch is imported: startup-bound
+CONCURRENCY = min(3, (os.cpu_count() or 1) + 1)  # most cases end in argument checks: start-up-bound
 
 
 @pytest.fixture(scope="module")
 def refusals(world, request, tmp_path_factory):
     """{case id: (process, tree before, tree after)} for every selected case of the test below,
     CONCURRENCY at a time, each in its own copy of `world` (so a case that changed a file would
-    still be the one caught, whatever runs beside it)."""
+    still be the one caught, whatever runs beside it). Each case is a process of its own, forked
+    from one that has imported torch already (fork_runner.py): start-up is paid once."""
     test = test_bad_input_is_refused_and_changes_nothing.__name__
     selected = {item.callspec.id for item in request.session.items
                 if getattr(item, "originalname", None) == test and hasattr(item, "callspec")}
 
+    cases = [c for c in CASES if c[0] in selected]
+    if not cases:
+        return {}
+    runner = ForkRunner(min(CONCURRENCY, len(cases)), _env())
+
     def run(case):
         cid, tool, args, _ = case
-        root = str(tmp_path_factory.mktemp(cid) / "world")
+        where = tmp_path_factory.mktemp(cid)
+        root = str(where / "world")
         shutil.copytree(world, root)
         before = _tree(root)
-        proc = _run(tool, args, root)
+        proc = runner.run(os.path.join(ROOT, tool), args, root, str(where / "log"))
         return cid, (proc, before, _tree(root))
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
-        return dict(pool.map(run, [c for c in CASES if c[0] in selected]))
+    try:
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            return dict(pool.map(run, cases))
+    finally:
+        runner.close()
 
 
 @pytest.mark.parametrize("case,culprit", [(c[0], c[3]) for c in CASES], ids=[c[0] for c in CASES])
