@@ -1,6 +1,6 @@
 """Context-parallel layouts train the same model as one process, on real text where the loss falls.
 
-As test_layouts.py (fp32, dropout 0, 10 iterations, clipping active every step), at --seq-length
+As test_layouts.py (fp32, dropout 0, 6 iterations, clipping active every step), at --seq-length
 256 so that each of the 2·CP chunks holds real context: lm_loss per iteration (rtol 1e-5), the
 global gradient norm (rtol 1e-5), the evaluation loss, and every parameter after the last step
 from the --save checkpoint. The tensor-parallel, pipeline (1F1B and interleaved), ZeRO-1/2/3 (sharded
@@ -14,7 +14,7 @@ from dist_helpers import (assert_loss_falls, assert_losses_close, assert_params_
                           load_params, run_pretrain, train_losses)
 from tiny import tiny
 
-MODEL = tiny(num_layers=4, seq_length=256, lr=None, log_interval=1, eval_interval=5, eval_iters=1) + [
+MODEL = tiny(num_layers=4, seq_length=256, lr=None, train_iters=6, log_interval=1, eval_interval=3, eval_iters=1) + [
          "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--clip-grad", "0.25",
          # Adam turns rounding noise in tiny gradients into steps of ~lr; 1e-4 keeps them under atol
          # (with 1e-5 one embedding element drifted 1.008e-5 at lr 1e-2)
@@ -90,23 +90,23 @@ def test_cp_layout_matches_single_process(references, corpus, tmp_path, layout):
 
 @pytest.fixture(scope="module")
 def cp2_checkpoint(references, corpus, tmp_path_factory):
-    """Saved at iteration 5 with CP 2 (x DP 2, ZeRO-1: optimizer shards over DP x CP); once for
+    """Saved at iteration 3 with CP 2 (x DP 2, ZeRO-1: optimizer shards over DP x CP); once for
     both resumptions below (they only read it)."""
     tmp = tmp_path_factory.mktemp("cp2-checkpoint")
     ckpt = tmp / "ckpt"
-    first, _ = run_pretrain(4, corpus + MODEL + BASE + CP2 + ZERO + ["--exit-interval", "5", "--save", str(ckpt)],
+    first, _ = run_pretrain(4, corpus + MODEL + BASE + CP2 + ZERO + ["--exit-interval", "3", "--save", str(ckpt)],
                             tmp, "first")
     return first, ckpt
 
 
 @pytest.mark.parametrize("resume_cp", [1, 4])
 def test_cp_checkpoint_resumes_on_other_cp_sizes(references, cp2_checkpoint, corpus, tmp_path, resume_cp):
-    """Saved at iteration 5 with CP 2 (x DP 2, ZeRO-1: optimizer shards over DP x CP), resumed with
-    CP `resume_cp`: iterations 6-10 are the uninterrupted single-process run's."""
+    """Saved at iteration 3 with CP 2 (x DP 2, ZeRO-1: optimizer shards over DP x CP), resumed with
+    CP `resume_cp`: iterations 4-6 are the uninterrupted single-process run's."""
     ref = train_losses(references["base"][0])
     first, ckpt = cp2_checkpoint
-    assert_losses_close(ref[:5], train_losses(first), rtol=1e-5)
+    assert_losses_close(ref[:3], train_losses(first), rtol=1e-5)
     second, _ = run_pretrain(resume_cp, corpus + MODEL + BASE + ["--context-parallel-size", str(resume_cp),
                                                                  "--load", str(ckpt)], tmp_path, "second")
-    assert [r["iteration"] for r in second if "consumed_samples" in r][0] == 6
-    assert_losses_close(ref[5:], train_losses(second), rtol=1e-5)
+    assert [r["iteration"] for r in second if "consumed_samples" in r][0] == 4
+    assert_losses_close(ref[3:], train_losses(second), rtol=1e-5)
