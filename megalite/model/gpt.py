@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
-from ..tensor_parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sp, scatter_to_sp, set_init,
+from ..tensor_parallel import (VocabParallelEmbedding, copy_to_tp, linear_with_sp_gather, scatter_to_sp, set_init,
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import set_tp_attributes
@@ -169,11 +169,10 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rotary, attention_mask)
         if not self.post_process:
             return x
-        if self.execution.sequence_parallel:
-            x = gather_from_sp(x, self.tp_group)
+        if self.execution.sequence_parallel:  # the [s, b, h] gathered input is not kept for backward
+            logits = linear_with_sp_gather(x, self.output_weight(), None, self.tp_group)  # [s, b, v/tp]
         else:
-            x = copy_to_tp(x, self.tp_group)
-        logits = F.linear(x, self.output_weight())  # [s, b, v/tp]
+            logits = F.linear(copy_to_tp(x, self.tp_group), self.output_weight())  # [s, b, v/tp]
         if labels is None:
             return logits
         cross_entropy = (fused_vocab_parallel_cross_entropy if self.execution.cross_entropy_loss_fusion

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
-from .mappings import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
+from .mappings import (copy_to_tp, gather_from_tp, linear_with_sp_gather, reduce_from_tp,
                        reduce_scatter_to_sp, scatter_to_tp)
 from .param_info import param_info
 
@@ -66,11 +66,11 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sp(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:  # [s/tp, b, h] gathered to [s, b, h], kept for backward as [s/tp, b, h]
+            y = linear_with_sp_gather(x, weight, self.bias, self.tp_group)
         else:
-            x = copy_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight if weight is None else weight, self.bias)
+            y = F.linear(copy_to_tp(x, self.tp_group), weight, self.bias)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 

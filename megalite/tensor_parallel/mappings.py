@@ -117,6 +117,38 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return comm.all_gather(grad, ctx.group, dim=0), None
 
 
+class _LinearWithSPGather(torch.autograd.Function):
+    """Y = all_gather_s(X)·Wᵀ + b that keeps only this rank's X [s/tp, b, h] for backward and
+    all-gathers it again there (Korthikanti et al. 2022, Sec. 4.2.2; Megatron-LM's
+    LinearWithGradAccumulationAndAsyncCommunication): the gathered [s, b, h] input of every
+    column-parallel linear (QKV, fc1) would otherwise stay in memory until backward, tp times
+    what sequence parallelism means to keep. Backward reduce-scatters the input gradient (a
+    partial sum over the tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return torch.nn.functional.linear(comm.all_gather(x, group, dim=0), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        total = comm.all_gather(x, ctx.group, dim=0)  # [s, b, in]
+        grad_x = comm.reduce_scatter(grad.matmul(weight), ctx.group, dim=0)
+        grad_2d = grad.reshape(-1, grad.size(-1))  # [s·b, out]
+        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
+
+
+def linear_with_sp_gather(x, weight, bias, group):
+    """F.linear(gather_from_sp(x), weight, bias) without keeping the gathered input for backward."""
+    if comm.group_size(group) == 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _LinearWithSPGather.apply(x, weight, bias, group)
+
+
 def copy_to_tp(x, group):
     return _CopyToTP.apply(x, group) if comm.group_size(group) > 1 else x
 
