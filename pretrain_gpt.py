@@ -13,6 +13,10 @@ from megalite.errors import cli
 def main(argv=None) -> int:
     from megalite.arguments import parse_config
     config = parse_config(argv)  # every flag and file, before torch.distributed starts
+    if config.training.dry_run:  # this rank built and stepped on the meta device, its bytes reported
+        from megalite.dry_run import main as dry_run
+        dry_run(config)
+        return 0
     from megalite.training import pretrain
     pretrain(config)  # typed configs from here on
     return 0

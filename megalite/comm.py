@@ -94,6 +94,13 @@ def init_distributed(backend: str, timeout_minutes: float, device_id=None) -> No
                                 device_id=device_id)
 
 
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """--fake-process-group: this process is `rank` of `world_size` in torch's "fake" backend,
+    where every collective completes at once and communicates nothing (dry runs of large layouts)."""
+    import torch.testing._internal.distributed.fake_pg as fake_pg  # registers the backend
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
+
+
 class OfflineGroup:
     """A group's size and this rank's place in it, with no processes behind it: lets one
     process build the shard shapes of any rank offline (checkpoint conversion)."""
@@ -283,7 +290,8 @@ def barrier(group=None) -> None:
 
 def exchange(ops: list) -> None:
     """Post point-to-point sends and receives (dist.P2POp) as one batch and wait for all of them."""
-    if ops:
+    # the fake backend (--fake-process-group) sends nothing, and knows no meta device (--dry-run)
+    if ops and dist.get_backend() != "fake":
         works = dist.batch_isend_irecv(ops)
         peers = sorted({op.peer for op in ops})
         _blocking(f"send/recv with rank(s) {peers}", None, lambda: [w.wait() for w in works])

@@ -59,14 +59,20 @@ class Run:
 
 
 # -- set up -----------------------------------------------------------------------------------------
-def initialize_distributed(cfg: ParallelConfig) -> tuple[parallel_state.ParallelState, torch.device]:
+def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None) -> tuple[parallel_state.ParallelState,
+                                                                                       torch.device]:
+    """The process groups of this rank and its device. --fake-process-group: rank `fake_rank`
+    (default $RANK) of cfg.world_size in the fake backend."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device("cpu")
     use_cuda = cfg.distributed_backend == "nccl"
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
+    if cfg.fake_process_group and not dist.is_initialized():
+        comm.init_fake_process_group(int(os.environ.get("RANK", "0")) if fake_rank is None else fake_rank,
+                                     cfg.world_size)
+    elif world > 1 and not dist.is_initialized():
         comm.init_distributed(cfg.distributed_backend, cfg.distributed_timeout_minutes,
                               device_id=device if use_cuda else None)
     ps = parallel_state.initialize(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,

@@ -8,7 +8,6 @@ a test that asserts "exit status 2, one error line, no traceback" checks what a 
 from __future__ import annotations
 
 import json
-import os
 import queue
 import subprocess
 import sys

@@ -209,7 +209,7 @@ def test_accepts_every_pretrain_gpt_flag_as_pretrain_gpt_does():
     from megalite.arguments import build_parser
     real = build_parser()._option_string_actions
     ours = plan.build_plan_parser()._option_string_actions
-    assert set(ours) - set(real) == {"--world-size", "--gpu-memory-gb", "--json"}
+    assert set(ours) - set(real) == {"--world-size", "--gpu-memory-gb", "--json", "--verify"}
     for flag, action in real.items():
         mine = ours.get(flag)
         assert mine is not None, f"plan.py does not accept {flag}"

@@ -33,7 +33,7 @@ from megalite.model import pad_vocab_size  # noqa: E402
 from megalite.planning import report  # noqa: E402
 
 GPT2_VOCAB = 50257
-PLAN_OPTIONS = ("world_size", "gpu_memory_gb", "json")
+PLAN_OPTIONS = ("world_size", "gpu_memory_gb", "json", "verify")
 
 
 def build_plan_parser():
@@ -43,6 +43,10 @@ def build_plan_parser():
     g.add_argument("--world-size", type=int, help="number of GPUs (default: TP x PP x CP, i.e. DP = 1)")
     g.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GiB")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    g.add_argument("--verify", action="store_true",
+                   help="also build and step the first and the last pipeline stage's rank on the meta device "
+                        "(pretrain_gpt.py --fake-process-group --dry-run, in this process) and print the plan's "
+                        "bytes beside the measured ones, category by category (with --json: a \"verify\" list)")
     return p
 
 
@@ -101,11 +105,50 @@ def make_plan(argv=None) -> dict:
     return report.make_plan(config, options.gpu_memory_gb)
 
 
+def verify(config, plan: dict) -> list[dict]:
+    """Dry runs of rank (TP 0, DP 0, CP 0) of the first and the last pipeline stage (the word
+    embedding's and the output layer's), each beside the plan's stage."""
+    from megalite.dry_run import dry_run
+    from megalite.parallel_state import RankGrid
+    p = config.parallel
+    config = dataclasses.replace(config, parallel=dataclasses.replace(p, fake_process_group=True))
+    grid = RankGrid(p.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.rank_order,
+                    p.context_parallel_size)
+    rows = []
+    for stage in sorted({0, p.pipeline_model_parallel_size - 1}):
+        measured = dry_run(config, grid.rank_of(tp=0, pp=stage, dp=0, cp=0))
+        planned = plan["stages"][stage]
+        rows.append({"rank": measured.rank, "pp_rank": stage, "measured": dataclasses.asdict(measured),
+                     "planned": {k: planned[k] for k in VERIFIED}})
+    return rows
+
+
+VERIFIED = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+
+
+def format_verify(rows: list[dict]) -> str:
+    lines = ["", "verify  the plan beside a dry run (meta device, fake process group) of each rank, MiB"]
+    for row in rows:
+        m = row["measured"]
+        lines.append(f"  rank {row['rank']} (pipeline stage {row['pp_rank']}): built in {m['build_seconds']:.1f} s, "
+                     f"one iteration of {m['num_microbatches']} micro-batches in {m['step_seconds']:.1f} s")
+        for key in VERIFIED:
+            plan_b, got = row["planned"][key], m[key]
+            diff = f"{100 * (got - plan_b) / plan_b:+.1f}%" if plan_b else "-"
+            lines.append(f"    {key.removesuffix('_bytes'):<12} plan {plan_b / 2**20:12.1f}  measured "
+                         f"{got / 2**20:12.1f}  {'exact' if got == plan_b else diff}")
+    return "\n".join(lines)
+
+
 @cli("tools/plan.py")
 def main(argv=None) -> int:
     config, options = parse(argv)
     plan = report.make_plan(config, options.gpu_memory_gb)
-    print(json.dumps(plan, indent=1) if options.json else report.format_plan(plan))
+    rows = verify(config, plan) if options.verify else None
+    if options.json:
+        print(json.dumps(plan if rows is None else {**plan, "verify": rows}, indent=1))
+    else:
+        print(report.format_plan(plan) + (format_verify(rows) if rows is not None else ""))
     return 0 if plan["fits"] else 1  # scripts can test the exit status
 
 

@@ -165,8 +165,36 @@ def _check_operations(c: RunConfig) -> None:
             fail("--deterministic-mode cannot use --use-flash-attn (its backward is not deterministic)")
         if c.kernels.cross_entropy_loss_fusion:
             fail("--deterministic-mode refuses --cross-entropy-loss-fusion, as Megatron-LM does")
+    _check_dry_run(c)
     if not t.manual_gc and (t.manual_gc_interval or not t.manual_gc_eval):
         fail("--manual-gc-interval / --no-manual-gc-eval need --manual-gc")
+
+
+def _check_dry_run(c: RunConfig) -> None:
+    """--dry-run / --fake-process-group: which world, and what a dry run does not do."""
+    t, p = c.training, c.parallel
+    if p.fake_process_group:
+        rank = os.environ.get("RANK", "0")
+        if not rank.isdigit() or int(rank) >= p.world_size:
+            fail(f"--fake-process-group makes this process rank $RANK of $WORLD_SIZE ({p.world_size}): RANK must be "
+                 f"an integer in [0, {p.world_size}), got {rank!r}")
+    if not t.dry_run:
+        return
+    if p.world_size > 1 and not p.fake_process_group:
+        fail(f"--dry-run with WORLD_SIZE {p.world_size} needs --fake-process-group: meta tensors hold no values "
+             "to communicate (one process stands for one rank of the world)")
+    if t.compile:
+        fail("--dry-run cannot --compile: Inductor needs real tensors")
+    if c.optimizer.optimizer_cpu_offload:
+        fail("--dry-run cannot --optimizer-cpu-offload: the offloaded state is real host memory")
+    ignored = [(c.checkpoint.save, "--save", "it writes no checkpoint"),
+               (c.checkpoint.load, "--load", "it builds the model on the meta device, without values to load"),
+               (c.tracking.tensorboard_dir, "--tensorboard-dir", "it logs to stdout and --log-jsonl only"),
+               (c.tracking.wandb_project, "--wandb-project", "it logs to stdout and --log-jsonl only"),
+               (c.data.data_path, "--data-path", "its micro-batches are meta tensors of the right shapes")]
+    for value, name, why in ignored:
+        if value:
+            c.notices.append(f"{name} is not used by --dry-run: {why}")
 
 
 def _check_outputs(c: RunConfig) -> None:

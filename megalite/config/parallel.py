@@ -41,6 +41,10 @@ class ParallelConfig:
         "timeout of every collective and of start-up (fractions allowed, e.g. 0.5); when it fires, every rank "
         "still running dumps its Python stacks and the error names the collective, its group, the iteration and "
         "the pipeline stage", check=(lambda v: v == v and 0 < v < float("inf"), "a number > 0 (fractions allowed)"))
+    fake_process_group: bool = flag(
+        "--fake-process-group", False, "a fake process group of $WORLD_SIZE ranks in which this one process is rank "
+        "$RANK: every collective completes at once without communicating (Megatron-LM's; with --dry-run, one rank "
+        "of a large layout built and stepped on one CPU)", action="store_true")
     world_size: int = derived(1, "WORLD_SIZE at validation")
     data_parallel_size: int = derived(1, "world / (TP x PP x CP)")
     virtual_pipeline_model_parallel_size: int = derived(1, "layers / (PP x --num-layers-per-virtual-pipeline-stage)")

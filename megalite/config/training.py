@@ -43,6 +43,11 @@ class TrainingConfig:
         choices=[0, 1, 2])
     seed: int = flag("--seed", 1234, "random seed, in [0, 2^31)", check=(lambda v: 0 <= v < 2**31,
                                                                        "an integer in [0, 2^31)"))
+    dry_run: bool = flag("--dry-run", False, "build this rank's model, gradients, optimizer state and ZeRO buffers "
+                         "on the meta device (no memory, no values), run one iteration (every micro-batch of the "
+                         "pipeline schedule and the optimizer step), print the bytes by category and exit (with "
+                         "--log-jsonl: a dry_run record); with --fake-process-group, any rank of any world size",
+                         action="store_true")
     compile: bool = flag("--compile", False, "torch.compile each transformer layer (Inductor); compiled during the "
                          "first iteration", action="store_true")
     # logging and evaluation

@@ -78,8 +78,9 @@ class DataParallel:
         grad_dtype = torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32
         self.layout = BucketLayout(self.params, ps.dp_cp_group, config.ddp_bucket_size,
                                    pad_to=dp if strategy.shards_optimizer else 1, unit_of=self._unit_key(model))
-        if any(p.device.type == "meta" for p in self.params) and not strategy.shards_params:
-            raise ValueError("parameters on the meta device are materialised only under optim_grads_params")
+        if any(p.device.type == "meta" for p in self.params) and not strategy.shards_params and device.type != "meta":
+            raise ValueError("parameters on the meta device are materialised only under optim_grads_params "
+                             "(or stay there for a dry run: device meta)")
         # ZeRO-3 first: materialising swaps tensors, which must happen before hooks are registered
         self.param_buffer = (ShardedParams(self.layout, ps.dp_cp_group, device, init_fn) if strategy.shards_params
                              else None)

@@ -26,7 +26,7 @@ def local_grad_stats(grads: list[torch.Tensor], counted: list[bool], device=None
     if grads:
         norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
         mask = torch.tensor(counted, dtype=torch.bool, device=norms.device)
-        stats[0] = norms[mask].pow(2).sum()
+        stats[0] = torch.where(mask, norms.pow(2), 0.0).sum()  # no boolean indexing: shapes stay data-independent (meta)
         stats[1] = (~torch.isfinite(norms)).sum()
     return stats
 

@@ -88,6 +88,12 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             optimizer.state[m] = state
 
 
+def _host_value(t: torch.Tensor) -> float:
+    """A one-element statistic read on the host; on the meta device (--dry-run), which holds no
+    values, 0 (a step with nothing to clip and no overflow)."""
+    return 0.0 if t.device.type == "meta" else float(t)
+
+
 class MixedPrecisionOptimizer:
     """Owns everything from the reduced gradients to updated parameters: unscaling and
     normalisation, the overflow check, clipping and the update. The gradients and their
@@ -192,12 +198,12 @@ class MixedPrecisionOptimizer:
             stats[1] += 1
         self._reduce_stats(stats)
         if self.scaler is not None:
-            found_inf = bool(stats[1] > 0)
+            found_inf = _host_value(stats[1]) > 0
             self.scaler.update(found_inf)
             if found_inf:
                 self.skipped_iterations += 1
                 return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": True}
-        grad_norm = math.sqrt(float(stats[0]))
+        grad_norm = math.sqrt(_host_value(stats[0]))
         clip_by_norm(grads, grad_norm, self.clip_grad)
         for g in self.optimizer.param_groups:
             g["lr"] = decoupled_lr if g.get("decoupled") and decoupled_lr is not None else lr
