@@ -111,6 +111,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, inputs=(), kwargs=None):
         out = func(*inputs, **(kwargs or {}))
+        if func.is_view:  # allocates nothing (on meta a view may still report a storage of its own)
+            return out
 
         def track(t):
             if isinstance(t, torch.Tensor):

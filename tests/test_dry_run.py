@@ -2,8 +2,8 @@
 
 Against two references: a real CPU run's `memory_footprint` record (the same code on real
 tensors: parameter, gradient and optimizer bytes equal exactly, rank by rank), and tools/plan.py's
-arithmetic (exact for those three; activations within 10% on layouts with selective recompute,
-the examples' default). The 175B example's flags run at their real world size (1,024 ranks,
+arithmetic (exact for those three; activations within 10% without, with selective and with
+full recompute, TP with and without SP, PP with ZeRO-1 in bf16, ZeRO-3). The 175B example's flags run at their real world size (1,024 ranks,
 rank 1,023) with the global batch cut to 2 micro-batches (benchmarks/bench_dry_run.py runs them
 whole).
 """
@@ -29,13 +29,20 @@ def _plan_tool():
 
 
 BASE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
-        "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "1000", "--hidden-dropout", "0.1",
-        "--attention-dropout", "0.1", "--recompute-activations"]
+        "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "1000", "--hidden-dropout", "0",
+        "--attention-dropout", "0"]
+SELECTIVE = ["--recompute-activations"]
 LAYOUTS = {  # id: (world size, flags)
-    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
-    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    "pp2-dp2-zero1-bf16": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"]),
-    "zero3-dp4": (4, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
+    "no-recompute": (1, []),
+    "full-recompute": (1, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1"]),
+    "tp2": (2, SELECTIVE + ["--tensor-model-parallel-size", "2"]),
+    "tp2-sp": (2, SELECTIVE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2-dp2-zero1-bf16": (4, SELECTIVE + ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+                                           "--bf16"]),
+    "zero3-dp4": (4, SELECTIVE + ["--data-parallel-sharding-strategy", "optim_grads_params"]),
+    # dropout: the meta device keeps its masks in the activations' dtype, the plan counts 1 byte
+    "dropout-0.1": (1, SELECTIVE + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]),
 }
 
 

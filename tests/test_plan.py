@@ -116,10 +116,11 @@ def test_activation_formula_korthikanti_table2():
 
     def layer_bytes(*extra, tp=t):
         """Per-layer bytes: the one stage's activations less the embedding's output and, as the
-        stage is also the last, the output layer's (fp32 [s, b, h/tp] input and [s, b, V/tp] logits)."""
+        stage is also the last, the output layer's (its [s, b, h] input and the final norm's, and
+        one [s, b, V/tp] logits-sized tensor, all in bf16)."""
         p = plan.make_plan(model + ["--tensor-model-parallel-size", str(tp), "--world-size", str(tp), *extra])
         emb = s * b * h / (tp if "--sequence-parallel" in extra else 1)
-        output = 4 * s * b * h / tp * (1 + 1024 / h)
+        output = 4 * s * b * h / tp * (1 + 1024 / (2 * h))
         return (p["stages"][0]["activation_bytes"] - output - emb) / L
 
     sbh = s * b * h

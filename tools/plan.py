@@ -119,7 +119,8 @@ def verify(config, plan: dict) -> list[dict]:
         measured = dry_run(config, grid.rank_of(tp=0, pp=stage, dp=0, cp=0))
         planned = plan["stages"][stage]
         rows.append({"rank": measured.rank, "pp_rank": stage, "measured": dataclasses.asdict(measured),
-                     "planned": {k: planned[k] for k in VERIFIED}})
+                     # activations: what forward keeps (full recompute's rebuilt layers come later, in backward)
+                     "planned": {**{k: planned[k] for k in VERIFIED}, "activation_bytes": planned["held_activation_bytes"]}})
     return rows
 
 

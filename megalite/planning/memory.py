@@ -26,10 +26,12 @@ Memory per GPU (Megatron-LM's accounting, bytes per parameter; d = DP size), for
              scores are recomputed / never stored); full recompute keeps only each recomputed
              group's 2·s·b·h input (/t with SP). The 24 is 8 (Q, K, V, attention output) + 16 (a
              4h GeLU MLP); it is scaled here for GQA (K, V by groups/heads), other MLP sizes and
-             SwiGLU (1.5x). The first pipeline stage holds the activations of the micro-batches
+             SwiGLU (2x: megalite keeps fc1's [gate; up], silu(gate) and their product); RoPE adds
+             the rotated Q and K (2 + 2·groups/heads); both as `--dry-run` measures. The first pipeline stage holds the activations of the micro-batches
              in flight: min(p, m) with 1F1B, p + (p-1)/v chunks' worth with the interleaved
              schedule (Sec. 4.2.3). The last stage adds the output layer and fp32 logits,
-             4·s·b·h·(1 + v/h)/t. fp32 activations count double. Context parallelism
+             4·s·b·h·(1 + v/2h)/t (the vocab-parallel loss keeps one logits-sized
+             tensor in the logits' dtype). fp32 activations count double. Context parallelism
              (--context-parallel-size c) divides every term by c (s -> s/c per rank; the scores are
              [s/c, s]), and adds the K and V of the whole sequence that its all-gather keeps for
              backward, 4·s·b·h·(groups/heads)/t per layer.
@@ -114,10 +116,18 @@ def layer_activation_bytes(c) -> tuple[float, float]:
     # 24 = 8 attention (Q, K, V, context) + 16 MLP (4h GeLU): scaled for GQA, the MLP size, SwiGLU;
     # under CP the all-gathered K and V of the whole sequence (c x this rank's) are kept too
     attention = 4 + 4 * c.model.num_query_groups / a * (1 + cp if cp > 1 else 1)
-    mlp = 4 * c.model.ffn_hidden_size / h * (1.5 if c.model.swiglu else 1.0)
-    # the scores of s/c queries against all s keys
-    scores = 0.0 if (granularity == "selective" or c.kernels.use_flash_attn) else 5 * a * c.model.seq_length / h
-    coeff = (10 + attention + mlp + scores) / t if sp else 10 + (attention + mlp + scores) / t
+    if c.model.position_embedding_type == "rope":  # the rotated Q and K are new tensors, kept beside QKV's output
+        attention += 2 + 2 * c.model.num_query_groups / a
+    # GeLU keeps fc1's output and GeLU's (4f/h in 16-bit); megalite's SwiGLU keeps fc1's [gate; up],
+    # silu(gate) and their product (4f/h + 2f/h + 2f/h): twice GeLU's for the same f
+    mlp = 4 * c.model.ffn_hidden_size / h * (2.0 if c.model.swiglu else 1.0)
+    # the scores of s/c queries against all s keys: softmax (2), and with attention dropout its
+    # mask (1) and output (2)
+    per_score = 5 if c.model.attention_dropout > 0 else 2
+    scores = 0.0 if (granularity == "selective" or c.kernels.use_flash_attn) else per_score * a * c.model.seq_length / h
+    # 10 = two norm inputs (4), the QKV and fc1 inputs (4), two hidden-dropout masks (2: none without dropout)
+    replicated = 8 + (2 if c.model.hidden_dropout > 0 else 0)
+    coeff = (replicated + attention + mlp + scores) / t if sp else replicated + (attention + mlp + scores) / t
     scale = 1.0 if (c.optimizer.bf16 or c.optimizer.fp16) else 2.0  # the formula is for 16-bit
     return s * b * h * coeff * scale, 2 * s * b * h / (t if sp else 1) * scale
 
@@ -132,7 +142,10 @@ def in_flight_chunks(c, pp_rank: int) -> int:
     return min(warmup + 1, m * v)
 
 
-def stage_activation_bytes(c, pp_rank: int) -> float:
+def stage_activation_bytes(c, pp_rank: int, rebuilt: bool = True) -> float:
+    """Activations of pipeline stage `pp_rank` at its peak: what the forward passes in flight keep
+    for backward, plus (`rebuilt`, full recompute) the group of layers rebuilt in backward at a
+    time. `--dry-run` measures the first part."""
     p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
     s, b, h, t = c.model.seq_length, c.training.micro_batch_size, c.model.hidden_size, c.parallel.tensor_model_parallel_size
     s //= c.parallel.context_parallel_size  # this rank's tokens under CP
@@ -146,16 +159,17 @@ def stage_activation_bytes(c, pp_rank: int) -> float:
             kept = min(k, n) * checkpoint + (n - min(k, n)) * full
         else:  # uniform: the input of every group of k layers; one group is rebuilt at a time
             kept = math.ceil(n / k) * checkpoint
-        transient = min(k, n) * full
+        transient = min(k, n) * full if rebuilt else 0.0
     else:
         kept = n * full
     chunks = in_flight_chunks(c, pp_rank)
     total = chunks * kept + transient
     scale = 1.0 if (c.optimizer.bf16 or c.optimizer.fp16) else 2.0
-    if pp_rank == 0:  # embedding dropout mask per micro-batch in flight
+    if pp_rank == 0 and c.model.hidden_dropout > 0:  # embedding dropout mask per micro-batch in flight
         total += chunks / v * s * b * h / (t if sp else 1)
     if pp_rank == p - 1:  # final norm output, output-layer input, fp32 logits (one micro-batch)
-        total += 4 * s * b * h / t * (1 + c.model.padded_vocab_size / h) * scale
+        # (one logits-sized tensor in the logits' dtype: tensor_parallel/cross_entropy.py)
+        total += 4 * s * b * h / t * (1 + c.model.padded_vocab_size / (2 * h)) * scale
     return total
 
 

@@ -34,6 +34,8 @@ def make_plan(c: RunConfig, gpu_memory_gb: float = 80.0) -> dict:
             "working_set_bytes": mem["working_set"], "gathered_param_bytes": mem["gathered_params"],
             "staging_grad_bytes": mem["staging_grads"], "padding_bytes_max": mem["padding_max"],
             "activation_bytes": activations, "total_bytes": mem["total"],
+            # without the layers full recompute rebuilds in backward: what a dry run measures
+            "held_activation_bytes": stage_activation_bytes(c, r, rebuilt=False),
             "total_bytes_without_zero1": by["no_shard"]["total"],
             "total_bytes_with_zero1": by["optim"]["total"] - by["optim"]["optimizer"] + opt_zero1,
             "total_bytes_by_strategy": {s: b["total"] for s, b in by.items()},
