@@ -1,5 +1,6 @@
 # make demo   set up a virtual environment and pretrain a small GPT on the bundled corpus
 # make test   set up a virtual environment and run the whole test suite
+# make gpu-check   on a CUDA machine: GPU tests, throughput, one-GPU runs -> benchmarks/RESULTS_gpu.md
 # make test-fast   the in-process unit tests only (no pretrain runs, torchrun, spawned ranks or tool
 #             subprocesses: pytest -m "not launches and not slow"), for the everyday loop
 #
@@ -12,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megalite-installed
 
-.PHONY: setup demo test test-fast data clean
+.PHONY: setup demo test test-fast gpu-check data clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +41,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests -m "not launches and not slow"
+
+# on a machine with CUDA and a plain checkout (its own python, no venv): GPU tests, throughput
+# beside transformers, one-GPU TP=1 and ZeRO-3 runs -> benchmarks/RESULTS_gpu.md; skips without CUDA
+gpu-check:
+	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),$(PYTHON)) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) data/build runs
