@@ -28,7 +28,7 @@ SCRIPTS = {"125M": 1, "350M": 1, "760M": 1, "1.3B": 2, "2.7B": 4, "6.7B": 8, "13
 LLAMA_70B = ("--num-layers 80 --hidden-size 8192 --num-attention-heads 64 --group-query-attention "
              "--num-query-groups 8 --ffn-hidden-size 28672 --swiglu --normalization RMSNorm "
              "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights "
-             "--seq-length 4096 --max-position-embeddings 4096 --mock-data --vocab-size 32000 --micro-batch-size 1 "
+             "--hidden-dropout 0 --attention-dropout 0 --seq-length 4096 --max-position-embeddings 4096 --mock-data --vocab-size 32000 --micro-batch-size 1 "
              "--global-batch-size 256 --train-iters 1000 --lr 1.5e-4 --bf16 --recompute-activations "
              "--data-parallel-sharding-strategy optim_grads_params --overlap-grad-reduce --overlap-param-gather"
              ).split()
