@@ -15,10 +15,12 @@ STAMP := $(VENV)/.megalite-installed
 
 .PHONY: setup demo test test-fast gpu-check data clean
 
+# --no-compile: pip would byte-compile every installed module (half the install time, most of it
+# for modules never imported); Python compiles and caches the ones a run imports, once
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[test,hf]"
+	$(PY) -m pip install -q --no-compile $(TORCH_SPEC)
+	$(PY) -m pip install -q --no-compile -e ".[test,hf]"
 	touch $(STAMP)
 
 setup: $(STAMP)
