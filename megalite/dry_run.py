@@ -15,6 +15,8 @@ Bytes by category (`DryRunReport`):
   activation_bytes  what the forward passes leave alive for backward (each storage once,
       parameters excluded: saved tensors, recompute's kept inputs, stage outputs), at its peak over
       the schedule: the micro-batches in flight;
+  zero_working_set_bytes  ZeRO-2/3 gradient staging buckets and ZeRO-3 gathered units, each at
+      its peak, as DataParallel counts them: the plan's working set;
   step_peak_bytes   every storage created during the iteration and still alive, at its peak:
       activations plus ZeRO-2/3 gradient staging and gathered parameters, logits and
       temporaries (an upper bound on the working set: meta kernels may keep intermediates that a
@@ -32,7 +34,7 @@ import weakref
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .config import RunConfig
 from .data.batch import build_batch, slice_batch
@@ -59,6 +61,7 @@ class DryRunReport:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
+    zero_working_set_bytes: int
     step_peak_bytes: int
     num_microbatches: int
     build_seconds: float
@@ -73,6 +76,8 @@ class DryRunReport:
                 size(self.param_bytes, "parameters"), size(self.grad_bytes, "gradients"),
                 size(self.optimizer_bytes, "optimizer"),
                 size(self.activation_bytes, "activations") + " held for backward, at the schedule's peak",
+                size(self.zero_working_set_bytes, "ZeRO working") + " set at its peak: ZeRO-2/3 gradient staging "
+                "buckets and ZeRO-3 gathered parameters",
                 size(self.step_peak_bytes, "step peak") + " all the iteration allocates, at its peak (activations, "
                 "ZeRO staging and gathered units, logits, temporaries)"]
 
@@ -113,12 +118,15 @@ class LiveBytes(TorchDispatchMode):
         out = func(*inputs, **(kwargs or {}))
         if func.is_view:  # allocates nothing (on meta a view may still report a storage of its own)
             return out
+        # an in-place op returns its input: a storage from before the step (a buffer, a parameter)
+        # is not allocated by it
+        given = {t.untyped_storage()._cdata for t in tree_leaves((inputs, kwargs)) if isinstance(t, torch.Tensor)}
 
         def track(t):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 key, n = storage._cdata, storage.nbytes()
-                if key not in self._created:
+                if key not in self._created and key not in given:
                     self._created[key] = n
                     self.live += n
                     self.peak = max(self.peak, self.live)
@@ -129,6 +137,14 @@ class LiveBytes(TorchDispatchMode):
             return t
         tree_map(track, out)
         return out
+
+
+def zero_working_set(dp: DataParallel) -> int:
+    """The most bytes of ZeRO-3 gathered units plus the most of ZeRO-2/3 gradient staging held at
+    once during the step, as DataParallel counts them (it allocates them by resizing storages,
+    which no tensor operation reports)."""
+    gathered = getattr(dp.param_buffer, "peak_gathered_bytes", 0) if dp.strategy.shards_params else 0
+    return gathered + getattr(dp.grads, "peak_staging_bytes", 0)
 
 
 def _micro_batches(cfg: RunConfig, ps, eod: int | None):
@@ -190,7 +206,8 @@ def _dry_run(cfg: RunConfig, rank: int | None) -> DryRunReport:
     return DryRunReport(rank=ps.rank, tp=ps.tp_rank, pp=ps.pp_rank, dp=ps.dp_rank, cp=ps.cp_rank,
                         num_params=sum(p.numel() for p in dp.params), param_bytes=dp.param_bytes,
                         grad_bytes=dp.grad_bytes, optimizer_bytes=optimizer.state_bytes(),
-                        activation_bytes=meter.activation_peak, step_peak_bytes=meter.peak,
+                        activation_bytes=meter.activation_peak, zero_working_set_bytes=zero_working_set(dp),
+                        step_peak_bytes=meter.peak,
                         num_microbatches=t.num_microbatches, build_seconds=built - start, step_seconds=done - built)
 
 

@@ -26,6 +26,7 @@ from .pipeline_parallel.p2p import PipeComm
 from .runtime.metrics import JsonlWriter, peak_tflops
 from .runtime.monitor import CommMonitor
 from .runtime.profiling import Profiler
+from .runtime.spikes import SpikeGuard
 from .runtime.straggler import StragglerDetector
 from .runtime.tracking import Tracker
 from .tensor_parallel import seed_everything
@@ -53,6 +54,11 @@ class Run:
     monitor: CommMonitor
     straggler: StragglerDetector | None = None  # --log-straggler
     signal_received: list = field(default_factory=lambda: [False])
+    spike_guard: SpikeGuard | None = None  # --check-for-spiky-loss / --check-for-large-grads
+    # with the guard: the checkpoint due after an iteration, written once the next loss is no spike
+    pending_save: tuple | None = None  # (iteration, RNG states at its end)
+    last_saved: int = -1  # the iteration of the latest checkpoint written by this run
+    last_step_spiked: bool = False
 
     def log(self, msg: str) -> None:
         self.state.log(msg)
@@ -188,7 +194,7 @@ def setup(cfg: RunConfig) -> Run:
               batch=build_num_microbatches_calculator(cfg.training, ps.dp_size),
               profiler=Profiler(cfg.training, ps.rank, device),
               peak=peak_tflops(cfg.training.peak_tflops, execution.params_dtype), monitor=monitor,
-              straggler=straggler)
+              straggler=straggler, spike_guard=SpikeGuard.from_config(t), last_saved=state.iteration)
     run.tracker.log_config(state.config)
     log_startup(run)
     if state.load_stats is not None:

@@ -30,7 +30,8 @@ class NonFiniteError(UserError):
     """--check-for-nan-in-loss-and-grad: the loss or the gradients hold a NaN or an Inf."""
 
 
-def global_loss(run: Run, stats, grads: list | None = None) -> tuple[float, float, list, list]:
+def global_loss(run: Run, stats, grads: list | None = None, per_rank: bool = False) -> tuple[float, float, list, list,
+                                                                                            list]:
     """(sum of token losses, number of loss tokens) over the global batch: only the last
     stage's TP rank 0 of each DP replica contributes (each CP rank of it its own chunks' tokens),
     so every token counts once. Summed on
@@ -39,20 +40,24 @@ def global_loss(run: Run, stats, grads: list | None = None) -> tuple[float, floa
     With `grads` (--check-for-nan-in-loss-and-grad) the same all-reduce also carries, per global
     rank, whether its own loss sum is finite and the largest magnitude in its reduced gradients
     (each rank writes its own slot, the rest are zeros): every rank learns which ranks hold a
-    NaN/Inf without another collective. Returns those two lists too (empty without `grads`)."""
+    NaN/Inf without another collective. Returns those two lists too (empty without `grads`), and
+    with `per_rank` (the spike guard) each rank's own mean loss (0 where it has none)."""
     ps = run.state.ps
     world = ps.world_size if grads is not None else 0
-    t = torch.zeros(2 + 2 * world, dtype=torch.float64, device=run.state.device)
+    ranks = ps.world_size if per_rank else 0
+    t = torch.zeros(2 + 2 * world + ranks, dtype=torch.float64, device=run.state.device)
     if ps.is_last_stage and ps.tp_rank == 0 and stats:
         mine = torch.stack([torch.stack([s.double(), n.double()]) for s, n in stats]).sum(0)
         t[:2] += mine
         if grads is not None:
             t[2 + ps.rank] = (~torch.isfinite(mine[0])).double()
+        if per_rank:
+            t[2 + 2 * world + ps.rank] = mine[0] / mine[1].clamp(min=1)
     if grads:  # max |g| (NaN wins, as torch.max propagates it)
         t[2 + world + ps.rank] = torch.stack(torch._foreach_norm(grads, float("inf"))).max().double()
     comm.all_reduce(t, comm.world_group())
     values = t.tolist()
-    return values[0], values[1], values[2:2 + world], values[2 + world:]
+    return values[0], values[1], values[2:2 + world], values[2 + world:2 + 2 * world], values[2 + 2 * world:]
 
 
 def check_finite(run: Run, loss_sum: float, bad_loss: list, grad_max: list, grad_scale: float) -> None:
@@ -84,6 +89,47 @@ def empty_unused_memory(run: Run, level: int) -> None:
         torch.cuda.empty_cache()
 
 
+class SpikeError(UserError):
+    """--check-for-spiky-loss / --check-for-large-grads: too many spikes in a row."""
+
+
+def after_guard(run: Run, guard, loss: float, update: dict) -> None:
+    """Log a skipped update, count it (stop after --spike-patience in a row), or feed an applied
+    one's loss and gradient norm to the guard's baseline."""
+    iteration = run.state.iteration + 1
+    run.last_step_spiked = bool(update.get("spike"))
+    if not update.get("spike"):
+        if not update["skipped"]:
+            guard.accept(loss, update["grad_norm"])
+        return
+    if run.pending_save is not None:
+        run.log(f"> checkpoint of iteration {run.pending_save[0]} not written: the loss after it spiked")
+        run.pending_save = None
+    run.log(f"> iteration {iteration}: update skipped, {update['spike']}")
+    run.jsonl.write({"event": "spike", "iteration": iteration, "reason": update["spike"], "lm_loss": loss,
+                     "grad_norm": update["grad_norm"]})
+    if guard.reject():
+        raise SpikeError(
+            f"iteration {iteration}: {guard.consecutive} iterations in a row skipped for spikes (the last: "
+            f"{update['spike']}); stopped without saving. The latest checkpoint (iteration {run.last_saved}) holds "
+            f"weights that trained on: resume from it with a lower --lr or a tighter --clip-grad")
+
+
+def save_pending(run: Run) -> None:
+    """Write the checkpoint due after the previous iteration, now that this iteration's loss
+    shows its weights still train: the model, optimizer and counters are still that iteration's
+    (this one has not updated them), the RNG states are put back to the saved ones for the write."""
+    from .checkpoint.state import rng_state, set_rng_state
+    iteration, (tensors, values) = run.pending_save
+    run.pending_save = None
+    current = rng_state(run.state)
+    set_rng_state(run.state, tensors, values)
+    try:
+        save_checkpoint(run)
+    finally:
+        set_rng_state(run.state, *current)
+
+
 def train_step(run: Run) -> dict:
     t, state, optimizer = run.cfg.training, run.state, run.state.optimizer
     for m in run.model:
@@ -103,8 +149,9 @@ def train_step(run: Run) -> dict:
                                  microbatch_mean=not t.calculate_per_token_loss)
     empty_unused_memory(run, 1)
     run.dp.finish_grad_sync()
-    check = t.check_for_nan_in_loss_and_grad
-    loss_sum, num_tokens, bad_loss, grad_max = global_loss(run, stats, optimizer.main_grads if check else None)
+    check, guard = t.check_for_nan_in_loss_and_grad, run.spike_guard
+    loss_sum, num_tokens, bad_loss, grad_max, rank_losses = global_loss(
+        run, stats, optimizer.main_grads if check else None, per_rank=guard is not None)
     if num_tokens == 0:
         raise RuntimeError(f"iteration {state.iteration + 1}: the global batch has no token with loss "
                            "(every token masked by --eod-mask-loss?)")
@@ -118,7 +165,20 @@ def train_step(run: Run) -> dict:
     grad_scale = renormalise / optimizer.loss_scale
     if check:
         check_finite(run, loss_sum, bad_loss, grad_max, grad_scale)
-    update = optimizer.step(lr, grad_scale=grad_scale, iteration=state.iteration + 1, decoupled_lr=decoupled_lr)
+    loss = loss_sum / num_tokens
+    spike = guard.loss_spike(loss) if guard is not None else None
+    if spike is None and run.pending_save is not None:
+        save_pending(run)  # this loss shows that the weights of the pending checkpoint still train
+    if spike is not None:  # the update of the previous iteration broke the weights: do not build on them
+        update = {"grad_norm": None, "loss_scale": optimizer.loss_scale, "skipped": True,
+                  "spike": f"{spike} (largest local loss: rank {max(range(len(rank_losses)), key=rank_losses.__getitem__)})"}
+    else:
+        update = optimizer.step(lr, grad_scale=grad_scale, iteration=state.iteration + 1, decoupled_lr=decoupled_lr,
+                                reject_grad_norm=guard.grad_norm_spike if guard is not None else None)
+        if update.get("spike") and grad_max:
+            update["spike"] += f" (largest gradient element: rank {max(range(len(grad_max)), key=grad_max.__getitem__)})"
+    if guard is not None:
+        after_guard(run, guard, loss, update)
     if check and not update["skipped"] and not math.isfinite(update["grad_norm"]):
         # finite gradients whose squares overflow fp32: the update itself stayed finite (clipping
         # zeroes it; Adam divides by the overflowed second moment), but training has diverged
@@ -130,7 +190,7 @@ def train_step(run: Run) -> dict:
     if not update["skipped"]:  # a step skipped for fp16 overflow does not advance the schedule
         scheduler.step(global_batch if scheduler.unit == "samples" else 1)
     empty_unused_memory(run, 2)
-    return {"lm_loss": loss_sum / num_tokens, "lr": lr, "decoupled_lr": decoupled_lr,
+    return {"lm_loss": loss, "lr": lr, "decoupled_lr": decoupled_lr,
             "global_batch_size": global_batch, **update}
 
 
@@ -152,7 +212,7 @@ def evaluate(run: Run, split: str) -> dict | None:
         stats = run.forward_backward(batches=batches, model=run.model, num_microbatches=t.num_microbatches,
                                      comm=run.pipe_comm, backward_scale=0.0, forward_only=True)
         empty_unused_memory(run, 1)
-        loss_sum, num_tokens, _, _ = global_loss(run, stats)
+        loss_sum, num_tokens, _, _, _ = global_loss(run, stats)
         totals[0] += loss_sum
         totals[1] += num_tokens
     loss = totals[0] / max(totals[1], 1.0)
@@ -184,11 +244,31 @@ def exit_reason(run: Run, start_time: float) -> str | None:
     return None
 
 
-def save_checkpoint(run: Run, last_saved: list) -> None:
-    if run.saver is not None and last_saved[0] != run.state.iteration:
+def save_checkpoint(run: Run) -> None:
+    if run.saver is not None and run.last_saved != run.state.iteration:
         run.monitor.where = f"in the checkpoint save at iteration {run.state.iteration}"
         run.saver.save(run.state, run.state.iteration)
-        last_saved[0] = run.state.iteration
+        run.last_saved = run.state.iteration
+
+
+def checkpoint_due(run: Run) -> None:
+    """A checkpoint at this iteration: now, or with the spike guard once the next loss is known."""
+    if run.spike_guard is None:
+        save_checkpoint(run)
+    elif run.last_saved != run.state.iteration:
+        from .checkpoint.state import rng_state
+        run.pending_save = (run.state.iteration, rng_state(run.state))
+
+
+def final_checkpoint(run: Run) -> None:
+    """The checkpoint at the end of the run, unless its last update was skipped for a spike (its
+    weights are the ones whose loss spiked)."""
+    run.pending_save = None  # the same iteration's weights, or older: the final save covers it
+    if run.last_step_spiked and run.saver is not None:
+        run.log(f"> no checkpoint of iteration {run.state.iteration}: its update was skipped for a spike; the latest "
+                f"checkpoint stays iteration {run.last_saved}")
+        return
+    save_checkpoint(run)
 
 
 def train(run: Run) -> None:
@@ -196,7 +276,7 @@ def train(run: Run) -> None:
     timer = Timer(state.device)
     timer.reset()
     window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0, "samples": 0}
-    start_time, last_saved, first_iteration = time.time(), [state.iteration], state.iteration
+    start_time, first_iteration = time.time(), state.iteration
     if t.exit_signal_handler:
         signal.signal(signal.SIGTERM, lambda signum, frame: run.signal_received.__setitem__(0, True))
     if t.manual_gc:
@@ -239,7 +319,7 @@ def train(run: Run) -> None:
         if run.saver is not None:
             run.saver.finalize(blocking=False)
             if run.cfg.checkpoint.save_interval and state.iteration % run.cfg.checkpoint.save_interval == 0:
-                save_checkpoint(run, last_saved)
+                checkpoint_due(run)
         reason = exit_reason(run, start_time)
     run.profiler.stop()
     # --overlap-param-gather: the last step's gathers would otherwise be left in flight (stale
@@ -248,7 +328,7 @@ def train(run: Run) -> None:
     if reason is None:
         evaluate(run, "valid")
         evaluate(run, "test")
-    save_checkpoint(run, last_saved)
+    final_checkpoint(run)
     if run.saver is not None:
         run.saver.finalize(blocking=True)
     if reason is not None:
@@ -287,7 +367,7 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
         "elapsed_ms": 1000.0 * sec_per_iter,
         "tokens_per_sec": window["samples"] * run.cfg.data.seq_length / elapsed_s,
         "tflops_per_gpu": tflops, "mfu": (tflops / run.peak) if run.peak else None,
-        "skipped_iterations": window["skipped"],  # steps skipped for fp16 overflow since the last report
+        "skipped_iterations": window["skipped"],  # steps skipped (fp16 overflow, a spike) since the last report
     }
     if out.get("decoupled_lr") is not None:
         record["decoupled_lr"] = out["decoupled_lr"]

@@ -40,6 +40,7 @@ LAYOUTS = {  # id: (world size, flags)
     "tp2-sp": (2, SELECTIVE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2-dp2-zero1-bf16": (4, SELECTIVE + ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                                            "--bf16"]),
+    "zero2-dp4": (4, SELECTIVE + ["--data-parallel-sharding-strategy", "optim_grads"]),
     "zero3-dp4": (4, SELECTIVE + ["--data-parallel-sharding-strategy", "optim_grads_params"]),
     # dropout: the meta device keeps its masks in the activations' dtype, the plan counts 1 byte
     "dropout-0.1": (1, SELECTIVE + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]),
@@ -60,6 +61,10 @@ def test_plan_verify_matches_the_dry_run(layout):
             assert got[key] == want[key], (row["rank"], key)
         assert abs(got["activation_bytes"] - want["activation_bytes"]) <= 0.1 * want["activation_bytes"], row
         assert got["step_peak_bytes"] >= got["activation_bytes"] > 0
+        # ZeRO-2/3's staging buckets and gathered units: none without them; with them at most the
+        # plan's bound (it assumes a prefetched unit and 4 staging buckets in flight)
+        plan_ws, ws = want["zero_working_set_bytes"], got["zero_working_set_bytes"]
+        assert ws == 0 if plan_ws == 0 else 0 < ws <= plan_ws, row
     assert "measured" in tool.format_verify(rows)
 
 

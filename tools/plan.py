@@ -119,12 +119,14 @@ def verify(config, plan: dict) -> list[dict]:
         measured = dry_run(config, grid.rank_of(tp=0, pp=stage, dp=0, cp=0))
         planned = plan["stages"][stage]
         rows.append({"rank": measured.rank, "pp_rank": stage, "measured": dataclasses.asdict(measured),
-                     # activations: what forward keeps (full recompute's rebuilt layers come later, in backward)
-                     "planned": {**{k: planned[k] for k in VERIFIED}, "activation_bytes": planned["held_activation_bytes"]}})
+                     "planned": {k: planned[field] for k, field in VERIFIED.items()}})
     return rows
 
 
-VERIFIED = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+# the dry run's field -> the plan's: activations are what forward keeps (full recompute's rebuilt
+# layers come later, in backward); the working set is what DataParallel allocates during the step
+VERIFIED = {"param_bytes": "param_bytes", "grad_bytes": "grad_bytes", "optimizer_bytes": "optimizer_bytes",
+            "activation_bytes": "held_activation_bytes", "zero_working_set_bytes": "working_set_bytes"}
 
 
 def format_verify(rows: list[dict]) -> str:
@@ -136,7 +138,8 @@ def format_verify(rows: list[dict]) -> str:
         for key in VERIFIED:
             plan_b, got = row["planned"][key], m[key]
             diff = f"{100 * (got - plan_b) / plan_b:+.1f}%" if plan_b else "-"
-            lines.append(f"    {key.removesuffix('_bytes'):<12} plan {plan_b / 2**20:12.1f}  measured "
+            lines.append(f"    {key.removesuffix('_bytes').replace('zero_working_set', 'ZeRO working'):<12} plan "
+                         f"{plan_b / 2**20:12.1f}  measured "
                          f"{got / 2**20:12.1f}  {'exact' if got == plan_b else diff}")
     return "\n".join(lines)
 

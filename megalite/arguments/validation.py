@@ -166,6 +166,10 @@ def _check_operations(c: RunConfig) -> None:
         if c.kernels.cross_entropy_loss_fusion:
             fail("--deterministic-mode refuses --cross-entropy-loss-fusion, as Megatron-LM does")
     _check_dry_run(c)
+    if not (t.check_for_spiky_loss or t.check_for_large_grads):
+        for name in ("spike_factor", "spike_window", "spike_patience"):
+            if f"training.{name}" in c.explicit:
+                fail(f"{flag(name)} needs --check-for-spiky-loss or --check-for-large-grads")
     if not t.manual_gc and (t.manual_gc_interval or not t.manual_gc_eval):
         fail("--manual-gc-interval / --no-manual-gc-eval need --manual-gc")
 

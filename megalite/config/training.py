@@ -90,6 +90,23 @@ class TrainingConfig:
         "loss or the gradients hold a NaN or Inf, before the optimizer writes them into the weights; a checkpoint "
         "with non-finite weights is refused. With --fp16 an overflow still just skips the step (loss scaling)",
         action="boolean_optional")
+    # loss-spike and large-gradient guard (runtime/spikes.py)
+    check_for_spiky_loss: bool = flag(
+        "--check-for-spiky-loss", False, "skip the update of an iteration whose loss is at least --spike-factor "
+        "times the largest of the last --spike-window accepted ones (Megatron-LM's flag; its factor, 10); checkpoints "
+        "are then written only once the next iteration's loss shows their weights still train", action="store_true")
+    check_for_large_grads: bool = flag(
+        "--check-for-large-grads", False, "the same for the global gradient norm (before clipping): the update of "
+        "an iteration whose gradient norm spikes is skipped (Megatron-LM's flag)", action="store_true")
+    spike_factor: float = flag("--spike-factor", 10.0, "a loss or gradient norm at least this many times the largest "
+                               "of the last --spike-window accepted ones is a spike (> 1)",
+                               check=(lambda v: v == v and 1 < v < float("inf"), "a number > 1"))
+    spike_window: int = flag("--spike-window", 100, "accepted iterations whose largest loss (gradient norm) is the "
+                             "baseline; no iteration is checked before the window is full (Megatron-LM: 100)",
+                             check=AT_LEAST_1)
+    spike_patience: int = flag("--spike-patience", 5, "consecutive skipped iterations after which the run stops "
+                               "without saving (its latest checkpoint is the last one whose weights trained on)",
+                               check=AT_LEAST_1)
     log_straggler: bool = flag(
         "--log-straggler", False, "add each rank's compute time (step time minus time blocked in collectives) and "
         "data-wait time, min and max with their ranks, to every log line, and a 'straggler' JSONL record with every "

@@ -180,12 +180,14 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0, iteration: int | None = None,
-             decoupled_lr: float | None = None) -> dict:
+             decoupled_lr: float | None = None, reject_grad_norm=None) -> dict:
         """Multiply the reduced gradients by `grad_scale` (1 / loss scale, token renormalisation),
         skip the step if they overflowed (with loss scaling), clip them by the global norm,
         update at `lr` (`decoupled_lr` for the --decoupled-lr groups). `iteration` (1-based) only
-        serves --inject-overflow-at-iteration. Returns grad_norm (None when skipped), loss_scale
-        (for the next iteration) and skipped."""
+        serves --inject-overflow-at-iteration. `reject_grad_norm(norm)` (--check-for-large-grads)
+        returns why the norm is a spike, or None: a spike skips the update. Returns grad_norm (None
+        when skipped for an overflow), loss_scale (for the next iteration), skipped, and spike (the
+        reason, when skipped for one)."""
         self.dp.finish_param_sync()
         grads = self.main_grads
         if grad_scale != 1.0:
@@ -204,6 +206,9 @@ class MixedPrecisionOptimizer:
                 self.skipped_iterations += 1
                 return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": True}
         grad_norm = math.sqrt(_host_value(stats[0]))
+        spike = reject_grad_norm(grad_norm) if reject_grad_norm is not None else None
+        if spike is not None:
+            return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": True, "spike": spike}
         clip_by_norm(grads, grad_norm, self.clip_grad)
         for g in self.optimizer.param_groups:
             g["lr"] = decoupled_lr if g.get("decoupled") and decoupled_lr is not None else lr
