@@ -164,8 +164,6 @@ CASES = [
     # -- pretrain_gpt.py: flags that would do nothing with --mock-data --------------------------------
     ("mock-eod-mask-loss", "pretrain_gpt.py", MOCK + ["--eod-mask-loss"], "--eod-mask-loss has no effect with --mock-data"),
     ("mock-reset-position-ids", "pretrain_gpt.py", MOCK + ["--reset-position-ids"], "--reset-position-ids"),
-    ("mock-split", "pretrain_gpt.py", MOCK + ["--split", "98,2,0"], "--split has no effect with --mock-data"),
-    ("mock-data-cache-path", "pretrain_gpt.py", MOCK + ["--data-cache-path", "cache"], "--data-cache-path"),
     # -- pretrain_gpt.py: tokenizers -------------------------------------------------------------------
     ("tokenizer-type-unknown", "pretrain_gpt.py", MOCK + ["--tokenizer-type", "Llama2Tokenizer"], "--tokenizer-type"),
     ("null-tokenizer-no-vocab", "pretrain_gpt.py", ["--mock-data", "--tokenizer-type", "NullTokenizer"] + TINY,

@@ -396,9 +396,6 @@ def test_tiktokenizer(tmp_path):
     (["--train-iters", "3", "--context-parallel-size", "2"], r"world size 1 is not divisible .* x --context-parallel-size \(2\)"),
     (["--train-iters", "3", "--decoupled-min-lr", "1e-4"], "--decoupled-min-lr needs --decoupled-lr"),
     (["--train-iters", "3", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
-    (["--train-iters", "3", "--no-mmap-bin-files"], "--no-mmap-bin-files has no effect with --mock-data"),
-    (["--train-iters", "3", "--tokenizer-type", "NullTokenizer", "--tiktoken-pattern", "v2"],
-     "--tiktoken-pattern is only read by --tokenizer-type TikTokenizer"),
     (["--train-iters", "3", "--log-num-zeros-in-grad"], "--log-num-zeros-in-grad is not supported"),
     (["--train-iters", "3", "--transformer-impl", "transformer_engine"], "does not use NVIDIA Transformer Engine"),
     (["--train-iters", "3", "--profile-step-start", "1"], "--profile-step-start needs --profile"),
@@ -416,3 +413,15 @@ def test_accepted_no_ops_and_notices():
                  "--log-validation-ppl-to-tensorboard", "--empty-unused-memory-level", "2"])
     assert any("--empty-unused-memory-level 2: a no-op on CPU" in n for n in a.notices)
     assert math.isclose(a.optimizer.lr_decay_samples, 2)  # one iteration of 2 samples
+
+
+@pytest.mark.parametrize("extra,notice", [
+    (["--no-mmap-bin-files"], "--no-mmap-bin-files has no effect with --mock-data"),
+    (["--split", "98,2,0"], "--split has no effect with --mock-data"),
+    (["--tokenizer-type", "NullTokenizer", "--tiktoken-pattern", "v2"],
+     "--tiktoken-pattern has no effect with --tokenizer-type NullTokenizer"),
+])
+def test_accepted_and_ignored_as_megatron_does(extra, notice):
+    """Megatron-LM flags it accepts and ignores in a combination: a one-line notice, the run goes on."""
+    config = args_of(["--train-iters", "3"] + extra)
+    assert [n for n in config.notices if n.startswith(notice)], config.notices

@@ -22,7 +22,7 @@ def check_data(c: RunConfig) -> None:
     paths = {dest: getattr(d, dest) for dest in DATA_PATHS}
     given = [dest for dest, v in paths.items() if v is not None]
     try:
-        check_tokenizer_args(tok)
+        c.notices.extend(check_tokenizer_args(tok))
     except InputError as e:
         fail(str(e))
     if d.mock_data:
@@ -63,9 +63,10 @@ def _check_mock(c: RunConfig, given: list[str]) -> None:
         if getattr(d, dest):
             fail(f"{flag(dest)} has no effect with --mock-data: mock samples are uniform random tokens "
                  f"with no end-of-document markers; drop it, or train on a dataset (--data-path)")
-    if d.split != DEFAULT_SPLIT:
-        fail("--split has no effect with --mock-data (there is no dataset to split); drop it")
-    if d.data_cache_path:
-        fail("--data-cache-path has no effect with --mock-data (mock data builds no index); drop it")
-    if not d.mmap_bin_files:
-        fail("--no-mmap-bin-files has no effect with --mock-data (there are no .bin files to read); drop it")
+    # Megatron-LM's flags that it accepts and ignores with mock data (its Llama-3 script passes
+    # them): a notice each, and the run goes on
+    ignored = [(d.split != DEFAULT_SPLIT, "--split", "there is no dataset to split"),
+               (bool(d.data_cache_path), "--data-cache-path", "mock data builds no index"),
+               (not d.mmap_bin_files, "--no-mmap-bin-files", "there are no .bin files to read")]
+    c.notices.extend(f"{name} has no effect with --mock-data ({why}; Megatron-LM accepts and ignores it there)"
+                     for given_here, name, why in ignored if given_here)

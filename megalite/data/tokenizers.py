@@ -38,16 +38,18 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def check_tokenizer_args(config) -> None:
+def check_tokenizer_args(config) -> list[str]:
     """Refuse tokenizer flags that cannot work together, without reading any file: a type without
-    its files, files the type does not read, NullTokenizer without --vocab-size."""
+    its files, files the type does not read, NullTokenizer without --vocab-size. Returns notices
+    for the TikTokenizer flags given with another type: Megatron-LM accepts and ignores them
+    there (its Llama-3 script passes --tiktoken-pattern v2 with NullTokenizer on mock data)."""
     kind = getattr(config, "tokenizer_type", None)
     if kind is None:
         given = [_flag(d) for d in _FILE_FLAGS if getattr(config, d, None)]
         if given:
             raise InputError(f"{given[0]} is only read by a tokenizer: give --tokenizer-type too "
                              f"({', '.join(TOKENIZER_TYPES)})")
-        return
+        return []
     if kind not in TOKENIZER_FILE_FLAGS:
         raise InputError(f"--tokenizer-type {kind!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
     needs = TOKENIZER_FILE_FLAGS[kind]
@@ -67,10 +69,10 @@ def check_tokenizer_args(config) -> None:
         _check_special_tokens(getattr(config, "tiktoken_special_tokens", None),
                               getattr(config, "tiktoken_num_special_tokens", None) or 1000,
                               getattr(config, "vocab_size", None))
-    else:
-        for dest, default in TIKTOKEN_FLAGS.items():
-            if getattr(config, dest, None) not in (None, default):
-                raise InputError(f"{_flag(dest)} is only read by --tokenizer-type TikTokenizer, not {kind}; drop it")
+        return []
+    return [f"{_flag(dest)} has no effect with --tokenizer-type {kind} (only TikTokenizer reads it; Megatron-LM "
+            f"accepts and ignores it there)" for dest, default in TIKTOKEN_FLAGS.items()
+            if getattr(config, dest, None) not in (None, default)]
 
 
 def _check_special_tokens(special, num_special: int, vocab_size: int | None) -> None:
