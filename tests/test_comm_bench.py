@@ -20,6 +20,8 @@ def test_comm_bench_reports_every_op_group_and_size(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "# tp group: 2 ranks" in proc.stdout and "# dp group: 2 ranks" in proc.stdout
     assert "# pp group: 1 rank in this layout" in proc.stdout
+    # the pinned torch's gloo has the flat collectives (tests/test_comm.py): the bench says it ran them
+    assert "# gloo: reduce_scatter and all_gather run gloo's native flat collectives" in proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip() and not line.startswith("#")]
     assert len(rows) == 2 * 4 * 5  # groups x ops x sizes, printed as size, count, op, time, algbw, busbw
     for size, count, op, t, algbw, busbw in rows:
@@ -36,3 +38,12 @@ def test_comm_bench_refuses_one_process():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "comm_bench.py")], capture_output=True,
                           text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
     assert proc.returncode == 2 and "under torchrun" in proc.stderr
+
+
+def test_default_sweep_suits_the_backend():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("comm_bench_under_test", os.path.join(ROOT, "tools", "comm_bench.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.build_parser().parse_args([]).max_bytes is None  # chosen by the backend
+    assert tool.default_max_bytes("gloo") == 4 * 2**20 and tool.default_max_bytes("nccl") == 2**30

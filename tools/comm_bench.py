@@ -15,8 +15,12 @@ of S bytes over a group of n ranks and t seconds per operation (the slowest rank
 where S is the whole buffer (the gathered output, the scattered input), and in send/recv each
 rank sends S to the next rank of its group and receives S from the previous one (nccl-tests,
 doc/PERFORMANCE.md). busbw compares with the link's peak whatever n is. The operations are the
-ones training uses (megalite/comm.py): on gloo, which has no reduce-scatter, that is an all-reduce
-of the whole buffer.
+ones training uses (megalite/comm.py): gloo's native reduce-scatter and all-gather where the
+installed torch has them (it says which it ran), an all-reduce of the whole buffer otherwise.
+
+Sizes: --min-bytes to --max-bytes, by --step-factor; --max-bytes defaults to 1G with NCCL and
+4M with gloo (gloo on CPU moves a few GB/s at best: a 1 GB sweep over every op and group would
+take many minutes).
 """
 from __future__ import annotations
 
@@ -45,6 +49,12 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a size like 1024, 64K, 16M or 1G, got {text!r}") from None
 
 
+def default_max_bytes(backend: str) -> int:
+    """The sweep's largest message when --max-bytes is not given: 1 GB over NCCL (nccl-tests'
+    usual range), 4 MB over gloo (CPU links; beyond that a sweep of every op and group takes minutes)."""
+    return parse_bytes("1G" if backend == "nccl" else "4M")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="comm_bench.py", description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
@@ -54,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl with CUDA, gloo without")
     p.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     p.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("1K"), help="smallest message (1K, 4M, ...)")
-    p.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("1G"), help="largest message")
+    p.add_argument("--max-bytes", type=parse_bytes, default=None,
+                   help="largest message (default: 1G with nccl, 4M with gloo)")
     p.add_argument("--step-factor", type=int, default=2, help="each message this many times the previous")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")
     p.add_argument("--groups", default=",".join(GROUPS), help="comma-separated, of tp, pp, dp")
@@ -73,7 +84,7 @@ def check(args, world: int) -> None:
     if tp < 1 or pp < 1 or world % (tp * pp):
         raise InputError(f"world size {world} is not divisible by --tensor-model-parallel-size ({tp}) x "
                          f"--pipeline-model-parallel-size ({pp})")
-    if not 1 <= args.min_bytes <= args.max_bytes:
+    if args.min_bytes < 1 or (args.max_bytes is not None and args.max_bytes < args.min_bytes):
         raise InputError(f"need 1 <= --min-bytes ({args.min_bytes}) <= --max-bytes ({args.max_bytes})")
     if args.step_factor < 2 or args.iters < 1 or args.warmup < 0:
         raise InputError("--step-factor must be >= 2, --iters >= 1 and --warmup >= 0")
@@ -164,9 +175,13 @@ def main(argv=None) -> int:
     say("# time: the slowest rank's average; busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, "
         "reduce_scatter), 1 (send_recv)")
     if backend == "gloo":
-        say("# gloo has no reduce-scatter: megalite (and so this) runs an all-reduce of the whole buffer")
+        native = comm.gloo_has_tensor_collectives()
+        say("# gloo: reduce_scatter and all_gather run gloo's native flat collectives, as training does" if native
+            else "# gloo without flat collectives in this torch: reduce_scatter runs an all-reduce of the whole buffer "
+                 "and all_gather a list all-gather, as training does")
+    max_bytes = args.max_bytes if args.max_bytes is not None else default_max_bytes(backend)
     sizes, s = [], args.min_bytes
-    while s <= args.max_bytes:
+    while s <= max_bytes:
         sizes.append(s)
         s *= args.step_factor
     groups = {"tp": (ps.tp_group, ps.tp_ranks), "pp": (ps.pp_group, ps.pp_ranks), "dp": (ps.dp_group, ps.dp_ranks)}
