@@ -10,6 +10,7 @@ files, and checks that it
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -114,6 +115,17 @@ def world(tmp_path_factory):
         f.write(json.dumps({"text": "1 2 3"}) + "\n" + json.dumps({"text": "4 5000"}) + "\n")
     with open(p("bad.jsonl"), "w") as f:
         f.write(json.dumps({"text": "hello world"}) + "\nnot json\n")
+    # corrupt and truncated compressed / columnar inputs
+    lines = "".join(json.dumps({"text": "1 2 3"}) + "\n" for _ in range(200)).encode()
+    packed = gzip.compress(lines)
+    with open(p("trunc.jsonl.gz"), "wb") as f:
+        f.write(packed[: len(packed) // 2])
+    with open(p("garbage.jsonl.gz"), "wb") as f:
+        f.write(b"\x1f\x8b" + rng.bytes(100))
+    with open(p("garbage.jsonl.zst"), "wb") as f:
+        f.write(b"\x28\xb5\x2f\xfd" + rng.bytes(100))
+    with open(p("garbage.parquet"), "wb") as f:
+        f.write(b"PAR1" + rng.bytes(100) + b"PAR1")
     with open(p("tok.model"), "wb") as f:  # stands for an existing train_tokenizer.py output
         f.write(b"existing")
     # a real checkpoint, and broken copies of it
@@ -121,13 +133,19 @@ def world(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     ck_iter = p("ck", "iter_0000001")
     for name, breaks in [("ck_badmeta", "iter_0000001/metadata.json"), ("ck_badtracker", None),
-                         ("ck_norank", "iter_0000001/rank_00000.safetensors"), ("ck_badindex", "iter_0000001/index.jsonl")]:
+                         ("ck_norank", "iter_0000001/rank_00000.safetensors"), ("ck_badindex", "iter_0000001/index.jsonl"),
+                         ("ck_truncrank", "iter_0000001/rank_00000.safetensors")]:
         shutil.copytree(p("ck"), p(name))
         if name == "ck_badtracker":
             with open(p(name, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write("latest\n")
         elif name == "ck_norank":
             os.remove(p(name, breaks))
+        elif name == "ck_truncrank":  # a save cut short: half the rank's file
+            with open(p(name, breaks), "rb") as f:
+                data = f.read()
+            with open(p(name, breaks), "wb") as f:
+                f.write(data[: len(data) // 2])
         else:
             with open(p(name, breaks), "w") as f:
                 f.write("{\"truncated\": ")
@@ -229,6 +247,20 @@ CASES = [
                                           "GPT2BPETokenizer", "--vocab-file", "vocab.json", "--merge-file", "merges.txt"],
      "--vocab-file vocab.json"),
     ("preprocess-id-beyond-vocab", P, ["--input", "corpus.jsonl", "--output-prefix", "x"] + NULL, "token id 5000"),
+    ("preprocess-gz-truncated", P, ["--input", "trunc.jsonl.gz", "--output-prefix", "x"] + NULL,
+     "--input trunc.jsonl.gz: cannot be read as gzip"),
+    ("preprocess-gz-garbage", P, ["--input", "garbage.jsonl.gz", "--output-prefix", "x", "--workers", "2"] + NULL,
+     "--input garbage.jsonl.gz: cannot be read as gzip"),
+    ("preprocess-zst-garbage", P, ["--input", "garbage.jsonl.zst", "--output-prefix", "x"] + NULL,
+     "--input garbage.jsonl.zst: cannot be read as zstd"),
+    ("preprocess-parquet-garbage", P, ["--input", "garbage.parquet", "--output-prefix", "x"] + NULL,
+     "--input garbage.parquet: cannot be read as parquet"),
+    ("load-truncated-rank-file", "pretrain_gpt.py", MOCK + ["--load", "ck_truncrank"],
+     "ck_truncrank/iter_0000001/rank_00000.safetensors"),
+    ("generate-truncated-rank-file", G, ["--load", "ck_truncrank", "--prompt", "1", "--tokenizer-type",
+                                         "NullTokenizer"], "ck_truncrank/iter_0000001/rank_00000.safetensors"),
+    ("convert-truncated-rank-file", C, CONVERT + ["--load-dir", "ck_truncrank", "--save-dir", "out"],
+     "ck_truncrank/iter_0000001/rank_00000.safetensors"),
     ("preprocess-workers-0", P, ["--input", "corpus.jsonl", "--output-prefix", "x", "--workers", "0"] + NULL,
      "--workers"),
     # -- tools/train_tokenizer.py, tools/plan.py -------------------------------------------------------------

@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import time
+import zlib
 
 import numpy as np
 
@@ -37,7 +38,7 @@ from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype  # n
 from megalite.arguments.parser import add_config_args, section_from_namespace  # noqa: E402
 from megalite.config import TokenizerConfig  # noqa: E402
 from megalite.data.tokenizers import build_tokenizer  # noqa: E402
-from megalite.errors import ArgumentParser, cli  # noqa: E402
+from megalite.errors import ArgumentParser, InputError, UserError, cli  # noqa: E402
 
 PROG = "tools/preprocess_data.py"
 
@@ -292,18 +293,37 @@ def pa_is_text(t) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
+def _read_errors() -> tuple:
+    """What a corrupt or truncated input raises while it is read: gzip (EOFError, BadGzipFile,
+    zlib.error), zstandard (ZstdError), pyarrow (ArrowException; ArrowInvalid is a ValueError)."""
+    kinds = [EOFError, OSError, zlib.error, ValueError]
+    for module, name in (("zstandard", "ZstdError"), ("pyarrow", "ArrowException")):
+        try:
+            kinds.append(getattr(__import__(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(kinds)
+
+
 def _chunks(args, stats, throttle=None, stop=None):
     """The input's chunks, streamed. ``throttle`` bounds the chunks in flight: Pool.imap reads its
     input eagerly, so without it a large file would be pulled into the task queue faster than the
-    workers tokenize it."""
+    workers tokenize it. A file that cannot be decompressed or parsed ends the run with one line
+    naming it (an InputError: Pool.imap hands an exception of its input on to the reader)."""
     fmt = input_format(args.input)
     source = _parquet_chunks(args.input, args.json_keys) if fmt == "parquet" else _json_chunks(args.input, fmt, stats)
-    for chunk in source:
-        if throttle is not None:
-            throttle.acquire()
-            if stop.is_set():
-                return
-        yield chunk
+    try:
+        for chunk in source:
+            if throttle is not None:
+                throttle.acquire()
+                if stop.is_set():
+                    return
+            yield chunk
+    except UserError:
+        raise
+    except _read_errors() as e:
+        raise InputError(f"--input {args.input}: cannot be read as {fmt} ({type(e).__name__}: {e}); is it corrupt "
+                         f"or truncated?") from None
 
 
 def _results(args, stats, dtype, tokenizer):
