@@ -248,3 +248,46 @@ def test_step_schedule_down_with_overlapped_reduction(tmp_path):
     assert [r["consumed_samples"] for r in train] == [8, 12, 16, 20]
     norms = [r["params_norm"] for r in train]  # --log-params-norm: moves as the weights train
     assert all(n > 0 for n in norms) and len(set(norms)) == 4 and all(r["max_rss_bytes"] > 0 for r in train)
+
+
+def megatron_step_batch(consumed, schedule):
+    """Megatron-LM's step schedule: the batch of the last threshold (in samples) at or below the
+    samples consumed."""
+    return [b for t, b in schedule if t <= consumed][-1]
+
+
+def megatron_lr(num_steps, max_lr, min_lr, warmup_steps, decay_steps):
+    """Megatron-LM's OptimizerParamScheduler.get_lr, cosine, with the steps in samples: iteration-based
+    runs count lr_warmup_iters x global_batch_size and lr_decay_iters x global_batch_size samples."""
+    if warmup_steps > 0 and num_steps <= warmup_steps:
+        return max_lr * num_steps / warmup_steps
+    if num_steps > decay_steps:
+        return min_lr
+    ratio = (num_steps - warmup_steps) / (decay_steps - warmup_steps)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (max_lr - min_lr)
+
+
+def test_step_schedule_with_train_iters_follows_megatron_and_resumes_exactly(tmp_path):
+    """--step-batch-size-schedule with --train-iters, as Megatron-LM runs it today: --train-iters
+    iterations, each with the batch of the samples consumed so far; the learning-rate flags in
+    iterations of the final batch (8); a run stopped mid-schedule resumes to the same records."""
+    sched = MOCK + ["--step-batch-size-schedule", "0:2 64:4 160:8", "--train-iters", "8", "--lr-warmup-iters", "1",
+                    "--lr-decay-iters", "6"]  # thresholds in tokens: samples 0, 4, 10 (seq 16)
+    straight, _ = run_pretrain(1, sched, tmp_path, "straight")
+    rows = [r for r in straight if "iteration" in r]
+    schedule, consumed, expect = [(0, 2), (4, 4), (10, 8)], 0, []
+    for _ in range(8):
+        batch = megatron_step_batch(consumed, schedule)
+        expect.append((batch, consumed + batch, megatron_lr(consumed, 1e-3, 1e-4, 1 * 8, 6 * 8)))
+        consumed += batch
+    assert [r["iteration"] for r in rows] == list(range(1, 9))
+    assert [(r["global_batch_size"], r["consumed_samples"]) for r in rows] == [e[:2] for e in expect]
+    assert [r["global_batch_size"] for r in rows] == [2, 2, 4, 4, 8, 8, 8, 8]
+    assert [r["lr"] for r in rows] == pytest.approx([e[2] for e in expect], rel=1e-12)
+    # stopped at iteration 3 (inside the batch-4 step), resumed
+    first, _ = run_pretrain(1, sched + ["--save", str(tmp_path / "ck"), "--exit-interval", "3"], tmp_path, "first")
+    second, _ = run_pretrain(1, sched + ["--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck")], tmp_path,
+                             "second")
+    keys = ("iteration", "consumed_samples", "global_batch_size", "lm_loss", "lr", "grad_norm")
+    resumed = [tuple(r[k] for k in keys) for r in first + second if "iteration" in r]
+    assert resumed == [tuple(r[k] for k in keys) for r in rows]

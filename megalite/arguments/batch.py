@@ -33,17 +33,22 @@ def check_batch_schedule(c: RunConfig, dp_text: str) -> list[int]:
         t.global_batch_size = mdp
     changing = "--rampup-batch-size" if t.rampup_batch_size else (
         "--step-batch-size-schedule" if schedule else None)
-    if changing and not sample_based:
-        # Megatron-LM's validate_args: 'expected no batch-size rampup for iteration-based training'
-        fail(f"{changing} needs sample-based training: give --train-samples instead of --train-iters (and "
-             f"--lr-decay-samples / --lr-warmup-samples instead of the *-iters flags). Megatron-LM refuses "
-             f"it with --train-iters too: an iteration count does not say how many samples a changing batch "
-             f"trains on")
+    if t.rampup_batch_size and not sample_based:
+        # Megatron-LM's validate_args (while it had the ramp-up): 'expected no batch-size rampup for
+        # iteration-based training'
+        fail("--rampup-batch-size needs sample-based training: give --train-samples instead of --train-iters (and "
+             "--lr-decay-samples / --lr-warmup-samples instead of the *-iters flags). Megatron-LM refuses "
+             "it with --train-iters too: an iteration count does not say how many samples a changing batch "
+             "trains on (a --step-batch-size-schedule may go with --train-iters)")
+    # --step-batch-size-schedule with --train-iters (Megatron-LM today: update_train_iters keeps the
+    # iteration count; each iteration's batch follows the samples consumed; the *-iters learning-rate
+    # flags count iterations of the final global batch, check_lr_schedule)
     try:
         calc = NumMicroBatchesCalculator(t.global_batch_size, t.micro_batch_size, dp, t.rampup_batch_size, schedule)
     except ValueError as e:
         fail(f"--rampup-batch-size {' '.join(map(str, t.rampup_batch_size))}: {e}")
-    sizes = calc.batch_sizes(t.train_samples)
+    # the batch sizes the run reaches: before --train-samples, or at the start of its last iteration
+    sizes = calc.batch_sizes(t.train_samples if sample_based else calc.samples_after(t.train_iters - 1) + 1)
     for g in sizes:
         if g % mdp:
             what = f"--global-batch-size ({g})" if changing is None else f"global batch {g} of {changing}"
