@@ -371,6 +371,8 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
     }
     if out.get("decoupled_lr") is not None:
         record["decoupled_lr"] = out["decoupled_lr"]
+    if "num_zeros_in_grad" in out:  # --log-num-zeros-in-grad: the logged iteration's
+        record["num_zeros_in_grad"] = out["num_zeros_in_grad"]
     if t.log_params_norm:
         record["params_norm"] = params_norm(run)
     if t.log_memory_to_tensorboard:

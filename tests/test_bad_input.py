@@ -115,6 +115,16 @@ def world(tmp_path_factory):
         f.write(json.dumps({"text": "1 2 3"}) + "\n" + json.dumps({"text": "4 5000"}) + "\n")
     with open(p("bad.jsonl"), "w") as f:
         f.write(json.dumps({"text": "hello world"}) + "\nnot json\n")
+    # Megatron-LM checkpoints (the same tracker and iteration names as megalite's): torch and torch_dist
+    for name, files in (("ck_megatron_torch", {"mp_rank_00/model_optim_rng.pt": ""}),
+                        ("ck_megatron_dist", {"metadata.json": '{"sharded_backend": "torch_dist"}', "__0_0.distcp": "",
+                                              "common.pt": ""})):
+        for rel, text in files.items():
+            os.makedirs(os.path.dirname(p(name, "iter_0000005", rel)), exist_ok=True)
+            with open(p(name, "iter_0000005", rel), "w") as f:
+                f.write(text)
+        with open(p(name, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("5")
     # corrupt and truncated compressed / columnar inputs
     lines = "".join(json.dumps({"text": "1 2 3"}) + "\n" for _ in range(200)).encode()
     packed = gzip.compress(lines)
@@ -215,6 +225,10 @@ CASES = [
      "--log-jsonl notes.txt/run.jsonl"),
     ("save-over-other-run", "pretrain_gpt.py", MOCK + ["--save", "ck"], "--save ck already holds checkpoints"),
     ("load-corrupt-metadata", "pretrain_gpt.py", MOCK + ["--load", "ck_badmeta"], "metadata.json is corrupt"),
+    ("load-megatron-torch-format", "pretrain_gpt.py", MOCK + ["--load", "ck_megatron_torch", "--auto-detect-ckpt-format"],
+     "is a Megatron-LM checkpoint in its torch (mp_rank_*/model_optim_rng.pt) format"),
+    ("convert-megatron-dist-format", C, CONVERT + ["--load-dir", "ck_megatron_dist", "--save-dir", "out"],
+     "is a Megatron-LM checkpoint in its torch_dist (sharded_backend in metadata.json) format"),
     ("load-other-model", "pretrain_gpt.py", MOCK + ["--load", "ck", "--hidden-size", "128"],
      "--hidden-size is 64 in the checkpoint and 128 in this run"),
     # -- tools/generate.py ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dist_helpers import ROOT, run_pretrain, train_losses
+from tiny import mock, tiny
 from megalite.arguments import ArgumentError, parse_args, validate_args
 
 SCRIPT = os.path.join(ROOT, "examples", "megatron", "run_cpu.sh")
@@ -291,3 +292,25 @@ def test_step_schedule_with_train_iters_follows_megatron_and_resumes_exactly(tmp
     keys = ("iteration", "consumed_samples", "global_batch_size", "lm_loss", "lr", "grad_norm")
     resumed = [tuple(r[k] for k in keys) for r in first + second if "iteration" in r]
     assert resumed == [tuple(r[k] for k in keys) for r in rows]
+
+
+def test_log_num_zeros_in_grad_counts_each_element_once_on_every_layout(tmp_path):
+    """--log-num-zeros-in-grad: the zeros of the reduced gradients, each element once. The padded
+    vocabulary rows (1024 - 1000, masked out of the loss) have exactly zero gradients, so the count
+    is at least 24 x 64; TP 2, and ZeRO-2 over DP 2 (each rank counting its slices), give the one
+    process's count iteration by iteration, within the rounding of a few elements."""
+    flags = mock(1000) + tiny(train_iters=3, log_interval=1, eval_iters=0, hidden_dropout=0, attention_dropout=0) + [
+        "--log-num-zeros-in-grad"]
+    counts = {}
+    for name, nproc, extra in (("one", 1, []), ("tp2", 2, ["--tensor-model-parallel-size", "2"]),
+                               ("zero2-dp2", 2, ["--data-parallel-sharding-strategy", "optim_grads"])):
+        recs, proc = run_pretrain(nproc, flags + extra, tmp_path, name)
+        counts[name] = [r["num_zeros_in_grad"] for r in recs if "iteration" in r]
+        assert "num zeros:" in proc.stdout
+    assert len(counts["one"]) == 3 and all(c >= 24 * 64 for c in counts["one"]), counts
+    # the same count (an element or two may round to an exact zero under one summation order and
+    # not another; counting a shard twice would add hundreds)
+    for name in ("tp2", "zero2-dp2"):
+        assert all(abs(a - b) <= 4 for a, b in zip(counts[name], counts["one"])), counts
+    recs, _ = run_pretrain(1, flags[:-1], tmp_path, "off")
+    assert not any("num_zeros_in_grad" in r for r in recs)  # only with the flag

@@ -396,7 +396,6 @@ def test_tiktokenizer(tmp_path):
     (["--train-iters", "3", "--context-parallel-size", "2"], r"world size 1 is not divisible .* x --context-parallel-size \(2\)"),
     (["--train-iters", "3", "--decoupled-min-lr", "1e-4"], "--decoupled-min-lr needs --decoupled-lr"),
     (["--train-iters", "3", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
-    (["--train-iters", "3", "--log-num-zeros-in-grad"], "--log-num-zeros-in-grad is not supported"),
     (["--train-iters", "3", "--transformer-impl", "transformer_engine"], "does not use NVIDIA Transformer Engine"),
     (["--train-iters", "3", "--profile-step-start", "1"], "--profile-step-start needs --profile"),
     (["--train-iters", "3", "--profile", "--profile-step-start", "4", "--profile-step-end", "6"],
@@ -425,3 +424,23 @@ def test_accepted_and_ignored_as_megatron_does(extra, notice):
     """Megatron-LM flags it accepts and ignores in a combination: a one-line notice, the run goes on."""
     config = args_of(["--train-iters", "3"] + extra)
     assert [n for n in config.notices if n.startswith(notice)], config.notices
+
+
+def test_attention_softmax_in_fp32_acts_on_the_local_backend():
+    """--attention-softmax-in-fp32 with 16-bit activations: --attention-backend local scales, masks
+    and softmaxes the scores in fp32 (a reference computed here), else in bf16; with SDPA's
+    backends a notice."""
+    from megalite.model.attention import CoreAttention, local_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 24, generator=g).mul(3).to(torch.bfloat16) for _ in range(3))
+    scores = (q @ k.transpose(-2, -1)).float() * (1.0 / math.sqrt(24))  # 1/sqrt(24) rounds in bf16
+    scores = scores.masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf"))
+    reference = torch.softmax(scores, dim=-1).to(torch.bfloat16) @ v
+    assert torch.equal(local_attention(q, k, v, softmax_in_fp32=True), reference)
+    assert not torch.equal(local_attention(q, k, v), reference)  # scaled in bf16: other scores
+    a = args_of(["--train-iters", "3", "--bf16", "--attention-backend", "local", "--attention-softmax-in-fp32"])
+    execution = ExecutionConfig.from_configs(a.optimizer, a.parallel, a.recompute, a.kernels)
+    assert CoreAttention(0.0, execution, None).softmax_in_fp32 and not a.notices
+    b = args_of(["--train-iters", "3", "--attention-softmax-in-fp32"])
+    assert any(n.startswith("--attention-softmax-in-fp32 has no effect with --attention-backend auto")
+               for n in b.notices), b.notices

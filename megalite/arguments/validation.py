@@ -166,6 +166,11 @@ def _check_operations(c: RunConfig) -> None:
         if c.kernels.cross_entropy_loss_fusion:
             fail("--deterministic-mode refuses --cross-entropy-loss-fusion, as Megatron-LM does")
     _check_dry_run(c)
+    if c.kernels.attention_softmax_in_fp32 and (c.kernels.attention_backend != "local" or c.kernels.use_flash_attn):
+        c.notices.append(f"--attention-softmax-in-fp32 has no effect with --attention-backend "
+                         f"{c.kernels.attention_backend}{' and --use-flash-attn' if c.kernels.use_flash_attn else ''}: "
+                         f"SDPA's and flash-attn's kernels choose their own softmax precision (Megatron-LM accepts it "
+                         f"there too); it acts on --attention-backend local")
     if not (t.check_for_spiky_loss or t.check_for_large_grads):
         for name in ("spike_factor", "spike_window", "spike_patience"):
             if f"training.{name}" in c.explicit:

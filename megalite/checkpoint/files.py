@@ -60,6 +60,25 @@ def _read_json(path: str, flag: str, root: str):
         raise CheckpointError(f"{flag} {root}: {path} is corrupt ({type(e).__name__}: {e})") from None
 
 
+def megatron_format(directory: str) -> str | None:
+    """Which of Megatron-LM's checkpoint formats `directory` (an iter_NNNNNNN) holds, if any (it
+    shares megalite's tracker file and directory names): `torch`, one model_optim_rng.pt per
+    model-parallel rank; `torch_dist` / `zarr`, sharded files with a metadata.json naming the
+    backend (--auto-detect-ckpt-format's question, answered whatever the flag)."""
+    if glob.glob(os.path.join(directory, "mp_rank_*", "model_optim_rng.pt")):
+        return "torch (mp_rank_*/model_optim_rng.pt)"
+    try:
+        with open(os.path.join(directory, "metadata.json")) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError):
+        backend = None
+    if backend:
+        return f"{backend} (sharded_backend in metadata.json)"
+    if glob.glob(os.path.join(directory, "*.distcp")):
+        return "torch_dist (*.distcp)"
+    return None
+
+
 def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> dict:
     """metadata.json of the latest (or given) checkpoint under `root`, after checking that it and
     the global index parse (format 2), or every rank's index and tensor file (format 1). Raises
@@ -74,6 +93,11 @@ def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> di
         if iteration is None:
             raise CheckpointError(f"{flag} {root}: no checkpoint there ({TRACKER} is missing)")
     directory = iteration_dir(root, iteration)
+    foreign = megatron_format(directory)
+    if foreign is not None:
+        raise CheckpointError(f"{flag} {root}: {directory} is a Megatron-LM checkpoint in its {foreign} format, which "
+                              f"megalite does not read (it reads and writes one format of its own, loadable on any "
+                              f"layout: docs/checkpoints.md)")
     meta_path = os.path.join(directory, "metadata.json")
     if os.path.isfile(meta_path):
         meta = _read_json(meta_path, flag, root)

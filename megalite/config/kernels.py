@@ -19,6 +19,10 @@ class KernelConfig:
         "FlashAttention kernel, or the flash-attn package with --use-flash-attn), fused (SDPA's cuDNN / "
         "memory-efficient kernels; CUDA only), unfused (SDPA's math path), local (megalite's explicit "
         "softmax(QK^T/sqrt(d))V); a backend the device cannot run is refused at start-up", choices=ATTENTION_BACKENDS)
+    attention_softmax_in_fp32: bool = flag(
+        "--attention-softmax-in-fp32", False, "--attention-backend local with --bf16 / --fp16: the masked softmax in "
+        "fp32 instead of the activations' dtype (Megatron-LM's; SDPA's kernels choose their own precision, fp32 in the "
+        "fused ones, so the flag acts on the local backend only)", action="store_true")
     use_flash_attn: bool = flag("--use-flash-attn", False, "flash-attn kernels (needs the flash-attn package and "
                                 "CUDA)", action="store_true")
     # the vocabulary-parallel cross entropy with its two sum all-reduces fused (tensor_parallel/cross_entropy.py)

@@ -31,18 +31,15 @@ class MegatronCompatConfig:
     timing_log_level: int | None = flag("--timing-log-level", None, "0 is megalite's timing (the iteration time; "
                                         "accepted); 1 and 2 (per-phase timers) are refused", choices=[0, 1, 2],
                                         type=int)
+    auto_detect_ckpt_format: bool = flag(
+        "--auto-detect-ckpt-format", False, _NOOP + "megalite always detects the format of --load: its own is read, "
+        "Megatron-LM's torch, torch_dist and zarr checkpoints are named and refused", action="store_true")
     rerun_mode: str | None = flag("--rerun-mode", None, "disabled is accepted; megalite has no re-run state machine, "
                                   "so the others are refused", choices=["disabled", "validate_results",
                                                                         "report_stats"])
-    log_num_zeros_in_grad: bool = flag("--log-num-zeros-in-grad", False, "refused: megalite does not count zero "
-                                       "gradients", action="store_true")
     log_timers_to_tensorboard: bool = flag("--log-timers-to-tensorboard", False, "refused: megalite keeps no "
                                            "per-phase timers; the iteration time is logged (train/elapsed_ms)",
                                            action="store_true")
-    attention_softmax_in_fp32: bool = flag(
-        "--attention-softmax-in-fp32", False, "refused: not a switch in megalite (--attention-backend local and "
-        "SDPA's fused kernels compute the softmax in fp32; SDPA's math path keeps PyTorch's choice)",
-        action="store_true")
     apply_query_key_layer_scaling: bool = flag(
         "--apply-query-key-layer-scaling", False, "refused: not implemented (an fp16 overflow guard that scales "
         "Q·K^T by 1/layer and back)", action="store_true")
@@ -70,7 +67,7 @@ class MegatronCompatConfig:
 
 
 # the fields refused whenever they are set (to anything but their default); each flag's help says why
-REFUSED_FLAGS = ("log_num_zeros_in_grad", "log_timers_to_tensorboard", "attention_softmax_in_fp32",
+REFUSED_FLAGS = ("log_timers_to_tensorboard",
                  "apply_query_key_layer_scaling", "squared_relu", "save_retain_interval", "dist_ckpt_strictness",
                  "dist_ckpt_optim_fully_reshardable", "use_persistent_ckpt_worker")
 FP8_FLAGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")

@@ -19,6 +19,10 @@ class OptimizerConfig:
     adam_beta2: float = flag("--adam-beta2", 0.999, "in [0, 1)", check=IN_0_1)
     adam_eps: float = flag("--adam-eps", 1e-8, "> 0", check=POSITIVE)
     sgd_momentum: float = flag("--sgd-momentum", 0.9, "in [0, 1)", check=IN_0_1)
+    log_num_zeros_in_grad: bool = flag(
+        "--log-num-zeros-in-grad", False, "add the number of zero elements in the gradients each step applies (after "
+        "the data-parallel reduction, each element counted once whatever the sharding) to the log line and record "
+        "(Megatron-LM's; zeros mark unused embedding rows and dead units)", action="store_true")
     clip_grad: float = flag("--clip-grad", 1.0, "global gradient-norm clip (>= 0; 0: off)",
                             check=(NON_NEGATIVE[0], "a number >= 0 (0: no clipping)"))
     fused_optimizer: bool = flag("--no-fused-optimizer", True,

@@ -91,21 +91,27 @@ def sdpa_backends(backend: str):
     return sdpa_kernel(kernels, set_priority=True)
 
 
-def local_attention(q, k, v, attention_mask=None, dropout_p: float = 0.0) -> torch.Tensor:
+def local_attention(q, k, v, attention_mask=None, dropout_p: float = 0.0,
+                    softmax_in_fp32: bool = False) -> torch.Tensor:
     """--attention-backend local: softmax(Q·Kᵀ/√d + mask)·V written out (Vaswani et al. 2017,
-    Eq. 1), as Megatron-LM's local DotProductAttention; the softmax in fp32. q [b, n, s, hn],
+    Eq. 1), as Megatron-LM's local DotProductAttention: the scaling, masking and softmax of the
+    scores in the activations' dtype, or in fp32 with `softmax_in_fp32` (--attention-softmax-in-fp32,
+    Megatron-LM's FusedScaleMaskSoftmax upcast). q [b, n, s, hn],
     k/v [b, g, s, hn] (g query groups, each serving n/g heads); mask [b, 1, s, s] (True: may
     attend; or additive, 0 / -inf) or None for causal."""
     if k.size(1) != q.size(1):
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
-    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # [b, n, s, s]
+    scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, s, s]
+    if softmax_in_fp32:  # Megatron-LM's FusedScaleMaskSoftmax: scale, mask and softmax in fp32
+        scores = scores.float()
+    scores = scores * (1.0 / math.sqrt(q.size(-1)))
     if attention_mask is None:  # causal, aligned at the top left as SDPA's is_causal
         attention_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     if attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask, float("-inf"))
     else:  # additive (0 / -inf), as SDPA takes it
         scores = scores + attention_mask
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p, training=True)
     return torch.matmul(probs, v)
@@ -125,6 +131,7 @@ class CoreAttention(nn.Module):
         self.dropout = attention_dropout
         self.use_flash = execution.use_flash_attn
         self.backend = execution.attention_backend
+        self.softmax_in_fp32 = execution.attention_softmax_in_fp32
         self.rng_tracker = rng_tracker
 
     def forward(self, q, k, v, attention_mask=None):
@@ -139,7 +146,7 @@ class CoreAttention(nn.Module):
                 return out.transpose(0, 1).reshape(s, b, n * hn)
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
             if self.backend == "local":
-                out = local_attention(qb, kb, vb, attention_mask, p)
+                out = local_attention(qb, kb, vb, attention_mask, p, self.softmax_in_fp32)
             else:
                 with sdpa_backends(self.backend):
                     out = F.scaled_dot_product_attention(

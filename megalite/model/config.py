@@ -22,6 +22,7 @@ class ExecutionConfig:
     recompute_num_layers: int | None = None
     attention_backend: str = "auto"  # auto | flash | fused | unfused | local (model/attention.py)
     use_flash_attn: bool = False
+    attention_softmax_in_fp32: bool = False  # --attention-backend local's softmax with 16-bit activations
     cross_entropy_loss_fusion: bool = False
 
     def __post_init__(self):
@@ -34,6 +35,7 @@ class ExecutionConfig:
                    recompute_granularity=recompute.recompute_granularity,
                    recompute_method=recompute.recompute_method, recompute_num_layers=recompute.recompute_num_layers,
                    attention_backend=kernels.attention_backend, use_flash_attn=kernels.use_flash_attn,
+                   attention_softmax_in_fp32=kernels.attention_softmax_in_fp32,
                    cross_entropy_loss_fusion=kernels.cross_entropy_loss_fusion)
 
 

@@ -104,6 +104,7 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], config: OptimizerConfig, dp, ps):
         self.dp, self.ps, self.clip_grad = dp, ps, config.clip_grad
+        self.count_zeros = config.log_num_zeros_in_grad
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.device = self.params[0].device
@@ -195,20 +196,21 @@ class MixedPrecisionOptimizer:
         inject = self._inject_overflow(iteration)
         if inject and grads:
             grads[0].view(-1)[0] = float("inf")
-        stats = local_grad_stats(grads, self.counted, self.device)
+        stats = local_grad_stats(grads, self.counted, self.device, self.count_zeros)
         if inject and not grads:
             stats[1] += 1
         self._reduce_stats(stats)
+        zeros = {"num_zeros_in_grad": int(_host_value(stats[2]))} if self.count_zeros else {}
         if self.scaler is not None:
             found_inf = _host_value(stats[1]) > 0
             self.scaler.update(found_inf)
             if found_inf:
                 self.skipped_iterations += 1
-                return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": True}
+                return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": True, **zeros}
         grad_norm = math.sqrt(_host_value(stats[0]))
         spike = reject_grad_norm(grad_norm) if reject_grad_norm is not None else None
         if spike is not None:
-            return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": True, "spike": spike}
+            return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": True, "spike": spike, **zeros}
         clip_by_norm(grads, grad_norm, self.clip_grad)
         for g in self.optimizer.param_groups:
             g["lr"] = decoupled_lr if g.get("decoupled") and decoupled_lr is not None else lr
@@ -217,7 +219,7 @@ class MixedPrecisionOptimizer:
         for m in self.masters:
             m.grad = None
         self._update_params()
-        return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": False}
+        return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": False, **zeros}
 
     def step_count(self) -> float | None:
         """Updates taken so far, wherever the inner optimizer counts them (per group or per

@@ -88,6 +88,8 @@ def console_line(r: dict, train_iters: int, memory: str, eta_s: float, throughpu
         parts.append(f"loss scale: {r['loss_scale']:.1f}")
     if r.get("grad_norm") is not None:  # None on a step skipped for fp16 overflow
         parts.append(f"grad norm: {r['grad_norm']:.3f}")
+    if r.get("num_zeros_in_grad") is not None:
+        parts.append(f"num zeros: {r['num_zeros_in_grad']}")
     if r.get("params_norm") is not None:
         parts.append(f"params norm: {r['params_norm']:.3f}")
     for key, label in (("skipped_iterations", "skipped iterations"), ("nan_iterations", "nan iterations")):
