@@ -35,8 +35,7 @@ def test_divergence_stops_before_the_step_and_checkpoints_stay_finite(tmp_path):
 
 def test_the_check_can_be_turned_off(tmp_path):
     records, proc = run_pretrain(2, DIVERGE + ["--train-iters", "4", "--no-check-for-nan-in-loss-and-grad"],
-                                 tmp_path, "unchecked", check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+                                 tmp_path, "unchecked")  # must exit 0 (so on the pool of ready ranks)
     losses = [r["lm_loss"] for r in records if "consumed_samples" in r]
     assert len(losses) == 4 and not all(map(lambda x: x == x and abs(x) != float("inf"), losses))
 

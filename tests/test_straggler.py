@@ -8,7 +8,7 @@ import time
 from proc_helpers import kill_all, output, records, start_torchrun, state, wait_for, workers
 from tiny import mock, tiny
 
-FLAGS = mock(1000) + tiny(seq_length=64, micro_batch_size=4, global_batch_size=16, train_iters=20, log_interval=5,
+FLAGS = mock(1000) + tiny(seq_length=64, micro_batch_size=4, global_batch_size=16, train_iters=12, log_interval=3,
                            eval_iters=0, log_straggler=True, tensor_model_parallel_size=2)
 SLOW = 2
 
