@@ -1,9 +1,9 @@
 """Megatron-LM's own launch scripts run on megalite: the flag sets of
-examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh, as
-examples/megatron/run_cpu.sh passes them (only sizes shrunk; the other differences follow
-Megatron-LM's validation or the device), train under torchrun with TP=2; the scripts as written
-are refused with the reasons; a batch ramp-up resumes exactly; the per-token loss changes training
-when tokens are masked."""
+examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh (its
+real-data and mock-data branches), as examples/megatron/run_cpu.sh passes them (only sizes shrunk;
+the other differences follow Megatron-LM's validation or the device), train under torchrun with
+TP=2; the scripts as written are refused with the reasons; batch ramp-ups and step schedules
+resume exactly; the per-token loss changes training when tokens are masked."""
 import json
 import math
 import os
@@ -20,11 +20,13 @@ from megalite.arguments import ArgumentError, parse_args, validate_args
 SCRIPT = os.path.join(ROOT, "examples", "megatron", "run_cpu.sh")
 PY = os.environ.get("PYTHON_FOR_EXAMPLES") or __import__("sys").executable
 
-# The two scripts' flags and values as Megatron-LM writes them (paths as placeholders).
+# The two scripts' flags and values as Megatron-LM's main branch of 2026-08 writes them (paths as
+# placeholders). The GPT-3 script's batch ramp-up is a --step-batch-size-schedule with --train-iters
+# there; its value is a size (shrunk by run_cpu.sh), so a placeholder stands for it.
 GPT3_175B = {
     "--num-layers": "96", "--hidden-size": "12288", "--num-attention-heads": "96", "--seq-length": "2048",
     "--max-position-embeddings": "2048", "--attention-backend": "auto", "--micro-batch-size": "1",
-    "--global-batch-size": "1536", "--rampup-batch-size": "16 16 5859375", "--train-iters": "500000",
+    "--global-batch-size": "1536", "--step-batch-size-schedule": "SCHEDULE", "--train-iters": "500000",
     "--weight-decay": "0.1", "--adam-beta1": "0.9", "--adam-beta2": "0.95", "--init-method-std": "0.006",
     "--clip-grad": "1.0", "--fp16": "", "--lr": "6.0e-5", "--lr-decay-style": "cosine", "--min-lr": "6.0e-6",
     "--lr-warmup-fraction": ".001", "--lr-decay-iters": "430000", "--tensor-model-parallel-size": "8",
@@ -62,7 +64,8 @@ LLAMA3_MOCK_DATA = {"--mock-data": "", "--tokenizer-type": "NullTokenizer", "--v
 # what may differ: sizes (model, batch, iterations and the intervals counted in them), parallel sizes, paths
 SIZES = {"--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
          "--kv-channels", "--seq-length", "--max-position-embeddings", "--micro-batch-size", "--global-batch-size",
-         "--rampup-batch-size", "--train-samples", "--lr-decay-samples", "--lr-warmup-samples", "--vocab-size",
+         "--step-batch-size-schedule", "--train-iters", "--lr-decay-iters", "--train-samples", "--lr-decay-samples",
+         "--lr-warmup-samples", "--vocab-size",
          "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--log-interval", "--save-interval",
          "--eval-interval", "--eval-iters", "--profile-step-start", "--profile-step-end"}
 PATHS = {"--data-path", "--vocab-file", "--merge-file", "--save", "--load", "--tensorboard-dir", "--tokenizer-model",
@@ -92,23 +95,28 @@ def commands(tmp_path) -> list[dict]:
                           PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     cmds = [shlex.split(line) for line in proc.stdout.splitlines() if "pretrain_gpt.py" in line]
-    assert len(cmds) == 2 and all("--nproc_per_node" in c for c in cmds)
+    assert len(cmds) == 3 and all("--nproc_per_node" in c for c in cmds)
     return [flags_of(c[next(i for i, a in enumerate(c) if a.endswith("pretrain_gpt.py")) + 1:]) for c in cmds]
 
 
 def test_flag_sets_are_megatron_lms_with_sizes_shrunk(tmp_path):
-    gpt3, llama = commands(tmp_path)
+    gpt3, llama, llama_mock = commands(tmp_path)
     have = known_flags()
-    # GPT-3 175B: sample-based (Megatron-LM refuses its ramp-up with --train-iters) and a tokenizer named
-    assert set(gpt3) == (set(GPT3_175B) - {"--train-iters", "--lr-decay-iters"}
-                         | {"--train-samples", "--lr-decay-samples", "--tokenizer-type", "--log-jsonl"})
+    # GPT-3 175B: --global-batch-size dropped (Megatron-LM refuses it beside the schedule), a tokenizer named
+    assert set(gpt3) == set(GPT3_175B) - {"--global-batch-size"} | {"--tokenizer-type", "--log-jsonl"}
     assert gpt3["--tokenizer-type"] == "GPT2BPETokenizer" and gpt3["--tensor-model-parallel-size"] == "2"
+    assert gpt3["--step-batch-size-schedule"] == "0:2 256:4 768:6"  # one argument, as Megatron-LM reads it
     # Llama-3 8B: FP8 and --ckpt-format torch_dist refused; the flags another branch adds when known
     assert set(llama) == (set(LLAMA3_8B) - {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
                                             "--fp8-param-gather", "--ckpt-format"} - (ELSEWHERE - have)
                           | {"--log-jsonl"})
     assert llama["--tensor-model-parallel-size"] == "2"
-    for ours, theirs in ((gpt3, GPT3_175B), (llama, LLAMA3_8B)):
+    # its mock-data branch: the data flags of that branch instead
+    data_flags = {"--data-path", "--tokenizer-type", "--tokenizer-model", "--data-cache-path", "--split",
+                  "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "--vocab-size"}
+    assert set(llama_mock) == set(llama) - data_flags | set(LLAMA3_MOCK_DATA)
+    mock_branch = {**{f: v for f, v in LLAMA3_8B.items() if f not in data_flags}, **LLAMA3_MOCK_DATA}
+    for ours, theirs in ((gpt3, GPT3_175B), (llama, LLAMA3_8B), (llama_mock, mock_branch)):
         for flag, value in ours.items():
             if flag in theirs and flag not in SIZES | PATHS and flag != "--attention-backend":
                 assert value == theirs[flag], flag
@@ -118,14 +126,16 @@ def test_flag_sets_are_megatron_lms_with_sizes_shrunk(tmp_path):
 
 def argv_of(flags: dict, **changes) -> list[str]:
     flags = {**flags, **changes}
-    return [t for f, v in flags.items() if v is not None for t in [f, *v.split()]]
+    one = {"--step-batch-size-schedule"}  # one argument holding spaces
+    return [t for f, v in flags.items() if v is not None for t in [f, *([v] if f in one else v.split())]]
 
 
 @pytest.mark.parametrize("script,changes,world,pattern", [
-    # as written, Megatron-LM itself stops: validate_args ("expected no batch-size rampup for
-    # iteration-based training"), then build_tokenizer ("None tokenizer is not implemented")
-    (GPT3_175B, {}, 1024, "--rampup-batch-size needs sample-based training.*Megatron-LM refuses it"),
-    (GPT3_175B, {"--train-iters": None, "--lr-decay-iters": None, "--train-samples": "1000000000"}, 1024,
+    # as written, Megatron-LM itself stops: --global-batch-size beside the schedule, then
+    # build_tokenizer ("None tokenizer is not implemented")
+    (GPT3_175B, {"--step-batch-size-schedule": "0:16 100B:1536"}, 1024,
+     "--global-batch-size cannot be combined with --step-batch-size-schedule"),
+    (GPT3_175B, {"--step-batch-size-schedule": "0:16 100B:1536", "--global-batch-size": None}, 1024,
      "--vocab-file is only read by a tokenizer: give --tokenizer-type"),
     (LLAMA3_8B, {}, 8, "--fp8-format is not supported: FP8 training needs Hopper-class"),
     (LLAMA3_8B, {"--fp8-format": None, "--fp8-amax-history-len": None, "--fp8-amax-compute-algo": None,
@@ -165,10 +175,12 @@ def test_both_flag_sets_train_on_cpu_with_tp2(tmp_path):
     proc = subprocess.run(["bash", SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
-    # GPT-3 175B: the ramp-up 2, 2, 4, then 6 (Megatron-LM's calculator), fp16 skipping while the scale falls
+    # GPT-3 175B: the step schedule 0:2 256:4 768:6 in tokens of 64 (samples 0, 4, 12) over consumed
+    # samples, 18 iterations (--train-iters), fp16 skipping while the scale falls
     ranks, train, evals = records(tmp_path / "gpt3" / "metrics.jsonl")
-    assert [r["global_batch_size"] for r in train] == [2, 2, 4] + [6] * 15
-    assert [r["consumed_samples"] for r in train] == list(np.cumsum([2, 2, 4] + [6] * 15))
+    batches = [2, 2, 4, 4] + [6] * 14
+    assert [r["global_batch_size"] for r in train] == batches
+    assert [r["consumed_samples"] for r in train] == list(np.cumsum(batches))
     stepped = [r for r in train if not r["skipped_iterations"]]
     assert 2 <= len(stepped) < len(train) and all(math.isfinite(r["lm_loss"]) for r in train)
     assert [r["lr"] for r in stepped][1:] == sorted([r["lr"] for r in stepped][1:], reverse=True)  # cosine
@@ -190,6 +202,13 @@ def test_both_flag_sets_train_on_cpu_with_tp2(tmp_path):
     assert "throughput per GPU (TFLOP/s/GPU)" in proc.stdout  # --log-throughput
     assert "--empty-unused-memory-level 1: a no-op on CPU" in proc.stdout
     assert {r["split"] for r in evals} == {"valid"}  # --split '99,1,0': no test split
+
+    # Llama-3 8B's mock-data branch: trains on mock data; the flags that act on nothing there get a notice
+    ranks, train, evals = records(tmp_path / "llama-mock" / "metrics.jsonl")
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4] and all(math.isfinite(r["lm_loss"]) for r in train)
+    assert os.path.isfile(tmp_path / "llama-mock" / "checkpoints" / "iter_0000004" / "metadata.json")
+    for flag in ("--tiktoken-pattern", "--split", "--data-cache-path", "--no-mmap-bin-files"):
+        assert f"> note: {flag} has no effect with" in proc.stdout, flag
 
 
 MOCK = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

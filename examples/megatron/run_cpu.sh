@@ -1,14 +1,16 @@
 #!/bin/bash
-# Megatron-LM's two flagship launch scripts, examples/gpt3/train_gpt3_175b_distributed.sh and
-# examples/llama/train_llama3_8b_h100_fp8.sh, run with megalite's pretrain_gpt.py: their flag
-# sets as written there, with only model sizes, batch sizes and iteration counts shrunk so that
-# each trains for a few iterations on a CPU, under torchrun with TP=2 (gloo). The few other
-# differences follow Megatron-LM's own validation or the device; each is marked "megalite:" and
-# docs/megatron.md ("Megatron-LM's launch scripts") lists them.
+# Megatron-LM's two flagship launch scripts as of its 2026-08 main branch,
+# examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh, run
+# with megalite's pretrain_gpt.py: their flag sets as written there, with only model sizes, batch
+# sizes and iteration counts shrunk so that each trains for a few iterations on a CPU, under
+# torchrun with TP=2 (gloo). The Llama script runs in both of its branches: real data (a tokenizer
+# and a data prefix given) and mock data (its default). The few other differences follow
+# Megatron-LM's own validation or the device; each is marked "megalite:" and docs/megatron.md
+# ("Megatron-LM's launch scripts") lists them.
 #
 #   bash examples/megatron/run_cpu.sh [WORK_DIR]    # data, checkpoints, logs under WORK_DIR (default: a new temp dir)
-#   DRY_RUN=1 bash examples/megatron/run_cpu.sh     # print the two commands only
-#   ONLY=gpt3 | ONLY=llama                          # run one of them
+#   DRY_RUN=1 bash examples/megatron/run_cpu.sh     # print the three commands only
+#   ONLY=gpt3 | ONLY=llama | ONLY=llama-mock        # run one of them
 #
 # Needs the hf extra (pip install -e '.[hf,tensorboard]'): the data is a byte-level BPE trained on
 # the bundled corpus (make_tiny_data.py), read by GPT2BPETokenizer and HuggingFaceTokenizer as in
@@ -55,13 +57,11 @@ gpt3_175b() {
     )
     TRAINING_ARGS=(
         --micro-batch-size 1
-        --global-batch-size 6           # 1536
-        --rampup-batch-size 2 2 8       # 16 16 5859375
-        # megalite: --train-iters 500000 -> --train-samples. Megatron-LM's validate_args refuses a batch
-        # ramp-up with --train-iters ("expected no batch-size rampup for iteration-based training"),
-        # and so does megalite; its iteration-based --lr-decay-iters becomes --lr-decay-samples
-        --train-samples 98              # 2 + 2 + 4 + 6 x 15: 18 iterations (fp16 skips the first ~13 while
-                                        # the loss scale falls from 2^32, as it would on GPUs)
+        # megalite: --global-batch-size 1536 dropped: Megatron-LM refuses it beside the schedule,
+        # whose last batch is the global batch
+        --step-batch-size-schedule "0:2 256:4 768:6"   # token thresholds (seq 64: samples 0, 4, 12)
+        --train-iters 18                # 500000 (fp16 skips the first ~13 while the loss scale
+                                        # falls from 2^32, as it would on GPUs)
         --weight-decay 0.1
         --adam-beta1 0.9
         --adam-beta2 0.95
@@ -72,7 +72,7 @@ gpt3_175b() {
         --lr-decay-style cosine
         --min-lr 6.0e-6
         --lr-warmup-fraction .001
-        --lr-decay-samples 94           # --lr-decay-iters 430000
+        --lr-decay-iters 16             # 430000
     )
     MODEL_PARALLEL_ARGS=(
         --tensor-model-parallel-size 2      # 8
@@ -98,19 +98,21 @@ gpt3_175b() {
     )
     torchrun_ "$ROOT/pretrain_gpt.py" \
         ${GPT_MODEL_ARGS[@]} \
-        ${TRAINING_ARGS[@]} \
+        "${TRAINING_ARGS[@]}" \
         ${MODEL_PARALLEL_ARGS[@]} \
         ${DATA_ARGS[@]} \
         ${EVAL_AND_LOGGING_ARGS[@]} \
         --log-jsonl $WORK/gpt3/metrics.jsonl
 }
 
-# -- examples/llama/train_llama3_8b_h100_fp8.sh (its real-data branch) -------------------------------
+# -- examples/llama/train_llama3_8b_h100_fp8.sh --------------------------------------------------------
+# llama3_8b NAME TOKENIZER_ARG DATA_ARG: the script's $3 and $4 ("MOCK" selects its mock-data branch)
 llama3_8b() {
-    CHECKPOINT_PATH=$WORK/llama/checkpoints
-    TENSORBOARD_LOGS_PATH=$WORK/llama/tensorboard
-    TOKENIZER_ARG=$DATA/hf_tokenizer
-    DATA_ARG=$DATA/hf_text_document
+    NAME=$1
+    CHECKPOINT_PATH=$WORK/$NAME/checkpoints
+    TENSORBOARD_LOGS_PATH=$WORK/$NAME/tensorboard
+    TOKENIZER_ARG=$2
+    DATA_ARG=$3
     TP_SIZE=2                       # 1 (its --sequence-parallel comment assumes 2)
     CP_SIZE=1
     MICRO_BATCH_SIZE=1
@@ -121,7 +123,7 @@ llama3_8b() {
     DTYPE=${DTYPE:-bf16}            # fp8
     SEQ_LENGTH=64                   # 8192
     MAX_POSITION_EMBEDDINGS=64      # 8192
-    DATA_CACHE_PATH=$WORK/llama/cache
+    DATA_CACHE_PATH=$WORK/$NAME/cache
     # megalite: a CPU cannot run SDPA's fused (cuDNN / memory-efficient) kernels and megalite refuses
     # them there; its math path is the nearest
     ATTENTION_BACKEND=$("$PYTHON" -c "import torch; print('fused' if torch.cuda.is_available() else 'unfused')")
@@ -192,17 +194,35 @@ llama3_8b() {
         --overlap-param-gather
     )
     TRAINING_ARGS+=("${DDP_ARGS[@]}")
-    DATA_ARGS_LIST=(
-        "--data-path $DATA_ARG"
-        "--tokenizer-type HuggingFaceTokenizer"
-        "--tokenizer-model $TOKENIZER_ARG"
-        "--data-cache-path ${DATA_CACHE_PATH}"
-        "--split '99,1,0'"
-        "--no-create-attention-mask-in-dataloader"
-        "--no-mmap-bin-files"
-        "--num-workers 1"
-        "--vocab-size 1024"             # 128256
-    )
+    DATA_ARGS_LIST=()
+    if [[ "$TOKENIZER_ARG" == "MOCK" ]] || [[ "$DATA_ARG" == "MOCK" ]] || [[ -z "$TOKENIZER_ARG" ]]; then
+        # megalite: --tiktoken-pattern (with NullTokenizer), --split, --data-cache-path and
+        # --no-mmap-bin-files (with --mock-data) act on nothing here; Megatron-LM accepts and ignores
+        # them, megalite too, with a one-line notice each
+        DATA_ARGS_LIST+=(
+            "--mock-data"
+            "--tokenizer-type NullTokenizer"
+            "--vocab-size 1024"         # 128256
+            "--data-cache-path ${DATA_CACHE_PATH}"
+            "--tiktoken-pattern v2"
+            "--split '99,1,0'"
+            "--no-create-attention-mask-in-dataloader"
+            "--no-mmap-bin-files"
+            "--num-workers 1"
+        )
+    else
+        DATA_ARGS_LIST+=(
+            "--data-path $DATA_ARG"
+            "--tokenizer-type HuggingFaceTokenizer"
+            "--tokenizer-model $TOKENIZER_ARG"
+            "--data-cache-path ${DATA_CACHE_PATH}"
+            "--split '99,1,0'"
+            "--no-create-attention-mask-in-dataloader"
+            "--no-mmap-bin-files"
+            "--num-workers 1"
+            "--vocab-size 1024"         # 128256
+        )
+    fi
     EVAL_AND_LOGGING_ARGS=(
         --log-interval 1
         --eval-iters 1                  # 32
@@ -225,9 +245,11 @@ llama3_8b() {
         ${MODEL_PARALLEL_ARGS[@]} \
         ${DATA_ARGS_LIST[@]} \
         ${EVAL_AND_LOGGING_ARGS[@]} \
-        --log-jsonl $WORK/llama/metrics.jsonl
+        --log-jsonl $WORK/$NAME/metrics.jsonl
 }
 
-[[ "${ONLY:-gpt3}" == "gpt3" || -z "${ONLY:-}" ]] && (cd "$WORK" && gpt3_175b)
-[[ "${ONLY:-llama}" == "llama" || -z "${ONLY:-}" ]] && (cd "$WORK" && llama3_8b)
+wanted() { [[ -z "${ONLY:-}" || "${ONLY}" == "$1" ]]; }
+if wanted gpt3; then (cd "$WORK" && gpt3_175b); fi
+if wanted llama; then (cd "$WORK" && llama3_8b llama "$DATA/hf_tokenizer" "$DATA/hf_text_document"); fi
+if wanted llama-mock; then (cd "$WORK" && llama3_8b llama-mock MOCK MOCK); fi
 [[ "${DRY_RUN:-0}" == "1" ]] || echo "logs, checkpoints and traces: $WORK"

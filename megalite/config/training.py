@@ -22,7 +22,7 @@ class TrainingConfig:
     step_batch_size_schedule: str | None = flag(
         "--step-batch-size-schedule", None, "global batch by tokens consumed, e.g. '0:768 250B:1536' (K/M/B/T "
         "suffixes; thresholds // --seq-length give samples; the first is 0); the last batch is the global batch, "
-        "so --global-batch-size is refused beside it; needs --train-samples", type=str, metavar="'TOKENS:BATCH ...'")
+        "so --global-batch-size is refused beside it; with --train-iters or --train-samples", type=str, metavar="'TOKENS:BATCH ...'")
     # with --train-samples: the whole global batches that fit in them
     train_iters: int | None = flag("--train-iters", None, "iterations to train (>= 1); this or --train-samples is "
                                    "required", type=int, check=AT_LEAST_1)
