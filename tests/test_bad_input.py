@@ -231,6 +231,10 @@ CASES = [
      "is a Megatron-LM checkpoint in its torch_dist (sharded_backend in metadata.json) format"),
     ("load-other-model", "pretrain_gpt.py", MOCK + ["--load", "ck", "--hidden-size", "128"],
      "--hidden-size is 64 in the checkpoint and 128 in this run"),
+    ("checkpoint-args-without-load", "pretrain_gpt.py", MOCK + ["--use-checkpoint-args"],
+     "--use-checkpoint-args needs --load"),
+    ("checkpoint-args-corrupt-metadata", "pretrain_gpt.py", ["--mock-data", "--train-iters", "1", "--use-checkpoint-args",
+                                                             "--load", "ck_badmeta"], "metadata.json is corrupt"),
     # -- tools/generate.py ---------------------------------------------------------------------------
     ("generate-load-missing", G, ["--load", "nowhere", "--prompt", "1"], "--load nowhere"),
     ("generate-bad-tracker", G, ["--load", "ck_badtracker", "--prompt", "1"], "latest_checkpointed_iteration.txt"),

@@ -2,6 +2,8 @@
 `ArgumentError` naming the flags. It runs before torch.distributed is initialised, so a layout
 that cannot work stops every rank with the same message instead of hanging in a collective.
 
+0. --use-checkpoint-args: the architecture and tokenizer flags from the checkpoint under --load
+   (arguments/checkpoint_args.py), first, so that every check below sees them;
 1. each flag's own range, declared with its field (config/fields.py `check`); required flags;
 2. combinations across configs: the rank grid, batch and pipeline divisibility (here and
    arguments/batch.py), model shape, recompute, CP, precision (arguments/model.py), the data source
@@ -22,6 +24,7 @@ from ..config.fields import flagged_fields
 from ..config.megatron import FP8_FLAGS, REFUSED_FLAGS
 from ..config.run import SECTIONS, RunConfig
 from .batch import check_batch_schedule, check_lr_schedule
+from .checkpoint_args import apply_checkpoint_args
 from .data import check_data
 from .errors import fail, flag
 from .model import check_attention_backend, check_context_parallel, check_model_shape, check_precision, \
@@ -36,6 +39,7 @@ def validate(config: RunConfig, world_size: int | None = None, check_files: bool
     c = copy.deepcopy(config)
     c.notices = list(c.notices)
     c.parallel.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    apply_checkpoint_args(c)  # reads metadata.json, with or without check_files: the model needs it
     _check_ranges(c)
     _check_refused(c)
     _check_layout(c)

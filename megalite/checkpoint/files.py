@@ -79,10 +79,10 @@ def megatron_format(directory: str) -> str | None:
     return None
 
 
-def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> dict:
-    """metadata.json of the latest (or given) checkpoint under `root`, after checking that it and
-    the global index parse (format 2), or every rank's index and tensor file (format 1). Raises
-    CheckpointError."""
+def checked_metadata(root: str, flag: str, iteration: int | None = None) -> dict:
+    """metadata.json of the latest (or given) checkpoint under `root`, checked to be a megalite
+    checkpoint's and to parse; the JSON only, no index or tensor file (what --use-checkpoint-args
+    reads before validation). Raises CheckpointError naming `flag` and the file."""
     if not os.path.isdir(root):
         raise CheckpointError(f"{flag} {root}: directory not found")
     if iteration is None:
@@ -107,9 +107,17 @@ def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> di
         if missing:
             raise CheckpointError(f"{flag} {root}: {meta_path} lacks {', '.join(missing)}: not a megalite checkpoint")
     try:
-        meta = read_metadata(root, iteration)  # missing metadata, format version
+        return read_metadata(root, iteration)  # missing metadata, format version
     except CheckpointError as e:
         raise CheckpointError(f"{flag} {root}: {e}") from None
+
+
+def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> dict:
+    """metadata.json of the latest (or given) checkpoint under `root`, after checking that it and
+    the global index parse (format 2), or every rank's index and tensor file (format 1). Raises
+    CheckpointError."""
+    meta = checked_metadata(root, flag, iteration)
+    directory = meta["dir"]
     if int(meta["format_version"]) >= 2:
         # one global index: its header must parse (the data files it names are opened, and a
         # missing one reported, by the ranks that need them: no rank stats every rank's file)

@@ -30,8 +30,9 @@ SECTIONS: dict[str, type] = {
 @dataclass
 class RunConfig:
     """Everything one run is configured with. `explicit` names the fields ("section.field") whose
-    flags were given on the command line: rules that depend on whether a flag was given (not on
-    its value) read it. `notices` are start-up notes from validation, printed once."""
+    flags were given on the command line (or, with --use-checkpoint-args, taken from the
+    checkpoint): rules that depend on whether a flag was given (not on its value) read it.
+    `notices` are start-up notes from validation, printed once."""
     model: GPTConfig = field(default_factory=GPTConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

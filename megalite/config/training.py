@@ -138,6 +138,18 @@ class CheckpointConfig:
     finetune: bool = flag("--finetune", False, "load weights only; start at iteration 0", action="store_true")
     no_load_optim: bool = flag("--no-load-optim", False, "do not load optimizer state", action="store_true")
     no_load_rng: bool = flag("--no-load-rng", False, "do not load RNG states", action="store_true")
+    # Megatron-LM's load_args_from_checkpoint, applied first by validation (arguments/checkpoint_args.py)
+    use_checkpoint_args: bool = flag(
+        "--use-checkpoint-args", False, "take the model's architecture and tokenizer from the latest checkpoint "
+        "under --load (needs --load): --num-layers, --hidden-size, --ffn-hidden-size, --seq-length, "
+        "--num-attention-heads, --kv-channels, --max-position-embeddings where the command line does not give them "
+        "(they may be left off); the other architecture flags, the dropouts and the tokenizer always (the "
+        "checkpoint wins). The parallel layout stays the command line's: megalite's checkpoints load on any. No "
+        "checkpoint there yet: the command line's flags, with a notice (as Megatron-LM)", action="store_true")
+    use_tokenizer_model_from_checkpoint_args: bool = flag(
+        "--no-use-tokenizer-model-from-checkpoint-args", True, "with --use-checkpoint-args: keep the command "
+        "line's --tokenizer-model and --tokenizer-type (the checkpoint's type only where none is given), e.g. "
+        "when the checkpoint's tokenizer path is not on this machine", action="store_false")
 
 
 @dataclass
