@@ -96,7 +96,7 @@ class DataParallel:
         if strategy.shards_params:
             self.zero3 = Zero3Schedule(model, self.param_buffer, prefetch=config.overlap_param_gather and dp > 1,
                                        keep_gathered=config.keep_params_gathered_in_step,
-                                       num_microbatches=num_microbatches)
+                                       num_microbatches=num_microbatches, grads=self.grads)
         elif strategy.shards_optimizer:
             self.param_buffer = FlatParamBuffer(self.layout, ps.dp_cp_group)
         self.embedding_params = [p for p in self.params if param_info(p).embedding_group_sync]

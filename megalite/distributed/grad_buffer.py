@@ -196,18 +196,38 @@ class ShardedGradBuffer:
         return sum(t.numel() * t.element_size() for t in held)
 
     # -- accumulation ----------------------------------------------------------------------------
-    def _accumulate(self, p: torch.nn.Parameter) -> None:
-        b = self.layout.param_bucket[p]
+    def _stage(self, p: torch.nn.Parameter, grad: torch.Tensor, staging: list, b: int) -> None:
+        """Add `grad` (p's shape) into staging[b], allocating it on first use."""
         start, end = self.layout.buckets[b]
-        if self._staging[b] is None and self._whole[b] and p.grad.dtype == self.dtype and p.grad.is_contiguous():
+        if staging[b] is None and self._whole[b] and grad.dtype == self.dtype and grad.is_contiguous():
             # a bucket that is exactly this parameter: autograd's gradient becomes the
             # staging buffer, no copy (for a vocabulary-sized embedding, the step's largest tensor)
-            self._staging[b] = p.grad.detach().view(-1)
+            staging[b] = grad.detach().view(-1)
         else:
-            if self._staging[b] is None:
-                self._staging[b] = torch.zeros(end - start, dtype=self.dtype, device=self.device)
+            if staging[b] is None:
+                staging[b] = torch.zeros(end - start, dtype=self.dtype, device=self.device)
             lo, hi = self.layout.param_index[p]
-            self._staging[b][lo - start:hi - start].view(p.shape).add_(p.grad)
+            staging[b][lo - start:hi - start].view(p.shape).add_(grad)
+
+    def add_partial(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """A part of p's gradient delivered outside autograd (ZeRO-3's tied output projection,
+        zero3.TiedOutputGather), while autograd still accumulates the rest: reduced at once, in
+        a bucket-sized buffer of its own (the same collective, in the same order, on every DP
+        rank), so that it is not held until p's other part arrives. It does not count as p's
+        arrival. Without reduce_every_microbatch it waits in the bucket's staging buffer."""
+        b = self.layout.param_bucket[p]
+        if not self.reduce_every_microbatch:
+            self._stage(p, grad, self._staging, b)
+            return
+        own: list = [None] * len(self.layout.buckets)
+        self._stage(p, grad, own, b)
+        self.peak_staging_bytes = max(self.peak_staging_bytes,
+                                      self._staging_bytes() + own[b].numel() * own[b].element_size())
+        self._reduce(b, own[b])
+
+    def _accumulate(self, p: torch.nn.Parameter) -> None:
+        b = self.layout.param_bucket[p]
+        self._stage(p, p.grad, self._staging, b)
         self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_bytes())
         p.grad = None
         done = self._acc.arrive(p)
@@ -223,6 +243,9 @@ class ShardedGradBuffer:
         """Reduce-scatter bucket b's staging buffer; its slice is added to the shard when the
         collective is waited for (at once without --overlap-grad-reduce)."""
         staging, self._staging[b] = self._staging[b], None
+        self._reduce(b, staging)
+
+    def _reduce(self, b: int, staging: torch.Tensor) -> None:
         start = self.layout.buckets[b][0]
         s, e = self.layout.shard_range(b)
         handle = comm.reduce_scatter_flat(staging, staging[s - start:e - start], self.dp_group, async_op=self.overlap)

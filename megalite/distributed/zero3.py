@@ -12,8 +12,16 @@ layer). Per micro-batch:
             start the gather of the unit before it; a bucket is freed as soon as every one of
             its parameters has accumulated its gradient (ShardedGradBuffer's round callback).
 
-Gathered: at most the chunk's own unit plus two layers (the one in use and the next), the
-"gathered working set" tools/plan.py reports. Activation recompute runs a unit's forward again
+A unit whose backward needs no parameters (the embedding: a lookup's gradient needs only the
+token ids) is not gathered again for backward, nor prefetched for it. When the word embedding is
+also the chunk's output layer (one pipeline stage, tied), the output projection gathers it for
+itself and frees it at once, in forward and again in backward (`TiedOutputGather`), and hands
+its weight gradient to the gradient buffer there (reduced at once, not held by autograd until
+the lookup's gradient arrives at the end of backward): otherwise the vocabulary-sized table
+stays gathered through every layer, and its output-layer gradient through the whole backward.
+
+Gathered: at most the chunk's own unit plus two layers (the one in use and the next), or the
+embedding and one layer, the "gathered working set" tools/plan.py reports. Activation recompute runs a unit's forward again
 inside backward: its hooks then gather but neither free nor hook outputs (the backward frees).
 
 Under pipeline parallelism a unit is used 2m times per step (m micro-batches); keeping its
@@ -26,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import comm
 from .param_buffer import ShardedParams
 
 
@@ -50,14 +59,20 @@ def unit_of_params(model: list[nn.Module]) -> dict:
     return owner
 
 
+def backward_needs_params(unit: nn.Module) -> bool:
+    """False for modules whose backward reads no parameter (`backward_needs_params = False`)."""
+    return getattr(unit, "backward_needs_params", True)
+
+
 class Zero3Schedule:
     def __init__(self, model: list[nn.Module], params: ShardedParams, prefetch: bool, keep_gathered: bool,
-                 num_microbatches: int):
+                 num_microbatches: int, grads=None):
         self.params, self.prefetch, self.keep_gathered = params, prefetch, keep_gathered
         self.num_microbatches = num_microbatches
         layout = params.layout
         owner = unit_of_params(model)
         self.order: list[list[list[int]]] = []  # per chunk: buckets of each unit in forward order
+        self.grad_only: set = set()  # units whose backward needs no parameters
         for chunk in model:
             units = []
             for i, unit in enumerate(unit_modules(chunk)):
@@ -65,9 +80,14 @@ class Zero3Schedule:
                 if buckets or i == 0:
                     units.append(buckets)
                     pos = (len(self.order), len(units) - 1)
+                    if i > 0 and not backward_needs_params(unit):
+                        self.grad_only.add(pos)
                     unit.register_forward_pre_hook(self._pre_forward(pos))
                     unit.register_forward_hook(self._post_forward(pos))
             self.order.append(units)
+            tied = getattr(chunk, "output_weight_is_tied_here", None)
+            if tied is not None and tied():
+                chunk.output_weight_gather = TiedOutputGather(chunk.output_weight(), self, grads)
 
     # -- hooks -----------------------------------------------------------------------------------
     def _buckets(self, pos) -> list[int]:
@@ -83,7 +103,7 @@ class Zero3Schedule:
             c, i = pos
             n = len(self.order[c])
             nxt = i + 1 if forward else (n - 1 if i == 0 else i - 1)
-            if 1 <= nxt < n and nxt != i:
+            if 1 <= nxt < n and nxt != i and (forward or (c, nxt) not in self.grad_only):
                 for b in self._buckets((c, nxt)):
                     self.params.gather(b, async_op=True)
 
@@ -104,7 +124,8 @@ class Zero3Schedule:
             if not (training and self.keep_gathered):
                 for b in self._buckets(pos):
                     self.params.free(b)
-            if training and isinstance(output, torch.Tensor) and output.requires_grad:
+            if (training and isinstance(output, torch.Tensor) and output.requires_grad
+                    and pos not in self.grad_only):
                 output.register_hook(self._pre_backward(pos))
         return hook
 
@@ -117,3 +138,63 @@ class Zero3Schedule:
         """Every parameter of bucket b has its gradient of micro-batch round c."""
         if not self.keep_gathered or c == self.num_microbatches:
             self.params.free(b)
+
+
+class TiedOutputGather:
+    """The output projection Y = X·Eᵀ of a chunk whose output layer is its word embedding E,
+    under ZeRO-3: E (a unit of its own, the embedding's) is gathered for the product and freed
+    right after, in forward and again in backward, and its weight gradient goes to the gradient
+    buffer as soon as it is computed (`ShardedGradBuffer.add_partial`), so that neither the
+    gathered E nor its [V, h] output-layer gradient is held across the layers (module docstring)."""
+
+    def __init__(self, weight: nn.Parameter, schedule: Zero3Schedule, grads):
+        self.weight, self.schedule, self.grads = weight, schedule, grads
+        layout = schedule.params.layout
+        self.buckets = [layout.param_bucket[weight]]
+
+    def acquire(self) -> None:
+        for b in self.buckets:
+            self.schedule.params.gather(b)
+
+    def release(self) -> None:
+        if not self.schedule.keep_gathered:
+            for b in self.buckets:
+                self.schedule.params.free(b)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, sp_group=None) -> torch.Tensor:
+        """x: [s, b, h] ([s/tp, b, h] under sequence parallelism, gathered here) -> [s, b, v/tp]."""
+        return _GatheredWeightLinear.apply(x, weight, self, sp_group)
+
+
+class _GatheredWeightLinear(torch.autograd.Function):
+    """Y = X·Wᵀ for a weight gathered only while the product runs. W is not saved for backward
+    (its storage is freed in between); its gradient goes to the gradient buffer, not to autograd
+    (None for W), so the other use of the tied weight (the embedding lookup) is the only one
+    autograd accumulates. Under sequence parallelism X is all-gathered in forward and again in
+    backward, as in tensor_parallel.mappings._LinearWithSPGather."""
+
+    @staticmethod
+    def forward(ctx, x, weight, owner, sp_group):
+        ctx.save_for_backward(x)
+        ctx.owner, ctx.sp_group = owner, sp_group
+        total = comm.all_gather(x, sp_group, dim=0) if sp_group is not None else x
+        owner.acquire()
+        try:
+            return torch.nn.functional.linear(total, weight)
+        finally:
+            owner.release()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        owner, group = ctx.owner, ctx.sp_group
+        owner.acquire()
+        grad_x = grad.matmul(owner.weight)  # [s, b, h]
+        owner.release()
+        total = x
+        if group is not None:
+            grad_x = comm.reduce_scatter(grad_x, group, dim=0)
+            total = comm.all_gather(x, group, dim=0)
+        grad_2d = grad.reshape(-1, grad.size(-1))  # [s·b, v/tp]
+        owner.grads.add_partial(owner.weight, grad_2d.t().matmul(total.reshape(-1, total.size(-1))))
+        return grad_x, None, None, None

@@ -33,6 +33,10 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 class Embedding(nn.Module):
+    # lookups (and dropout): backward needs the token ids, never the tables; ZeRO-3 does not
+    # gather them again for it (distributed/zero3.py)
+    backward_needs_params = False
+
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, rng_tracker=None, device=None):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, execution.sequence_parallel
@@ -91,6 +95,9 @@ class GPTModel(nn.Module):
         self.decoder = TransformerBlock(config, execution, tp_group, rng_tracker, layer_offset, num_layers,
                                         post_process, device, cp_group)
         self.output_layer = None
+        # ZeRO-3 sets it (distributed/zero3.py TiedOutputGather) when the output layer is the word
+        # embedding of this chunk: the projection then gathers the embedding for itself
+        self.output_weight_gather = None
         if post_process and (config.untie_embeddings_and_output_weights or not pre_process):
             tp = comm.group_size(tp_group)
             weight = torch.empty(config.padded_vocab_size // tp, config.hidden_size, dtype=execution.params_dtype,
@@ -129,10 +136,14 @@ class GPTModel(nn.Module):
 
     def sharding_units(self) -> list[nn.Module]:
         """Sub-modules whose parameters ZeRO-3 gathers just for their own forward and backward,
-        in forward order (distributed/zero3.py). The rest (final norm, output layer, and the
-        word embedding when it is also this chunk's output layer) is gathered for the chunk's."""
-        tied_here = self.pre_process and self.post_process and not self.config.untie_embeddings_and_output_weights
-        return ([self.embedding] if self.pre_process and not tied_here else []) + list(self.decoder.layers)
+        in forward order (distributed/zero3.py). The rest (final norm, an untied output layer) is
+        gathered for the chunk's. When the word embedding is also this chunk's output layer, the
+        output projection gathers it again for itself (`output_weight_gather`)."""
+        return ([self.embedding] if self.pre_process else []) + list(self.decoder.layers)
+
+    def output_weight_is_tied_here(self) -> bool:
+        """The word embedding is this chunk's output layer too (one pipeline stage, tied)."""
+        return self.pre_process and self.post_process and not self.config.untie_embeddings_and_output_weights
 
     def initialize(self, seed: int) -> None:
         initialize_parameters(self.global_named_parameters(), seed, self.tp_group)
@@ -169,7 +180,11 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rotary, attention_mask)
         if not self.post_process:
             return x
-        if self.execution.sequence_parallel:  # the [s, b, h] gathered input is not kept for backward
+        sp_group = self.tp_group if self.execution.sequence_parallel else None
+        if self.output_weight_gather is not None:  # ZeRO-3, tied: the embedding gathered for this product only
+            logits = self.output_weight_gather.linear(x if sp_group else copy_to_tp(x, self.tp_group),
+                                                      self.output_weight(), sp_group)  # [s, b, v/tp]
+        elif sp_group is not None:  # the [s, b, h] gathered input is not kept for backward
             logits = linear_with_sp_gather(x, self.output_weight(), None, self.tp_group)  # [s, b, v/tp]
         else:
             logits = F.linear(copy_to_tp(x, self.tp_group), self.output_weight())  # [s, b, v/tp]
