@@ -1,5 +1,7 @@
 """--timing-log-level: the Timers class in one process (levels, sums, resets, min and max over
-ranks with one all-reduce, Megatron-LM's text block)."""
+ranks with one all-reduce, Megatron-LM's text block). A 2-rank run with every timer on, and its
+console block, JSONL records and TensorBoard / W&B scalars, is in test_tracking.py; a level-0
+run with --log-timers-to-tensorboard in test_arguments.py."""
 import pytest
 import torch
 
@@ -94,3 +96,16 @@ def test_text_is_megatron_lms_block():
         "    forward-backward ...............................: (12.34, 13.01)\n"
         "    optimizer ......................................: (0.50, 0.50)")
 
+
+def test_flags_are_accepted_and_say_where_the_timers_go():
+    from megalite.arguments import parse_args, validate_args
+    from tiny import mock, tiny
+    base = mock(1000) + tiny(train_iters=2)
+    for level in ("1", "2"):  # no longer refused
+        config = validate_args(parse_args(base + ["--timing-log-level", level]), world_size=1)
+        assert config.training.timing_log_level == int(level)
+    alone = validate_args(parse_args(base + ["--log-timers-to-tensorboard"]), world_size=1)
+    assert any(n.startswith("--log-timers-to-tensorboard writes to --tensorboard-dir, --wandb-project and --log-jsonl, "
+                            "none of which is given") for n in alone.notices), alone.notices
+    to_jsonl = validate_args(parse_args(base + ["--log-timers-to-tensorboard", "--log-jsonl", "r.jsonl"]), world_size=1)
+    assert to_jsonl.training.log_timers_to_tensorboard and not to_jsonl.notices
