@@ -28,6 +28,7 @@ from .runtime.monitor import CommMonitor
 from .runtime.profiling import Profiler
 from .runtime.spikes import SpikeGuard
 from .runtime.straggler import StragglerDetector
+from .runtime.timers import Timers
 from .runtime.tracking import Tracker
 from .tensor_parallel import seed_everything
 from .tensor_parallel.param_info import param_info
@@ -52,6 +53,7 @@ class Run:
     profiler: Profiler
     peak: float | None
     monitor: CommMonitor
+    timers: Timers  # --timing-log-level: the per-phase timers (no-ops at level 0)
     straggler: StragglerDetector | None = None  # --log-straggler
     signal_received: list = field(default_factory=lambda: [False])
     spike_guard: SpikeGuard | None = None  # --check-for-spiky-loss / --check-for-large-grads
@@ -136,12 +138,13 @@ def build_datasets(cfg: RunConfig, model_vocab_size: int | None = None) -> list:
     return list(build_train_valid_test_datasets(data, num_samples))
 
 
-def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod, straggler=None) -> list:
+def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod, straggler=None, timers=None) -> list:
     """One micro-batch iterator per model chunk: every chunk consumes the iteration's
     micro-batches in order, at its own pace in the schedule. With a straggler detector, the
-    time spent in them is timed as data wait."""
+    time spent in them is timed as data wait; with `timers`, as batch-generator (level 2)."""
     its = [micro_batches(dataset, consumed, cfg.data, ps, device, eod) for _ in range(ps.vpp)]
-    return [straggler.data_iterator(it) for it in its] if straggler is not None else its
+    its = [straggler.data_iterator(it) for it in its] if straggler is not None else its
+    return [timers.wrap("batch-generator", it) for it in its] if timers is not None else its
 
 
 def setup(cfg: RunConfig) -> Run:
@@ -165,8 +168,9 @@ def setup(cfg: RunConfig) -> Run:
             print(f"> compile: torch.compile of {n} transformer layers (Inductor)", flush=True)
     named_params = [(n, p) for m in model for n, p in m.global_named_parameters()]
     names = {p: n for n, p in named_params}
+    timers = Timers(t.timing_log_level, device)
     dp = DataParallel(model, [p for _, p in named_params], ps, cfg.ddp, cfg.training.num_microbatches, device=device,
-                      init_fn=lambda p: initial_value(p, names[p], cfg.training.seed, ps.tp_group))
+                      init_fn=lambda p: initial_value(p, names[p], cfg.training.seed, ps.tp_group), timers=timers)
     optimizer = build_optimizer(named_params, cfg.optimizer, dp, ps)
     state = TrainState(ps, model_config, named_params, optimizer, build_lr_scheduler(cfg.optimizer), rng_tracker,
                        device, dataclasses.replace(cfg, model=model_config).to_dict())
@@ -183,7 +187,8 @@ def setup(cfg: RunConfig) -> Run:
     logging_rank = ps.rank == ps.logging_rank
     straggler = StragglerDetector(ps, device, monitor) if t.log_straggler else None
     run = Run(cfg=cfg, state=state, model=model, dp=dp, datasets=datasets, eod=eod,
-              train_batches=batch_iterators(cfg, datasets[0], state.consumed_samples, ps, device, eod, straggler),
+              train_batches=batch_iterators(cfg, datasets[0], state.consumed_samples, ps, device, eod, straggler,
+                                            timers),
               forward_backward=get_schedule(cfg.parallel.pipeline_schedule),
               pipe_comm=PipeComm(ps, (s, cfg.data.micro_batch_size, model_config.hidden_size),
                                  execution.params_dtype, device),
@@ -193,7 +198,7 @@ def setup(cfg: RunConfig) -> Run:
               if ck.save else None,
               batch=build_num_microbatches_calculator(cfg.training, ps.dp_size),
               profiler=Profiler(cfg.training, ps.rank, device),
-              peak=peak_tflops(cfg.training.peak_tflops, execution.params_dtype), monitor=monitor,
+              peak=peak_tflops(cfg.training.peak_tflops, execution.params_dtype), monitor=monitor, timers=timers,
               straggler=straggler, spike_guard=SpikeGuard.from_config(t), last_saved=state.iteration)
     run.tracker.log_config(state.config)
     log_startup(run)

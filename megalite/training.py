@@ -22,6 +22,7 @@ from .config import RunConfig
 from .errors import UserError
 from .initialize import Run, batch_iterators, setup
 from .runtime.metrics import Timer, console_line, memory_record, memory_string, num_floating_point_operations, perplexity
+from .runtime.timers import INTERVAL_TIMERS, timers_text
 from .tensor_parallel.param_info import param_info
 
 
@@ -130,6 +131,19 @@ def save_pending(run: Run) -> None:
         set_rng_state(run.state, *current)
 
 
+def forward_backward(run: Run, num_microbatches: int, backward_scale: float) -> list:
+    """The schedule over the iteration's micro-batches, then every gradient reduction: the
+    forward-backward timer holds both, as Megatron-LM's (whose schedule ends with the reduction)."""
+    with run.timers("forward-backward"):
+        stats = run.forward_backward(batches=run.train_batches, model=run.model, num_microbatches=num_microbatches,
+                                     comm=run.pipe_comm, backward_scale=backward_scale,
+                                     microbatch_mean=not run.cfg.training.calculate_per_token_loss)
+        empty_unused_memory(run, 1)
+        with run.timers("all-grads-sync"):
+            run.dp.finish_grad_sync()
+    return stats
+
+
 def train_step(run: Run) -> dict:
     t, state, optimizer = run.cfg.training, run.state, run.state.optimizer
     for m in run.model:
@@ -144,11 +158,7 @@ def train_step(run: Run) -> dict:
         backward_scale = optimizer.loss_scale / nominal_tokens
     else:  # Megatron-LM's default: the mean over micro-batches (and DP ranks) of each one's token mean
         backward_scale = optimizer.loss_scale / (num_microbatches * state.ps.dp_size)
-    stats = run.forward_backward(batches=run.train_batches, model=run.model, num_microbatches=num_microbatches,
-                                 comm=run.pipe_comm, backward_scale=backward_scale,
-                                 microbatch_mean=not t.calculate_per_token_loss)
-    empty_unused_memory(run, 1)
-    run.dp.finish_grad_sync()
+    stats = forward_backward(run, num_microbatches, backward_scale)
     check, guard = t.check_for_nan_in_loss_and_grad, run.spike_guard
     loss_sum, num_tokens, bad_loss, grad_max, rank_losses = global_loss(
         run, stats, optimizer.main_grads if check else None, per_rank=guard is not None)
@@ -173,8 +183,10 @@ def train_step(run: Run) -> dict:
         update = {"grad_norm": None, "loss_scale": optimizer.loss_scale, "skipped": True,
                   "spike": f"{spike} (largest local loss: rank {max(range(len(rank_losses)), key=rank_losses.__getitem__)})"}
     else:
-        update = optimizer.step(lr, grad_scale=grad_scale, iteration=state.iteration + 1, decoupled_lr=decoupled_lr,
-                                reject_grad_norm=guard.grad_norm_spike if guard is not None else None)
+        with run.timers("optimizer"):
+            update = optimizer.step(lr, grad_scale=grad_scale, iteration=state.iteration + 1,
+                                    decoupled_lr=decoupled_lr,
+                                    reject_grad_norm=guard.grad_norm_spike if guard is not None else None)
         if update.get("spike") and grad_max:
             update["spike"] += f" (largest gradient element: rank {max(range(len(grad_max)), key=grad_max.__getitem__)})"
     if guard is not None:
@@ -247,8 +259,11 @@ def exit_reason(run: Run, start_time: float) -> str | None:
 def save_checkpoint(run: Run) -> None:
     if run.saver is not None and run.last_saved != run.state.iteration:
         run.monitor.where = f"in the checkpoint save at iteration {run.state.iteration}"
-        run.saver.save(run.state, run.state.iteration)
+        with run.timers("save-checkpoint"):
+            run.saver.save(run.state, run.state.iteration)
         run.last_saved = run.state.iteration
+        # as Megatron-LM: this save's own time, right after it (every rank saves at the same points)
+        log_timers(run, ("save-checkpoint",), 1)
 
 
 def checkpoint_due(run: Run) -> None:
@@ -386,6 +401,22 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
         run.jsonl.write(straggler_record)
         line += f" {text} |"
     run.log(f"[{datetime.datetime.now():%Y-%m-%d %H:%M:%S}]" + line)
+    log_timers(run, INTERVAL_TIMERS, window["iters"], {"iteration-time": record["elapsed_ms"]})
+
+
+def log_timers(run: Run, names, normalizer: float, level0: dict | None = None) -> None:
+    """The per-phase timers `names` (ms per iteration over `normalizer` iterations): the block
+    under the log line and, with --log-timers-to-tensorboard, a 'timers' JSONL record and
+    timers/<name> (the max over ranks) in the trackers, with `level0` (the iteration time).
+    A collective on every rank when a named timer is on (--timing-log-level)."""
+    times = run.timers.collect(names, normalizer)
+    if times:
+        run.log(timers_text(times))
+    values = {**(level0 or {}), **{name: hi for name, (_, hi) in times.items()}}
+    if run.cfg.training.log_timers_to_tensorboard and values:
+        run.jsonl.write({"event": "timers", "iteration": run.state.iteration, **(level0 or {}),
+                         **{name: {"min": lo, "max": hi} for name, (lo, hi) in times.items()}})
+        run.tracker.log(values, run.state.iteration, "timers")
 
 
 def pretrain(cfg: RunConfig) -> TrainState:

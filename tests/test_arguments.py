@@ -62,9 +62,14 @@ def test_null_tokenizer_mock_data_trains(tmp_path):
     a multiple of 128: 1024)."""
     records, proc = run_pretrain(1, ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
                                  + tiny(seq_length=16, global_batch_size=None, train_iters=2, log_interval=1,
-                                        eval_iters=0), tmp_path)
+                                        eval_iters=0) + ["--log-timers-to-tensorboard"], tmp_path)
     train = [r for r in records if "consumed_samples" in r]
     assert [r["iteration"] for r in train] == [1, 2]
+    # --log-timers-to-tensorboard at the default --timing-log-level 0: the iteration time only, as
+    # Megatron-LM; no per-phase timer, no block under the log line (test_tracking.py: level 2)
+    assert [r for r in records if r.get("event") == "timers"] == [
+        {"event": "timers", "iteration": r["iteration"], "iteration-time": r["elapsed_ms"]} for r in train]
+    assert "time across ranks" not in proc.stdout
     assert all(math.isfinite(r["lm_loss"]) for r in train)
     assert abs(train[0]["lm_loss"] - math.log(1001)) < 0.5  # about uniform over the 1001 real ids at the start
     assert "vocab 1001 (padded 1024)" in proc.stdout

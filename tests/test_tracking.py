@@ -1,9 +1,11 @@
 """Weights & Biases (offline) and TensorBoard logging: one rank logs the console line's metrics,
-the config and the evaluations; neither package is required unless asked for."""
+the config and the evaluations, and (--log-timers-to-tensorboard) the per-phase timers; neither
+package is required unless asked for."""
 import glob
 import json
 import math
 import os
+import re
 import struct
 import sys
 
@@ -13,6 +15,7 @@ from dist_helpers import run_pretrain
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.config.run import json_safe
+from megalite.runtime.timers import INTERVAL_TIMERS
 from megalite.runtime.tracking import Tracker
 from tiny import mock, tiny
 
@@ -80,20 +83,23 @@ def tracked_run(tmp_path_factory):
     os.environ["WANDB_MODE"] = "offline"  # inherited by the run; restored below
     os.environ.setdefault("WANDB_SILENT", "true")
     try:
-        # DP 2: both ranks run training.setup, only the logging rank may create a W&B run / event file
-        records, _ = run_pretrain(2, BASE + ["--wandb-project", "megalite-test", "--wandb-exp-name", "tracked",
-                                             "--wandb-save-dir", str(tmp / "wb"), "--tensorboard-dir", str(tmp / "tb")],
-                                  tmp, "tracked")
+        # DP 2: both ranks run training.setup, only the logging rank may create a W&B run / event file;
+        # every timer on (ZeRO-1 for params-all-gather, saves for save-checkpoint)
+        records, proc = run_pretrain(2, BASE + [
+            "--wandb-project", "megalite-test", "--wandb-exp-name", "tracked", "--wandb-save-dir", str(tmp / "wb"),
+            "--tensorboard-dir", str(tmp / "tb"), "--timing-log-level", "2", "--log-timers-to-tensorboard",
+            "--use-distributed-optimizer", "--save", str(tmp / "ck"), "--save-interval", "2"], tmp, "tracked")
     finally:
         os.environ.pop("WANDB_MODE")
     train = {r["iteration"]: r for r in records if "consumed_samples" in r}
     evals = {(r["split"], r["iteration"]): r for r in records if "split" in r}
     assert sorted(train) == [2, 4] and all(math.isfinite(r["lm_loss"]) for r in train.values())
-    return tmp, train, evals
+    timers = [r for r in records if r.get("event") == "timers"]
+    return tmp, train, evals, timers, proc.stdout
 
 
 def test_wandb_offline_run_holds_the_metrics(tracked_run):
-    tmp, train, evals = tracked_run
+    tmp, train, evals, timers, _ = tracked_run
     runs = glob.glob(str(tmp / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1, runs  # one rank logged
     records = read_wandb_file(runs[0])
@@ -111,6 +117,7 @@ def test_wandb_offline_run_holds_the_metrics(tracked_run):
             assert history[it][f"train/{key}"] == pytest.approx(rec[key], rel=1e-9), (it, key)
     assert history[2]["valid/lm_loss"] == pytest.approx(evals[("valid", 2)]["lm_loss"], rel=1e-9)
     assert history[4]["test/ppl"] == pytest.approx(evals[("test", 4)]["ppl"], rel=1e-9)
+    assert history[4]["timers/optimizer"] == pytest.approx(timers[2]["optimizer"]["max"], rel=1e-9)
     config = {i.key: json.loads(i.value_json) for r, k in zip(records, kinds) if k == "config" for i in r.config.update}
     model = config["model"]  # the RunConfig record, by section
     assert model["num_layers"] == 2 and model["hidden_size"] == 64 and model["padded_vocab_size"] == 1024
@@ -119,7 +126,7 @@ def test_wandb_offline_run_holds_the_metrics(tracked_run):
 
 def test_tensorboard_event_files_hold_the_scalars(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    tmp, train, evals = tracked_run
+    tmp, train, evals, timers, _ = tracked_run
     files = glob.glob(str(tmp / "tb" / "events.out.tfevents.*"))
     assert len(files) == 1, files  # one rank logged
     acc = EventAccumulator(str(tmp / "tb"))
@@ -133,3 +140,34 @@ def test_tensorboard_event_files_hold_the_scalars(tracked_run):
     (config,) = acc.Tensors("config/text_summary")
     text = config.tensor_proto.string_val[0].decode()
     assert "| model.num_layers | 2 |" in text and "| model.padded_vocab_size | 1024 |" in text
+    # --log-timers-to-tensorboard: timers/<name>, the max over ranks (the JSONL's), at each log and save
+    for name in ("iteration-time", *INTERVAL_TIMERS, "save-checkpoint"):
+        want = [(r["iteration"], r[name] if name == "iteration-time" else r[name]["max"]) for r in timers if name in r]
+        got = [(e.step, e.value) for e in acc.Scalars(f"timers/{name}")]
+        assert [s for s, _ in got] == [2, 4] and [s for s, _ in want] == [2, 4], name
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), name
+
+
+def test_timers_block_and_records(tracked_run):
+    """--timing-log-level 2 on 2 ranks: Megatron-LM's block under each log line (every interval
+    timer, min <= max), save-checkpoint's after each save, and the same values in 'timers' records."""
+    _, train, _, timers, stdout = tracked_run
+    blocks = re.findall(r"\(min, max\) time across ranks \(ms\):\n((?:    .*\n?)+)", stdout)
+    parsed = [[re.fullmatch(r"    (\S+) \.+: \(([\d.]+), ([\d.]+)\)", line).groups() for line in b.splitlines()]
+              for b in blocks]
+    names = [[n for n, _, _ in b] for b in parsed]
+    assert names == [list(INTERVAL_TIMERS), ["save-checkpoint"]] * 2, names
+    assert all(0 <= float(lo) <= float(hi) for b in parsed for _, lo, hi in b)
+    assert [(r["iteration"], [k for k in r if k not in ("event", "iteration", "iteration-time")]) for r in timers] == [
+        (2, list(INTERVAL_TIMERS)), (2, ["save-checkpoint"]), (4, list(INTERVAL_TIMERS)), (4, ["save-checkpoint"])]
+    for r, b in zip(timers, parsed):
+        assert [(n, f"{r[n]['min']:.2f}", f"{r[n]['max']:.2f}") for n, _, _ in b] == b
+    assert [r["iteration-time"] for r in timers if "iteration-time" in r] == [train[2]["elapsed_ms"],
+                                                                             train[4]["elapsed_ms"]]
+    # nested as Megatron-LM's: on each rank forward-backward holds batch-generator and all-grads-sync,
+    # optimizer holds params-all-gather; so do the min and the max over ranks
+    for r in (r for r in timers if "optimizer" in r):
+        fb, bg, ags = r["forward-backward"], r["batch-generator"], r["all-grads-sync"]
+        assert fb["min"] >= bg["min"] + ags["min"] and fb["max"] >= max(bg["max"], ags["max"]), r
+        assert r["optimizer"]["min"] >= r["params-all-gather"]["min"], r
+        assert r["optimizer"]["max"] >= r["params-all-gather"]["max"], r

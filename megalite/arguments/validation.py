@@ -94,9 +94,6 @@ def _check_refused(c: RunConfig) -> None:
     if m.transformer_impl == "transformer_engine":
         fail("--transformer-impl transformer_engine is not supported: megalite does not use NVIDIA Transformer "
              "Engine; drop the flag (or give local: megalite's own layers)")
-    if m.timing_log_level:
-        fail(f"--timing-log-level {m.timing_log_level} is not supported: megalite times whole iterations only "
-             f"(level 0)")
     if m.rerun_mode not in (None, "disabled"):
         fail(f"--rerun-mode {m.rerun_mode} is not supported: megalite has no re-run state machine "
              f"(give disabled, or drop the flag)")
@@ -204,7 +201,9 @@ def _check_dry_run(c: RunConfig) -> None:
                (c.checkpoint.load, "--load", "it builds the model on the meta device, without values to load"),
                (c.tracking.tensorboard_dir, "--tensorboard-dir", "it logs to stdout and --log-jsonl only"),
                (c.tracking.wandb_project, "--wandb-project", "it logs to stdout and --log-jsonl only"),
-               (c.data.data_path, "--data-path", "its micro-batches are meta tensors of the right shapes")]
+               (c.data.data_path, "--data-path", "its micro-batches are meta tensors of the right shapes"),
+               (t.timing_log_level, "--timing-log-level", "it times nothing"),
+               (t.log_timers_to_tensorboard, "--log-timers-to-tensorboard", "it times nothing")]
     for value, name, why in ignored:
         if value:
             c.notices.append(f"{name} is not used by --dry-run: {why}")
@@ -225,6 +224,10 @@ def _check_outputs(c: RunConfig) -> None:
         fail("--async-save needs --save")
     if (ck.finetune or ck.no_load_optim or ck.no_load_rng) and not ck.load:
         fail("--finetune / --no-load-optim / --no-load-rng need --load")
+    t = c.training
+    if t.log_timers_to_tensorboard and not (tr.tensorboard_dir or tr.wandb_project or t.log_jsonl or t.dry_run):
+        c.notices.append("--log-timers-to-tensorboard writes to --tensorboard-dir, --wandb-project and --log-jsonl, "
+                         "none of which is given: the timers only reach the console (at --timing-log-level 1 or 2)")
 
 
 def _check_with_torch(c: RunConfig, check_files: bool) -> None:

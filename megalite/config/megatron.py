@@ -28,18 +28,12 @@ class MegatronCompatConfig:
     transformer_impl: str | None = flag("--transformer-impl", None, "local is megalite's own layers (accepted); "
                                         "transformer_engine is refused: megalite does not use Transformer Engine",
                                         choices=["local", "transformer_engine"])
-    timing_log_level: int | None = flag("--timing-log-level", None, "0 is megalite's timing (the iteration time; "
-                                        "accepted); 1 and 2 (per-phase timers) are refused", choices=[0, 1, 2],
-                                        type=int)
     auto_detect_ckpt_format: bool = flag(
         "--auto-detect-ckpt-format", False, _NOOP + "megalite always detects the format of --load: its own is read, "
         "Megatron-LM's torch, torch_dist and zarr checkpoints are named and refused", action="store_true")
     rerun_mode: str | None = flag("--rerun-mode", None, "disabled is accepted; megalite has no re-run state machine, "
                                   "so the others are refused", choices=["disabled", "validate_results",
                                                                         "report_stats"])
-    log_timers_to_tensorboard: bool = flag("--log-timers-to-tensorboard", False, "refused: megalite keeps no "
-                                           "per-phase timers; the iteration time is logged (train/elapsed_ms)",
-                                           action="store_true")
     apply_query_key_layer_scaling: bool = flag(
         "--apply-query-key-layer-scaling", False, "refused: not implemented (an fp16 overflow guard that scales "
         "Q·K^T by 1/layer and back)", action="store_true")
@@ -67,8 +61,7 @@ class MegatronCompatConfig:
 
 
 # the fields refused whenever they are set (to anything but their default); each flag's help says why
-REFUSED_FLAGS = ("log_timers_to_tensorboard",
-                 "apply_query_key_layer_scaling", "squared_relu", "save_retain_interval", "dist_ckpt_strictness",
+REFUSED_FLAGS = ("apply_query_key_layer_scaling", "squared_relu", "save_retain_interval", "dist_ckpt_strictness",
                  "dist_ckpt_optim_fully_reshardable", "use_persistent_ckpt_worker")
 FP8_FLAGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
 

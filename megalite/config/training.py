@@ -63,6 +63,19 @@ class TrainingConfig:
     log_memory_to_tensorboard: bool = flag(
         "--log-memory-to-tensorboard", False, "add memory (CUDA allocated / peak / reserved bytes; max RSS on CPU) "
         "to each logged record, and so to TensorBoard / W&B", action="store_true")
+    # per-phase timers (runtime/timers.py)
+    timing_log_level: int = flag(
+        "--timing-log-level", 0, "Megatron-LM's timers, each a block '(min, max) time across ranks (ms):' under the "
+        "log line (ms per iteration over the interval); 0: the iteration time only (the log line's); 1: also "
+        "forward-backward, all-grads-sync, params-all-gather (ZeRO-1/2), optimizer, and save-checkpoint (its own "
+        "block after each save); 2: also batch-generator. On CUDA a timed phase synchronises the device at its "
+        "start and end (level 2: around every micro-batch); level 0 adds nothing. Megatron-LM's other level-2 "
+        "timers (forward-compute, backward-compute, pipeline send/recv) are not kept", choices=[0, 1, 2], type=int)
+    log_timers_to_tensorboard: bool = flag(
+        "--log-timers-to-tensorboard", False, "write the timers of --timing-log-level (at level 0 the iteration "
+        "time) at each log interval, and save-checkpoint after each save, to TensorBoard / W&B as "
+        "timers/<name> (the max over ranks, ms per iteration) and as a 'timers' record to --log-jsonl (min and "
+        "max); without TensorBoard or W&B, to --log-jsonl only", action="store_true")
     # --profile: torch.profiler over iterations (profile_step_start, profile_step_end] on profile_ranks
     profile: bool = flag(
         "--profile", False, "torch.profiler trace (CPU and CUDA activity, shapes) of the iterations after "

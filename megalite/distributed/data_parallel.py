@@ -36,6 +36,8 @@ counts as its parent's. Under ZeRO-3 the flag prefetches the next unit's gather.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -63,11 +65,13 @@ def _params_used_by(m: nn.Module):
 
 class DataParallel:
     def __init__(self, model: list[nn.Module], params: list[nn.Parameter], ps, config: DDPConfig,
-                 num_microbatches: int, device=None, init_fn=None):
+                 num_microbatches: int, device=None, init_fn=None, timers=None):
         """`model`: this rank's chunks; `params`: their parameters in model order. Under ZeRO-3
         the parameters may be on the meta device: they are materialised on `device` from
-        `init_fn(p)` (the TP-local initial value) one at a time, straight into this rank's slices."""
+        `init_fn(p)` (the TP-local initial value) one at a time, straight into this rank's slices.
+        `timers` (runtime.timers.Timers): times the ZeRO-1/2 parameter gathers."""
         self.ps, self.config = ps, config
+        self.timers = timers
         self.strategy = strategy = get_strategy(config.data_parallel_sharding_strategy)
         self.params = list(params)
         device = device if device is not None else self.params[0].device
@@ -223,7 +227,11 @@ class DataParallel:
         the next forward under --overlap-param-gather). ZeRO-3 gathers on use."""
         if not self.strategy.shards_optimizer or self.strategy.shards_params or self.ps.dp_cp_size == 1:
             return
-        if self.overlap_param_gather:
+        with self._gather_timer():
+            if not self.overlap_param_gather:
+                for b in range(len(self.layout.buckets)):
+                    self.param_buffer.all_gather(b)
+                return
             if self._gather_order is None:
                 seen = set(self._requested)
                 self._gather_order = self._requested + [b for b in reversed(range(len(self.layout.buckets)))
@@ -231,9 +239,6 @@ class DataParallel:
                 self._position = {b: i for i, b in enumerate(self._gather_order)}
             self._dispatched = self._waited = 0
             self._dispatch_through(0)
-            return
-        for b in range(len(self.layout.buckets)):
-            self.param_buffer.all_gather(b)
 
     def finish_param_sync(self) -> None:
         """Wait until every parameter holds the latest update (a no-op unless gathers are
@@ -241,7 +246,15 @@ class DataParallel:
         if self.strategy.shards_params:
             self.param_buffer.free_all()
         elif self._waited < len(self._handles):
-            self._wait_through(len(self._handles) - 1)
+            with self._gather_timer():
+                self._wait_through(len(self._handles) - 1)
+
+    def _gather_timer(self):
+        """params-all-gather (Megatron-LM's timer): the ZeRO-1/2 gathers after the optimizer step,
+        or under --overlap-param-gather their dispatch and the waits outside the forward. The waits
+        in the forward pre-hooks, and ZeRO-3's per-unit gathers (zero3.py), run inside
+        forward-backward and are timed there."""
+        return self.timers("params-all-gather") if self.timers is not None else contextlib.nullcontext()
 
     def _dispatch_through(self, pos: int) -> None:
         while self._dispatched <= min(pos, len(self._handles) - 1):
