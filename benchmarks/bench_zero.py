@@ -81,7 +81,7 @@ def worker(argv) -> None:
 
 
 # -- driver --------------------------------------------------------------------------------------
-def launch(nproc: int, flags: list[str], tmp: str, worker_opts=(), timeout: float = 3600) -> dict:
+def launch(nproc: int, flags: list[str], tmp: str, worker_opts=(), timeout: float = 3600, env=None) -> dict:
     """Run one configuration; returns {"ranks": [...], "records": [...jsonl...], "wall_s"}."""
     jsonl, result = os.path.join(tmp, "log.jsonl"), os.path.join(tmp, "result.jsonl")
     for path in (jsonl, result):
@@ -89,7 +89,7 @@ def launch(nproc: int, flags: list[str], tmp: str, worker_opts=(), timeout: floa
             os.remove(path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.abspath(__file__), "worker", "--result", result, *worker_opts, *flags, "--log-jsonl", jsonl]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
     if proc.returncode != 0:
@@ -250,15 +250,18 @@ def bench_fsdp2() -> None:
 
 # -- the memory wall -------------------------------------------------------------------------------
 # fp32 (bf16 matmuls are slow on this CPU, and fp32 parameters are their own masters: 16 bytes
-# per parameter instead of 18); buckets of 10M elements keep the gradient staging at ~160 MB;
-# full recompute keeps ~20 MB of activations instead of ~330 MB per rank. lr 1e-5 without warmup:
-# Adam's first steps move every parameter by about +-lr, and at 3e-4, 1e-4 and 3e-5 the third
-# loss rose again (RESULTS_zero.md)
+# per parameter instead of 18); full recompute keeps ~20 MB of activations instead of ~330 MB per
+# rank. lr 1e-5 without warmup: Adam's first steps move every parameter by about +-lr, and at
+# 3e-4, 1e-4 and 3e-5 the third loss rose again (RESULTS_zero.md). Bucket size and the overlap
+# flags are options (--bucket-size, --overlap); their defaults are the smallest peak measured.
 WALL = ["--num-layers", "24", "--hidden-size", "1536", "--num-attention-heads", "16", "--seq-length", "128",
         "--vocab-size", "32000", "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-5",
         "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--seed", "1", "--ddp-bucket-size", "10000000", "--recompute-granularity", "full",
-        "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        "--seed", "1", "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+# glibc keeps freed blocks below its mmap threshold (which grows up to 32 MiB as large blocks are
+# freed) in the heap, counted in RSS: ~115 MiB of a rank's RSS was freed tensors. 256 KiB: every
+# tensor above it is mapped and unmapped, so freed memory goes back to the system at once
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144"}
 
 
 def _corpus(tmp: str) -> list[str]:
@@ -277,19 +280,22 @@ def _corpus(tmp: str) -> list[str]:
             "SentencePieceTokenizer", "--tokenizer-model", f"{tmp}/tok.model"]
 
 
-def bench_memory_wall(strategy: str, iters: int, out_path: str, num_layers: int = 24) -> None:
+def bench_memory_wall(strategy: str, iters: int, out_path: str, num_layers: int = 24, bucket_size: int = 4_000_000,
+                      overlap: str = "grads", malloc_env: bool = True) -> None:
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import plan
     with tempfile.TemporaryDirectory() as tmp:
         flags = _corpus(tmp) + WALL + ["--train-iters", str(iters), "--data-parallel-sharding-strategy", strategy,
-                                       "--num-layers", str(num_layers)]
-        flags += OVERLAP if STRATEGIES[strategy].shards_optimizer else []
-        out = launch(8, flags, tmp)
+                                       "--num-layers", str(num_layers), "--ddp-bucket-size", str(bucket_size)]
+        if STRATEGIES[strategy].shards_optimizer:
+            flags += {"both": OVERLAP, "grads": OVERLAP[:1], "none": []}[overlap]
+        env = MALLOC_ENV if malloc_env else {}
+        out = launch(8, flags, tmp, env=env)
         p = plan.make_plan(flags + ["--world-size", "8", "--gpu-memory-gb", "3"])
     ranks = out["ranks"]
     base = statistics.median(r["baseline_rss_bytes"] for r in ranks)
     need = {s: 8 * (v["total"] * GIB + base) / GIB for s, v in p["memory_gb_by_strategy"].items()}
-    record = {"event": "memory_wall", "strategy": strategy, "world_size": 8,
+    record = {"event": "memory_wall", "strategy": strategy, "world_size": 8, "flags": flags[8:], "env": env,
               "num_params": p["num_params_total"], "losses": losses(out["records"]),
               "step_s": [r["elapsed_ms"] / 1000 for r in out["records"] if "consumed_samples" in r],
               "wall_s": out["wall_s"], "ranks": ranks,
@@ -317,6 +323,10 @@ def main(argv=None) -> None:
     p.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "memory_wall.jsonl"),
                    help="memory-wall: append the JSON record here")
     p.add_argument("--num-layers", type=int, default=24, help="memory-wall: a smaller model to calibrate with")
+    p.add_argument("--bucket-size", type=int, default=4_000_000, help="memory-wall: --ddp-bucket-size")
+    p.add_argument("--overlap", choices=["both", "grads", "none"], default="grads",
+                   help="memory-wall: --overlap-grad-reduce and --overlap-param-gather, the first, or neither")
+    p.add_argument("--no-malloc-env", action="store_true", help=f"memory-wall: without {MALLOC_ENV}")
     a = p.parse_args(argv)
     if a.what == "strategies":
         bench_strategies(a.dp, a.iters or 6)
@@ -325,7 +335,7 @@ def main(argv=None) -> None:
     elif a.what == "fsdp2":
         bench_fsdp2()
     else:
-        bench_memory_wall(a.strategy, a.iters or 3, a.output, a.num_layers)
+        bench_memory_wall(a.strategy, a.iters or 3, a.output, a.num_layers, a.bucket_size, a.overlap, not a.no_malloc_env)
 
 
 if __name__ == "__main__":

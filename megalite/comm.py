@@ -10,12 +10,14 @@ the iteration and the pipeline stage (`CollectiveError`).
 Flat reduce-scatter and all-gather (`reduce_scatter_tensor`, `all_gather_into_tensor`: one
 contiguous buffer in, one out) are what NCCL runs for sequence parallelism and the distributed
 optimizer. gloo has them too (its `_reduce_scatter_base` and `_allgather_base`, since about
-torch 2.3, so in every torch setup.cfg admits), and using them makes the CPU tests run the very
-calls NCCL runs. Whether the installed gloo has them is measured once, on a private one-rank gloo
-group (no peers, no traffic), not assumed; without them, reduce-scatter is emulated by an
-all-reduce and all-gather by a list all-gather. Note that
-a native reduce-scatter leaves the rest of its input as it was (this rank's unreduced values),
-on gloo as on NCCL: only the returned / `out` chunk holds the sum.
+torch 2.3, so in every torch setup.cfg admits): sequence parallelism's small [s, b, h] ones use
+them on gloo, so the CPU tests run the very calls NCCL runs. Whether the installed gloo has them is
+measured once, on a private one-rank gloo group (no peers, no traffic), not assumed; without
+them, reduce-scatter is emulated by an all-reduce and all-gather by a list all-gather. ZeRO's
+bucket-sized flat collectives run as in-place all-reduces on gloo (`flat_by_all_reduce`: gloo's
+own copy through a temporary as large as the bucket, and are slower). Note that a native
+reduce-scatter leaves the rest of its input as it was (this rank's unreduced values): only the
+returned / `out` chunk holds the sum.
 """
 from __future__ import annotations
 
@@ -191,17 +193,28 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     return out.movedim(0, dim) if dim != 0 else out
 
 
+def flat_by_all_reduce(group) -> bool:
+    """Whether the flat reduce-scatter and all-gather of ZeRO's buckets run as in-place
+    all-reduces on `group`: on gloo. Its reduce-scatter and all-gather (flat or list form, sync
+    or async) copy through a temporary as large as the whole buffer (+188 MiB RSS for a
+    32000 x 1536 fp32 embedding's bucket), while its all-reduce works in place, and is faster
+    too: 155 ms against 237 (reduce-scatter) and 173 (all-gather) for 40 MB over 8 ranks on 2
+    cores (benchmarks/RESULTS_zero.md, "The memory wall"). Old torch's gloo has no flat
+    collectives at all (native_tensor_collectives)."""
+    return dist.get_backend(group) == "gloo" or not native_tensor_collectives(group)
+
+
 def reduce_scatter_flat(full: torch.Tensor, out: torch.Tensor, group, async_op: bool = False):
     """Flat reduce-scatter of `full` (numel = n * out.numel()) into `out`; `out` may be this
     rank's chunk of `full` (in place). Only `out` is defined afterwards: the rest of `full` keeps
-    this rank's unreduced values (native) or holds the full sum (the old-gloo emulation, an
-    all-reduce of `full` in place). With async_op, returns a handle whose wait() completes the
+    this rank's unreduced values (native) or holds the full sum (gloo: an all-reduce of `full` in
+    place, flat_by_all_reduce). With async_op, returns a handle whose wait() completes the
     operation; otherwise None."""
     n = group_size(group)
     if n == 1:
         out.copy_(full)
         return None
-    if not native_tensor_collectives(group):
+    if flat_by_all_reduce(group):
         rank = group_rank(group)
         name = "reduce_scatter (all_reduce on gloo)"
         if async_op:
@@ -217,26 +230,27 @@ def reduce_scatter_flat(full: torch.Tensor, out: torch.Tensor, group, async_op: 
 
 def all_gather_flat(shard: torch.Tensor, full: torch.Tensor, group, async_op: bool = False):
     """Flat all-gather of every rank's `shard` into `full` (numel = n * shard.numel()); `shard`
-    may be this rank's chunk of `full` (in place). With async_op, returns a handle to wait() on."""
+    may be this rank's chunk of `full` (in place). With async_op, returns a handle to wait() on.
+    On gloo an all-reduce of `full` holding this rank's block and zeros elsewhere (exact: every
+    element is one value plus zeros; flat_by_all_reduce)."""
     n = group_size(group)
     if n == 1:
         full.copy_(shard)
         return None
-    if dist.get_backend(group) == "gloo":
-        # gloo's all_gather_into_tensor gathers into a temporary as large as `full` and copies it
-        # over (a transient copy of every gathered ZeRO-3 unit: +188 MiB RSS for a 32000 x 1536
-        # fp32 embedding); its list form whose input is this rank's own block of the output
-        # writes in place, as fast (benchmarks/RESULTS_zero.md, "The memory wall")
-        blocks = list(full.view(n, -1).unbind(0))
-        mine = blocks[group_rank(group)]
-        if shard.data_ptr() != mine.data_ptr():
-            mine.copy_(shard)
-        fn, args = dist.all_gather, (blocks, mine)
+    if flat_by_all_reduce(group):
+        blocks = full.view(n, -1)
+        rank = group_rank(group)
+        if shard.data_ptr() != blocks[rank].data_ptr():
+            blocks[rank].copy_(shard)
+        if rank > 0:
+            blocks[:rank].zero_()
+        blocks[rank + 1:].zero_()
+        fn, fn_args, name = dist.all_reduce, (full,), "all_gather (all_reduce on gloo)"
     else:
-        fn, args = _all_gather_into_tensor, (full, shard)
+        fn, fn_args, name = _all_gather_into_tensor, (full, shard), "all_gather"
     if async_op:
-        return _watch(fn(*args, group=group, async_op=True), "all_gather", group)
-    return _blocking("all_gather", group, fn, *args, group=group)
+        return _watch(fn(*fn_args, group=group, async_op=True), name, group)
+    return _blocking(name, group, fn, *fn_args, group=group)
 
 
 def all_reduce_async(tensor: torch.Tensor, group):

@@ -27,6 +27,10 @@ def _check_collectives(rank, world, native: bool):
     group = dist.group.WORLD
     if native:
         assert comm.native_tensor_collectives(group)
+        # gloo's flat collectives run as all-reduces in training (comm.flat_by_all_reduce); the
+        # native path is NCCL's, run here on gloo
+        assert comm.flat_by_all_reduce(group)
+        comm.flat_by_all_reduce = lambda group: False
 
         def refuse(*args, **kwargs):
             raise AssertionError("the emulation ran although gloo has the native collective")

@@ -21,7 +21,7 @@ def test_comm_bench_reports_every_op_group_and_size(tmp_path):
     assert "# tp group: 2 ranks" in proc.stdout and "# dp group: 2 ranks" in proc.stdout
     assert "# pp group: 1 rank in this layout" in proc.stdout
     # the pinned torch's gloo has the flat collectives (tests/test_comm.py): the bench says it ran them
-    assert "# gloo: reduce_scatter and all_gather run gloo's native flat collectives" in proc.stdout
+    assert "# gloo: reduce_scatter and all_gather run as in-place all-reduces of the whole buffer" in proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip() and not line.startswith("#")]
     assert len(rows) == 2 * 4 * 5  # groups x ops x sizes, printed as size, count, op, time, algbw, busbw
     for size, count, op, t, algbw, busbw in rows:

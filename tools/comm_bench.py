@@ -15,8 +15,8 @@ of S bytes over a group of n ranks and t seconds per operation (the slowest rank
 where S is the whole buffer (the gathered output, the scattered input), and in send/recv each
 rank sends S to the next rank of its group and receives S from the previous one (nccl-tests,
 doc/PERFORMANCE.md). busbw compares with the link's peak whatever n is. The operations are the
-ones training uses (megalite/comm.py): gloo's native reduce-scatter and all-gather where the
-installed torch has them (it says which it ran), an all-reduce of the whole buffer otherwise.
+ones training uses (megalite/comm.py): on gloo the flat reduce-scatter and all-gather run as
+in-place all-reduces of the whole buffer (it says so), NCCL's run its own.
 
 Sizes: --min-bytes to --max-bytes, by --step-factor; --max-bytes defaults to 1G with NCCL and
 4M with gloo (gloo on CPU moves a few GB/s at best: a 1 GB sweep over every op and group would
@@ -175,10 +175,8 @@ def main(argv=None) -> int:
     say("# time: the slowest rank's average; busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, "
         "reduce_scatter), 1 (send_recv)")
     if backend == "gloo":
-        native = comm.gloo_has_tensor_collectives()
-        say("# gloo: reduce_scatter and all_gather run gloo's native flat collectives, as training does" if native
-            else "# gloo without flat collectives in this torch: reduce_scatter runs an all-reduce of the whole buffer "
-                 "and all_gather a list all-gather, as training does")
+        say("# gloo: reduce_scatter and all_gather run as in-place all-reduces of the whole buffer, as training "
+            "does (gloo's own copy it through a temporary as large as the buffer; comm.flat_by_all_reduce)")
     max_bytes = args.max_bytes if args.max_bytes is not None else default_max_bytes(backend)
     sizes, s = [], args.min_bytes
     while s <= max_bytes:

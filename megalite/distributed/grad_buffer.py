@@ -213,8 +213,9 @@ class ShardedGradBuffer:
         """A part of p's gradient delivered outside autograd (ZeRO-3's tied output projection,
         zero3.TiedOutputGather), while autograd still accumulates the rest: reduced at once, in
         a bucket-sized buffer of its own (the same collective, in the same order, on every DP
-        rank), so that it is not held until p's other part arrives. It does not count as p's
-        arrival. Without reduce_every_microbatch it waits in the bucket's staging buffer."""
+        rank, completed before returning), so that it is not held until p's other part arrives.
+        It does not count as p's arrival. Without reduce_every_microbatch it waits in the
+        bucket's staging buffer."""
         b = self.layout.param_bucket[p]
         if not self.reduce_every_microbatch:
             self._stage(p, grad, self._staging, b)
@@ -224,6 +225,8 @@ class ShardedGradBuffer:
         self.peak_staging_bytes = max(self.peak_staging_bytes,
                                       self._staging_bytes() + own[b].numel() * own[b].element_size())
         self._reduce(b, own[b])
+        while self._in_flight:  # not left in flight: the point is to drop the [V, h] gradient now
+            self._finish_oldest()
 
     def _accumulate(self, p: torch.nn.Parameter) -> None:
         b = self.layout.param_bucket[p]

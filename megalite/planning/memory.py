@@ -13,9 +13,9 @@ Memory per GPU (Megatron-LM's accounting, bytes per parameter; d = DP size), for
   working set  ZeRO-2/3 only, what comes and goes during a step: gradients pass through
              bucket-sized fp32 staging buffers (at most 4 at once: 2 reducing, 2 filling, so the
              4 biggest buckets);
-             ZeRO-3 gathers whole parameters per unit (the chunk's own: output layer, final
-             norm; plus the two biggest of the embedding and the layers: the one in use and the
-             prefetched next), in the parameter dtype
+             ZeRO-3 gathers whole parameters per unit (the chunk's own: an untied output layer,
+             the final norm; plus the biggest of the embedding and the layers in use, and with
+             --overlap-param-gather the prefetched next one too), in the parameter dtype
   padding    each bucket is padded to a multiple of d: at most (d-1) elements per bucket of the
              parameter and gradient buffers, stated as a bound, not added to the total
   activations  Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
@@ -178,8 +178,9 @@ def stage_activation_bytes(c, pp_rank: int, rebuilt: bool = True) -> float:
 
 def unit_params(c, pp_rank: int) -> tuple[int, list[int]]:
     """ZeRO-3 units of one GPU of stage `pp_rank` (distributed/zero3.py): (the largest chunk's own
-    unit: output layer, final norm, and the word embedding when it is the output layer too; the
-    other units: embedding and layers), in elements."""
+    unit: an untied output layer and the final norm; the other units: embedding and layers), in
+    elements. A word embedding that is the output layer too is the embedding's unit, gathered
+    again for the output projection alone."""
     h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
     p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
     sharded, replicated = layer_params(c)
@@ -192,9 +193,7 @@ def unit_params(c, pp_rank: int) -> tuple[int, list[int]]:
         n = 0
         if post:
             n += h * (2 if c.model.normalization == "LayerNorm" else 1) + (word if (not tied or not pre) else 0)
-        if pre and post and tied:
-            n += word + pos
-        elif pre:
+        if pre:
             units.append(word + pos)
         own = max(own, n)
     return own, units
@@ -246,8 +245,8 @@ def strategy_bytes(c, pp_rank: int, strategy: ShardingStrategy) -> dict:
     gathered = staging = 0.0
     if s_grads:
         staging = 4 * sum(sorted(bucket_sizes(c, pp_rank, strategy))[-4:])
-    if s_params:
-        gathered = (own + sum(sorted(units)[-2:])) * pb
+    if s_params:  # the unit in use, and with --overlap-param-gather the next one, prefetched
+        gathered = (own + sum(sorted(units)[-(2 if c.ddp.overlap_param_gather else 1):])) * pb
     out = {"params": n * pb / (d if s_params else 1), "grads": 4 * n / (d if s_grads else 1),
            "optimizer": optimizer * (1 - offload), "optimizer_host": optimizer * offload,
            "working_set": gathered + staging, "gathered_params": gathered, "staging_grads": staging,
