@@ -242,8 +242,7 @@ def all_gather_flat(shard: torch.Tensor, full: torch.Tensor, group, async_op: bo
         rank = group_rank(group)
         if shard.data_ptr() != blocks[rank].data_ptr():
             blocks[rank].copy_(shard)
-        if rank > 0:
-            blocks[:rank].zero_()
+        blocks[:rank].zero_()
         blocks[rank + 1:].zero_()
         fn, fn_args, name = dist.all_reduce, (full,), "all_gather (all_reduce on gloo)"
     else:

@@ -161,26 +161,26 @@ class TiedOutputGather:
             for b in self.buckets:
                 self.schedule.params.free(b)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, sp_group=None) -> torch.Tensor:
-        """x: [s, b, h] ([s/tp, b, h] under sequence parallelism, gathered here) -> [s, b, v/tp]."""
-        return _GatheredWeightLinear.apply(x, weight, self, sp_group)
+    def linear(self, x: torch.Tensor, sp_group=None) -> torch.Tensor:
+        """x: [s, b, h] ([s/tp, b, h] under sequence parallelism, gathered here) -> x·Eᵀ [s, b, v/tp]."""
+        return _GatheredWeightLinear.apply(x, self, sp_group)
 
 
 class _GatheredWeightLinear(torch.autograd.Function):
     """Y = X·Wᵀ for a weight gathered only while the product runs. W is not saved for backward
-    (its storage is freed in between); its gradient goes to the gradient buffer, not to autograd
-    (None for W), so the other use of the tied weight (the embedding lookup) is the only one
-    autograd accumulates. Under sequence parallelism X is all-gathered in forward and again in
+    (its storage is freed in between) nor an input of the function: its gradient goes to the
+    gradient buffer, not to autograd, so the other use of the tied weight (the embedding lookup)
+    is the only one autograd accumulates. Under sequence parallelism X is all-gathered in forward and again in
     backward, as in tensor_parallel.mappings._LinearWithSPGather."""
 
     @staticmethod
-    def forward(ctx, x, weight, owner, sp_group):
+    def forward(ctx, x, owner, sp_group):
         ctx.save_for_backward(x)
         ctx.owner, ctx.sp_group = owner, sp_group
         total = comm.all_gather(x, sp_group, dim=0) if sp_group is not None else x
         owner.acquire()
         try:
-            return torch.nn.functional.linear(total, weight)
+            return torch.nn.functional.linear(total, owner.weight)
         finally:
             owner.release()
 
@@ -197,4 +197,4 @@ class _GatheredWeightLinear(torch.autograd.Function):
             total = comm.all_gather(x, group, dim=0)
         grad_2d = grad.reshape(-1, grad.size(-1))  # [s·b, v/tp]
         owner.grads.add_partial(owner.weight, grad_2d.t().matmul(total.reshape(-1, total.size(-1))))
-        return grad_x, None, None, None
+        return grad_x, None, None

@@ -183,7 +183,7 @@ class GPTModel(nn.Module):
         sp_group = self.tp_group if self.execution.sequence_parallel else None
         if self.output_weight_gather is not None:  # ZeRO-3, tied: the embedding gathered for this product only
             logits = self.output_weight_gather.linear(x if sp_group else copy_to_tp(x, self.tp_group),
-                                                      self.output_weight(), sp_group)  # [s, b, v/tp]
+                                                      sp_group)  # [s, b, v/tp]
         elif sp_group is not None:  # the [s, b, h] gathered input is not kept for backward
             logits = linear_with_sp_gather(x, self.output_weight(), None, self.tp_group)  # [s, b, v/tp]
         else:
