@@ -193,6 +193,18 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     return out.movedim(0, dim) if dim != 0 else out
 
 
+def all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Rows [sum(input_splits[:j]), +input_splits[j]) of `tensor` go to group rank j; rank j's
+    rows for this rank arrive in block j of the result (uneven splits: MoE token dispatch)."""
+    if group_size(group) == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((sum(output_splits),) + tuple(tensor.shape[1:]))
+    _blocking("all_to_all", group, dist.all_to_all_single, out, tensor, output_split_sizes=list(output_splits),
+              input_split_sizes=list(input_splits), group=group)
+    return out
+
+
 def flat_by_all_reduce(group) -> bool:
     """Whether the flat reduce-scatter and all-gather of ZeRO's buckets run as in-place
     all-reduces on `group`: on gloo. Its reduce-scatter and all-gather (flat or list form, sync

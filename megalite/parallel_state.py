@@ -15,6 +15,15 @@ gradients are reduced (and ZeRO-1 shards the optimizer) over the data-parallel x
 context-parallel group, `dp_cp_group` (Megatron's get_data_parallel_group(with_context_parallel=
 True)); the data sampler still splits samples over `dp_group` only.
 
+Expert parallelism (MoE) cuts the DP x CP ranks of each (tp, pp) again, as Megatron-LM's expert
+grid "tp-ep-dp-pp" with expert TP = TP: with k = cp + CP·dp the rank's place among them,
+
+    ep = k mod EP,   expert-dp = k div EP
+
+so an EP group is EP consecutive DP x CP ranks (each holding other experts of every MoE layer,
+tokens exchanged by all-to-all), and an expert's replicas, over which its gradients are reduced
+and its optimizer state sharded, form the expert-data-parallel group of DP x CP / EP ranks.
+
 The grid itself is pure arithmetic (`RankGrid`), testable without torch.distributed;
 `ParallelState` adds the process groups for one rank. There is no hidden global: the trainer
 builds one `ParallelState` and passes it to whatever needs it.
@@ -42,6 +51,7 @@ class RankGrid:
     pp: int = 1
     order: str = "tp-cp-dp-pp"
     cp: int = 1
+    ep: int = 1  # expert parallelism: a divisor of DP x CP
 
     def __post_init__(self):
         if self.order in LEGACY_ORDERS:
@@ -53,9 +63,25 @@ class RankGrid:
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
                 f"({self.tp}) x --pipeline-model-parallel-size ({self.pp}) x --context-parallel-size ({self.cp})")
 
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"--expert-model-parallel-size ({self.ep}) does not divide DP x CP ({self.dp * self.cp})")
+        if self.ep > 1 and self.order != "tp-cp-dp-pp":
+            raise ValueError("expert parallelism needs the rank order tp-cp-dp-pp")
+
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp * self.cp)
+
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(EP groups, expert-data-parallel groups): each (tp, pp)'s DP x CP ranks, k = cp + CP·dp,
+        cut into EP-sized runs of consecutive k (EP groups) and the ranks k apart by EP
+        (expert-DP groups)."""
+        ep_groups, edp_groups = [], []
+        for g in self.groups("dp", "cp"):
+            by_k = sorted(g, key=lambda r: (self.coords(r)["dp"], self.coords(r)["cp"]))
+            ep_groups += [sorted(by_k[i:i + self.ep]) for i in range(0, len(by_k), self.ep)]
+            edp_groups += [sorted(by_k[i::self.ep]) for i in range(self.ep)]
+        return sorted(ep_groups), sorted(edp_groups)
 
     def _dims(self) -> list[str]:
         return self.order.split("-")
@@ -117,12 +143,17 @@ class ParallelState:
     dp_cp_group: object = None  # gradient reduction / ZeRO-1 sharding: DP x CP
     mp_group: object = None
     embedding_group: object = None
+    ep_group: object = None  # expert parallelism: other experts, tokens exchanged
+    expert_dp_group: object = None  # an expert's replicas: its gradient reduction, ZeRO sharding
+    tp_dp_cp_group: object = None  # every rank of this pipeline stage: MoE token counts
     pp_ranks: list[int] = field(default_factory=lambda: [0])
     tp_ranks: list[int] = field(default_factory=lambda: [0])
     dp_ranks: list[int] = field(default_factory=lambda: [0])
     cp_ranks: list[int] = field(default_factory=lambda: [0])
     dp_cp_ranks: list[int] = field(default_factory=lambda: [0])
     embedding_ranks: list[int] = field(default_factory=lambda: [0])
+    ep_ranks: list[int] = field(default_factory=lambda: [0])
+    expert_dp_ranks: list[int] = field(default_factory=lambda: [0])
 
     # -- sizes and ranks ------------------------------------------------------------------------
     @property
@@ -148,6 +179,22 @@ class ParallelState:
     @property
     def dp_cp_size(self) -> int:
         return self.grid.dp * self.grid.cp
+
+    @property
+    def ep_size(self) -> int:
+        return self.grid.ep
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.dp_cp_size // self.grid.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep_ranks.index(self.rank) if self.ep_size > 1 else 0
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.expert_dp_ranks.index(self.rank) if self.expert_dp_size > 1 else 0
 
     @property
     def cp_rank(self) -> int:
@@ -197,7 +244,8 @@ class ParallelState:
 
     def describe(self) -> str:
         cp = f" x CP {self.cp_size}" if self.cp_size > 1 else ""
-        return (f"world {self.world_size} = TP {self.tp_size}{cp} x PP {self.pp_size} x DP {self.dp_size}"
+        ep = f", EP {self.ep_size} x expert-DP {self.expert_dp_size}" if self.ep_size > 1 else ""
+        return (f"world {self.world_size} = TP {self.tp_size}{cp} x PP {self.pp_size} x DP {self.dp_size}{ep}"
                 f" (order {self.grid.order}" + (f", {self.vpp} virtual stages" if self.vpp > 1 else "")
                 + ")")
 
@@ -218,15 +266,15 @@ def single_process_state() -> ParallelState:
 
 
 def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp",
-               timeout_minutes: float | None = None, cp: int = 1) -> ParallelState:
+               timeout_minutes: float | None = None, cp: int = 1, ep: int = 1) -> ParallelState:
     """Create every process group of the grid; torch.distributed must already be initialised
     (or the world must be a single process). `timeout_minutes` bounds each group's collectives
     (new groups do not inherit the default group's timeout: torch gives them its own default)."""
     if not dist.is_initialized():
-        grid = RankGrid(1, tp, pp, order, cp)
+        grid = RankGrid(1, tp, pp, order, cp, ep)
         return ParallelState(grid=grid, vpp=vpp)
     world, rank = dist.get_world_size(), dist.get_rank()
-    grid = RankGrid(world, tp, pp, order, cp)
+    grid = RankGrid(world, tp, pp, order, cp, ep)
     ps = ParallelState(grid=grid, rank=rank, vpp=vpp)
 
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes is not None else None
@@ -245,6 +293,10 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp
     ps.cp_group, ps.cp_ranks = make(grid.groups("cp"))
     ps.dp_cp_group, ps.dp_cp_ranks = make(grid.groups("dp", "cp"))
     ps.mp_group, _ = make(grid.groups("tp", "pp"))
+    ps.tp_dp_cp_group, _ = make(grid.groups("tp", "dp", "cp"))
+    ep_groups, edp_groups = grid.expert_groups()
+    ps.ep_group, ps.ep_ranks = make(ep_groups)
+    ps.expert_dp_group, ps.expert_dp_ranks = make(edp_groups)
     emb = make(grid.embedding_groups())
     # ranks outside the first/last stage belong to no embedding group
     if emb is not None:

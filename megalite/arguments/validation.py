@@ -29,6 +29,7 @@ from .data import check_data
 from .errors import fail, flag
 from .model import check_attention_backend, check_context_parallel, check_model_shape, check_precision, \
     check_recompute
+from .moe import check_moe
 from .paths import check_paths
 
 
@@ -44,6 +45,7 @@ def validate(config: RunConfig, world_size: int | None = None, check_files: bool
     _check_refused(c)
     _check_layout(c)
     check_model_shape(c)
+    check_moe(c)
     check_context_parallel(c)
     check_recompute(c)
     check_data(c)

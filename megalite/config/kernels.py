@@ -30,5 +30,11 @@ class KernelConfig:
         "--cross-entropy-loss-fusion", False, "the fused vocabulary-parallel cross entropy (one all-reduce of "
         "[target logit, sum of exp] instead of two; the same loss)", action="store_true")
 
+    # experts (model/moe/experts.py)
+    moe_grouped_gemm: bool = flag(
+        "--moe-grouped-gemm", False, "each MoE layer's local experts as one torch._grouped_mm per projection instead "
+        "of a loop over experts (the same numbers; the loop where the shapes are not 16-byte aligned)",
+        action="store_true")
+
 
 __all__ = ["ATTENTION_BACKENDS", "KernelConfig"]

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from .fields import AT_LEAST_1, POSITIVE, PROBABILITY, derived, flag
+from .fields import AT_LEAST_1, NON_NEGATIVE, POSITIVE, PROBABILITY, derived, flag
+from .moe import moe_layer_pattern
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -81,6 +82,47 @@ class GPTConfig:
         "--rotary-seq-len-interpolation-factor", None, "RoPE position interpolation: positions are divided by this",
         type=float)
 
+    # -- Mixture of Experts (model/moe/; Megatron-LM's --num-experts and --moe-* flags) ----------
+    num_experts: int | None = flag("--num-experts", None, "experts per MoE layer (>= 2); none: a dense model",
+                                   type=int, check=AT_LEAST_1)
+    moe_ffn_hidden_size: int | None = flag("--moe-ffn-hidden-size", None,
+                                           "each expert's hidden size (>= 1; default --ffn-hidden-size)", type=int,
+                                           check=AT_LEAST_1)
+    moe_router_topk: int = flag("--moe-router-topk", 2, "experts per token k (>= 1, <= --num-experts)",
+                                check=AT_LEAST_1)
+    # an int k: every k-th layer (layer i is MoE when i % k == 0); or a list of 0/1 per layer
+    moe_layer_freq: str = flag("--moe-layer-freq", "1", "which layers are MoE: k (every k-th, from the first) or "
+                               "a Python list of 0/1 per layer, e.g. '([0]+[1]*3)*2'", type=str)
+    moe_router_load_balancing_type: str = flag(
+        "--moe-router-load-balancing-type", "aux_loss", "aux_loss (Switch/GShard, over the micro-batch), "
+        "seq_aux_loss (per sequence, DeepSeek-V2) or none", choices=["aux_loss", "seq_aux_loss", "none"])
+    moe_aux_loss_coeff: float = flag("--moe-aux-loss-coeff", 0.0, "weight of the load-balancing loss (>= 0)",
+                                     check=NON_NEGATIVE)
+    moe_z_loss_coeff: float | None = flag("--moe-z-loss-coeff", None, "weight of the router z-loss (ST-MoE; >= 0)",
+                                          type=float, check=NON_NEGATIVE)
+    moe_router_score_function: str = flag("--moe-router-score-function", "softmax", "router scores",
+                                          choices=["softmax", "sigmoid"])
+    moe_router_pre_softmax: bool = flag(
+        "--moe-router-pre-softmax", False, "softmax over all experts before top-k (Qwen2-MoE without norm_topk_prob) "
+        "instead of over the k selected logits (Mixtral)", action="store_true")
+    moe_router_enable_expert_bias: bool = flag(
+        "--moe-router-enable-expert-bias", False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to "
+        "the scores for the top-k choice only, moved after each step by --moe-router-bias-update-rate towards "
+        "balance (needs --moe-router-score-function sigmoid)", action="store_true")
+    moe_router_bias_update_rate: float = flag("--moe-router-bias-update-rate", 1e-3,
+                                              "step of the expert-bias update (>= 0)", check=NON_NEGATIVE)
+    moe_shared_expert_intermediate_size: int | None = flag(
+        "--moe-shared-expert-intermediate-size", None, "hidden size of the shared expert every token goes through "
+        "(>= 1); none: no shared expert", type=int, check=AT_LEAST_1)
+    moe_shared_expert_gate: bool = flag("--moe-shared-expert-gate", False, "a sigmoid gate on the shared expert's "
+                                        "output (Qwen2-MoE)", action="store_true")
+    moe_expert_capacity_factor: float | None = flag(
+        "--moe-expert-capacity-factor", None, "token dropping: each expert takes at most ceil(tokens x k / experts x "
+        "this) of a rank's tokens (> 0); none: dropless", type=float, check=POSITIVE)
+    moe_token_drop_policy: str = flag("--moe-token-drop-policy", "probs", "with a capacity: which tokens an "
+                                      "over-full expert keeps (the highest probabilities, or the first)",
+                                      choices=["probs", "position"])
+
     def __post_init__(self):
         # defaults for configs built in code; validation sets them from the flags (with the SwiGLU rule)
         if self.hidden_size is None or self.num_attention_heads is None:
@@ -91,6 +133,14 @@ class GPTConfig:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:
             self.kv_channels = self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether (0-based, global) layer `layer_number` has an MoE MLP."""
+        return bool(self.num_experts) and moe_layer_pattern(self.moe_layer_freq, self.num_layers)[layer_number]
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     def rope_scaling(self) -> dict | None:
         """The llama3 scaling parameters for RotaryEmbedding, None without --use-rope-scaling."""

@@ -23,6 +23,14 @@ class ParallelConfig:
         "CP (>= 1): each sequence split over this many ranks (2·CP chunks, rank r keeps chunks r and 2·CP-1-r); "
         "keys/values all-gathered for exact attention; gradients reduced and ZeRO-1 sharded over DP x CP. "
         "--seq-length must divide by 2·CP (2·CP·TP with --sequence-parallel)", check=AT_LEAST_1)
+    expert_model_parallel_size: int = flag(
+        "--expert-model-parallel-size", 1, "EP (>= 1): each MoE layer's experts split over this many ranks, taken "
+        "from the DP x CP ranks (which must divide by it); expert weights are data-parallel over the remaining "
+        "DP x CP / EP ranks", check=AT_LEAST_1)
+    moe_token_dispatcher_type: str = flag(
+        "--moe-token-dispatcher-type", "allgather", "how tokens reach their experts across EP ranks: allgather "
+        "(every rank sees the EP group's tokens) or alltoall (each token sent to its experts' ranks only)",
+        choices=["allgather", "alltoall"])
     # a name of pipeline_parallel/schedules.py's SCHEDULES (checked by validation; torch-free here)
     pipeline_schedule: str | None = flag(
         "--pipeline-schedule", None, "the pipeline schedule by name: no_pipelining (PP 1), 1f1b (one model chunk "
@@ -47,6 +55,7 @@ class ParallelConfig:
         "of a large layout built and stepped on one CPU)", action="store_true")
     world_size: int = derived(1, "WORLD_SIZE at validation")
     data_parallel_size: int = derived(1, "world / (TP x PP x CP)")
+    expert_data_parallel_size: int = derived(1, "DP x CP / EP: the replicas of each expert")
     virtual_pipeline_model_parallel_size: int = derived(1, "layers / (PP x --num-layers-per-virtual-pipeline-stage)")
     rank_order: str = derived("tp-cp-dp-pp", "from --use-tp-pp-dp-mapping")
 

@@ -24,6 +24,8 @@ class ExecutionConfig:
     use_flash_attn: bool = False
     attention_softmax_in_fp32: bool = False  # --attention-backend local's softmax with 16-bit activations
     cross_entropy_loss_fusion: bool = False
+    moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall (model/moe/dispatcher.py)
+    moe_grouped_gemm: bool = False  # model/moe/experts.py
 
     def __post_init__(self):
         from ..config.parallel import RecomputeConfig  # the recompute fields' own checks
@@ -36,7 +38,9 @@ class ExecutionConfig:
                    recompute_method=recompute.recompute_method, recompute_num_layers=recompute.recompute_num_layers,
                    attention_backend=kernels.attention_backend, use_flash_attn=kernels.use_flash_attn,
                    attention_softmax_in_fp32=kernels.attention_softmax_in_fp32,
-                   cross_entropy_loss_fusion=kernels.cross_entropy_loss_fusion)
+                   cross_entropy_loss_fusion=kernels.cross_entropy_loss_fusion,
+                   moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
+                   moe_grouped_gemm=kernels.moe_grouped_gemm)
 
 
 def model_configs(**settings) -> tuple[GPTConfig, ExecutionConfig]:

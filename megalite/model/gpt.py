@@ -27,6 +27,7 @@ from .attention import RotaryEmbedding
 from .config import ExecutionConfig, GPTConfig
 from ..context_parallel.sharding import causal_mask, chunk_positions
 from .init import initialize_parameters
+from .moe import MoELayer
 from .transformer import TransformerBlock
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -72,7 +73,11 @@ class Embedding(nn.Module):
 class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, pre_process: bool = True,
                  post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None,
-                 device=None, cp_group=None, execution: ExecutionConfig | None = None):
+                 device=None, cp_group=None, execution: ExecutionConfig | None = None, ep_group=None,
+                 token_group=None):
+        """`ep_group`: the expert-parallel ranks of MoE layers; `token_group`: the ranks that hold
+        the rest of each micro-batch's tokens (TP under sequence parallelism, x CP), over which
+        MoE routers sum their load statistics."""
         super().__init__()
         execution = ExecutionConfig() if execution is None else execution
         self.config, self.execution, self.tp_group, self.cp_group = config, execution, tp_group, cp_group
@@ -93,7 +98,7 @@ class GPTModel(nn.Module):
                                        config.rope_scaling(), config.rotary_seq_len_interpolation_factor, device)
                        if config.position_embedding_type == "rope" else None)
         self.decoder = TransformerBlock(config, execution, tp_group, rng_tracker, layer_offset, num_layers,
-                                        post_process, device, cp_group)
+                                        post_process, device, cp_group, ep_group, token_group)
         self.output_layer = None
         # ZeRO-3 sets it (distributed/zero3.py TiedOutputGather) when the output layer is the word
         # embedding of this chunk: the projection then gathers the embedding for itself
@@ -140,6 +145,10 @@ class GPTModel(nn.Module):
         gathered for the chunk's. When the word embedding is also this chunk's output layer, the
         output projection gathers it again for itself (`output_weight_gather`)."""
         return ([self.embedding] if self.pre_process else []) + list(self.decoder.layers)
+
+    def moe_layers(self) -> list[tuple[int, nn.Module]]:
+        """(global layer number, MoELayer) of this chunk's MoE layers."""
+        return [(layer.layer_number, layer.mlp) for layer in self.decoder.layers if isinstance(layer.mlp, MoELayer)]
 
     def output_weight_is_tied_here(self) -> bool:
         """The word embedding is this chunk's output layer too (one pipeline stage, tied)."""

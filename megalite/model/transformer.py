@@ -6,17 +6,18 @@
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..recompute import recompute
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
+from ..tensor_parallel import set_init
 from ..tensor_parallel.param_info import param_info
 from .attention import SelfAttention
 from .config import ExecutionConfig, GPTConfig
+from .mlp import MLP
+from .moe import MoELayer
 
 
 class Norm(nn.Module):
@@ -52,36 +53,9 @@ class Norm(nn.Module):
         return F.rms_norm(x, (x.size(-1),), weight, self.eps)
 
 
-class MLP(nn.Module):
-    """h -> ffn -> h. fc1 is column-parallel, fc2 row-parallel; SwiGLU (Shazeer 2020, Eq. 6)
-    fuses [gate; up] into fc1 with stride 2, so each rank holds its slice of both halves."""
-
-    def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, device=None):
-        super().__init__()
-        self.swiglu = config.swiglu
-        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
-        std, out_std = config.init_method_std, config.init_method_std / math.sqrt(2.0 * config.num_layers)
-        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=execution.sequence_parallel,
-                      dtype=execution.params_dtype, device=device)
-        fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
-        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_out, init_std=std,
-                                               stride=2 if self.swiglu else 1, **common)
-        self.linear_fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, init_std=out_std, **common)
-
-    def forward(self, x):
-        y = self.linear_fc1(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y, approximate=self.gelu_approximate)
-        return self.linear_fc2(y)
-
-
 class TransformerLayer(nn.Module):
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, rng_tracker=None, layer_number: int = 0,
-                 device=None,
-                 cp_group=None):
+                 device=None, cp_group=None, ep_group=None, token_group=None):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init depend on it
         self.hidden_dropout = config.hidden_dropout
@@ -90,7 +64,8 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = Norm(config, execution, device)
         self.self_attention = SelfAttention(config, execution, tp_group, rng_tracker, device, cp_group)
         self.pre_mlp_layernorm = Norm(config, execution, device)
-        self.mlp = MLP(config, execution, tp_group, device)
+        self.mlp = (MoELayer(config, execution, tp_group, ep_group, token_group, device)
+                    if config.is_moe_layer(layer_number) else MLP(config, execution, tp_group, device))
 
     def _dropout(self, x):
         if not self.training or self.hidden_dropout == 0:
@@ -111,14 +86,16 @@ class TransformerBlock(nn.Module):
     last pipeline stage."""
 
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, rng_tracker=None, layer_offset: int = 0,
-                 num_layers: int | None = None, post_process: bool = True, device=None, cp_group=None):
+                 num_layers: int | None = None, post_process: bool = True, device=None, cp_group=None, ep_group=None,
+                 token_group=None):
         super().__init__()
         n = config.num_layers if num_layers is None else num_layers
         self.layer_offset, self.rng_tracker = layer_offset, rng_tracker
         self.recompute_granularity = execution.recompute_granularity
         self.recompute_method, self.recompute_num_layers = execution.recompute_method, execution.recompute_num_layers
         self.layers = nn.ModuleList(
-            TransformerLayer(config, execution, tp_group, rng_tracker, layer_offset + i, device, cp_group) for i in range(n))
+            TransformerLayer(config, execution, tp_group, rng_tracker, layer_offset + i, device, cp_group, ep_group,
+                             token_group) for i in range(n))
         if self.recompute_granularity == "selective":
             for layer in self.layers:
                 layer.self_attention.recompute_core_attention = True

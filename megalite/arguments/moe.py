@@ -1,0 +1,52 @@
+"""Mixture-of-Experts flags: the MoE layers' shape, the router, and expert parallelism."""
+from __future__ import annotations
+
+from ..config.moe import moe_layer_pattern
+from ..config.run import RunConfig
+from .errors import fail
+
+
+def check_moe(c: RunConfig) -> None:
+    m, p = c.model, c.parallel
+    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    dp_cp = p.data_parallel_size * p.context_parallel_size
+    if not m.num_experts:
+        given = sorted(k for k in c.explicit if k.startswith("model.moe_"))
+        if given or ep > 1:
+            name = "--expert-model-parallel-size" if ep > 1 else "--" + given[0][len("model."):].replace("_", "-")
+            fail(f"{name} needs --num-experts (an MoE model)")
+        p.expert_data_parallel_size = dp_cp
+        return
+    e, k = m.num_experts, m.moe_router_topk
+    if k > e:
+        fail(f"--moe-router-topk ({k}) exceeds --num-experts ({e})")
+    try:
+        moe_layer_pattern(m.moe_layer_freq, m.num_layers)
+    except ValueError as why:
+        fail(f"--moe-layer-freq must be {why}")
+    if m.add_bias_linear:
+        fail("--num-experts needs --disable-bias-linear: megalite's experts and shared expert have no biases")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        fail("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as Megatron-LM: the bias "
+             "shifts sigmoid scores, which are not normalised over experts)")
+    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
+        fail("--moe-router-pre-softmax applies to --moe-router-score-function softmax")
+    if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
+        fail("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+    ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    for name, size in (("--moe-ffn-hidden-size", ffn),
+                       ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size)):
+        if size and size % tp:
+            fail(f"{name} ({size}) is not divisible by --tensor-model-parallel-size ({tp})")
+    if tp > 1 and not p.sequence_parallel:
+        fail("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron-LM: "
+             "each TP rank routes its own slice of the tokens)")
+    if e % ep:
+        fail(f"--num-experts ({e}) is not divisible by --expert-model-parallel-size ({ep})")
+    if dp_cp % ep:
+        fail(f"--expert-model-parallel-size ({ep}) must divide DP x CP ({p.data_parallel_size} x "
+             f"{p.context_parallel_size}): expert-parallel ranks are taken from the data- and context-parallel ones")
+    if ep > 1 and p.use_tp_pp_dp_mapping:
+        fail("--expert-model-parallel-size > 1 with --use-tp-pp-dp-mapping is not supported: the expert grid "
+             "(TP-EP-DP-PP) must keep the dense grid's pipeline groups, which the TP-CP-PP-DP order does not")
+    p.expert_data_parallel_size = dp_cp // ep

@@ -1,0 +1,86 @@
+"""The experts one rank holds: E/EP SwiGLU or GeLU MLPs, each split over TP like the dense MLP
+(fc1 column-parallel, [gate; up] with stride 2 for SwiGLU; fc2 row-parallel), but without the
+collectives of the tensor-parallel linears: the dispatcher has already gathered the TP group's
+tokens, and the partial fc2 outputs are summed by its reduce-scatter.
+
+Each expert's weights are parameters of their own, named by the global expert index
+(`experts.local_experts.{e}.linear_fc1.weight`, Megatron-LM's SequentialMLP names), so
+initialisation, checkpoints (resharding over EP included) and the Hugging Face conversion treat
+them like any other weight. --moe-grouped-gemm stacks the local experts' weights and runs one
+`torch._grouped_mm` per projection over the tokens sorted by expert; the loop computes the same
+products one expert at a time. Every local expert runs, with zero tokens too, so each has a
+gradient every micro-batch (gradient buckets count arrivals)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import comm
+from ...tensor_parallel import set_init
+from ...tensor_parallel.layers import set_tp_attributes
+from ..config import ExecutionConfig, GPTConfig
+
+
+class Expert(nn.Module):
+    def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp: int, device=None):
+        super().__init__()
+        h, ffn = config.hidden_size, config.expert_ffn_hidden_size // tp
+        std, out_std = config.init_method_std, config.init_method_std / math.sqrt(2.0 * config.num_layers)
+        dtype, swiglu = execution.params_dtype, config.swiglu
+        self.linear_fc1, self.linear_fc2 = nn.Module(), nn.Module()
+        self.linear_fc1.weight = nn.Parameter(torch.empty(ffn * (2 if swiglu else 1), h, dtype=dtype, device=device))
+        set_tp_attributes(self.linear_fc1.weight, 0, stride=2 if swiglu else 1)
+        set_init(self.linear_fc1.weight, "normal", std)
+        self.linear_fc2.weight = nn.Parameter(torch.empty(h, ffn, dtype=dtype, device=device))
+        set_tp_attributes(self.linear_fc2.weight, 1)
+        set_init(self.linear_fc2.weight, "normal", out_std)
+
+
+def grouped_mm_fits(*dims_and_dtype) -> bool:
+    """torch._grouped_mm exists and its operands' rows are 16-byte aligned."""
+    *dims, dtype = dims_and_dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    return hasattr(torch, "_grouped_mm") and all(d * size % 16 == 0 for d in dims)
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    y = torch._grouped_mm(x, w, offs=offs)
+    if y.requires_grad:  # the kernel's backward refuses a broadcast (stride-0) gradient
+        y.register_hook(lambda g: g.contiguous())
+    return y
+
+
+class LocalExperts(nn.Module):
+    def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, ep_group, device=None):
+        super().__init__()
+        ep, ep_rank, tp = comm.group_size(ep_group), comm.group_rank(ep_group), comm.group_size(tp_group)
+        self.num_local = config.num_experts // ep
+        self.first = ep_rank * self.num_local  # global index of the first local expert
+        self.swiglu, self.gelu_approximate = config.swiglu, "tanh" if config.openai_gelu else "none"
+        self.local_experts = nn.ModuleDict(
+            {str(self.first + i): Expert(config, execution, tp, device) for i in range(self.num_local)})
+        ffn = config.expert_ffn_hidden_size // tp
+        self.grouped = execution.moe_grouped_gemm and grouped_mm_fits(config.hidden_size, ffn,
+                                                                      execution.params_dtype)
+
+    def _activation(self, y: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(y, approximate=self.gelu_approximate)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [N, h]: tokens sorted by local expert, counts[i] of them for expert i -> [N, h]
+        (a partial sum over TP)."""
+        experts = list(self.local_experts.values())
+        if self.grouped:
+            offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+            w1 = torch.stack([e.linear_fc1.weight.t() for e in experts])  # [E_local, h, fc1_out]
+            w2 = torch.stack([e.linear_fc2.weight.t() for e in experts])  # [E_local, ffn, h]
+            return _grouped_mm(self._activation(_grouped_mm(x, w1, offs)), w2, offs)
+        outs = [F.linear(self._activation(F.linear(part, e.linear_fc1.weight)), e.linear_fc2.weight)
+                for part, e in zip(x.split(counts), experts)]
+        return torch.cat(outs) if outs else x[:0]

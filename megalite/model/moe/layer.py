@@ -1,0 +1,72 @@
+"""The Mixture-of-Experts MLP (Shazeer et al. 2017; Fedus et al. 2021; Jiang et al. 2024,
+Mixtral): y = Σ_{e in top-k(x)} p_e(x) · Expert_e(x) [+ shared expert(x)], in place of a layer's
+dense MLP. x: [s, b, h] ([s/tp, b, h] under sequence parallelism)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...tensor_parallel import set_init
+from ...tensor_parallel.param_info import param_info
+from ..config import ExecutionConfig, GPTConfig
+from ..mlp import MLP
+from .dispatcher import TokenDispatcher
+from .experts import LocalExperts
+from .router import TopKRouter
+
+
+class _AttachLoss(torch.autograd.Function):
+    """The identity on the layer's output whose backward also starts the router's loss with
+    gradient `scale` (Megatron-LM's MoEAuxLossAutoScaler): the loss trains the router on every
+    pipeline stage without travelling to the last one."""
+
+    @staticmethod
+    def forward(ctx, out, loss, scale):
+        ctx.scale = scale
+        ctx.save_for_backward(loss)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, ep_group=None, token_group=None,
+                 device=None):
+        """`ep_group`: the expert-parallel ranks (each holds num_experts / EP experts);
+        `token_group`: the ranks holding the rest of each micro-batch's tokens (TP under sequence
+        parallelism, x CP), over which the router's load statistics are summed."""
+        super().__init__()
+        self.token_group = token_group
+        self.router = TopKRouter(config, execution, device)
+        self.experts = LocalExperts(config, execution, tp_group, ep_group, device)
+        self.dispatcher = TokenDispatcher(execution.moe_token_dispatcher_type, config.num_experts, tp_group, ep_group)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size:
+            shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+            self.shared_experts = MLP(shared, execution, tp_group, device)
+            if config.moe_shared_expert_gate:  # Qwen2-MoE: sigmoid(x · w) scales the shared output
+                self.shared_experts.gate_weight = nn.Parameter(
+                    torch.empty(1, config.hidden_size, dtype=execution.params_dtype, device=device))
+                set_init(self.shared_experts.gate_weight, "normal", config.init_method_std)
+                param_info(self.shared_experts.gate_weight).sequence_parallel = execution.sequence_parallel
+        # d(objective)/d(router loss) of each micro-batch, set by the trainer every iteration
+        self.aux_loss_scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)
+        routing = self.router(tokens, self.token_group, (s, b))
+        out = self.dispatcher(tokens, routing, self.experts).view(s, b, h)
+        if self.shared_experts is not None:
+            y = self.shared_experts(x)
+            gate = getattr(self.shared_experts, "gate_weight", None)
+            out = out + (y if gate is None else torch.sigmoid(F.linear(x, gate)) * y)
+        if routing.loss is not None and torch.is_grad_enabled():
+            out = _AttachLoss.apply(out, routing.loss, self.aux_loss_scale)
+        return out

@@ -1,0 +1,154 @@
+"""The top-k router: which experts each token goes to, with what weight, and the losses that keep
+the experts evenly loaded. Computed in fp32 whatever the activations' dtype.
+
+Scores (Megatron-LM's topk_softmax_with_capacity):
+  softmax            probs = softmax(top-k logits)           (Mixtral: softmax, top-k, renormalise)
+  softmax, pre       probs = top-k of softmax(logits)        (Qwen2-MoE without norm_topk_prob)
+  sigmoid            s = sigmoid(logits); top-k of s (+ expert bias, for the choice only);
+                     probs = s_topk / sum(s_topk) for k > 1  (DeepSeek-V3)
+
+Losses, each added to the backward of the layer's output (AuxLossInjector) rather than to the
+language-model loss, so a pipeline stage without the loss can train its router:
+  aux_loss      Switch Transformer (Fedus et al. 2021, Eq. 4) with top-k (GShard):
+                coeff · E / (T² k) · Σ_e P_e · f_e,  P_e = Σ_t p_te (all-expert scores), f_e = tokens sent to e
+  seq_aux_loss  the same per sequence, averaged over sequences (DeepSeek-V2, Eq. 12-14)
+  z-loss        coeff · mean_t logsumexp(logits_t)²  (ST-MoE, Zoph et al. 2022, Eq. 5)
+Under sequence or context parallelism each rank holds some of the tokens: f_e, T and the sequence
+length count the whole micro-batch (one all-reduce of the counts over the TP x CP group), the
+scores' sums only this rank's tokens, so the ranks' parts add up to the loss of the whole
+micro-batch and each rank's part carries exactly its tokens' gradient.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import comm
+from ...tensor_parallel import set_init
+from ...tensor_parallel.param_info import param_info
+from ..config import ExecutionConfig, GPTConfig
+
+
+@dataclass
+class Routing:
+    probs: torch.Tensor  # [T, k] fp32 combine weights (0 where a token was dropped)
+    indices: torch.Tensor  # [T, k] int64 expert of each choice
+    kept: torch.Tensor | None  # [T, k] bool: within the expert's capacity (None: dropless)
+    loss: torch.Tensor | None  # this rank's part of the micro-batch's aux + z losses (None: none)
+
+
+def topk_scores(logits: torch.Tensor, k: int, score_function: str, pre_softmax: bool,
+                expert_bias: torch.Tensor | None = None):
+    """(probs [T, k], indices [T, k], scores for the aux loss [T, E]) from fp32 logits [T, E]."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+        if pre_softmax:
+            probs, indices = torch.topk(scores, k, dim=-1)
+        else:
+            top, indices = torch.topk(logits, k, dim=-1)
+            probs = torch.softmax(top, dim=-1)
+        return probs, indices, scores
+    scores = torch.sigmoid(logits)
+    choice = scores if expert_bias is None else scores + expert_bias
+    indices = torch.topk(choice, k, dim=-1).indices
+    probs = scores.gather(1, indices)
+    if k > 1:
+        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    return probs, indices, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def capacity_mask(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, capacity: int,
+                  policy: str) -> torch.Tensor:
+    """[T, k] bool: the choices each expert keeps, at most `capacity` of them: those with the
+    highest probabilities ("probs") or of the earliest tokens ("position")."""
+    T = indices.size(0)
+    chosen = torch.zeros(T, num_experts, dtype=torch.bool, device=indices.device).scatter_(1, indices, True)
+    if policy == "probs":
+        weight = torch.full((T, num_experts), -1.0, dtype=probs.dtype, device=probs.device).scatter_(1, indices, probs)
+        top = torch.topk(weight, min(capacity, T), dim=0).indices  # [capacity, E]: each expert's best tokens
+        keep = torch.zeros_like(chosen).scatter_(0, top, True) & chosen
+    else:
+        keep = chosen & (torch.cumsum(chosen.long(), dim=0) <= capacity)
+    return keep.gather(1, indices)
+
+
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, total_tokens: int, k: int,
+                        coeff: float) -> torch.Tensor:
+    """coeff · E / (T² k) · Σ_e P_e f_e over this rank's scores [T_local, E] and the whole
+    micro-batch's counts [E] (T: its token count)."""
+    E = scores.size(-1)
+    return scores.sum(0).mul(counts).sum() * (coeff * E / (total_tokens * total_tokens * k))
+
+
+def sequence_load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, seq_length: int, k: int,
+                                 coeff: float) -> torch.Tensor:
+    """Per sequence: scores [s_local, b, E], counts [b, E] over whole sequences of `seq_length`
+    tokens; the loss of each sequence, averaged over the b sequences."""
+    E, b = scores.size(-1), scores.size(1)
+    per_seq = (scores.sum(0) * counts).sum(-1) * (E / (seq_length * seq_length * k))  # [b]
+    return per_seq.sum() * (coeff / b)
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, config: GPTConfig, execution: ExecutionConfig, device=None):
+        super().__init__()
+        E, h = config.num_experts, config.hidden_size
+        self.num_experts, self.topk = E, config.moe_router_topk
+        self.score_function, self.pre_softmax = config.moe_router_score_function, config.moe_router_pre_softmax
+        self.balancing, self.aux_coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+        self.z_coeff = config.moe_z_loss_coeff
+        self.capacity_factor, self.drop_policy = config.moe_expert_capacity_factor, config.moe_token_drop_policy
+        self.weight = nn.Parameter(torch.empty(E, h, dtype=execution.params_dtype, device=device))
+        set_init(self.weight, "normal", config.init_method_std)
+        # replicated across TP; under sequence parallelism each TP rank routes other tokens
+        param_info(self.weight).sequence_parallel = execution.sequence_parallel
+        # aux-loss-free balancing: moved by the trainer after each step (moe/balance.py)
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32, device=device)
+                             if config.moe_router_enable_expert_bias else None)
+        # this iteration's tokens per expert on this rank (the bias update and the log read it)
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32, device=device),
+                             persistent=False)
+        self.aux_loss_sum = self.z_loss_sum = None  # this rank's parts, summed over micro-batches
+
+    def forward(self, x: torch.Tensor, token_group, seq_shape: tuple[int, int]) -> Routing:
+        """x [T, h] with T = s_local·b tokens in [s, b] order; `token_group`: the ranks holding
+        the rest of the micro-batch's tokens (TP under sequence parallelism, x CP)."""
+        logits = F.linear(x.float(), self.weight.float())  # [T, E] in fp32
+        probs, indices, scores = topk_scores(logits, self.topk, self.score_function, self.pre_softmax,
+                                             self.expert_bias)
+        kept = None
+        if self.capacity_factor is not None:
+            capacity = math.ceil(x.size(0) * self.topk / self.num_experts * self.capacity_factor)
+            kept = capacity_mask(probs.detach(), indices, self.num_experts, capacity, self.drop_policy)
+            probs = probs * kept
+        with torch.no_grad():
+            routed = torch.zeros(x.size(0), self.num_experts, device=x.device)
+            routed.scatter_(1, indices, 1.0 if kept is None else kept.float())
+            self.tokens_per_expert += routed.sum(0)
+        loss = self._losses(logits, scores, indices, token_group, seq_shape)
+        return Routing(probs, indices, kept, loss)
+
+    def _losses(self, logits, scores, indices, token_group, seq_shape):
+        s_local, b = seq_shape
+        n = comm.group_size(token_group)
+        total = None
+        if self.training and self.balancing != "none" and self.aux_coeff > 0:
+            with torch.no_grad():  # the choices, before any dropping (Megatron-LM's)
+                onehot = torch.zeros_like(scores).scatter_(1, indices, 1.0)
+            if self.balancing == "aux_loss":
+                counts = comm.all_reduce(onehot.sum(0), token_group)
+                total = load_balancing_loss(scores, counts, s_local * b * n, self.topk, self.aux_coeff)
+            else:
+                counts = comm.all_reduce(onehot.view(s_local, b, -1).sum(0), token_group)
+                total = sequence_load_balancing_loss(scores.view(s_local, b, -1), counts, s_local * n, self.topk,
+                                                     self.aux_coeff)
+            self.aux_loss_sum = total.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
+        if self.training and self.z_coeff:
+            z = torch.logsumexp(logits, dim=-1).square().sum() * (self.z_coeff / (s_local * b * n))
+            self.z_loss_sum = z.detach() + (0 if self.z_loss_sum is None else self.z_loss_sum)
+            total = z if total is None else total + z
+        return total
