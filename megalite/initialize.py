@@ -17,6 +17,7 @@ from .checkpoint.state import TrainState
 from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
 from .distributed import DataParallel, get_strategy
+from .distributed.expert_data_parallel import build_data_parallel
 from .model import ExecutionConfig, GPTConfig, GPTModel, pad_vocab_size
 from .model.init import initial_value
 from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
@@ -85,7 +86,8 @@ def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None) ->
                               device_id=device if use_cuda else None)
     ps = parallel_state.initialize(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                    cfg.virtual_pipeline_model_parallel_size, cfg.rank_order,
-                                   timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size)
+                                   timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size,
+                                   ep=cfg.expert_model_parallel_size)
     return ps, device
 
 
@@ -114,9 +116,12 @@ def build_model(config: GPTConfig, ps, seed: int, device: torch.device, on_meta:
     for c, (offset, n) in enumerate(layers):
         chunk = GPTModel(config, ps.tp_group, rng_tracker, pre_process=ps.is_first_stage and c == 0,
                          post_process=ps.is_last_stage and c == ps.vpp - 1, layer_offset=offset, num_layers=n,
-                         device="meta" if on_meta else device, cp_group=ps.cp_group, execution=execution)
+                         device="meta" if on_meta else device, cp_group=ps.cp_group, execution=execution,
+                         ep_group=ps.ep_group, token_group=ps.tp_cp_group)
         if not on_meta:
             chunk.initialize(seed)
+        elif device.type != "meta":
+            chunk.materialize_buffers(device)
         chunks.append(chunk)
     return chunks, rng_tracker
 
@@ -169,8 +174,9 @@ def setup(cfg: RunConfig) -> Run:
     named_params = [(n, p) for m in model for n, p in m.global_named_parameters()]
     names = {p: n for n, p in named_params}
     timers = Timers(t.timing_log_level, device)
-    dp = DataParallel(model, [p for _, p in named_params], ps, cfg.ddp, cfg.training.num_microbatches, device=device,
-                      init_fn=lambda p: initial_value(p, names[p], cfg.training.seed, ps.tp_group), timers=timers)
+    dp = build_data_parallel(model, [p for _, p in named_params], ps, cfg.ddp, cfg.training.num_microbatches,
+                             device=device, init_fn=lambda p: initial_value(p, names[p], cfg.training.seed, ps.tp_group),
+                             timers=timers)
     optimizer = build_optimizer(named_params, cfg.optimizer, dp, ps)
     state = TrainState(ps, model_config, named_params, optimizer, build_lr_scheduler(cfg.optimizer), rng_tracker,
                        device, dataclasses.replace(cfg, model=model_config).to_dict())

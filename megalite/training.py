@@ -21,6 +21,7 @@ from .checkpoint.state import TrainState
 from .config import RunConfig
 from .errors import UserError
 from .initialize import Run, batch_iterators, setup
+from .model.moe import balance as moe_balance
 from .runtime.metrics import Timer, console_line, memory_record, memory_string, num_floating_point_operations, perplexity
 from .runtime.timers import INTERVAL_TIMERS, timers_text
 from .tensor_parallel.param_info import param_info
@@ -158,6 +159,9 @@ def train_step(run: Run) -> dict:
         backward_scale = optimizer.loss_scale / nominal_tokens
     else:  # Megatron-LM's default: the mean over micro-batches (and DP ranks) of each one's token mean
         backward_scale = optimizer.loss_scale / (num_microbatches * state.ps.dp_size)
+    moe = state.model_config.num_experts
+    if moe:  # each micro-batch's router losses weigh as its share of the mean over micro-batches
+        moe_balance.start_iteration(run.model, optimizer.loss_scale / (num_microbatches * state.ps.dp_size))
     stats = forward_backward(run, num_microbatches, backward_scale)
     check, guard = t.check_for_nan_in_loss_and_grad, run.spike_guard
     loss_sum, num_tokens, bad_loss, grad_max, rank_losses = global_loss(
@@ -201,9 +205,21 @@ def train_step(run: Run) -> dict:
             f"Lower --lr or set --clip-grad (--no-check-for-nan-in-loss-and-grad turns this check off)")
     if not update["skipped"]:  # a step skipped for fp16 overflow does not advance the schedule
         scheduler.step(global_batch if scheduler.unit == "samples" else 1)
+        if moe and state.model_config.moe_router_enable_expert_bias:
+            moe_balance.update_expert_bias(run.model, state.ps.tp_dp_cp_group,
+                                           state.model_config.moe_router_bias_update_rate)
     empty_unused_memory(run, 2)
+    moe_stats = moe_metrics(run, num_microbatches * state.ps.dp_size) if moe else {}
     return {"lm_loss": loss, "lr": lr, "decoupled_lr": decoupled_lr,
-            "global_batch_size": global_batch, **update}
+            "global_batch_size": global_batch, **update, **moe_stats}
+
+
+def moe_metrics(run: Run, microbatches: int) -> dict:
+    """The iteration's router losses (means over its micro-batches and MoE layers) and, per MoE
+    layer, the fewest and most tokens an expert received (a collective on every rank)."""
+    c = run.state.model_config
+    return moe_balance.iteration_metrics(run.model, c.num_layers, c.num_experts, microbatches,
+                                         (c.moe_aux_loss_coeff, c.moe_z_loss_coeff), run.state.device)
 
 
 @torch.no_grad()
@@ -356,14 +372,15 @@ def train(run: Run) -> None:
 
 def params_norm(run: Run) -> float:
     """--log-params-norm: the L2 norm of the whole model's parameters, each counted once (from
-    DP rank 0's whole parameters, or under ZeRO-3 from every DP rank's slices)."""
+    the first replica's whole parameters, or under ZeRO-3 from every DP rank's slices)."""
     ps, dp = run.state.ps, run.dp
     t = torch.zeros(1, dtype=torch.float64, device=run.state.device)
     dp.finish_param_sync()  # every rank: pending ZeRO-1/2 gathers would leave stale values
-    if dp.strategy.shards_params or (ps.dp_rank == 0 and ps.cp_rank == 0):
-        for p, _, _, stored in dp.param_pieces():
-            if param_info(p).is_owner(ps.tp_rank):
-                t += stored.detach().double().pow(2).sum()
+    for p, _, _, stored in dp.param_pieces():
+        expert = param_info(p).expert_parallel and ps.ep_size > 1  # replicated over expert-DP only
+        first_replica = (ps.expert_dp_rank if expert else ps.dp_cp_rank) == 0
+        if (dp.strategy.shards_params or first_replica) and param_info(p).is_owner(ps.tp_rank):
+            t += stored.detach().double().pow(2).sum()
     comm.all_reduce(t, comm.world_group())
     return float(t.sqrt())
 
@@ -386,6 +403,16 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
     }
     if out.get("decoupled_lr") is not None:
         record["decoupled_lr"] = out["decoupled_lr"]
+    for key in ("load_balancing_loss", "z_loss"):  # MoE: the logged iteration's
+        if key in out:
+            record[key] = out[key]
+    if "moe_layers" in out:
+        per_layer = {f"layer_{r['layer']}_{k}": v for r in out["moe_layers"] for k, v in r.items()
+                     if k != "layer" and v is not None}
+        record["expert_tokens_min"] = min(r["tokens_min"] for r in out["moe_layers"])
+        record["expert_tokens_max"] = max(r["tokens_max"] for r in out["moe_layers"])
+        run.jsonl.write({"event": "moe", "iteration": state.iteration, "layers": out["moe_layers"]})
+        run.tracker.log(per_layer, state.iteration, "moe")
     if "num_zeros_in_grad" in out:  # --log-num-zeros-in-grad: the logged iteration's
         record["num_zeros_in_grad"] = out["num_zeros_in_grad"]
     if t.log_params_norm:

@@ -148,9 +148,15 @@ def owned_pieces(train_state: TrainState) -> list[tuple]:
     ps, opt = train_state.ps, train_state.optimizer
     pieces = opt.pieces()
     if not opt.distributed:
-        # CP ranks are replicas like DP ranks: whole tensors spread over DP x CP, each written once
-        owners = dp_owners([p.numel() for p, *_ in pieces], ps.dp_cp_size)
-        pieces = [pc for pc, owner in zip(pieces, owners) if owner == ps.dp_cp_rank]
+        # CP ranks are replicas like DP ranks: whole tensors spread over DP x CP, each written
+        # once; under expert parallelism an expert's over its expert-DP group
+        groups = [(pieces, ps.dp_cp_size, ps.dp_cp_rank)]
+        if ps.ep_size > 1:
+            experts = [pc for pc in pieces if param_info(pc[0]).expert_parallel]
+            groups = [([pc for pc in pieces if not param_info(pc[0]).expert_parallel], ps.dp_cp_size, ps.dp_cp_rank),
+                      (experts, ps.expert_dp_size, ps.expert_dp_rank)]
+        pieces = [pc for group, size, rank in groups
+                  for pc, owner in zip(group, dp_owners([p.numel() for p, *_ in group], size)) if owner == rank]
     return [pc for pc in pieces if _tp_owner(pc[0], ps.tp_rank)]
 
 

@@ -65,8 +65,10 @@ def _params_used_by(m: nn.Module):
 
 class DataParallel:
     def __init__(self, model: list[nn.Module], params: list[nn.Parameter], ps, config: DDPConfig,
-                 num_microbatches: int, device=None, init_fn=None, timers=None):
-        """`model`: this rank's chunks; `params`: their parameters in model order. Under ZeRO-3
+                 num_microbatches: int, device=None, init_fn=None, timers=None, experts: bool = False):
+        """`model`: this rank's chunks; `params`: their parameters in model order. `experts`: the
+        params are MoE experts' weights, replicated over the expert-data-parallel group only
+        (expert_data_parallel.py pairs such a DataParallel with the dense one). Under ZeRO-3
         the parameters may be on the meta device: they are materialised on `device` from
         `init_fn(p)` (the TP-local initial value) one at a time, straight into this rank's slices.
         `timers` (runtime.timers.Timers): times the ZeRO-1/2 parameter gathers."""
@@ -76,33 +78,37 @@ class DataParallel:
         self.params = list(params)
         device = device if device is not None else self.params[0].device
         # context-parallel ranks are replicas too (same parameters, other tokens): gradients
-        # are reduced, and state sharded, over DP x CP
-        dp = ps.dp_cp_size
+        # are reduced, and state sharded, over DP x CP (an expert's: over its DP x CP / EP replicas)
+        self.experts = experts
+        self.group, self.group_size = ((ps.expert_dp_group, ps.expert_dp_size) if experts
+                                       else (ps.dp_cp_group, ps.dp_cp_size))
+        dp, group = self.group_size, self.group
         # --grad-reduce-in-bf16: gradients accumulate and are reduced in bf16 (half the bytes)
         grad_dtype = torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32
-        self.layout = BucketLayout(self.params, ps.dp_cp_group, config.ddp_bucket_size,
+        self.layout = BucketLayout(self.params, group, config.ddp_bucket_size,
                                    pad_to=dp if strategy.shards_optimizer else 1, unit_of=self._unit_key(model))
         if any(p.device.type == "meta" for p in self.params) and not strategy.shards_params and device.type != "meta":
             raise ValueError("parameters on the meta device are materialised only under optim_grads_params "
                              "(or stay there for a dry run: device meta)")
         # ZeRO-3 first: materialising swaps tensors, which must happen before hooks are registered
-        self.param_buffer = (ShardedParams(self.layout, ps.dp_cp_group, device, init_fn) if strategy.shards_params
+        self.param_buffer = (ShardedParams(self.layout, group, device, init_fn) if strategy.shards_params
                              else None)
         if strategy.shards_grads:
-            self.grads = ShardedGradBuffer(self.layout, ps.dp_cp_group, config.overlap_grad_reduce, num_microbatches,
+            self.grads = ShardedGradBuffer(self.layout, group, config.overlap_grad_reduce, num_microbatches,
                                            config.reduce_grads_every_microbatch, device, dtype=grad_dtype,
                                            on_round_complete=self._on_round_complete)
         else:
-            self.grads = GradBuffer(self.layout, ps.dp_cp_group, reduce_scatter=strategy.shards_optimizer,
+            self.grads = GradBuffer(self.layout, group, reduce_scatter=strategy.shards_optimizer,
                                     overlap_grad_reduce=config.overlap_grad_reduce,
                                     num_microbatches=num_microbatches, device=device, dtype=grad_dtype)
         self.zero3 = None
         if strategy.shards_params:
             self.zero3 = Zero3Schedule(model, self.param_buffer, prefetch=config.overlap_param_gather and dp > 1,
                                        keep_gathered=config.keep_params_gathered_in_step,
-                                       num_microbatches=num_microbatches, grads=self.grads)
+                                       num_microbatches=num_microbatches, grads=self.grads,
+                                       tied_output=not experts)
         elif strategy.shards_optimizer:
-            self.param_buffer = FlatParamBuffer(self.layout, ps.dp_cp_group)
+            self.param_buffer = FlatParamBuffer(self.layout, group)
         self.embedding_params = [p for p in self.params if param_info(p).embedding_group_sync]
         self.sequence_parallel_params = [p for p in self.params if param_info(p).sequence_parallel]
         self._embedding_buckets = sorted({self.layout.param_bucket[p] for p in self.embedding_params})
@@ -225,7 +231,7 @@ class DataParallel:
     def start_param_sync(self) -> None:
         """After the optimizer wrote its slices: ZeRO-1/2 gather every bucket (overlapped with
         the next forward under --overlap-param-gather). ZeRO-3 gathers on use."""
-        if not self.strategy.shards_optimizer or self.strategy.shards_params or self.ps.dp_cp_size == 1:
+        if not self.strategy.shards_optimizer or self.strategy.shards_params or self.group_size == 1:
             return
         with self._gather_timer():
             if not self.overlap_param_gather:
@@ -298,7 +304,8 @@ class DataParallel:
         parts = []
         if self.strategy.shards_optimizer:
             parts.append(f"{self.strategy.describe()} over DP {self.ps.dp_size}"
-                         + (f" x CP {self.ps.cp_size}" if self.ps.cp_size > 1 else ""))
+                         + (f" x CP {self.ps.cp_size}" if self.ps.cp_size > 1 else "")
+                         if not self.experts else f"experts over expert-DP {self.group_size}")
         if self.config.overlap_grad_reduce:
             parts.append("overlapped grad reduce")
         if self.overlap_param_gather or (self.zero3 is not None and self.zero3.prefetch):

@@ -66,7 +66,7 @@ def backward_needs_params(unit: nn.Module) -> bool:
 
 class Zero3Schedule:
     def __init__(self, model: list[nn.Module], params: ShardedParams, prefetch: bool, keep_gathered: bool,
-                 num_microbatches: int, grads=None):
+                 num_microbatches: int, grads=None, tied_output: bool = True):
         self.params, self.prefetch, self.keep_gathered = params, prefetch, keep_gathered
         self.num_microbatches = num_microbatches
         layout = params.layout
@@ -76,7 +76,9 @@ class Zero3Schedule:
         for chunk in model:
             units = []
             for i, unit in enumerate(unit_modules(chunk)):
-                buckets = sorted({layout.param_bucket[p] for p in unit.parameters() if owner.get(p) is unit})
+                # (under expert parallelism a unit's expert weights belong to another schedule)
+                buckets = sorted({layout.param_bucket[p] for p in unit.parameters()
+                                  if owner.get(p) is unit and p in layout.param_bucket})
                 if buckets or i == 0:
                     units.append(buckets)
                     pos = (len(self.order), len(units) - 1)
@@ -86,7 +88,7 @@ class Zero3Schedule:
                     unit.register_forward_hook(self._post_forward(pos))
             self.order.append(units)
             tied = getattr(chunk, "output_weight_is_tied_here", None)
-            if tied is not None and tied():
+            if tied_output and tied is not None and tied():
                 chunk.output_weight_gather = TiedOutputGather(chunk.output_weight(), self, grads)
 
     # -- hooks -----------------------------------------------------------------------------------

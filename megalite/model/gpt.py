@@ -94,9 +94,7 @@ class GPTModel(nn.Module):
                              "(megalite.tensor_parallel.seed_everything)")
         if pre_process:
             self.embedding = Embedding(config, execution, tp_group, rng_tracker, device)
-        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base,
-                                       config.rope_scaling(), config.rotary_seq_len_interpolation_factor, device)
-                       if config.position_embedding_type == "rope" else None)
+        self.rotary = self._rotary(device)
         self.decoder = TransformerBlock(config, execution, tp_group, rng_tracker, layer_offset, num_layers,
                                         post_process, device, cp_group, ep_group, token_group)
         self.output_layer = None
@@ -153,6 +151,23 @@ class GPTModel(nn.Module):
     def output_weight_is_tied_here(self) -> bool:
         """The word embedding is this chunk's output layer too (one pipeline stage, tied)."""
         return self.pre_process and self.post_process and not self.config.untie_embeddings_and_output_weights
+
+    def _rotary(self, device):
+        c = self.config
+        return (RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base, c.rope_scaling(),
+                                c.rotary_seq_len_interpolation_factor, device)
+                if c.position_embedding_type == "rope" else None)
+
+    def materialize_buffers(self, device) -> None:
+        """A model built on the meta device (ZeRO-3 materialises its parameters): its buffers on
+        `device`: RoPE's frequencies computed again, the others (MoE routers' counts and expert
+        biases) zeros, their initial value."""
+        if self.rotary is not None:
+            self.rotary = self._rotary(device)
+        for module in self.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and buf.is_meta:
+                    module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
 
     def initialize(self, seed: int) -> None:
         initialize_parameters(self.global_named_parameters(), seed, self.tp_group)

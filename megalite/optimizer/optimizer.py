@@ -126,6 +126,12 @@ class MixedPrecisionOptimizer:
         self.master_ndims = [p.ndim for p in self.params]
         self.main_grads = [self.dp.main_grad(p) for p in self.params]
         self.counted = [param_info(p).is_owner(self.ps.tp_rank) for p in self.params]
+        if self.ps.ep_size > 1:
+            # expert weights differ across EP ranks: each replica group (DP x CP for dense
+            # weights, expert-DP for experts) counts once, and the stats are summed over DP x CP
+            ps = self.ps
+            self.counted = [c and (ps.expert_dp_rank if param_info(p).expert_parallel else ps.dp_cp_rank) == 0
+                            for c, p in zip(self.counted, self.params)]
 
     def _master_bytes(self) -> int:
         return 0 if self.fp32_params else sum(m.numel() * m.element_size() for m in self.masters)
@@ -134,7 +140,8 @@ class MixedPrecisionOptimizer:
         """All ranks agree on [squared norm, overflow count]: every DP replica holds the whole
         reduced gradient, so sum over model-parallel ranks and take the max over DP."""
         comm.all_reduce(stats, self.ps.mp_group)
-        comm.all_reduce(stats, self.ps.dp_cp_group, op=torch.distributed.ReduceOp.MAX)
+        comm.all_reduce(stats, self.ps.dp_cp_group,
+                        op=torch.distributed.ReduceOp.SUM if self.ps.ep_size > 1 else torch.distributed.ReduceOp.MAX)
 
     def _attach_grads(self, grads: list[torch.Tensor]) -> None:
         """Give each master its (unscaled, clipped) gradient for the inner optimizer."""

@@ -88,6 +88,11 @@ def console_line(r: dict, train_iters: int, memory: str, eta_s: float, throughpu
         parts.append(f"loss scale: {r['loss_scale']:.1f}")
     if r.get("grad_norm") is not None:  # None on a step skipped for fp16 overflow
         parts.append(f"grad norm: {r['grad_norm']:.3f}")
+    for key, label in (("load_balancing_loss", "load balancing loss"), ("z_loss", "z loss")):
+        if r.get(key) is not None:  # MoE, as Megatron-LM names them
+            parts.append(f"{label}: {r[key]:.6E}")
+    if r.get("expert_tokens_min") is not None:
+        parts.append(f"expert tokens min/max: {r['expert_tokens_min']}/{r['expert_tokens_max']}")
     if r.get("num_zeros_in_grad") is not None:
         parts.append(f"num zeros: {r['num_zeros_in_grad']}")
     if r.get("params_norm") is not None:

@@ -29,6 +29,9 @@ class ParamInfo:
     # the word embedding or the output layer (either copy): --decoupled-lr gives these their own
     # learning rate (Megatron-LM's is_embedding_or_output_parameter)
     embedding_or_output: bool = False
+    # an MoE expert's weight: held by one expert-parallel rank, replicated over the
+    # expert-data-parallel group only (its gradient reduced, its state sharded there)
+    expert_parallel: bool = False
     # initialisation: "normal" (with std), "zeros" or "ones"; `init_rows` limits the random rows
     # of a padded vocabulary table (the padding stays zero)
     init: str | None = None

@@ -21,6 +21,7 @@ from torch import nn
 from ... import comm
 from ...tensor_parallel import set_init
 from ...tensor_parallel.layers import set_tp_attributes
+from ...tensor_parallel.param_info import param_info
 from ..config import ExecutionConfig, GPTConfig
 
 
@@ -37,6 +38,8 @@ class Expert(nn.Module):
         self.linear_fc2.weight = nn.Parameter(torch.empty(h, ffn, dtype=dtype, device=device))
         set_tp_attributes(self.linear_fc2.weight, 1)
         set_init(self.linear_fc2.weight, "normal", out_std)
+        for w in (self.linear_fc1.weight, self.linear_fc2.weight):
+            param_info(w).expert_parallel = True
 
 
 def grouped_mm_fits(*dims_and_dtype) -> bool:
