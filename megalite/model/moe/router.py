@@ -11,6 +11,7 @@ Losses, each added to the backward of the layer's output (AuxLossInjector) rathe
 language-model loss, so a pipeline stage without the loss can train its router:
   aux_loss      Switch Transformer (Fedus et al. 2021, Eq. 4) with top-k (GShard):
                 coeff · E / (T² k) · Σ_e P_e · f_e,  P_e = Σ_t p_te (all-expert scores), f_e = tokens sent to e
+                (before dropping; with an expert bias, the top-k of the scores without it)
   seq_aux_loss  the same per sequence, averaged over sequences (DeepSeek-V2, Eq. 12-14)
   z-loss        coeff · mean_t logsumexp(logits_t)²  (ST-MoE, Zoph et al. 2022, Eq. 5)
 Under sequence or context parallelism each rank holds some of the tokens: f_e, T and the sequence
@@ -138,6 +139,11 @@ class TopKRouter(nn.Module):
         total = None
         if self.training and self.balancing != "none" and self.aux_coeff > 0:
             with torch.no_grad():  # the choices, before any dropping (Megatron-LM's)
+                if self.expert_bias is not None:
+                    # f_e counts the top-k of the scores themselves, not of scores + bias (DeepSeek-V3
+                    # Eq. 18; Megatron-LM's compute_routing_scores_for_aux_loss): the bias steers
+                    # the choice but is no part of the load the loss measures
+                    indices = torch.topk(scores, self.topk, dim=-1).indices
                 onehot = torch.zeros_like(scores).scatter_(1, indices, 1.0)
             if self.balancing == "aux_loss":
                 counts = comm.all_reduce(onehot.sum(0), token_group)
