@@ -275,6 +275,32 @@ def test_expert_bias_update():
     assert all(layer.aux_loss_scale == 0.5 for _, layer in model.moe_layers())
 
 
+def test_router_statistics_count_each_forward_once():
+    """Under full activation recompute the MoE layers' forward runs again in backward: the tokens per
+    expert and the logged losses still count it once; an evaluation forward (no_grad) adds nothing."""
+    results = []
+    for recompute in ({}, dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)):
+        config, execution = model_configs(**{**BASE, "num_layers": 2, "moe_aux_loss_coeff": 0.1,
+                                             "moe_z_loss_coeff": 0.01}, **recompute)
+        torch.manual_seed(0)
+        model = GPTModel(config, execution=execution)
+        model.initialize(1)
+        ids = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(3))
+        pos = torch.arange(S).expand(B, S)
+        balance.start_iteration([model], 1.0)
+        model(ids, pos, None, ids).mean().backward()
+        model.eval()
+        with torch.no_grad():
+            model(ids, pos, None, ids)
+        routers = [layer.router for _, layer in model.moe_layers()]
+        for r in routers:
+            assert r.tokens_per_expert.sum() == S * B * K
+        results.append([(r.tokens_per_expert.clone(), r.aux_loss_sum, r.z_loss_sum, r.weight.grad) for r in routers])
+    for plain, recomputed in zip(*results):
+        for a, b in zip(plain, recomputed):
+            torch.testing.assert_close(a, b)
+
+
 # -- 4. capacity dropping -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
@@ -292,15 +318,15 @@ def test_capacity_mask(policy, capacity):
 def test_router_drops_over_capacity(policy, factor):
     layer = moe_layer(moe_expert_capacity_factor=factor, moe_token_drop_policy=policy)
     x = tokens().reshape(S * B, H)
+    routing = layer.router(x, None, (S, B))  # with grad: a training forward counts its tokens
     with torch.no_grad():
-        routing = layer.router(x, None, (S, B))
         probs, experts = ref_route(x @ layer.router.weight.t(), K)
     capacity = math.ceil(S * B * K / E * factor)
     keep = ref_keep(probs, experts, E, capacity, policy)
     assert any(not kept for row in keep for kept in row)  # something is dropped
     assert routing.kept.tolist() == keep
     want = [[p if kept else 0.0 for p, kept in zip(pr, kr)] for pr, kr in zip(probs, keep)]
-    torch.testing.assert_close(routing.probs, torch.tensor(want), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(routing.probs.detach(), torch.tensor(want), rtol=1e-5, atol=1e-6)
     per_expert = [sum(1 for t in range(S * B) for j in range(K) if experts[t][j] == e and keep[t][j])
                   for e in range(E)]
     assert max(per_expert) <= capacity

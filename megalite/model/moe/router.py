@@ -94,6 +94,13 @@ def sequence_load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, seq
     return per_seq.sum() * (coeff / b)
 
 
+def _first_training_pass() -> bool:
+    """Whether this forward adds to the iteration's statistics (tokens per expert, logged losses):
+    not under no_grad (evaluation), and not inside a backward pass, where activation recompute
+    (non-reentrant torch.utils.checkpoint) runs the same forward a second time."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
 class TopKRouter(nn.Module):
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, device=None):
         super().__init__()
@@ -126,10 +133,11 @@ class TopKRouter(nn.Module):
             capacity = math.ceil(x.size(0) * self.topk / self.num_experts * self.capacity_factor)
             kept = capacity_mask(probs.detach(), indices, self.num_experts, capacity, self.drop_policy)
             probs = probs * kept
-        with torch.no_grad():
-            routed = torch.zeros(x.size(0), self.num_experts, device=x.device)
-            routed.scatter_(1, indices, 1.0 if kept is None else kept.float())
-            self.tokens_per_expert += routed.sum(0)
+        if _first_training_pass():
+            with torch.no_grad():
+                routed = torch.zeros(x.size(0), self.num_experts, device=x.device)
+                routed.scatter_(1, indices, 1.0 if kept is None else kept.float())
+                self.tokens_per_expert += routed.sum(0)
         loss = self._losses(logits, scores, indices, token_group, seq_shape)
         return Routing(probs, indices, kept, loss)
 
@@ -152,9 +160,11 @@ class TopKRouter(nn.Module):
                 counts = comm.all_reduce(onehot.view(s_local, b, -1).sum(0), token_group)
                 total = sequence_load_balancing_loss(scores.view(s_local, b, -1), counts, s_local * n, self.topk,
                                                      self.aux_coeff)
-            self.aux_loss_sum = total.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
+            if _first_training_pass():
+                self.aux_loss_sum = total.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
         if self.training and self.z_coeff:
             z = torch.logsumexp(logits, dim=-1).square().sum() * (self.z_coeff / (s_local * b * n))
-            self.z_loss_sum = z.detach() + (0 if self.z_loss_sum is None else self.z_loss_sum)
+            if _first_training_pass():
+                self.z_loss_sum = z.detach() + (0 if self.z_loss_sum is None else self.z_loss_sum)
             total = z if total is None else total + z
         return total
