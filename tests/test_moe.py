@@ -190,14 +190,15 @@ def test_routing_matches_reference(score_function, pre_softmax, bias, k):
 
 # -- 2. aux / seq-aux / z losses: values and gradients ------------------------------------------
 
-@pytest.mark.parametrize("balancing,score_function,bias", [
-    ("aux_loss", "softmax", False), ("seq_aux_loss", "softmax", False), ("aux_loss", "sigmoid", False),
-    ("seq_aux_loss", "sigmoid", True)])
-def test_router_losses_and_gradients(balancing, score_function, bias):
+@pytest.mark.parametrize("balancing,score_function,bias,capacity_factor", [
+    ("aux_loss", "softmax", False, None), ("seq_aux_loss", "softmax", False, None), ("aux_loss", "sigmoid", False, None),
+    ("seq_aux_loss", "sigmoid", True, None), ("aux_loss", "softmax", False, 0.5)])
+def test_router_losses_and_gradients(balancing, score_function, bias, capacity_factor):
+    """With a capacity the loss still counts every choice, dropped or not."""
     aux_coeff, z_coeff, scale = 0.3, 0.02, 0.37
     s, b = 6, 3
     common = dict(moe_router_load_balancing_type=balancing, moe_router_score_function=score_function,
-                  moe_router_enable_expert_bias=bias)
+                  moe_router_enable_expert_bias=bias, moe_expert_capacity_factor=capacity_factor)
     with_loss = moe_layer(moe_aux_loss_coeff=aux_coeff, moe_z_loss_coeff=z_coeff, **common)
     without = moe_layer(moe_aux_loss_coeff=0.0, **common)
     if bias:
