@@ -11,6 +11,7 @@ Losses, each added to the backward of the layer's output (AuxLossInjector) rathe
 language-model loss, so a pipeline stage without the loss can train its router:
   aux_loss      Switch Transformer (Fedus et al. 2021, Eq. 4) with top-k (GShard):
                 coeff · E / (T² k) · Σ_e P_e · f_e,  P_e = Σ_t p_te (all-expert scores), f_e = tokens sent to e
+                (before dropping; with an expert bias, the top-k of the scores without it)
   seq_aux_loss  the same per sequence, averaged over sequences (DeepSeek-V2, Eq. 12-14)
   z-loss        coeff · mean_t logsumexp(logits_t)²  (ST-MoE, Zoph et al. 2022, Eq. 5)
 Under sequence or context parallelism each rank holds some of the tokens: f_e, T and the sequence
@@ -93,6 +94,13 @@ def sequence_load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, seq
     return per_seq.sum() * (coeff / b)
 
 
+def _first_training_pass() -> bool:
+    """Whether this forward adds to the iteration's statistics (tokens per expert, logged losses):
+    not under no_grad (evaluation), and not inside a backward pass, where activation recompute
+    (non-reentrant torch.utils.checkpoint) runs the same forward a second time."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
 class TopKRouter(nn.Module):
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, device=None):
         super().__init__()
@@ -125,10 +133,11 @@ class TopKRouter(nn.Module):
             capacity = math.ceil(x.size(0) * self.topk / self.num_experts * self.capacity_factor)
             kept = capacity_mask(probs.detach(), indices, self.num_experts, capacity, self.drop_policy)
             probs = probs * kept
-        with torch.no_grad():
-            routed = torch.zeros(x.size(0), self.num_experts, device=x.device)
-            routed.scatter_(1, indices, 1.0 if kept is None else kept.float())
-            self.tokens_per_expert += routed.sum(0)
+        if _first_training_pass():
+            with torch.no_grad():
+                routed = torch.zeros(x.size(0), self.num_experts, device=x.device)
+                routed.scatter_(1, indices, 1.0 if kept is None else kept.float())
+                self.tokens_per_expert += routed.sum(0)
         loss = self._losses(logits, scores, indices, token_group, seq_shape)
         return Routing(probs, indices, kept, loss)
 
@@ -138,6 +147,11 @@ class TopKRouter(nn.Module):
         total = None
         if self.training and self.balancing != "none" and self.aux_coeff > 0:
             with torch.no_grad():  # the choices, before any dropping (Megatron-LM's)
+                if self.expert_bias is not None:
+                    # f_e counts the top-k of the scores themselves, not of scores + bias (DeepSeek-V3
+                    # Eq. 18; Megatron-LM's compute_routing_scores_for_aux_loss): the bias steers
+                    # the choice but is no part of the load the loss measures
+                    indices = torch.topk(scores, self.topk, dim=-1).indices
                 onehot = torch.zeros_like(scores).scatter_(1, indices, 1.0)
             if self.balancing == "aux_loss":
                 counts = comm.all_reduce(onehot.sum(0), token_group)
@@ -146,9 +160,11 @@ class TopKRouter(nn.Module):
                 counts = comm.all_reduce(onehot.view(s_local, b, -1).sum(0), token_group)
                 total = sequence_load_balancing_loss(scores.view(s_local, b, -1), counts, s_local * n, self.topk,
                                                      self.aux_coeff)
-            self.aux_loss_sum = total.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
+            if _first_training_pass():
+                self.aux_loss_sum = total.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
         if self.training and self.z_coeff:
             z = torch.logsumexp(logits, dim=-1).square().sum() * (self.z_coeff / (s_local * b * n))
-            self.z_loss_sum = z.detach() + (0 if self.z_loss_sum is None else self.z_loss_sum)
+            if _first_training_pass():
+                self.z_loss_sum = z.detach() + (0 if self.z_loss_sum is None else self.z_loss_sum)
             total = z if total is None else total + z
         return total
