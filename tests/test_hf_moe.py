@@ -27,6 +27,9 @@ from megalite.model import GPTConfig, GPTModel
 spec = importlib.util.spec_from_file_location("megalite_convert_moe", os.path.join(ROOT, "tools/checkpoint/convert.py"))
 convert = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(convert)
+spec = importlib.util.spec_from_file_location("megalite_generate_moe", os.path.join(ROOT, "tools/generate.py"))
+generate_cli = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(generate_cli)
 
 VOCAB = 96
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -178,7 +181,7 @@ def test_megalite_moe_exports_with_equal_logits_and_imports_back(case, tmp_path)
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_kv_cached_generation_of_an_moe_model(tmp_path):
+def test_kv_cached_generation_of_an_moe_model(tmp_path, capsys):
     """Greedy decoding of an imported Qwen2-MoE model (MoE and dense layers, shared expert): with the
     key/value cache, recomputing every step, and transformers' generate agree token for token."""
     reference = _hf_model(tmp_path / "hf", "qwen2_moe", mlp_only_layers=[1])
@@ -196,6 +199,14 @@ def test_kv_cached_generation_of_an_moe_model(tmp_path):
     assert generate(model, prompt, 16, seed=3) == generate(model, prompt, 16, seed=3, use_cache=False)
     # eval mode computes no router loss
     assert all(layer.router.aux_loss_sum is None and layer.router.z_loss_sum is None for _, layer in model.moe_layers())
+    # tools/generate.py prints the same continuation, with the cache and without
+    eod = VOCAB - 1  # NullTokenizer's: its ids and its eod fill the vocabulary
+    expected = " ".join(str(t) for t in (cached[:cached.index(eod)] if eod in cached else cached)) + "\n"
+    for extra in ([], ["--no-kv-cache"]):
+        capsys.readouterr()
+        assert generate_cli.main(["--load", ck, "--prompt", " ".join(map(str, prompt)), "--max-new-tokens", "24",
+                                  "--greedy", "--tokenizer-type", "NullTokenizer", *extra]) == 0
+        assert capsys.readouterr().out == expected
 
 
 def _tp_generate(rank, world_size, root):
