@@ -8,7 +8,10 @@ own heads (query groups), as it computes them; the logits are gathered over the 
 before sampling, so every rank picks the same token. `use_cache=False` recomputes the whole
 sequence per token: the reference the cached path is tested against (greedy output identical).
 Logits of padded vocabulary rows (ids >= the real vocabulary size) are never sampled: those rows
-are zeros, not tokens.
+are zeros, not tokens. Mixture-of-Experts layers decode as dense ones do: in eval mode the router
+computes no auxiliary loss, and one process (no expert-parallel group) holds every expert. With
+--moe-expert-capacity-factor an expert's capacity counts one forward pass's tokens, so a cached
+one-token step can keep a choice that the recomputed sequence drops: the two decodings may differ.
 """
 from __future__ import annotations
 

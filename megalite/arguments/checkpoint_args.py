@@ -29,7 +29,8 @@ IF_NOT_GIVEN = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size"
 # a continued run trains as the checkpoint did.
 FORCED = (
     "model.num_query_groups", "model.group_query_attention", "model.position_embedding_type", "model.rotary_base",
-    "model.rotary_percent", "model.add_bias_linear", "model.swiglu", "model.untie_embeddings_and_output_weights",
+    "model.rotary_percent", "model.add_bias_linear", "model.add_qkv_bias", "model.swiglu",
+    "model.untie_embeddings_and_output_weights",
     "model.apply_layernorm_1p", "model.normalization", "model.attention_dropout", "model.hidden_dropout",
     # Megatron-LM's padded_vocab_size: megalite pads --vocab-size (or the tokenizer's vocabulary) to a
     # multiple of --make-vocab-size-divisible-by x TP, so these two give the checkpoint's rows on its

@@ -1,11 +1,16 @@
 """Hugging Face model configs: which transformers architecture a megalite model is
 (`hf_architecture`), its config.json and RoPE settings both ways, and the pretrain_gpt.py flags
-of an imported model. What maps, and what is refused, is in hf_conversion.py's docstring."""
+of an imported model. What maps, and what is refused, is in hf_conversion.py's docstring (and
+hf_moe.py's for the Mixture-of-Experts models)."""
 from __future__ import annotations
 
 import json
 
 from ..errors import InputError
+from .hf_moe import HF_MOE_CLASSES, moe_architecture, moe_config_from_hf, moe_flags, moe_hf_config
+
+# megalite's name of each architecture -> the transformers class
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", **HF_MOE_CLASSES}
 
 
 class ConversionError(InputError):
@@ -14,7 +19,7 @@ class ConversionError(InputError):
 
 # -- which Hugging Face architecture a megalite model is ------------------------------------------
 def hf_architecture(cfg: dict) -> str:
-    """"gpt2" or "llama" for a megalite model_config; ConversionError naming the flag otherwise."""
+    """A key of HF_CLASSES for a megalite model_config; ConversionError naming the flag otherwise."""
     def refuse(setting: str, target: str):
         raise ConversionError(f"cannot export to Hugging Face: {setting}, which {target} cannot express "
                               "(the export would be a different model)")
@@ -30,6 +35,8 @@ def hf_architecture(cfg: dict) -> str:
             refuse("--disable-bias-linear with learned absolute positions", gpt2)
         if groups != heads:
             refuse(f"--num-query-groups {groups} (grouped-query attention) with learned absolute positions", gpt2)
+        if cfg.get("num_experts"):
+            refuse(f"--num-experts {cfg['num_experts']} with learned absolute positions", gpt2)
         if cfg["kv_channels"] * heads != cfg["hidden_size"]:
             refuse(f"--kv-channels {cfg['kv_channels']} != --hidden-size / --num-attention-heads "
                    f"({cfg['hidden_size']} / {heads})", gpt2)
@@ -46,6 +53,11 @@ def hf_architecture(cfg: dict) -> str:
             refuse("--use-rope-scaling with --rotary-seq-len-interpolation-factor (one rope_type at a time)", llama)
         if cfg.get("openai_gelu"):
             refuse("--openai-gelu with --swiglu", llama)
+        if cfg.get("num_experts"):
+            return moe_architecture(cfg, refuse)
+        if cfg.get("add_qkv_bias") and not cfg["add_bias_linear"]:
+            refuse("--add-qkv-bias with --disable-bias-linear (Llama's attention_bias puts a bias on the output "
+                   "projection too)", llama)
         return "llama"
     raise ConversionError(f"--position-embedding-type {cfg['position_embedding_type']!r} has no Hugging Face mapping")
 
@@ -138,13 +150,30 @@ def hf_config(cfg: dict, bos_id: int | None = None, eos_id: int | None = None):
             embd_pdrop=cfg.get("hidden_dropout", 0.0), attn_pdrop=cfg.get("attention_dropout", 0.0),
             architectures=["GPT2LMHeadModel"], **common)
     rope_parameters, _ = hf_rope(cfg)
-    return LlamaConfig(
-        hidden_size=cfg["hidden_size"], intermediate_size=cfg["ffn_hidden_size"], num_hidden_layers=cfg["num_layers"],
+    rope_model = dict(  # what every Llama-style config takes
+        hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_layers"],
         num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_query_groups"],
         head_dim=cfg["kv_channels"], hidden_act="silu", max_position_embeddings=cfg["max_position_embeddings"],
         rms_norm_eps=cfg["norm_epsilon"], rope_parameters=rope_parameters,
-        attention_bias=cfg["add_bias_linear"], mlp_bias=cfg["add_bias_linear"],
-        attention_dropout=cfg.get("attention_dropout", 0.0), architectures=["LlamaForCausalLM"], **common)
+        attention_dropout=cfg.get("attention_dropout", 0.0), **common)
+    if arch != "llama":
+        return moe_hf_config(cfg, arch, rope_model)
+    return LlamaConfig(intermediate_size=cfg["ffn_hidden_size"], attention_bias=cfg["add_bias_linear"],
+                       mlp_bias=cfg["add_bias_linear"], architectures=["LlamaForCausalLM"], **rope_model)
+
+
+def _rope_model_from_hf(c, raw: dict, refuse) -> dict:
+    """The settings a Llama-style config (Llama, Mixtral, Qwen2-MoE) states alike."""
+    if c.hidden_act != "silu":
+        refuse(f"hidden_act {c.hidden_act!r} (megalite's SwiGLU uses silu)")
+    heads = c.num_attention_heads
+    return dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=heads,
+                num_query_groups=c.num_key_value_heads or heads,
+                kv_channels=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                seq_length=c.max_position_embeddings, max_position_embeddings=c.max_position_embeddings,
+                position_embedding_type="rope", rotary_percent=1.0, **rope_from_hf(raw, c.model_type),
+                normalization="RMSNorm", norm_epsilon=c.rms_norm_eps, swiglu=True, hidden_dropout=0.0,
+                attention_dropout=float(c.attention_dropout or 0.0))
 
 
 def config_from_hf(c, raw: dict) -> dict:
@@ -171,24 +200,17 @@ def config_from_hf(c, raw: dict) -> dict:
                     add_bias_linear=True, hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
                     openai_gelu=GPT2_ACTIVATIONS[c.activation_function], **common)
     if c.model_type == "llama":
-        if c.hidden_act != "silu":
-            refuse(f"hidden_act {c.hidden_act!r} (megalite's SwiGLU uses silu)")
-        rope = rope_from_hf(raw, c.model_type)
         if bool(c.attention_bias) != bool(c.mlp_bias):
             refuse(f"attention_bias {c.attention_bias} with mlp_bias {c.mlp_bias} (megalite has one switch, "
                    "--disable-bias-linear)")
-        heads = c.num_attention_heads
-        return dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=heads,
-                    num_query_groups=c.num_key_value_heads or heads,
-                    kv_channels=getattr(c, "head_dim", None) or c.hidden_size // heads,
-                    ffn_hidden_size=c.intermediate_size, seq_length=c.max_position_embeddings,
-                    max_position_embeddings=c.max_position_embeddings, position_embedding_type="rope",
-                    rotary_percent=1.0, **rope,
-                    normalization="RMSNorm", norm_epsilon=c.rms_norm_eps, swiglu=True,
-                    add_bias_linear=bool(c.attention_bias), hidden_dropout=0.0,
-                    attention_dropout=float(c.attention_dropout or 0.0), **common)
-    raise ConversionError(f"model_type {c.model_type!r}: only gpt2 (GPT2LMHeadModel) and llama "
-                          "(LlamaForCausalLM) directories can be imported")
+        return dict(_rope_model_from_hf(c, raw, refuse), ffn_hidden_size=c.intermediate_size,
+                    add_bias_linear=bool(c.attention_bias), **common)
+    if c.model_type in HF_MOE_CLASSES:
+        return dict(_rope_model_from_hf(c, raw, refuse), add_bias_linear=False, **moe_config_from_hf(c, refuse),
+                    **common)
+    raise ConversionError(f"model_type {c.model_type!r}: only gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), "
+                          "mixtral (MixtralForCausalLM) and qwen2_moe (Qwen2MoeForCausalLM) directories can be "
+                          "imported")
 
 
 def update_json(path: str, **values) -> None:
@@ -228,4 +250,4 @@ def pretrain_flags(cfg: dict) -> list[str]:
         flags.append("--disable-bias-linear")
     if cfg["untie_embeddings_and_output_weights"]:
         flags.append("--untie-embeddings-and-output-weights")
-    return [str(f) for f in flags]
+    return [str(f) for f in flags + moe_flags(cfg)]

@@ -1,6 +1,6 @@
 """Hugging Face `transformers` interchange: megalite weights <-> a local model directory.
 
-Two architectures cover what megalite trains, and each maps tensor by tensor, with no loss:
+Four architectures cover what megalite trains, and each maps tensor by tensor, with no loss:
 
     GPT-2 style   learned absolute positions, LayerNorm, GeLU, biases, multi-head attention
                   -> GPT2LMHeadModel (activation_function "gelu" for exact GeLU, GPT-2's own
@@ -9,6 +9,9 @@ Two architectures cover what megalite trains, and each maps tensor by tensor, wi
                   Llama 3.1 RoPE scaling (--use-rope-scaling) or position interpolation
                   (--rotary-seq-len-interpolation-factor)
                   -> LlamaForCausalLM
+    Llama style with Mixture-of-Experts layers (hf_moe.py)
+                  -> MixtralForCausalLM (every layer MoE, no shared expert), or
+                     Qwen2MoeForCausalLM (a gated shared expert; dense layers, q/k/v biases)
 
 Anything else (RoPE with LayerNorm, partial rotary, GQA in a GPT-2 model, ...) is refused with
 the setting named: a converter that silently produced a *different* model would be worse than
@@ -37,6 +40,7 @@ import torch
 
 from ..model import pad_vocab_size
 from .hf_config import ConversionError, config_from_hf, hf_architecture, hf_config, hf_rope, rope_from_hf, update_json
+from .hf_moe import moe_mlp_state, moe_mlp_tensors, moe_pattern
 from .hf_tokenizer import export_tokenizer, has_tokenizer_files, special_ids
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -91,22 +95,29 @@ def _gpt2_tensors(cfg: dict, state: dict) -> dict:
     return out
 
 
-def _llama_tensors(cfg: dict, state: dict) -> dict:
+def _llama_tensors(cfg: dict, state: dict, arch: str = "llama") -> dict:
+    """LlamaForCausalLM's tensors, or Mixtral's / Qwen2-MoE's (their MoE layers: hf_moe.py)."""
     heads, groups, hn, ffn = cfg["num_attention_heads"], cfg["num_query_groups"], cfg["kv_channels"], cfg["ffn_hidden_size"]
     kinds = ("weight", "bias") if cfg["add_bias_linear"] else ("weight",)
+    qkv_kinds = ("weight", "bias") if cfg["add_bias_linear"] or cfg.get("add_qkv_bias") else ("weight",)
     out = {"model.embed_tokens.weight": state.pop(WORD_EMBEDDING),
            "model.norm.weight": state.pop("decoder.final_layernorm.weight")}
     if cfg["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = state.pop("output_layer.weight")
-    for i in range(cfg["num_layers"]):
+    for i, moe in enumerate(moe_pattern(cfg)):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[h + "input_layernorm.weight"] = state.pop(m + "input_layernorm.weight")
         out[h + "post_attention_layernorm.weight"] = state.pop(m + "pre_mlp_layernorm.weight")
-        for kind in kinds:
+        for kind in qkv_kinds:
             q, k, v = split_qkv(state.pop(m + f"self_attention.linear_qkv.{kind}"), heads, groups, hn)
             out[h + f"self_attn.q_proj.{kind}"], out[h + f"self_attn.k_proj.{kind}"] = q, k
             out[h + f"self_attn.v_proj.{kind}"] = v
+        if moe:
+            out.update(moe_mlp_tensors(cfg, arch, state, m, h))
+        for kind in kinds:
             out[h + f"self_attn.o_proj.{kind}"] = state.pop(m + f"self_attention.linear_proj.{kind}")
+            if moe:
+                continue
             fc1 = state.pop(m + f"mlp.linear_fc1.{kind}")  # [gate; up]
             out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = fc1[:ffn], fc1[ffn:]
             out[h + f"mlp.down_proj.{kind}"] = state.pop(m + f"mlp.linear_fc2.{kind}")
@@ -116,7 +127,7 @@ def _llama_tensors(cfg: dict, state: dict) -> dict:
 def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=None) -> str:
     """Write a Hugging Face model directory (config.json, generation_config.json,
     model.safetensors, and the tokenizer files when `tokenizer`, a megalite tokenizer, is given).
-    Returns the architecture name, "gpt2" or "llama"."""
+    Returns the architecture name, a key of HF_CLASSES ("gpt2", "llama", "mixtral", "qwen2_moe")."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
@@ -128,7 +139,7 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
     state = dict(state)
     if cfg.get("apply_layernorm_1p"):  # zero-centred norm weights (w - 1): Hugging Face stores w itself
         state = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in state.items()}
-    tensors = (_gpt2_tensors if arch == "gpt2" else _llama_tensors)(cfg, state)
+    tensors = _gpt2_tensors(cfg, state) if arch == "gpt2" else _llama_tensors(cfg, state, arch)
     if state:
         raise ConversionError(f"checkpoint {meta.get('dir', '')} has tensors the {arch} mapping does not place: "
                               f"{', '.join(sorted(state)[:5])}")
@@ -145,7 +156,7 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the model directory's
     try:
         config.save_pretrained(tmp)
-        if arch == "llama":  # also the 4.x layout, which older transformers and other readers use
+        if arch != "gpt2":  # also the 4.x layout, which older transformers and other readers use
             update_json(os.path.join(tmp, "config.json"), rope_theta=float(cfg["rotary_base"]),
                          rope_scaling=hf_rope(cfg)[1])
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
@@ -209,17 +220,24 @@ def _gpt2_state(cfg: dict, hf: dict) -> dict:
     return out
 
 
-def _llama_state(cfg: dict, hf: dict) -> dict:
+def _llama_state(cfg: dict, hf: dict, arch: str = "llama") -> dict:
     heads, groups, hn = cfg["num_attention_heads"], cfg["num_query_groups"], cfg["kv_channels"]
+    kinds = ("weight", "bias") if cfg["add_bias_linear"] else ("weight",)
+    qkv_kinds = ("weight", "bias") if cfg["add_bias_linear"] or cfg.get("add_qkv_bias") else ("weight",)
     out = {WORD_EMBEDDING: hf.pop("embed_tokens.weight"), "decoder.final_layernorm.weight": hf.pop("norm.weight")}
-    for i in range(cfg["num_layers"]):
+    for i, moe in enumerate(moe_pattern(cfg)):
         m, h = f"decoder.layers.{i}.", f"layers.{i}."
         out[m + "input_layernorm.weight"] = hf.pop(h + "input_layernorm.weight")
         out[m + "pre_mlp_layernorm.weight"] = hf.pop(h + "post_attention_layernorm.weight")
-        for kind in ("weight", "bias") if cfg["add_bias_linear"] else ("weight",):
+        for kind in qkv_kinds:
             q, k, v = (hf.pop(h + f"self_attn.{p}_proj.{kind}") for p in "qkv")
             out[m + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, heads, groups, hn)
+        if moe:
+            out.update(moe_mlp_state(cfg, arch, hf, m, h))
+        for kind in kinds:
             out[m + f"self_attention.linear_proj.{kind}"] = hf.pop(h + f"self_attn.o_proj.{kind}")
+            if moe:
+                continue
             out[m + f"mlp.linear_fc1.{kind}"] = torch.cat([hf.pop(h + f"mlp.gate_proj.{kind}"),
                                                            hf.pop(h + f"mlp.up_proj.{kind}")])
             out[m + f"mlp.linear_fc2.{kind}"] = hf.pop(h + f"mlp.down_proj.{kind}")
@@ -227,7 +245,7 @@ def _llama_state(cfg: dict, hf: dict) -> dict:
 
 
 def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
-    """(model_config, run config record, state) of a local GPT2LMHeadModel / LlamaForCausalLM directory:
+    """(model_config, run config record, state) of a local Hugging Face directory of one of HF_CLASSES:
     everything save_full_state_dict needs. The args name the directory as the tokenizer
     (HuggingFaceTokenizer) when it holds tokenizer files."""
     from transformers import AutoConfig
@@ -241,20 +259,21 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
         raise ConversionError(f"--load-dir {in_dir}: config.json cannot be read ({type(e).__name__}: {e})") from None
-    if raw.get("model_type") == "llama":
-        rope_from_hf(raw)  # refuse what megalite cannot compute before transformers validates (or drops) it
+    if raw.get("model_type") in ("llama", "mixtral", "qwen2_moe"):
+        # refuse what megalite cannot compute before transformers validates (or drops) it
+        rope_from_hf(raw, raw["model_type"])
     try:
         hf_cfg = AutoConfig.from_pretrained(in_dir, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:  # transformers' ways of saying the config is unreadable
         raise ConversionError(f"--load-dir {in_dir}: config.json cannot be read ({type(e).__name__}: {e})") from None
     cfg = config_from_hf(hf_cfg, raw)
     hf = read_safetensors(in_dir)
-    # GPT2LMHeadModel prefixes "transformer.", LlamaForCausalLM "model."; the original GPT-2 files have none
+    # GPT2LMHeadModel prefixes "transformer.", the others "model."; the original GPT-2 files have none
     prefix = "transformer." if cfg["position_embedding_type"] == "learned_absolute" else "model."
     lm_head = hf.pop("lm_head.weight", None)
     hf = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in hf.items() if not _HF_BUFFERS.search(k)}
     try:
-        state = (_gpt2_state if prefix == "transformer." else _llama_state)(cfg, hf)
+        state = _gpt2_state(cfg, hf) if prefix == "transformer." else _llama_state(cfg, hf, hf_cfg.model_type)
     except KeyError as e:
         raise ConversionError(f"--load-dir {in_dir}: weight {prefix}{e.args[0]} is missing") from None
     if hf:

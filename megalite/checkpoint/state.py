@@ -25,6 +25,7 @@ MODEL_FLAGS = {
     "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels", "ffn_hidden_size": "--ffn-hidden-size",
     "vocab_size": "--vocab-size (the tokenizer's vocabulary)", "position_embedding_type": "--position-embedding-type",
     "normalization": "--normalization", "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
+    "add_qkv_bias": "--add-qkv-bias",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon", "openai_gelu": "--openai-gelu",
     "apply_layernorm_1p": "--apply-layernorm-1p",

@@ -50,6 +50,9 @@ class GPTConfig:
     norm_epsilon: float = flag("--norm-epsilon", 1e-5, "epsilon of the norms (> 0)", check=POSITIVE)
     swiglu: bool = flag("--swiglu", False, "SwiGLU MLP instead of GeLU", action="store_true")
     add_bias_linear: bool = flag("--disable-bias-linear", True, "no biases in linear layers", action="store_false")
+    # Qwen's attention: biases on the query, key and value projections only (Megatron-LM's --add-qkv-bias)
+    add_qkv_bias: bool = flag("--add-qkv-bias", False, "biases in the QKV projection only (with "
+                              "--disable-bias-linear: Qwen2's attention)", action="store_true")
     untie_embeddings_and_output_weights: bool = flag(
         "--untie-embeddings-and-output-weights", False, "separate output layer instead of reusing the word embedding",
         action="store_true")

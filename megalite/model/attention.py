@@ -191,7 +191,10 @@ class SelfAttention(nn.Module):
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.hn
         common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=execution.sequence_parallel,
                       dtype=execution.params_dtype, device=device)
-        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, init_std=std, **common)
+        # --add-qkv-bias: a bias on Q, K and V whatever --disable-bias-linear says (Megatron-LM's),
+        # sharded over TP with the rows of the weight, group by group
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, init_std=std,
+                                               **dict(common, bias=config.add_bias_linear or config.add_qkv_bias))
         self.core_attention = CoreAttention(config.attention_dropout, execution, rng_tracker)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.hn, config.hidden_size,
                                              init_std=out_std, **common)

@@ -61,6 +61,8 @@ def layer_params(c) -> tuple[int, int]:
     fc1 = c.model.ffn_hidden_size * (2 if c.model.swiglu else 1) // t
     fc2_in = c.model.ffn_hidden_size // t
     sharded = qkv * h + proj_in * h + fc1 * h + fc2_in * h + ((qkv + fc1) if bias else 0)
+    if c.model.add_qkv_bias and not bias:  # --add-qkv-bias: the QKV projection's bias alone
+        sharded += qkv
     replicated = 2 * norm + (2 * h if bias else 0)  # two norms; row-parallel biases are whole
     return sharded, replicated
 

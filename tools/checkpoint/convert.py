@@ -4,17 +4,20 @@
     python tools/checkpoint/convert.py --model-type GPT --loader megalite --saver megalite \\
         --load-dir ckpt --save-dir ckpt_tp2pp2 --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
-    # export: a directory AutoModelForCausalLM / AutoTokenizer load (GPT2LMHeadModel or LlamaForCausalLM)
+    # export: a directory AutoModelForCausalLM / AutoTokenizer load (GPT2LMHeadModel, LlamaForCausalLM,
+    # MixtralForCausalLM or Qwen2MoeForCausalLM)
     python tools/checkpoint/convert.py --model-type GPT --loader megalite --saver hf --load-dir ckpt --save-dir hf_out
 
-    # import: a local GPT2LMHeadModel / LlamaForCausalLM directory (safetensors) as a megalite checkpoint
+    # import: a local directory of one of those (safetensors) as a megalite checkpoint
     python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megalite --load-dir hf_out \\
         --save-dir ckpt_from_hf --target-tensor-parallel-size 2
 
 Only the model weights travel (no optimizer state). The mapping lives in megalite/checkpoint/hf_conversion.py
 (configs and flags in hf_config.py, tokenizers in hf_tokenizer.py): GPT-2's gelu_new becomes --openai-gelu; a Llama's rope_theta and rope scaling (llama3, linear; read
 from config.json in the transformers 4.x or 5.x layout) become --rotary-base, --use-rope-scaling
---rope-scaling-*, --rotary-seq-len-interpolation-factor. The import prints the flags to train on with.
+--rope-scaling-*, --rotary-seq-len-interpolation-factor; Mixtral's and Qwen2-MoE's experts, router and
+shared expert become --num-experts, --moe-* and --add-qkv-bias (hf_moe.py). The import prints the flags
+to train on with.
 --save-dir must be new or empty: nothing existing is overwritten. Bad input ends with one `error:`
 line and exit status 2.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -75,8 +79,10 @@ def check_layout(cfg: dict, tp: int, pp: int) -> None:
     """Refuse a target layout the model cannot be split into, naming the flag."""
     for what, n in (("--num-attention-heads", cfg["num_attention_heads"]),
                     ("--num-query-groups", cfg.get("num_query_groups") or cfg["num_attention_heads"]),
-                    ("--ffn-hidden-size", cfg["ffn_hidden_size"])):
-        if n % tp:
+                    ("--ffn-hidden-size", cfg["ffn_hidden_size"]),
+                    ("--moe-ffn-hidden-size", cfg.get("moe_ffn_hidden_size") if cfg.get("num_experts") else None),
+                    ("--moe-shared-expert-intermediate-size", cfg.get("moe_shared_expert_intermediate_size"))):
+        if n and n % tp:
             raise InputError(f"--target-tensor-parallel-size {tp} does not divide the model's {what} ({n})")
     if cfg["num_layers"] % pp:
         raise InputError(f"--target-pipeline-parallel-size {pp} does not divide the model's --num-layers "
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
     args = get_args(argv)
     from megalite.checkpoint.files import inspect_checkpoint
     from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict
-    from megalite.checkpoint.hf_config import pretrain_flags
+    from megalite.checkpoint.hf_config import HF_CLASSES, pretrain_flags
     from megalite.checkpoint.hf_conversion import from_hf, to_hf
     from megalite.config import RunConfig, from_saved
 
@@ -102,7 +108,7 @@ def main(argv=None) -> int:
                 from megalite.generation import build_tokenizer_for
                 tokenizer = build_tokenizer_for(meta, args.tokenizer)
             arch = to_hf(meta, state, args.save_dir, tokenizer)
-            print(f"wrote {args.save_dir}: {'GPT2LMHeadModel' if arch == 'gpt2' else 'LlamaForCausalLM'}"
+            print(f"wrote {args.save_dir}: {HF_CLASSES[arch]}"
                   f"{' and ' + tokenizer.name + ' tokenizer' if tokenizer else ''}")
             return 0
         cfg, saved = meta["model_config"], from_saved(meta)
@@ -117,11 +123,12 @@ def main(argv=None) -> int:
     check_layout(cfg, tp, pp)
     saved["parallel"].update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     where = save_full_state_dict(args.save_dir, state, cfg, saved, 0, tp, pp)
-    tok = (f" --tokenizer-type HuggingFaceTokenizer --tokenizer-model {saved['tokenizer']['tokenizer_model']}"
-           if saved["tokenizer"]["tokenizer_type"] else "")
-    print(f"wrote {where} (TP {tp} x PP {pp}). Continue training with:\n  pretrain_gpt.py --load {args.save_dir} "
-          f"--finetune --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
-          f"{' '.join(pretrain_flags(cfg))}{tok} ...")
+    tokenizer = saved["tokenizer"]
+    tok = (" --tokenizer-type HuggingFaceTokenizer --tokenizer-model " + shlex.quote(tokenizer["tokenizer_model"])
+           if tokenizer["tokenizer_type"] else "")
+    print(f"wrote {where} (TP {tp} x PP {pp}). Continue training with:\n  pretrain_gpt.py --load "
+          f"{shlex.quote(args.save_dir)} --finetune --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
+          f"{shlex.join(pretrain_flags(cfg))}{tok} ...")
     return 0
 
 
