@@ -47,13 +47,16 @@ def load_model(load_dir: str, iteration: int | None = None, tp_group=None) -> tu
                attention_dropout=0.0)
     model = GPTModel(GPTConfig.from_dict(cfg), tp_group)
     names = dict(model.global_named_parameters())
-    missing, unexpected = sorted(set(names) - set(state)), sorted(set(state) - set(names))
+    buffers = {n: b for n, b in model.global_named_buffers() if n in state}  # MoE expert biases
+    missing, unexpected = sorted(set(names) - set(state)), sorted(set(state) - set(names) - set(buffers))
     if missing or unexpected:
         raise CheckpointError(f"{meta['dir']} does not fit its own model_config: missing "
                               f"{missing[:3]}, unexpected {unexpected[:3]}")
     with torch.no_grad():
         for name, p in names.items():
             p.copy_(local_shard(state[name], p, tp_rank, tp))  # pads the vocabulary rows with zeros
+        for name, b in buffers.items():
+            b.copy_(state[name].view_as(b))
     model.eval()
     return model, meta
 

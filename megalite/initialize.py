@@ -179,7 +179,8 @@ def setup(cfg: RunConfig) -> Run:
                              timers=timers)
     optimizer = build_optimizer(named_params, cfg.optimizer, dp, ps)
     state = TrainState(ps, model_config, named_params, optimizer, build_lr_scheduler(cfg.optimizer), rng_tracker,
-                       device, dataclasses.replace(cfg, model=model_config).to_dict())
+                       device, dataclasses.replace(cfg, model=model_config).to_dict(),
+                       named_buffers=[nb for m in model for nb in m.global_named_buffers()])
     state.log(f"> optimizer: {optimizer.describe()}")
     ck = cfg.checkpoint
     if ck.load:

@@ -107,7 +107,7 @@ def run_pretrain(nproc: int, flags: list[str], tmp_path, name: str = "run", chec
 
 
 def train_losses(records) -> list[float]:
-    return [r["lm_loss"] for r in records if "iteration" in r and "split" not in r]
+    return [r["lm_loss"] for r in records if "consumed_samples" in r]  # the train log records
 
 
 def grad_norms(records) -> list[float]:

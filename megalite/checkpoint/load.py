@@ -127,6 +127,7 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
                    + ([f"rank/{ps.rank}"] if same_layout else []))
     with torch.no_grad():
         _load_weights(train_state, reader)
+        _load_buffers(train_state, index)
         _load_optimizer_state(train_state, reader, restore_optim, meta)
         if opt.fp32_params:
             opt.masters_from_params()
@@ -175,6 +176,13 @@ def _load_weights(train_state: TrainState, reader: _OwnedReader) -> None:
         t = opt.dp.param_slice(p, lo, hi)
         t.copy_(reader.read(p, kind, lo, hi).to(t.dtype))
     _sum_to_all([(p, t) for p, _, _, t in stored], ps, replicated_over_dp=not opt.dp.strategy.shards_params)
+
+
+def _load_buffers(train_state: TrainState, index) -> None:
+    """Every rank reads its persistent buffers whole (a checkpoint without one leaves it as built)."""
+    for name, b in train_state.named_buffers:
+        if index.entry(name) is not None:
+            b.copy_(read_region(index, name, "param", ShardLayout(tuple(b.shape)), 0, 0, b.numel()).view_as(b))
 
 
 def _load_optimizer_state(train_state: TrainState, reader: _OwnedReader, restore_optim: bool, meta: dict) -> None:

@@ -47,6 +47,9 @@ def collect_rank_state(train_state: TrainState) -> tuple[dict, dict]:
         for kind in STATE_KINDS:
             if kind in state:
                 add(kind, name, p, lo, hi, state[kind], tied)
+    if ps.tp_rank == 0 and ps.dp_cp_rank == 0:  # the replicated buffers, once per pipeline stage
+        for name, b in train_state.named_buffers:
+            add("param", name, b, 0, b.numel(), b, False)
     rng_tensors, rng_values = rng_state(train_state)
     tensors.update(rng_tensors)
     head, offsets = plan(tensors)

@@ -54,6 +54,9 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     load_stats: object = None  # LoadStats of the checkpoint load, if any
+    # persistent buffers by global name (MoE routers' expert biases): replicated, moved by the
+    # trainer rather than the optimizer; saved whole once, read whole by every rank
+    named_buffers: list = dataclasses.field(default_factory=list)
 
     def log(self, msg: str) -> None:
         if self.ps.rank == self.ps.logging_rank:

@@ -137,6 +137,13 @@ class GPTModel(nn.Module):
         for name, p in self.named_parameters():
             yield self.global_name(name), p
 
+    def global_named_buffers(self):
+        """The persistent buffers (checkpointed; not RoPE's frequencies, not MoE token counts)."""
+        for prefix, module in self.named_modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and name not in module._non_persistent_buffers_set:
+                    yield self.global_name(f"{prefix}.{name}" if prefix else name), buf
+
     def sharding_units(self) -> list[nn.Module]:
         """Sub-modules whose parameters ZeRO-3 gathers just for their own forward and backward,
         in forward order (distributed/zero3.py). The rest (final norm, an untied output layer) is

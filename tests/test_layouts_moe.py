@@ -1,0 +1,97 @@
+"""Every expert-parallel layout trains the same MoE model as one process, on real text where the
+loss falls (issue: Mixture of Experts with expert parallelism).
+
+An MoE GPT (4 SwiGLU experts a layer, top-2, aux loss and z-loss on) must match the
+single-process run in: lm loss per iteration and the load-balancing and z losses the log reports
+(rtol 1e-5), the global gradient norm clipping acts on (rtol 1e-4), and every parameter after the
+last step, read back whole from the --save checkpoint (experts by their global names). Layouts:
+EP 2 and 4 (both token dispatchers), EP x TP with sequence parallelism (grouped GEMM), EP x PP
+(1F1B and interleaved), EP x CP, and EP2 x TP2 x PP2 with ZeRO-1, ZeRO-2 and ZeRO-3 (8 ranks).
+A checkpoint written at EP2 x TP2 x DP4 (expert-DP 2, ZeRO-1, sigmoid routing with expert bias)
+resumes at EP4 (no_shard) and at EP1 (ZeRO-3) with the uninterrupted run's losses.
+"""
+import os
+
+import pytest
+
+from dist_helpers import (assert_loss_falls, assert_losses_close, assert_params_close, grad_norms, load_params,
+                          run_pretrain, train_losses)
+from tiny import tiny
+
+MODEL = tiny(num_layers=4, lr=1e-2, train_iters=8, log_interval=1, eval_iters=0) + [
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--clip-grad", "0.5", "--adam-eps", "1e-5",
+    "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+    "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
+EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
+A2A = ["--moe-token-dispatcher-type", "alltoall"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+ZERO = ["--ddp-bucket-size", "5000", "--data-parallel-sharding-strategy"]
+LAYOUTS = {  # id: (processes, flags)
+    "ep2-alltoall": (2, EP2 + A2A),
+    "ep4-allgather": (4, EP4),
+    "ep2-tp2-sp-grouped": (4, EP2 + TP2_SP + A2A + ["--moe-grouped-gemm"]),
+    "ep2-pp2": (4, EP2 + PP2),
+    "ep2-pp2-vpp2-alltoall": (4, EP2 + PP2 + A2A + ["--num-layers-per-virtual-pipeline-stage", "1"]),
+    "ep2-cp2-alltoall": (2, EP2 + A2A + ["--context-parallel-size", "2"]),
+    "ep2-tp2-pp2-zero1": (8, EP2 + TP2_SP + PP2 + A2A + ZERO + ["optim"]),
+    "ep2-tp2-pp2-zero2-overlap": (8, EP2 + TP2_SP + PP2 + ZERO + ["optim_grads", "--overlap-grad-reduce"]),
+    "ep2-tp2-pp2-zero3-overlap": (8, EP2 + TP2_SP + PP2 + A2A + ZERO + ["optim_grads_params", "--overlap-grad-reduce",
+                                                                       "--overlap-param-gather"]),
+}
+LOSS_DROP = 0.4
+
+
+def moe_values(records, key) -> list[float]:
+    return [r[key] for r in records if "consumed_samples" in r]
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe-reference")
+    records, proc = run_pretrain(1, corpus + MODEL + ["--save", str(tmp / "ckpt")], tmp)
+    assert_loss_falls(train_losses(records), LOSS_DROP)
+    assert min(grad_norms(records)) > 0.5  # clipping acts every iteration
+    assert "load balancing loss:" in proc.stdout and "expert tokens min/max:" in proc.stdout
+    moe = [r for r in records if r.get("event") == "moe"]
+    assert len(moe) == 8 and [layer["layer"] for layer in moe[0]["layers"]] == [0, 1, 2, 3]
+    return records, load_params(str(tmp / "ckpt"))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_moe_layout_matches_single_process(reference, corpus, tmp_path, layout):
+    nproc, flags = LAYOUTS[layout]
+    ref_records, ref_params = reference
+    records, proc = run_pretrain(nproc, corpus + MODEL + flags + ["--save", str(tmp_path / "ckpt")], tmp_path)
+    assert_losses_close(train_losses(ref_records), train_losses(records), rtol=1e-5)
+    for key in ("load_balancing_loss", "z_loss"):
+        assert_losses_close(moe_values(ref_records, key), moe_values(records, key), rtol=1e-5)
+    assert moe_values(ref_records, "expert_tokens_max") == moe_values(records, "expert_tokens_max")
+    assert_losses_close(grad_norms(ref_records), grad_norms(records), rtol=1e-4)
+    assert_params_close(ref_params, load_params(str(tmp_path / "ckpt")), atol=1e-5)
+    assert "EP " in proc.stdout and "experts over expert-DP" in proc.stdout
+
+
+BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "1e-2"]
+
+
+def test_moe_checkpoint_resumes_on_other_ep_sizes(corpus, tmp_path):
+    """Saved at EP2 x TP2 x DP4 (ZeRO-1) after 4 of 8 iterations; resumed at EP4 (no_shard) and
+    EP1 (ZeRO-3): iterations 5-8 as in the uninterrupted run, expert biases included."""
+    model = [f if f != "8" or MODEL[i - 1] != "--train-iters" else "8" for i, f in enumerate(MODEL)] + BIAS
+    save = tmp_path / "ckpt"
+    full, _ = run_pretrain(8, corpus + model + EP2 + TP2_SP + ["--use-distributed-optimizer", "--save", str(save),
+                                                                 "--save-interval", "4"], tmp_path, "full")
+    with open(save / "latest_checkpointed_iteration.txt", "w") as f:
+        f.write("4")  # resume from the middle of the run
+    expected = train_losses(full)[4:]
+    assert len(expected) == 4 and full[-1]["load_balancing_loss"] > 0
+    for name, nproc, flags in (("ep4", 4, EP4 + A2A), ("ep1-zero3", 2, ["--data-parallel-sharding-strategy",
+                                                                         "optim_grads_params"])):
+        records, proc = run_pretrain(nproc, corpus + model + flags + ["--load", str(save)], tmp_path, name)
+        assert "> loaded checkpoint" in proc.stdout, proc.stdout[-2000:]
+        assert_losses_close(expected, train_losses(records), rtol=1e-5)
+        assert_losses_close(moe_values(full, "load_balancing_loss")[4:], moe_values(records, "load_balancing_loss"))
+    assert os.path.exists(save / "iter_0000004")
