@@ -1,0 +1,54 @@
+"""MoE flags that cannot work fail at start-up, before any collective, naming the flags."""
+import pytest
+
+from megalite.arguments import ArgumentError, parse_args, validate_args
+from megalite.config.moe import moe_layer_pattern
+from megalite.parallel_state import RankGrid
+from tiny import mock, tiny
+
+OK = mock(100) + tiny(seq_length=16, global_batch_size=None, train_iters=1, num_layers=4)
+MOE = ["--num-experts", "4", "--disable-bias-linear"]
+
+
+@pytest.mark.parametrize("extra,world,pattern", [
+    (["--moe-router-topk", "2"], 1, r"--moe-router-topk needs --num-experts"),
+    (["--expert-model-parallel-size", "2"], 2, r"--expert-model-parallel-size needs --num-experts"),
+    (["--num-experts", "4"], 1, r"--num-experts needs --disable-bias-linear"),
+    (MOE + ["--moe-router-topk", "5"], 1, r"--moe-router-topk \(5\) exceeds --num-experts \(4\)"),
+    (MOE + ["--expert-model-parallel-size", "3"], 3, r"--num-experts \(4\) is not divisible by "
+                                                     r"--expert-model-parallel-size \(3\)"),
+    (MOE + ["--expert-model-parallel-size", "4"], 2, r"--expert-model-parallel-size \(4\) must divide DP x CP"),
+    (MOE + ["--expert-model-parallel-size", "2", "--use-tp-pp-dp-mapping"], 2, r"--use-tp-pp-dp-mapping"),
+    (MOE + ["--tensor-model-parallel-size", "2"], 2, r"needs --sequence-parallel"),
+    (MOE + ["--moe-router-enable-expert-bias"], 1, r"--moe-router-enable-expert-bias needs "
+                                                  r"--moe-router-score-function sigmoid"),
+    (MOE + ["--moe-shared-expert-gate"], 1, r"--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"),
+    (MOE + ["--moe-layer-freq", "[1,0]"], 1, r"--moe-layer-freq must be .*2 entries for 4 layers"),
+    (MOE + ["--moe-layer-freq", "__import__('os')"], 1, r"--moe-layer-freq must be an integer or a Python list"),
+    (MOE + ["--moe-expert-capacity-factor", "0"], 1, r"--moe-expert-capacity-factor must be a number > 0"),
+])
+def test_bad_moe_flags(extra, world, pattern):
+    with pytest.raises(ArgumentError, match=pattern):
+        validate_args(parse_args(OK + extra), world)
+
+
+def test_expert_data_parallel_size_is_derived():
+    c = validate_args(parse_args(OK + MOE + ["--expert-model-parallel-size", "2", "--global-batch-size", "16"]), 8)
+    assert (c.parallel.data_parallel_size, c.parallel.expert_data_parallel_size) == (8, 4)
+
+
+def test_moe_layer_freq_forms():
+    assert moe_layer_pattern("2", 4) == [True, False, True, False]
+    assert moe_layer_pattern("'([0]+[1]*1)*2'", 4) == [False, True, False, True]
+
+
+def test_expert_groups_take_consecutive_dp_cp_ranks():
+    """Megatron-LM's expert grid (TP-EP-DP-PP, expert TP = TP): k = cp + CP·dp within each (tp, pp);
+    EP groups are EP consecutive k, expert-DP groups the k that are EP apart."""
+    grid = RankGrid(16, tp=2, pp=2, cp=1, ep=2)  # DP 4
+    ep_groups, edp_groups = grid.expert_groups()
+    assert [0, 2] in ep_groups and [4, 6] in ep_groups and [1, 3] in ep_groups and [8, 10] in ep_groups
+    assert [0, 4] in edp_groups and [2, 6] in edp_groups and [9, 13] in edp_groups
+    assert len(ep_groups) == 8 and len(edp_groups) == 8
+    cp_grid = RankGrid(8, tp=1, pp=1, cp=2, ep=4)  # DP 4 x CP 2: k = cp + 2·dp = the rank
+    assert cp_grid.expert_groups() == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
