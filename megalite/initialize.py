@@ -17,6 +17,7 @@ from .checkpoint.state import TrainState
 from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
 from .distributed import DataParallel, get_strategy
+from .errors import InputError
 from .model import ExecutionConfig, GPTConfig, GPTModel, pad_vocab_size
 from .model.init import initial_value
 from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
@@ -85,7 +86,8 @@ def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None) ->
                               device_id=device if use_cuda else None)
     ps = parallel_state.initialize(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                    cfg.virtual_pipeline_model_parallel_size, cfg.rank_order,
-                                   timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size)
+                                   timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size,
+                                   ep=cfg.expert_model_parallel_size)
     return ps, device
 
 
@@ -114,7 +116,8 @@ def build_model(config: GPTConfig, ps, seed: int, device: torch.device, on_meta:
     for c, (offset, n) in enumerate(layers):
         chunk = GPTModel(config, ps.tp_group, rng_tracker, pre_process=ps.is_first_stage and c == 0,
                          post_process=ps.is_last_stage and c == ps.vpp - 1, layer_offset=offset, num_layers=n,
-                         device="meta" if on_meta else device, cp_group=ps.cp_group, execution=execution)
+                         device="meta" if on_meta else device, cp_group=ps.cp_group, execution=execution,
+                         ep_group=ps.ep_group, token_group=ps.tp_cp_group)
         if not on_meta:
             chunk.initialize(seed)
         chunks.append(chunk)
@@ -148,6 +151,12 @@ def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod, str
 
 
 def setup(cfg: RunConfig) -> Run:
+    if cfg.parallel.expert_model_parallel_size > 1:
+        # each EP rank holds other experts, so their gradients must be reduced over the
+        # expert-data-parallel group only: DataParallel reduces every gradient over DP x CP
+        raise InputError(f"--expert-model-parallel-size {cfg.parallel.expert_model_parallel_size}: training with "
+                         "expert parallelism needs expert gradients reduced over the expert-data-parallel group, "
+                         "which megalite's DataParallel does not do yet (--dry-run and tools/plan.py take it)")
     if cfg.training.deterministic_mode:
         torch.use_deterministic_algorithms(True)
     ps, device = initialize_distributed(cfg.parallel)

@@ -146,6 +146,7 @@ class ParallelState:
     ep_group: object = None  # expert parallelism: other experts, tokens exchanged
     expert_dp_group: object = None  # an expert's replicas: its gradient reduction, ZeRO sharding
     tp_dp_cp_group: object = None  # every rank of this pipeline stage: MoE token counts
+    tp_cp_group: object = None  # the ranks holding one micro-batch's tokens: MoE routers' load counts
     pp_ranks: list[int] = field(default_factory=lambda: [0])
     tp_ranks: list[int] = field(default_factory=lambda: [0])
     dp_ranks: list[int] = field(default_factory=lambda: [0])
@@ -294,6 +295,7 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp
     ps.dp_cp_group, ps.dp_cp_ranks = make(grid.groups("dp", "cp"))
     ps.mp_group, _ = make(grid.groups("tp", "pp"))
     ps.tp_dp_cp_group, _ = make(grid.groups("tp", "dp", "cp"))
+    ps.tp_cp_group, _ = make(grid.groups("tp", "cp"))
     ep_groups, edp_groups = grid.expert_groups()
     ps.ep_group, ps.ep_ranks = make(ep_groups)
     ps.expert_dp_group, ps.expert_dp_ranks = make(edp_groups)
