@@ -57,6 +57,7 @@ class DryRunReport:
     dp: int
     cp: int
     num_params: int
+    num_expert_params: int  # of num_params: the routed experts' (E/EP per MoE layer)
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
@@ -70,8 +71,9 @@ class DryRunReport:
     def lines(self) -> list[str]:
         def size(n: int, what: str) -> str:
             return f">   {what:<12} {n / 2**20:12.1f} MiB  ({n} bytes)"
+        experts = f" ({self.num_expert_params / 1e6:.2f}M of them experts)" if self.num_expert_params else ""
         return [f"> dry run of rank {self.rank} (TP {self.tp}, PP {self.pp}, DP {self.dp}, CP {self.cp}): "
-                f"{self.num_params / 1e6:.2f}M parameters; built in {self.build_seconds:.1f} s, one iteration of "
+                f"{self.num_params / 1e6:.2f}M parameters{experts}; built in {self.build_seconds:.1f} s, one iteration of "
                 f"{self.num_microbatches} micro-batches in {self.step_seconds:.1f} s",
                 size(self.param_bytes, "parameters"), size(self.grad_bytes, "gradients"),
                 size(self.optimizer_bytes, "optimizer"),
@@ -204,7 +206,9 @@ def _dry_run(cfg: RunConfig, rank: int | None) -> DryRunReport:
         h.remove()
     done = time.perf_counter()
     return DryRunReport(rank=ps.rank, tp=ps.tp_rank, pp=ps.pp_rank, dp=ps.dp_rank, cp=ps.cp_rank,
-                        num_params=sum(p.numel() for p in dp.params), param_bytes=dp.param_bytes,
+                        num_params=sum(p.numel() for p in dp.params),
+                        num_expert_params=sum(p.numel() for m in model for p in m.expert_parameters()),
+                        param_bytes=dp.param_bytes,
                         grad_bytes=dp.grad_bytes, optimizer_bytes=optimizer.state_bytes(),
                         activation_bytes=meter.activation_peak, zero_working_set_bytes=zero_working_set(dp),
                         step_peak_bytes=meter.peak,

@@ -241,6 +241,7 @@ def log_startup(run: Run) -> None:
             f"{run.cfg.parallel.distributed_backend if dist.is_initialized() else 'none'}")
     mine = {"rank": ps.rank, "tp": ps.tp_rank, "pp": ps.pp_rank, "dp": ps.dp_rank, "cp": ps.cp_rank,
             "num_params": sum(p.numel() for _, p in run.state.named_params),
+            "num_expert_params": sum(p.numel() for m in run.model for p in m.expert_parameters()),
             "param_bytes": run.dp.param_bytes,  # ZeRO-1/2: the flat buffer with padding; ZeRO-3: this rank's slices
             "grad_bytes": run.dp.grad_bytes,
             "optimizer_bytes": run.state.optimizer.state_bytes()}  # fp32 masters + Adam m, v (this rank's shard)

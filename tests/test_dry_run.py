@@ -72,6 +72,8 @@ def test_plan_verify_matches_the_dry_run(layout):
         got, want = row["measured"], row["planned"]
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             assert got[key] == want[key], (row["rank"], key)
+        stage = plan["stages"][row["pp_rank"]]
+        assert (got["num_params"], got["num_expert_params"]) == (stage["num_params"], stage["num_expert_params"])
         assert abs(got["activation_bytes"] - want["activation_bytes"]) <= 0.1 * want["activation_bytes"], row
         assert got["step_peak_bytes"] >= got["activation_bytes"] > 0
         # ZeRO-2/3's staging buckets and gathered units: none without them; with them at most the
@@ -144,7 +146,7 @@ def test_moe_rank_of_a_large_world_dry_runs_from_the_command_line(tmp_path):
     plan = _plan_tool().make_plan(flags + ["--world-size", "256"])
     last = plan["stages"][-1]
     assert plan["moe"]["experts_per_gpu"] == 1 and plan["moe"]["expert_dp"] == 8
-    assert rank["num_params"] == last["num_params"]
+    assert (rank["num_params"], rank["num_expert_params"]) == (last["num_params"], last["num_expert_params"])
     assert [rank[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")] == \
         [last[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")]
     assert rank["activation_bytes"] > 0

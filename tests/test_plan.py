@@ -64,6 +64,9 @@ CASES = {  # fp32 is covered by pp2-tied
     "tp2-bf16": (2, ["--tensor-model-parallel-size", "2", "--bf16"] + VARIANT),
     "pp2-tied": (2, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]),
     "zero1-dp2-bf16": (2, ["--use-distributed-optimizer", "--bf16"]),
+    # Mixture of Experts, every expert on every rank (EP 1): 4 experts of 48 in every layer
+    "moe-dp2-zero1-bf16": (2, ["--swiglu", "--bf16", "--num-experts", "4", "--moe-router-topk", "2",
+                               "--disable-bias-linear", "--moe-ffn-hidden-size", "48", "--use-distributed-optimizer"]),
 }
 
 
@@ -79,6 +82,7 @@ def test_matches_memory_footprint_of_a_run(case, tmp_path):
     for rank in footprint["ranks"]:
         stage = p["stages"][rank["pp"]]
         assert rank["num_params"] == stage["num_params"], (case, rank)
+        assert rank["num_expert_params"] == stage["num_expert_params"], (case, rank)
         assert rank["param_bytes"] == stage["param_bytes"], (case, rank)
         if not zero1:
             assert rank["grad_bytes"] == stage["grad_bytes"], (case, rank)
