@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .config import RunConfig
 from .data.batch import build_batch, slice_batch
 from .distributed import DataParallel
+from .distributed.expert_data_parallel import build_data_parallel
 from .initialize import build_model, initialize_distributed, resolve_vocab
 from .model import ExecutionConfig
 from .optimizer import build_optimizer
@@ -57,6 +58,7 @@ class DryRunReport:
     dp: int
     cp: int
     num_params: int
+    num_expert_params: int  # of num_params: the routed experts' (E/EP per MoE layer)
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
@@ -70,8 +72,9 @@ class DryRunReport:
     def lines(self) -> list[str]:
         def size(n: int, what: str) -> str:
             return f">   {what:<12} {n / 2**20:12.1f} MiB  ({n} bytes)"
+        experts = f" ({self.num_expert_params / 1e6:.2f}M of them experts)" if self.num_expert_params else ""
         return [f"> dry run of rank {self.rank} (TP {self.tp}, PP {self.pp}, DP {self.dp}, CP {self.cp}): "
-                f"{self.num_params / 1e6:.2f}M parameters; built in {self.build_seconds:.1f} s, one iteration of "
+                f"{self.num_params / 1e6:.2f}M parameters{experts}; built in {self.build_seconds:.1f} s, one iteration of "
                 f"{self.num_microbatches} micro-batches in {self.step_seconds:.1f} s",
                 size(self.param_bytes, "parameters"), size(self.grad_bytes, "gradients"),
                 size(self.optimizer_bytes, "optimizer"),
@@ -143,8 +146,10 @@ def zero_working_set(dp: DataParallel) -> int:
     """The most bytes of ZeRO-3 gathered units plus the most of ZeRO-2/3 gradient staging held at
     once during the step, as DataParallel counts them (it allocates them by resizing storages,
     which no tensor operation reports)."""
-    gathered = getattr(dp.param_buffer, "peak_gathered_bytes", 0) if dp.strategy.shards_params else 0
-    return gathered + getattr(dp.grads, "peak_staging_bytes", 0)
+    domains = getattr(dp, "domains", [dp])  # expert parallelism: the dense and the expert DataParallel
+    gathered = sum(getattr(d.param_buffer, "peak_gathered_bytes", 0) for d in domains) \
+        if dp.strategy.shards_params else 0
+    return gathered + sum(getattr(d.grads, "peak_staging_bytes", 0) for d in domains)
 
 
 def _micro_batches(cfg: RunConfig, ps, eod: int | None):
@@ -179,8 +184,8 @@ def _dry_run(cfg: RunConfig, rank: int | None) -> DryRunReport:
     execution = ExecutionConfig.from_configs(cfg.optimizer, cfg.parallel, cfg.recompute, cfg.kernels)
     model, _ = build_model(model_config, ps, t.seed, torch.device("cpu"), on_meta=True, execution=execution)
     named = [(n, p) for m in model for n, p in m.global_named_parameters()]
-    dp = DataParallel(model, [p for _, p in named], ps, cfg.ddp, t.num_microbatches, device=META,
-                      init_fn=lambda p: torch.empty(p.shape, dtype=p.dtype, device=META))
+    dp = build_data_parallel(model, [p for _, p in named], ps, cfg.ddp, t.num_microbatches, device=META,
+                             init_fn=lambda p: torch.empty(p.shape, dtype=p.dtype, device=META))
     optimizer = build_optimizer(named, cfg.optimizer, dp, ps)
     built = time.perf_counter()
     # activations between stages: this rank's s/c tokens (CP), split over TP under sequence parallelism
@@ -204,7 +209,9 @@ def _dry_run(cfg: RunConfig, rank: int | None) -> DryRunReport:
         h.remove()
     done = time.perf_counter()
     return DryRunReport(rank=ps.rank, tp=ps.tp_rank, pp=ps.pp_rank, dp=ps.dp_rank, cp=ps.cp_rank,
-                        num_params=sum(p.numel() for p in dp.params), param_bytes=dp.param_bytes,
+                        num_params=sum(p.numel() for p in dp.params),
+                        num_expert_params=sum(p.numel() for m in model for p in m.expert_parameters()),
+                        param_bytes=dp.param_bytes,
                         grad_bytes=dp.grad_bytes, optimizer_bytes=optimizer.state_bytes(),
                         activation_bytes=meter.activation_peak, zero_working_set_bytes=zero_working_set(dp),
                         step_peak_bytes=meter.peak,

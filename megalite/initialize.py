@@ -120,8 +120,6 @@ def build_model(config: GPTConfig, ps, seed: int, device: torch.device, on_meta:
                          ep_group=ps.ep_group, token_group=ps.tp_cp_group)
         if not on_meta:
             chunk.initialize(seed)
-        elif device.type != "meta":
-            chunk.materialize_buffers(device)
         chunks.append(chunk)
     return chunks, rng_tracker
 
@@ -166,6 +164,9 @@ def setup(cfg: RunConfig) -> Run:
     zero3 = get_strategy(cfg.ddp.data_parallel_sharding_strategy).shards_params
     execution = ExecutionConfig.from_configs(cfg.optimizer, cfg.parallel, cfg.recompute, cfg.kernels)
     model, rng_tracker = build_model(model_config, ps, cfg.training.seed, device, on_meta=zero3, execution=execution)
+    if zero3:  # DataParallel materialises the parameters; the buffers are made here
+        for chunk in model:
+            chunk.materialize_buffers(device)
     if cfg.training.compile:  # --compile: each transformer layer, in place (model/compile.py)
         from .model.compile import compile_layers
         n = compile_layers(model)
@@ -239,6 +240,7 @@ def log_startup(run: Run) -> None:
             f"{run.cfg.parallel.distributed_backend if dist.is_initialized() else 'none'}")
     mine = {"rank": ps.rank, "tp": ps.tp_rank, "pp": ps.pp_rank, "dp": ps.dp_rank, "cp": ps.cp_rank,
             "num_params": sum(p.numel() for _, p in run.state.named_params),
+            "num_expert_params": sum(p.numel() for m in run.model for p in m.expert_parameters()),
             "param_bytes": run.dp.param_bytes,  # ZeRO-1/2: the flat buffer with padding; ZeRO-3: this rank's slices
             "grad_bytes": run.dp.grad_bytes,
             "optimizer_bytes": run.state.optimizer.state_bytes()}  # fp32 masters + Adam m, v (this rank's shard)

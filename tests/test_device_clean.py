@@ -12,8 +12,9 @@ dispatch mode that records every op touching a CPU tensor of one or more dimensi
 Every model variant is covered: learned and rotary positions, LayerNorm and RMSNorm, GeLU and
 SwiGLU, grouped-query attention, biases on and off, tied and untied output weights, an explicit
 attention mask, every recompute mode, pipeline stages (first / middle / last, with the last
-stage's copy of the tied embedding), tensor parallelism with sequence parallelism, and context
-parallelism (CP 2: K/V all-gather, masks in global positions). TP=2 and CP=2 run in this one
+stage's copy of the tied embedding), tensor parallelism with sequence parallelism, context
+parallelism (CP 2: K/V all-gather, masks in global positions), and Mixture-of-Experts layers
+(routers, losses, capacity, shared expert; with TP 2 and EP 2, both token dispatchers). TP=2 and CP=2 run in this one
 process as rank 0 of a `fake` process group (torch's backend that accepts every
 collective and moves no data), so the collectives of the TP and SP regions are called with meta
 tensors too. Weights are not initialised (`GPTModel.initialize` draws from CPU generators and
@@ -47,6 +48,18 @@ VARIANTS = {
                                    recompute_method="uniform", recompute_num_layers=2),
     "recompute-full-block": dict(position_embedding_type="rope", recompute_granularity="full",
                                  recompute_method="block", recompute_num_layers=1),
+    # Mixture of Experts: Mixtral's layer (SwiGLU experts, RMSNorm, RoPE) with the aux and z losses;
+    # a shared gated expert, capacity dropping, per-sequence aux loss on every 2nd layer; sigmoid
+    # scores with the aux-loss-free expert bias
+    "moe-mixtral": dict(num_experts=4, moe_router_topk=2, swiglu=True, normalization="RMSNorm",
+                        position_embedding_type="rope", add_bias_linear=False, moe_aux_loss_coeff=1e-2,
+                        moe_z_loss_coeff=1e-3),
+    "moe-shared-capacity-seq-aux": dict(num_experts=4, moe_router_topk=2, add_bias_linear=False, moe_layer_freq="2",
+                                        moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True,
+                                        moe_expert_capacity_factor=1.0, moe_router_load_balancing_type="seq_aux_loss",
+                                        moe_aux_loss_coeff=1e-2),
+    "moe-sigmoid-expert-bias": dict(num_experts=4, moe_router_topk=2, add_bias_linear=False,
+                                    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
 }
 
 
@@ -76,12 +89,12 @@ class NoCPUTensors(TorchDispatchMode):
 
 def train_step_on_meta(cfg: tuple[GPTConfig, ExecutionConfig], tp_group=None, tp_rank: int = 0, pre_process=True,
                        post_process=True,
-                       attention_mask: bool = False, position_ids: bool = True):
+                       attention_mask: bool = False, position_ids: bool = True, ep_group=None, token_group=None):
     """Build on meta, run forward, backward and a foreach AdamW step; return (model, output, optimizer)."""
     tracker = seed_everything(3, tp_rank, 0, META)
     cfg, execution = cfg
     model = GPTModel(cfg, tp_group, tracker, pre_process=pre_process, post_process=post_process, device=META,
-                     execution=execution)
+                     execution=execution, ep_group=ep_group, token_group=token_group)
     model.train()
     ids = torch.zeros(B, S, dtype=torch.long, device=META)
     pos = torch.arange(S, device=META).unsqueeze(0).expand(B, S) if position_ids else None
@@ -164,6 +177,40 @@ def test_tensor_and_sequence_parallel_on_meta(fake_tp2, variant):
         # a later stage receives [s/tp, b, h] under SP
         model, out, opt = train_step_on_meta(cfg, fake_tp2, pre_process=False)
         assert_all_on_meta(model, out, opt)
+
+
+@pytest.fixture
+def fake_tp2_ep2():
+    """This process as rank 0 of a 4-rank `fake` process group, with megalite's groups for TP 2 x
+    DP 2 and EP 2 taken from DP."""
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    from megalite import parallel_state
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=4)
+    try:
+        yield parallel_state.initialize(tp=2, ep=2)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("variant", ["moe-mixtral", "moe-shared-capacity-seq-aux"])
+def test_expert_parallel_moe_on_meta(fake_tp2_ep2, dispatcher, variant):
+    """TP 2 with sequence parallelism and EP 2: tokens all-gathered over TP, routed rows exchanged
+    over EP (the meta device has no values, so the dispatcher takes balanced counts there: on a GPU
+    the counts are the one device-to-host copy per MoE layer and micro-batch, as in Megatron-LM's
+    dropless dispatchers), and the router's load counts summed over TP x CP."""
+    ps = fake_tp2_ep2
+    assert (ps.tp_size, ps.ep_size, ps.expert_dp_size) == (2, 2, 1)
+    cfg = config(**VARIANTS[variant], sequence_parallel=True, moe_token_dispatcher_type=dispatcher)
+    groups = dict(ep_group=ps.ep_group, token_group=ps.tp_cp_group)
+    model, out, opt = train_step_on_meta(cfg, ps.tp_group, **groups)
+    assert_all_on_meta(model, out, opt)
+    (_, layer), *_ = model.moe_layers()
+    assert list(layer.experts.local_experts) == ["0", "1"]  # 4 experts over EP 2: this rank's first two
+    model, out, opt = train_step_on_meta(cfg, ps.tp_group, pre_process=False, **groups)
+    assert_all_on_meta(model, out, opt)
 
 
 def test_meta_catches_a_cpu_tensor():

@@ -1,5 +1,6 @@
 """The launch scripts in examples/: valid bash, GPT-3's sizes, layouts that validate and fit
-(tools/plan.py), the multi-node and SLURM command lines, and real (shrunk) training runs."""
+(tools/plan.py), the multi-node and SLURM command lines, and real (shrunk) training runs; the
+Mixture-of-Experts example (examples/moe/) planned and trained."""
 import glob
 import json
 import math
@@ -16,7 +17,9 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import plan  # noqa: E402
 
 EXAMPLES = os.path.join(ROOT, "examples")
-SCRIPTS = sorted(glob.glob(os.path.join(EXAMPLES, "*.sh")) + glob.glob(os.path.join(EXAMPLES, "slurm", "*.sh")))
+SCRIPTS = sorted(glob.glob(os.path.join(EXAMPLES, "*.sh")) + glob.glob(os.path.join(EXAMPLES, "slurm", "*.sh"))
+                 + glob.glob(os.path.join(EXAMPLES, "moe", "*.sh")))
+MIXTRAL_CPU = os.path.join(EXAMPLES, "moe", "mixtral_8x_cpu.sh")
 
 # Brown et al. 2020, Table 2.1: layers, d_model, heads, batch tokens, lr (13B: 5120, as Megatron-LM;
 # XL: 16 heads of 128), and the nodes of 8 GPUs each script's comments recommend
@@ -51,7 +54,7 @@ def split_command(cmd):
 
 
 def test_every_script_is_valid_bash():
-    assert len(SCRIPTS) >= 11, SCRIPTS  # 8 sizes, tiny CPU, common.sh, slurm wrapper
+    assert len(SCRIPTS) >= 12, SCRIPTS  # 8 sizes, tiny CPU, common.sh, slurm wrapper, MoE on CPU
     for script in SCRIPTS:
         proc = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
         assert proc.returncode == 0, f"{script}: {proc.stderr}"
@@ -173,3 +176,36 @@ def test_shrunk_125m_script_trains(tmp_path):
     assert abs(train[0]["lm_loss"] - math.log(1000)) < 0.5  # mock data: about uniform at the start
     assert [(r["tp"], r["dp"]) for r in records[0]["ranks"]] == [(0, 0), (1, 0)]
     assert "bfloat16" in proc.stdout
+
+
+def test_moe_script_layout():
+    """The Mixtral-style example: 8 experts, top-2, on 4 processes with EP 2 taken from DP 4; its
+    flags validate as pretrain_gpt.py's and plan to the placement docs/moe.md describes."""
+    ((cmd,), _) = dry_run(MIXTRAL_CPU)
+    launcher, flags = split_command(cmd)
+    assert launcher[-2:] == ["--nproc_per_node", "4"]
+    text = " ".join(flags)
+    for flag in ("--num-experts 8", "--moe-router-topk 2", "--expert-model-parallel-size 2", "--swiglu",
+                 "--normalization RMSNorm", "--position-embedding-type rope", "--moe-token-dispatcher-type alltoall"):
+        assert flag in text, flag
+    p = plan.make_plan(flags + ["--world-size", "4"])
+    moe = p["moe"]
+    assert (moe["num_experts"], moe["topk"], moe["ep"], moe["expert_dp"], moe["experts_per_gpu"]) == (8, 2, 2, 2, 4)
+    assert p["num_params_active"] < p["num_params_total"]
+    ((cmd,), _) = dry_run(MIXTRAL_CPU, {"EP": "4", "DISPATCHER": "allgather"})
+    p = plan.make_plan(split_command(cmd)[1] + ["--world-size", "4"])
+    assert (p["moe"]["ep"], p["moe"]["experts_per_gpu"], p["moe"]["dispatcher"]) == (4, 2, "allgather")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", ["1", "2"])
+def test_moe_cpu_script_trains(tmp_path, ep):
+    """Three iterations on the bundled corpus, 4 gloo processes, EP 1 and EP 2 (expert-DP 2)."""
+    env = dict(CPU_ENV, EP=ep, TRAIN_ITERS="3", LOG_INTERVAL="1", EVAL_ITERS="1", OUTPUT_DIR=str(tmp_path))
+    proc = bash(MIXTRAL_CPU, env, timeout=240, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    train, records = train_records(tmp_path)
+    assert [r["iteration"] for r in train] == [1, 2, 3]
+    assert all(math.isfinite(r["lm_loss"]) for r in train)
+    assert train[-1]["lm_loss"] < train[0]["lm_loss"] < math.log(1536) + 1  # SentencePiece vocabulary of 1536
+    assert len(records[0]["ranks"]) == 4

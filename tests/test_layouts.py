@@ -122,7 +122,9 @@ def test_jsonl_schema(tmp_path, tiny_flags):
     records, _ = run_pretrain(1, flags, tmp_path)
     assert records[0]["event"] == "memory_footprint"
     (rank,) = records[0]["ranks"]
-    assert set(rank) == {"rank", "tp", "pp", "dp", "cp", "num_params", "param_bytes", "grad_bytes", "optimizer_bytes"}
+    assert set(rank) == {"rank", "tp", "pp", "dp", "cp", "num_params", "num_expert_params", "param_bytes", "grad_bytes",
+                         "optimizer_bytes"}
+    assert rank["num_expert_params"] == 0  # a dense model
     assert rank["param_bytes"] == 4 * rank["num_params"] and rank["optimizer_bytes"] == 8 * rank["num_params"]
     train = [r for r in records if "consumed_samples" in r]
     assert [r["iteration"] for r in train] == [2, 4]

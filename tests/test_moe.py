@@ -333,7 +333,7 @@ def test_router_drops_over_capacity(policy, factor):
     assert max(per_expert) <= capacity
     assert layer.router.tokens_per_expert.tolist() == per_expert
     # the dispatcher sends exactly the kept choices
-    order, counts = sort_by_expert(routing.indices, routing.kept, 0, E)
+    order, counts, _ = sort_by_expert(routing.indices, routing.kept, 0, E, E)
     assert counts.tolist() == per_expert
     assert sorted((int(c) // K, experts[int(c) // K][int(c) % K]) for c in order) == sorted(
         (t, experts[t][j]) for t in range(S * B) for j in range(K) if keep[t][j])

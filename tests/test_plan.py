@@ -1,5 +1,8 @@
 """tools/plan.py: exact parameter counts, Megatron's bytes per parameter, Korthikanti et al.'s
-activation formula, the pipeline bubble; and its numbers against real runs' memory_footprint."""
+activation formula, the pipeline bubble; and its numbers against real runs' memory_footprint.
+Mixture of Experts: expert parameters per rank against the model megalite builds, ZeRO over the
+expert-DP group, FLOPs of the active parameters and the dispatch traffic, by hand."""
+import dataclasses
 import json
 import math
 import os
@@ -61,6 +64,9 @@ CASES = {  # fp32 is covered by pp2-tied
     "tp2-bf16": (2, ["--tensor-model-parallel-size", "2", "--bf16"] + VARIANT),
     "pp2-tied": (2, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]),
     "zero1-dp2-bf16": (2, ["--use-distributed-optimizer", "--bf16"]),
+    # Mixture of Experts, every expert on every rank (EP 1): 4 experts of 48 in every layer
+    "moe-dp2-zero1-bf16": (2, ["--swiglu", "--bf16", "--num-experts", "4", "--moe-router-topk", "2",
+                               "--disable-bias-linear", "--moe-ffn-hidden-size", "48", "--use-distributed-optimizer"]),
 }
 
 
@@ -76,6 +82,7 @@ def test_matches_memory_footprint_of_a_run(case, tmp_path):
     for rank in footprint["ranks"]:
         stage = p["stages"][rank["pp"]]
         assert rank["num_params"] == stage["num_params"], (case, rank)
+        assert rank["num_expert_params"] == stage["num_expert_params"], (case, rank)
         assert rank["param_bytes"] == stage["param_bytes"], (case, rank)
         if not zero1:
             assert rank["grad_bytes"] == stage["grad_bytes"], (case, rank)
@@ -217,3 +224,137 @@ def test_accepts_every_pretrain_gpt_flag_as_pretrain_gpt_does():
         assert (mine.dest, mine.nargs, mine.type, mine.choices, mine.const, mine.default) == \
             (action.dest, action.nargs, action.type, action.choices, action.const, action.default), flag
     assert math.isfinite(plan.make_plan(SMALL + ["--fp16", "--overlap-grad-reduce"])["memory_gb"]["total"])
+
+
+# -- Mixture of Experts -------------------------------------------------------------------------
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-ffn-hidden-size", "48"]
+MOE_VARIANTS = {
+    "every-layer-gelu": [],
+    "swiglu-shared-gated-every-2nd": ["--swiglu", "--moe-layer-freq", "2", "--moe-shared-expert-intermediate-size", "32",
+                                      "--moe-shared-expert-gate"],
+    "pattern-untied": ["--moe-layer-freq", "[0,1,1,0]", "--untie-embeddings-and-output-weights"],
+}
+
+
+def built_params(c, tp_rank: int, ep_rank: int, pp_rank: int) -> tuple[int, int]:
+    """(dense, expert) parameters of the model chunks megalite builds for one rank (on the meta
+    device, with offline TP and EP groups of the layout's sizes)."""
+    from megalite.comm import OfflineGroup
+    from megalite.model import ExecutionConfig, GPTModel
+    from megalite.parallel_state import stage_layers
+    p = c.parallel
+    pp, v = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    execution = ExecutionConfig.from_configs(c.optimizer, p, c.recompute, c.kernels)
+    config = dataclasses.replace(c.model, hidden_dropout=0.0, attention_dropout=0.0)  # no RNG tracker needed
+    dense = experts = 0
+    for k, (offset, layers) in enumerate(stage_layers(c.model.num_layers, pp, v, pp_rank)):
+        chunk = GPTModel(config, OfflineGroup(p.tensor_model_parallel_size, tp_rank), None,
+                         pre_process=pp_rank == 0 and k == 0, post_process=pp_rank == pp - 1 and k == v - 1,
+                         layer_offset=offset, num_layers=layers, device="meta", execution=execution,
+                         ep_group=OfflineGroup(p.expert_model_parallel_size, ep_rank))
+        for name, param in chunk.named_parameters():
+            if ".mlp.experts.local_experts." in name:
+                experts += param.numel()
+            else:
+                dense += param.numel()
+    return dense, experts
+
+
+@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
+@pytest.mark.parametrize("tp,pp,ep,vpp_layers", [(1, 1, 1, None), (1, 2, 2, None), (2, 1, 4, None), (2, 2, 2, 1)],
+                         ids=["tp1-pp1-ep1", "pp2-ep2", "tp2-ep4", "tp2-pp2-vpp-ep2"])
+def test_moe_params_per_rank_match_built_model(variant, tp, pp, ep, vpp_layers):
+    from megalite.planning.memory import stage_param_split
+    from megalite.planning.moe import moe_pattern
+    world = tp * pp * 4  # DP 4: EP taken from it
+    argv = SMALL + MOE + MOE_VARIANTS[variant] + [
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--expert-model-parallel-size", str(ep), "--world-size", str(world)] + (["--sequence-parallel"] if tp > 1 else [])
+    if vpp_layers:
+        argv += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers), "--global-batch-size", "16"]
+    c, _ = plan.parse(argv)
+    h, f, t = 64, 48, tp
+    expert = f * h * (3 if "--swiglu" in argv else 2)  # fc1 [f or 2f, h] and fc2 [h, f], no biases
+    pattern = moe_pattern(c)
+    for r in range(pp):
+        plan_split = stage_param_split(c, r)
+        moe_here = sum(pattern[n] for n in range(c.model.num_layers) if n in stage_layer_numbers(c, r))
+        for ep_rank in range(ep):  # every EP rank holds as many (other experts)
+            for tp_rank in range(tp):
+                assert built_params(c, tp_rank, ep_rank, r) == plan_split, (r, ep_rank, tp_rank)
+        assert plan_split[1] == moe_here * (4 // ep) * expert // t
+    # the whole model, each parameter once: one process holding every expert
+    whole = built_params(plan.parse(SMALL + MOE + MOE_VARIANTS[variant])[0], 0, 0, 0)
+    assert total_params(c) == sum(whole)
+    p = plan.make_plan(argv)
+    assert p["num_params_total"] == sum(whole)
+    assert p["num_params_active"] == sum(whole) - sum(pattern) * (4 - 2) * expert  # top-2 of 4 experts
+    assert p["moe"]["expert_params_per_gpu"] == max(stage_param_split(c, r)[1] for r in range(pp))
+
+
+def stage_layer_numbers(c, pp_rank):
+    from megalite.planning.moe import chunk_layers
+    return [n for chunk in chunk_layers(c, pp_rank) for n in chunk]
+
+
+def test_moe_zero_shards_experts_over_expert_dp():
+    """ZeRO-1 in bf16 over DP 8 with EP 4: dense weights' 12 bytes of optimizer state over 8 ranks,
+    experts' over the 2 that hold the same experts; ZeRO-3 shards the parameters alike."""
+    from megalite.planning.memory import stage_param_split
+    argv = SMALL + MOE + ["--expert-model-parallel-size", "4", "--bf16", "--world-size", "8"]
+    c, _ = plan.parse(argv)
+    dense, experts = stage_param_split(c, 0)
+    assert experts == 4 * (4 // 4) * 48 * 64 * 2  # 4 MoE layers, 1 expert each here
+    zero1 = plan.make_plan(argv + ["--use-distributed-optimizer"])
+    assert zero1["stages"][0]["optimizer_bytes"] == 12 * dense / 8 + 12 * experts / 2
+    assert zero1["stages"][0]["grad_bytes"] == 4 * (dense + experts)
+    zero3 = plan.make_plan(argv + ["--data-parallel-sharding-strategy", "optim_grads_params"])
+    assert zero3["stages"][0]["param_bytes"] == 2 * dense / 8 + 2 * experts / 2
+    assert zero3["stages"][0]["grad_bytes"] == 4 * dense / 8 + 4 * experts / 2
+    assert zero1["moe"]["expert_dp"] == 2 and zero1["moe"]["experts_per_gpu"] == 1
+
+
+def test_moe_flops_count_active_parameters_only():
+    """FLOPs of an MoE model per iteration, by hand: 3 (forward + backward) x 2 per multiply-add of
+    every weight a token is routed through (attention, the top-k experts, the shared expert, the
+    router and its gate, the output layer), plus QKᵀ and attention x V; the same as a dense model
+    whose MLP is k experts wide, plus the router. MFU (training.py) divides these FLOPs."""
+    from megalite.runtime.metrics import num_floating_point_operations
+    L, h, s, V, B, E, k, f_e, f_s, f = 4, 64, 32, 1024, 8, 4, 2, 48, 32, 96
+    argv = SMALL + MOE + ["--swiglu", "--moe-layer-freq", "2", "--moe-shared-expert-intermediate-size", str(f_s),
+                          "--moe-shared-expert-gate", "--ffn-hidden-size", str(f), "--global-batch-size", str(B)]
+    p = plan.make_plan(argv)
+    moe_layers, dense_layers = 2, 2  # layers 0 and 2
+    per_token = (L * 4 * h * h + dense_layers * 3 * f * h + moe_layers * (k * 3 * f_e * h + 3 * f_s * h + E * h + h)
+                 + V * h)
+    assert p["flops_per_iteration"] == pytest.approx(3 * B * s * (2 * per_token + 4 * s * h * L))
+    c, _ = plan.parse(argv)
+    # experts a token does not reach cost nothing: 16 experts instead of 4 add only router FLOPs
+    wide, _ = plan.parse([a if a != "4" or argv[i - 1] != "--num-experts" else "16" for i, a in enumerate(argv)])
+    assert wide.model.num_experts == 16
+    assert num_floating_point_operations(wide.model, B) - num_floating_point_operations(c.model, B) == \
+        pytest.approx(6 * B * s * h * (16 - 4) * moe_layers)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_moe_dispatch_bytes_per_iteration(dispatcher, capsys):
+    """Hidden states sent per GPU and iteration at balanced routing: per MoE layer and
+    micro-batch 4 collectives (dispatch and combine, forward and backward) of T = s·b/CP tokens
+    of h bf16 values: alltoall sends the T·k routed copies, (EP-1)/EP of them to other ranks;
+    allgather sends the rank's T tokens to, and reduce-scatters T outputs for, EP-1 ranks."""
+    L, h, s, b, m, ep, k = 4, 64, 32, 2, 4, 4, 2
+    argv = SMALL + MOE + ["--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher,
+                          "--bf16", "--world-size", "8", "--global-batch-size", str(b * m * 8)]
+    p = plan.make_plan(argv)
+    T = s * b
+    per = T * k * (ep - 1) / ep if dispatcher == "alltoall" else T * (ep - 1)
+    assert p["moe"]["dispatch_bytes_per_iteration"] == pytest.approx(4 * L * m * per * h * 2)
+    # full recompute repeats each rebuilt layer's forward dispatch and combine
+    full = plan.make_plan(argv + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                  "--recompute-num-layers", "1"])
+    assert full["moe"]["dispatch_bytes_per_iteration"] == pytest.approx(6 * L * m * per * h * 2)
+    assert plan.make_plan(SMALL + MOE + ["--world-size", "8"])["moe"]["dispatch_bytes_per_iteration"] == 0
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"dispatch {dispatcher} over EP 4: " in out and "EP 4 x expert-DP 2" in out
+    assert "parameters active per token" in out and "(active: top-k experts)" in out

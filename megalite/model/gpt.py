@@ -155,6 +155,11 @@ class GPTModel(nn.Module):
         """(global layer number, MoELayer) of this chunk's MoE layers."""
         return [(layer.layer_number, layer.mlp) for layer in self.decoder.layers if isinstance(layer.mlp, MoELayer)]
 
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The routed experts' weights on this rank (reduced and ZeRO-sharded over the
+        expert-data-parallel group, not DP x CP)."""
+        return [p for _, layer in self.moe_layers() for p in layer.experts.parameters()]
+
     def output_weight_is_tied_here(self) -> bool:
         """The word embedding is this chunk's output layer too (one pipeline stage, tied)."""
         return self.pre_process and self.post_process and not self.config.untie_embeddings_and_output_weights

@@ -37,7 +37,10 @@ Memory per GPU (Megatron-LM's accounting, bytes per parameter; d = DP size), for
              backward, 4·s·b·h·(groups/heads)/t per layer.
 Parameter counts are exact for megalite's model (checked against the `memory_footprint`
 record of real runs in tests/test_plan.py): padded vocabulary, the tied embedding's copy on the
-last stage when PP > 1, position embeddings on the first stage, biases and norms per the flags.
+last stage when PP > 1, position embeddings on the first stage, biases and norms per the flags;
+an MoE layer's E/EP local experts, router and shared expert (planning/moe.py). Expert weights
+are sharded by ZeRO over the expert-data-parallel group (DP x CP / EP ranks), the rest over
+DP x CP; an MoE layer's activations are planning/moe.py's, at balanced routing.
 Not counted: the CUDA context, NCCL buffers, allocator fragmentation, temporary buffers (a few GB).
 
 Pipeline bubble (Narayanan et al. 2021, Sec. 2.2): (p - 1) / (v·m + p - 1), m micro-batches per
@@ -48,32 +51,49 @@ from __future__ import annotations
 import math
 
 from ..config.sharding import ShardingStrategy
+from .moe import (chunk_layers, expert_params, local_expert_params, moe_layer_params, moe_mlp_activation_bytes,
+                  moe_pattern)
 
 # -- parameters --------------------------------------------------------------------------------
-def layer_params(c) -> tuple[int, int]:
+def layer_params(c, moe: bool = False) -> tuple[int, int]:
     """(elements sharded over TP, on one TP rank; elements replicated on every TP rank) of one
-    transformer layer, as megalite builds it."""
+    transformer layer, as megalite builds it; of an MoE layer (`moe`) all but its routed experts
+    (planning/moe.py: local_expert_params)."""
     h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
     bias = not (not c.model.add_bias_linear)
     norm = h * (2 if c.model.normalization == "LayerNorm" else 1)
     qkv = (c.model.num_attention_heads + 2 * c.model.num_query_groups) * c.model.kv_channels // t
     proj_in = c.model.num_attention_heads * c.model.kv_channels // t
-    fc1 = c.model.ffn_hidden_size * (2 if c.model.swiglu else 1) // t
-    fc2_in = c.model.ffn_hidden_size // t
-    sharded = qkv * h + proj_in * h + fc1 * h + fc2_in * h + ((qkv + fc1) if bias else 0)
+    sharded = qkv * h + proj_in * h + (qkv if bias else 0)
     if c.model.add_qkv_bias and not bias:  # --add-qkv-bias: the QKV projection's bias alone
         sharded += qkv
-    replicated = 2 * norm + (2 * h if bias else 0)  # two norms; row-parallel biases are whole
-    return sharded, replicated
+    replicated = 2 * norm + (h if bias else 0)  # two norms; the projection's row-parallel bias is whole
+    if moe:
+        mlp_sharded, mlp_replicated = moe_layer_params(c)
+    else:
+        fc1 = c.model.ffn_hidden_size * (2 if c.model.swiglu else 1) // t
+        mlp_sharded, mlp_replicated = fc1 * h + c.model.ffn_hidden_size // t * h + (fc1 if bias else 0), \
+            (h if bias else 0)
+    return sharded + mlp_sharded, replicated + mlp_replicated
 
 
-def stage_params(c, pp_rank: int) -> int:
-    """Parameters held by one GPU of pipeline stage `pp_rank` (every TP and DP rank of a stage
-    holds the same number)."""
+def stage_layer_params(c, pp_rank: int) -> tuple[int, int]:
+    """(dense elements, expert elements) of the transformer layers on one GPU of stage `pp_rank`:
+    expert weights are reduced and sharded over the expert-data-parallel group, the rest over
+    DP x CP."""
+    pattern = moe_pattern(c)
+    dense = sum(sum(layer_params(c, pattern[n])) for chunk in chunk_layers(c, pp_rank) for n in chunk)
+    experts = sum(pattern[n] for chunk in chunk_layers(c, pp_rank) for n in chunk) * (
+        local_expert_params(c) if c.model.num_experts else 0)
+    return dense, experts
+
+
+def stage_param_split(c, pp_rank: int) -> tuple[int, int]:
+    """(dense, expert) parameters held by one GPU of pipeline stage `pp_rank` (every TP and DP
+    rank of a stage holds as many)."""
     h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
     p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
-    sharded, replicated = layer_params(c)
-    n = (c.model.num_layers // p) * (sharded + replicated)
+    n, experts = stage_layer_params(c, pp_rank)
     word = c.model.padded_vocab_size // t * h
     for chunk in range(v):
         pre, post = pp_rank == 0 and chunk == 0, pp_rank == p - 1 and chunk == v - 1
@@ -85,14 +105,23 @@ def stage_params(c, pp_rank: int) -> int:
             n += h * (2 if c.model.normalization == "LayerNorm" else 1)  # final norm
             if c.model.untie_embeddings_and_output_weights or not pre:
                 n += word  # output layer, or the tied embedding's copy on the last stage
-    return n
+    return n, experts
+
+
+def stage_params(c, pp_rank: int) -> int:
+    """Parameters held by one GPU of pipeline stage `pp_rank`, experts included."""
+    return sum(stage_param_split(c, pp_rank))
 
 
 def total_params(c) -> int:
-    """Parameters of the whole model, each counted once (as the trainer's start-up line)."""
+    """Parameters of the whole model, each counted once (as the trainer's start-up line): every
+    expert of every MoE layer."""
     h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
-    sharded, replicated = layer_params(c)
-    n = c.model.num_layers * (sharded * t + replicated)
+    pattern = moe_pattern(c)
+    n = 0
+    for moe in pattern:
+        sharded, replicated = layer_params(c, moe)
+        n += sharded * t + replicated + (c.model.num_experts * expert_params(c) if moe else 0)
     n += c.model.padded_vocab_size * h * (2 if c.model.untie_embeddings_and_output_weights else 1)
     if c.model.position_embedding_type == "learned_absolute":
         n += c.model.max_position_embeddings * h
@@ -107,9 +136,10 @@ def recompute_setting(c) -> tuple[str | None, str | None, int]:
     return granularity, (method if granularity == "full" else None), k
 
 
-def layer_activation_bytes(c) -> tuple[float, float]:
+def layer_activation_bytes(c, moe: bool = False) -> tuple[float, float]:
     """(bytes one layer stores for one micro-batch, bytes of its input alone), Korthikanti et al.
-    2022 Table 2, for this TP / SP / recompute setting."""
+    2022 Table 2, for this TP / SP / recompute setting; an MoE layer (`moe`) keeps its norms'
+    and attention's part and planning/moe.py's for the MLP."""
     cp = c.parallel.context_parallel_size
     s, b, h = c.model.seq_length // cp, c.training.micro_batch_size, c.model.hidden_size  # this rank's s/c tokens
     a, t = c.model.num_attention_heads, c.parallel.tensor_model_parallel_size
@@ -129,9 +159,12 @@ def layer_activation_bytes(c) -> tuple[float, float]:
     scores = 0.0 if (granularity == "selective" or c.kernels.use_flash_attn) else per_score * a * c.model.seq_length / h
     # 10 = two norm inputs (4), the QKV and fc1 inputs (4), two hidden-dropout masks (2: none without dropout)
     replicated = 8 + (2 if c.model.hidden_dropout > 0 else 0)
+    if moe:  # no dense fc1 (its input and activations): the MoE MLP's own, in bytes
+        replicated, mlp = replicated - 2, 0.0
     coeff = (replicated + attention + mlp + scores) / t if sp else replicated + (attention + mlp + scores) / t
     scale = 1.0 if (c.optimizer.bf16 or c.optimizer.fp16) else 2.0  # the formula is for 16-bit
-    return s * b * h * coeff * scale, 2 * s * b * h / (t if sp else 1) * scale
+    return s * b * h * coeff * scale + (moe_mlp_activation_bytes(c) if moe else 0.0), \
+        2 * s * b * h / (t if sp else 1) * scale
 
 
 def in_flight_chunks(c, pp_rank: int) -> int:
@@ -144,6 +177,28 @@ def in_flight_chunks(c, pp_rank: int) -> int:
     return min(warmup + 1, m * v)
 
 
+def chunk_activation_bytes(c, pp_rank: int) -> tuple[float, float]:
+    """(what a forward of one of stage `pp_rank`'s model chunks keeps for backward, the mean over
+    its chunks; the most one group of layers rebuilt by full recompute holds in backward)."""
+    pattern = moe_pattern(c)
+    dense, checkpoint = layer_activation_bytes(c)
+    moe = layer_activation_bytes(c, moe=True)[0] if any(pattern) else 0.0
+    granularity, method, k = recompute_setting(c)
+    kept, transient = [], 0.0
+    for chunk in chunk_layers(c, pp_rank):
+        full = [moe if pattern[n] else dense for n in chunk]
+        n = len(full)
+        if granularity == "full":
+            if method == "block":
+                kept.append(min(k, n) * checkpoint + sum(full[min(k, n):]))
+            else:  # uniform: the input of every group of k layers; one group is rebuilt at a time
+                kept.append(math.ceil(n / k) * checkpoint)
+            transient = max(transient, sum(sorted(full)[-min(k, n):]))
+        else:
+            kept.append(sum(full))
+    return sum(kept) / len(kept), transient
+
+
 def stage_activation_bytes(c, pp_rank: int, rebuilt: bool = True) -> float:
     """Activations of pipeline stage `pp_rank` at its peak: what the forward passes in flight keep
     for backward, plus (`rebuilt`, full recompute) the group of layers rebuilt in backward at a
@@ -152,18 +207,9 @@ def stage_activation_bytes(c, pp_rank: int, rebuilt: bool = True) -> float:
     s, b, h, t = c.model.seq_length, c.training.micro_batch_size, c.model.hidden_size, c.parallel.tensor_model_parallel_size
     s //= c.parallel.context_parallel_size  # this rank's tokens under CP
     sp = bool(c.parallel.sequence_parallel) and t > 1
-    full, checkpoint = layer_activation_bytes(c)
-    granularity, method, k = recompute_setting(c)
-    n = c.model.num_layers // (p * v)  # layers per model chunk
-    transient = 0.0
-    if granularity == "full":
-        if method == "block":
-            kept = min(k, n) * checkpoint + (n - min(k, n)) * full
-        else:  # uniform: the input of every group of k layers; one group is rebuilt at a time
-            kept = math.ceil(n / k) * checkpoint
-        transient = min(k, n) * full if rebuilt else 0.0
-    else:
-        kept = n * full
+    kept, transient = chunk_activation_bytes(c, pp_rank)
+    if not rebuilt:
+        transient = 0.0
     chunks = in_flight_chunks(c, pp_rank)
     total = chunks * kept + transient
     scale = 1.0 if (c.optimizer.bf16 or c.optimizer.fp16) else 2.0
@@ -180,16 +226,17 @@ def stage_activation_bytes(c, pp_rank: int, rebuilt: bool = True) -> float:
 
 def unit_params(c, pp_rank: int) -> tuple[int, list[int]]:
     """ZeRO-3 units of one GPU of stage `pp_rank` (distributed/zero3.py): (the largest chunk's own
-    unit: an untied output layer and the final norm; the other units: embedding and layers), in
-    elements. A word embedding that is the output layer too is the embedding's unit, gathered
-    again for the output projection alone."""
+    unit: an untied output layer and the final norm; the other units: embedding and layers, an MoE
+    layer with this rank's experts), in elements. A word embedding that is the output layer too
+    is the embedding's unit, gathered again for the output projection alone."""
     h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
     p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
-    sharded, replicated = layer_params(c)
     word = c.model.padded_vocab_size // t * h
     pos = c.model.max_position_embeddings * h if c.model.position_embedding_type == "learned_absolute" else 0
     tied = not c.model.untie_embeddings_and_output_weights
-    own, units = 0, [sharded + replicated] * (c.model.num_layers // (p * v))
+    pattern = moe_pattern(c)
+    own, units = 0, [sum(layer_params(c, pattern[n])) + (local_expert_params(c) if pattern[n] else 0)
+                     for chunk in chunk_layers(c, pp_rank) for n in chunk]
     for chunk in range(v):
         pre, post = pp_rank == 0 and chunk == 0, pp_rank == p - 1 and chunk == v - 1
         n = 0
@@ -226,10 +273,15 @@ def bucket_sizes(c, pp_rank: int, strategy: ShardingStrategy) -> list[int]:
 
 def strategy_bytes(c, pp_rank: int, strategy: ShardingStrategy) -> dict:
     """Bytes per GPU of stage `pp_rank` under `strategy` (module docstring). ZeRO shards over
-    DP x CP: context-parallel ranks hold the same parameters."""
+    DP x CP (context-parallel ranks hold the same parameters), expert weights over the expert-DP
+    group (DP x CP / EP: the ranks holding the same experts)."""
     d = c.parallel.data_parallel_size * c.parallel.context_parallel_size
     s_opt, s_grads, s_params = strategy.shards_optimizer, strategy.shards_grads, strategy.shards_params
-    n = stage_params(c, pp_rank)
+    dense, experts = stage_param_split(c, pp_rank)
+    n, d_expert = dense + experts, d // c.parallel.expert_model_parallel_size
+
+    def per_rank(nbytes: float, shard: bool) -> float:  # `nbytes` per parameter, sharded or not
+        return dense * nbytes / d + experts * nbytes / d_expert if shard else n * nbytes
     sixteen_bit = bool(c.optimizer.bf16 or c.optimizer.fp16)
     pb = 2 if sixteen_bit else 4
     state = 8 if c.optimizer.optimizer == "adam" else (4 if c.optimizer.sgd_momentum else 0)
@@ -237,19 +289,21 @@ def strategy_bytes(c, pp_rank: int, strategy: ShardingStrategy) -> dict:
     offload = c.optimizer.optimizer_offload_fraction if c.optimizer.optimizer_cpu_offload else 0.0
     if s_opt and offload and not sixteen_bit:
         opt_per_param += 4  # an offloaded fp32 parameter gets a host master of its own
-    optimizer = n * opt_per_param / (d if s_opt else 1)
+    optimizer = per_rank(opt_per_param, s_opt)
     own, units = unit_params(c, pp_rank)
     v = c.parallel.virtual_pipeline_model_parallel_size
     if s_params:
         buckets = v * (c.model.num_layers // (c.parallel.pipeline_model_parallel_size * v) + 3)
     else:
-        buckets = math.ceil(n / c.ddp.ddp_bucket_size) + (v + 1 if s_grads else 0)
+        # expert weights are buckets of their own (reduced over another group)
+        buckets = math.ceil(dense / c.ddp.ddp_bucket_size) + math.ceil(experts / c.ddp.ddp_bucket_size) \
+            + (v + 1 if s_grads else 0)
     gathered = staging = 0.0
     if s_grads:
         staging = 4 * sum(sorted(bucket_sizes(c, pp_rank, strategy))[-4:])
     if s_params:  # the unit in use, and with --overlap-param-gather the next one, prefetched
         gathered = (own + sum(sorted(units)[-(2 if c.ddp.overlap_param_gather else 1):])) * pb
-    out = {"params": n * pb / (d if s_params else 1), "grads": 4 * n / (d if s_grads else 1),
+    out = {"params": per_rank(pb, s_params), "grads": per_rank(4, s_grads),
            "optimizer": optimizer * (1 - offload), "optimizer_host": optimizer * offload,
            "working_set": gathered + staging, "gathered_params": gathered, "staging_grads": staging,
            "buckets": buckets, "padding_max": (d - 1) * buckets * (pb + 4) if s_opt else 0}

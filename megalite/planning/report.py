@@ -6,7 +6,8 @@ from ..config.run import RunConfig
 from ..runtime.metrics import num_floating_point_operations
 from ..config.sharding import STRATEGIES
 from .memory import (in_flight_chunks, recompute_setting, stage_activation_bytes,
-                     stage_params, strategy_bytes, total_params)
+                     stage_param_split, strategy_bytes, total_params)
+from .moe import active_params, local_expert_params, moe_pattern, stage_dispatch_bytes
 
 GIB = 2**30
 
@@ -20,7 +21,8 @@ def make_plan(c: RunConfig, gpu_memory_gb: float = 80.0) -> dict:
     zero1 = STRATEGIES[strategy].shards_optimizer
     stages = []
     for r in range(p):
-        n = stage_params(c, r)
+        dense, experts = stage_param_split(c, r)
+        n = dense + experts
         by = {name: strategy_bytes(c, r, s) for name, s in STRATEGIES.items()}
         activations = stage_activation_bytes(c, r)
         for b in by.values():
@@ -28,7 +30,8 @@ def make_plan(c: RunConfig, gpu_memory_gb: float = 80.0) -> dict:
         mem = by[strategy]
         opt_full, opt_zero1 = by["no_shard"]["optimizer"], by["optim"]["optimizer"] + by["optim"]["optimizer_host"]
         stages.append({
-            "pp_rank": r, "num_params": n, "param_bytes": mem["params"], "grad_bytes": mem["grads"],
+            "pp_rank": r, "num_params": n, "num_expert_params": experts, "dispatch_bytes": stage_dispatch_bytes(c, r),
+            "param_bytes": mem["params"], "grad_bytes": mem["grads"],
             "optimizer_bytes": mem["optimizer"], "optimizer_host_bytes": mem["optimizer_host"],
             "optimizer_bytes_without_zero1": opt_full, "optimizer_bytes_with_zero1": opt_zero1,
             "working_set_bytes": mem["working_set"], "gathered_param_bytes": mem["gathered_params"],
@@ -66,6 +69,8 @@ def make_plan(c: RunConfig, gpu_memory_gb: float = 80.0) -> dict:
                   "ffn_hidden_size": c.model.ffn_hidden_size, "vocab_size": c.model.vocab_size,
                   "padded_vocab_size": c.model.padded_vocab_size},
         "num_params_total": total_params(c),
+        "num_params_active": active_params(c, total_params(c)),
+        "moe": moe_plan(c, stages),
         "num_params_per_gpu": max(st["num_params"] for st in stages),
         "memory_gb": memory_gb,
         "memory_gb_optimizer_without_zero1": worst["optimizer_bytes_without_zero1"] / GIB,
@@ -85,6 +90,51 @@ def make_plan(c: RunConfig, gpu_memory_gb: float = 80.0) -> dict:
     }
 
 
+def moe_plan(c: RunConfig, stages: list[dict]) -> dict | None:
+    """The Mixture-of-Experts part of the plan (None for a dense model): the experts' placement,
+    the expert parameters of the GPU that holds the most, and its token traffic per iteration."""
+    m, p = c.model, c.parallel
+    if not m.num_experts:
+        return None
+    most = max(stages, key=lambda st: st["num_expert_params"])
+    return {"num_experts": m.num_experts, "topk": m.moe_router_topk, "ffn_hidden_size": m.expert_ffn_hidden_size,
+            "shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
+            "num_moe_layers": sum(moe_pattern(c)), "ep": p.expert_model_parallel_size,
+            "expert_dp": p.data_parallel_size * p.context_parallel_size // p.expert_model_parallel_size,
+            "experts_per_gpu": m.num_experts // p.expert_model_parallel_size,
+            "expert_params_per_layer_per_gpu": local_expert_params(c),
+            "expert_params_per_gpu": most["num_expert_params"], "expert_params_pp_rank": most["pp_rank"],
+            "dispatcher": p.moe_token_dispatcher_type, "capacity_factor": m.moe_expert_capacity_factor,
+            "dispatch_bytes_per_iteration": max(st["dispatch_bytes"] for st in stages)}
+
+
+def format_moe(plan: dict) -> list[str]:
+    """The report's lines on experts, placement and dispatch traffic (none for a dense model)."""
+    moe, lay = plan["moe"], plan["layout"]
+    if moe is None:
+        return []
+    shared = f", a shared expert of {moe['shared_expert_intermediate_size']}" if moe[
+        "shared_expert_intermediate_size"] else ""
+    capacity = (f"capacity factor {moe['capacity_factor']:g} (tokens over it dropped)" if moe["capacity_factor"]
+                else "dropless")
+    n = moe["experts_per_gpu"]
+    lines = [f"experts {moe['num_experts']} per MoE layer in {moe['num_moe_layers']} of {plan['model']['num_layers']} "
+             f"layers, top-{moe['topk']}, ffn {moe['ffn_hidden_size']}{shared}, {capacity}; "
+             f"{plan['num_params_active'] / 1e9:.3f}B of {plan['num_params_total'] / 1e9:.3f}B parameters active per "
+             "token",
+             f"        EP {moe['ep']} x expert-DP {moe['expert_dp']} (EP from the DP x CP ranks): {n} "
+             f"expert{'s' if n > 1 else ''} per GPU and MoE layer, {moe['expert_params_per_gpu'] / 1e6:.1f}M expert "
+             f"parameters on a GPU (stage {moe['expert_params_pp_rank']}); expert gradients and ZeRO state over "
+             f"expert-DP {moe['expert_dp']}, the rest over DP x CP {lay['dp'] * lay['cp']}"]
+    if moe["ep"] > 1:
+        per = "4 all-to-alls of the T·k routed tokens" if moe["dispatcher"] == "alltoall" else \
+            "2 all-gathers and 2 reduce-scatters of the EP group's tokens"
+        lines.append(f"dispatch {moe['dispatcher']} over EP {moe['ep']}: "
+                     f"{moe['dispatch_bytes_per_iteration'] / GIB:.2f} GiB sent per GPU per iteration at balanced "
+                     f"routing ({per} per MoE layer and micro-batch, forward and backward)")
+    return lines
+
+
 def format_plan(plan: dict) -> str:
     lay, mod = plan["layout"], plan["model"]
     rec = lay["recompute"] + (f" ({lay['recompute_method']}, {lay['recompute_num_layers']} layers)"
@@ -100,6 +150,7 @@ def format_plan(plan: dict) -> str:
         + (" + optimizer offload" if lay["optimizer_cpu_offload"] else "") + ", "
         f"sequence parallel {'on' if lay['sequence_parallel'] else 'off'}, recompute {rec}"
         + (", flash-attn" if lay["flash_attn"] else ""),
+        *format_moe(plan),
         f"batch   {lay['num_microbatches']} micro-batches of {lay['micro_batch_size']} x {lay['seq_length']} tokens "
         f"per DP rank; global batch {lay['global_batch_size']} ({plan['tokens_per_iteration'] / 1e6:.2f}M tokens)",
         "",
@@ -137,7 +188,8 @@ def format_plan(plan: dict) -> str:
         "",
         f"pipeline bubble  {100 * plan['bubble_fraction']:.1f}% of an iteration "
         f"((p-1)/(v*m+p-1) = {lay['pp'] - 1}/({lay['vpp']}*{lay['num_microbatches']}+{lay['pp'] - 1}))",
-        f"FLOPs/iteration  {plan['flops_per_iteration']:.3e} "
+        f"FLOPs/iteration  {plan['flops_per_iteration']:.3e}" + (" (active: top-k experts)" if plan["moe"] else "")
+        + " "
         f"({plan['flops_per_iteration'] / lay['world_size'] / 1e12:.1f} TFLOP per GPU; "
         f"at 400 TFLOP/s/GPU: {plan['flops_per_iteration'] / lay['world_size'] / 400e12:.2f} s/iteration)",
     ]

@@ -15,19 +15,31 @@ PEAK_TFLOPS_16BIT = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0,
 
 def num_floating_point_operations(c, batch_size: int) -> float:
     """Model FLOPs of one iteration (forward + backward, no recompute), Megatron-LM's formula
-    (Narayanan et al. 2021, Sec. 5.1, generalised to GQA and SwiGLU):
+    (Narayanan et al. 2021, Sec. 5.1, generalised to GQA, SwiGLU and Mixture-of-Experts):
 
-        12·B·s·L·h² · [(1 + g/a + s/h)·(a·d/h) + (f/h)·glu + V/(2·L·h)]
+        12·B·s·L·h² · [(1 + g/a + s/h)·(a·d/h) + V/(2·L·h)]  +  6·B·s·h · Σ_layers w
 
-    with g query groups, a heads, d = kv channels, f the MLP size, glu = 3/2 for SwiGLU.
+    with g query groups, a heads, d = kv channels, and w the MLP weights one token multiplies
+    by, per h: f·n for a dense layer (f the MLP size; n = 3 matrices' worth with SwiGLU, else 2);
+    for an MoE layer only what a token is routed through (Megatron-LM's num_floating_point_operations,
+    active parameters only): its top-k experts (k·f_e·n, f_e = --moe-ffn-hidden-size), the shared
+    expert (f_s·n), and the router (E) and shared-expert gate (1), which Megatron-LM's formula
+    leaves out (6·B·s·h·E per MoE layer: 0.1% of Mixtral 8x7B's). MFU counts these FLOPs, so a
+    sparse model's MFU is that of the work its tokens do, not of its parameter count.
     """
     s, L, h = c.seq_length, c.num_layers, c.hidden_size
     a, g, d = c.num_attention_heads, c.num_query_groups, c.kv_channels
-    glu = 1.5 if c.swiglu else 1.0
-    return 12.0 * batch_size * s * L * h * h * (
-        (1 + g / a + s / h) * (a * d / h)
-        + (c.ffn_hidden_size / h) * glu
-        + c.padded_vocab_size / (2 * L * h))
+    n = 3 if c.swiglu else 2
+    mlp = 0.0
+    for layer in range(L):
+        if getattr(c, "num_experts", None) and c.is_moe_layer(layer):
+            shared = c.moe_shared_expert_intermediate_size or 0
+            mlp += (c.moe_router_topk * c.expert_ffn_hidden_size + shared) * n + c.num_experts \
+                + (1 if shared and c.moe_shared_expert_gate else 0)
+        else:
+            mlp += c.ffn_hidden_size * n
+    return 12.0 * batch_size * s * L * h * h * ((1 + g / a + s / h) * (a * d / h) + c.padded_vocab_size / (2 * L * h)) \
+        + 6.0 * batch_size * s * h * mlp
 
 
 def peak_tflops(flag: float | None, dtype: torch.dtype) -> float | None:

@@ -35,18 +35,33 @@ class _AllToAll(torch.autograd.Function):
         return comm.all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
-def sort_by_expert(indices: torch.Tensor, kept: torch.Tensor | None, first: int, num: int):
-    """(order, counts): the routing choices [T, k] for experts [first, first + num) that were kept,
-    as flat choice numbers (token = choice // k) sorted by expert (stable: token order within
-    an expert), and how many each of those experts got (a list of ints)."""
+def host_counts(counts: torch.Tensor, first: int, choices: int, num_experts: int) -> list[int]:
+    """`counts` [n] of experts [first, first + n) as Python ints: the one device-to-host copy that
+    uneven splits and per-expert GEMMs need. The meta device (--dry-run) holds no values: there
+    routing is taken as balanced and dropless, each of the `num_experts` experts getting
+    `choices` / E of the routed choices (the remainder to the lowest indices)."""
+    if counts.device.type != "meta":
+        return counts.tolist()
+    base, extra = divmod(choices, num_experts)
+    return [base + int(first + i < extra) for i in range(counts.numel())]
+
+
+def sort_by_expert(indices: torch.Tensor, kept: torch.Tensor | None, first: int, num: int, num_experts: int):
+    """(order, counts, host): the routing choices [T, k] for experts [first, first + num) of
+    `num_experts` that were kept, as flat choice numbers (token = choice // k) sorted by expert
+    (stable: token order within an expert); how many each of those experts got, [num] on the
+    device, and the same as a list of ints (`host_counts`)."""
     flat = indices.reshape(-1) - first
     outside = (flat < 0) | (flat >= num)
     if kept is not None:
         outside |= ~kept.reshape(-1)
     flat = flat.masked_fill(outside, num)  # others sort last and are cut off
-    counts = torch.bincount(flat, minlength=num + 1)[:num]
-    order = torch.argsort(flat, stable=True)[:int(counts.sum())]
-    return order, counts
+    # bincount as a scatter-add: the same counts, with a kernel on the meta device too
+    counts = torch.zeros(num + 1, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts[:num]
+    host = host_counts(counts, first, indices.numel(), num_experts)
+    order = torch.argsort(flat, stable=True)[:sum(host)]
+    return order, counts, host
 
 
 def _combine(y: torch.Tensor, order: torch.Tensor, probs: torch.Tensor, k: int, num_tokens: int) -> torch.Tensor:
@@ -80,26 +95,28 @@ class TokenDispatcher:
             indices = comm.all_gather(indices, self.ep_group)
             kept = comm.all_gather(kept, self.ep_group) if kept is not None else None
         k = indices.size(1)
-        order, counts = sort_by_expert(indices, kept, experts.first, experts.num_local)
-        y = experts(x.index_select(0, order // k), counts.tolist())
+        order, _, counts = sort_by_expert(indices, kept, experts.first, experts.num_local, self.num_experts)
+        y = experts(x.index_select(0, order // k), counts)
         return reduce_scatter_to_sp(_combine(y, order, probs, k, x.size(0)), self.ep_group)
 
     def _alltoall(self, x, probs, indices, kept, experts):
-        k, n_local = indices.size(1), experts.num_local
-        order, counts = sort_by_expert(indices, kept, 0, self.num_experts)  # [E] sent to each expert
+        k, n_local, ep = indices.size(1), experts.num_local, self.ep
+        order, counts, host = sort_by_expert(indices, kept, 0, self.num_experts, self.num_experts)  # [E] sent
         # how many rows each EP rank sends this one, per local expert: [EP, E_local]
-        received = comm.all_to_all(counts, [n_local] * self.ep, [n_local] * self.ep, self.ep_group)
-        received = received.view(self.ep, n_local)
-        send_splits = counts.view(self.ep, n_local).sum(1).tolist()
-        recv_splits = received.sum(1).tolist()
+        received = comm.all_to_all(counts, [n_local] * ep, [n_local] * ep, self.ep_group)
+        if received.device.type == "meta":  # balanced routing: every rank sends what this one does
+            got = [host[experts.first:experts.first + n_local]] * ep
+        else:
+            got = received.view(ep, n_local).tolist()
+        send_splits = [sum(host[r * n_local:(r + 1) * n_local]) for r in range(ep)]
+        recv_splits = [sum(row) for row in got]
         rows = _AllToAll.apply(x.index_select(0, order // k), recv_splits, send_splits, self.ep_group)
         # arrived in (source rank, local expert) blocks; the experts want (local expert, source)
-        start = torch.cumsum(received.reshape(-1), 0) - received.reshape(-1)
-        blocks = [(int(start[src * n_local + e]), int(received[src, e])) for e in range(n_local)
-                  for src in range(self.ep)]
+        starts = [sum(recv_splits[:src]) + sum(got[src][:e]) for src in range(ep) for e in range(n_local)]
+        blocks = [(starts[src * n_local + e], got[src][e]) for e in range(n_local) for src in range(ep)]
         perm = torch.cat([torch.arange(a, a + n, device=x.device) for a, n in blocks]) if blocks else \
             torch.zeros(0, dtype=torch.long, device=x.device)
-        y = experts(rows.index_select(0, perm), received.sum(0).tolist())
+        y = experts(rows.index_select(0, perm), [sum(got[src][e] for src in range(ep)) for e in range(n_local)])
         y = y.index_select(0, torch.argsort(perm))  # back to (source, expert) order
         y = _AllToAll.apply(y, send_splits, recv_splits, self.ep_group)
         return _combine(y, order, probs, k, x.size(0))
