@@ -10,7 +10,7 @@ not an artefact of a model that learns nothing (random mock tokens keep a small 
 Families: TP, DP, TP x DP, PP (1F1B, 2 and 4 stages), interleaved PP, TP x PP x DP; ZeRO-1 over DP
 (unfused Adam) and with overlap, and on TP x PP x DP with overlap, sequence parallelism and full
 recompute; sequence parallelism on TP; each recompute mode; and the model variant (RoPE, RMSNorm,
-SwiGLU, GQA, no biases, untied output) on TP x interleaved PP.
+SwiGLU, GQA, no biases, untied output) on TP x interleaved PP and under ZeRO-3.
 """
 import pytest
 
@@ -60,6 +60,8 @@ LAYOUTS = {  # id: (processes, flags, reference model)
     "recompute-full-uniform-3": (1, FULL_UNIFORM + ["--recompute-num-layers", "3"], "base"),  # chunks of 3 + 1
     "recompute-full-block-2": (1, FULL_BLOCK + ["--recompute-num-layers", "2"], "base"),
     "variant-tp2-pp2-vpp2": (4, VARIANT + TP2 + PP2 + VPP, "variant"),
+    # ZeRO-3 builds the model on the meta device: RoPE's frequencies must be made again on the real one
+    "variant-zero3-dp2": (2, VARIANT + ["--data-parallel-sharding-strategy", "optim_grads_params"], "variant"),
 }
 LOSS_DROP = 0.4  # base falls 1.2 nats (6.25 -> 5.01) over the 10 iterations, the variant 0.62
 
@@ -103,7 +105,7 @@ def test_layout_matches_single_process(references, corpus, tmp_path, layout):
     dp = nproc // (tp * pp)
     assert sorted((r["tp"], r["pp"], r["dp"]) for r in ranks) == sorted(
         (t, p, d) for t in range(tp) for p in range(pp) for d in range(dp))
-    if "--use-distributed-optimizer" in flags:
+    if "--use-distributed-optimizer" in flags or "--data-parallel-sharding-strategy" in flags:
         # fp32 Adam's m and v, 8 bytes per parameter, sharded over DP (buckets padded to a multiple of DP)
         for r in ranks:
             assert abs(r["optimizer_bytes"] - 8 * r["num_params"] / dp) <= 0.01 * 8 * r["num_params"] / dp, r

@@ -1,7 +1,7 @@
 """Every expert-parallel layout trains the same MoE model as one process, on real text where the
 loss falls (issue: Mixture of Experts with expert parallelism).
 
-An MoE GPT (RoPE; 4 SwiGLU experts a layer, top-2, aux loss and z-loss on) must match the
+An MoE GPT (4 SwiGLU experts a layer, top-2, aux loss and z-loss on) must match the
 single-process run in: lm loss per iteration and the load-balancing and z losses the log reports
 (rtol 1e-5), the global gradient norm clipping acts on (rtol 1e-4), and every parameter after the
 last step, read back whole from the --save checkpoint (experts by their global names). Layouts:
@@ -20,7 +20,7 @@ from tiny import tiny
 
 MODEL = tiny(num_layers=4, lr=1e-2, train_iters=8, log_interval=1, eval_iters=0) + [
     "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--clip-grad", "0.5", "--adam-eps", "1e-5",
-    "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+    "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
     "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
 EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
