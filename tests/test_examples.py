@@ -198,9 +198,9 @@ def test_moe_script_layout():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep", ["1", "2"])
+@pytest.mark.parametrize("ep", ["2"])  # EP 1 is the layouts tests' reference
 def test_moe_cpu_script_trains(tmp_path, ep):
-    """Three iterations on the bundled corpus, 4 gloo processes, EP 1 and EP 2 (expert-DP 2)."""
+    """Three iterations on the bundled corpus, 4 gloo processes, EP 2 (expert-DP 2)."""
     env = dict(CPU_ENV, EP=ep, TRAIN_ITERS="3", LOG_INTERVAL="1", EVAL_ITERS="1", OUTPUT_DIR=str(tmp_path))
     proc = bash(MIXTRAL_CPU, env, timeout=240, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

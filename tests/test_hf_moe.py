@@ -18,7 +18,7 @@ from dist_helpers import ROOT
 import transformers
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-from megalite.checkpoint.hf_config import ConversionError, hf_architecture, pretrain_flags
+from megalite.checkpoint.hf_config import ConversionError, hf_architecture
 from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict
 from megalite.config import RunConfig
 from megalite.generation import generate, load_model, next_token_logits

@@ -402,7 +402,7 @@ def test_grouped_gemm_matches_loop(swiglu):
 # -- 7. a small MoE GPT trains ------------------------------------------------------------------
 
 def test_moe_gpt_trains():
-    s, b, vocab = 16, 4, 64
+    s, b = 16, 4
     config, execution = model_configs(**{**BASE, "num_layers": 2, "seq_length": s, "max_position_embeddings": s,
                                          "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001})
     torch.manual_seed(0)
