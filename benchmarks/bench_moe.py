@@ -1,7 +1,7 @@
 """Mixture of Experts on CPU (numbers go to benchmarks/RESULTS_moe.md; tests never assert on them).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_moe.py moe-vs-dense [--steps 100]
-    python benchmarks/bench_moe.py ep-scaling [--steps 12]
+    python benchmarks/bench_moe.py ep-scaling [--steps 12] [--rounds 2]
 
 moe-vs-dense: an MoE GPT (8 SwiGLU experts of ffn F per layer, top-2, aux loss 1e-2) against
 the dense GPT of equal active parameters (one SwiGLU MLP of ffn 2F: the same MLP FLOPs per
@@ -11,8 +11,8 @@ machine slows both alike. Reported: tokens/s (median step), the lm loss after th
 (mean of the last 10 steps), and the MoE layers' time in token dispatch and combine (routing
 excluded: the dispatcher's forward minus its experts', summed over layers; backward not split).
 
-ep-scaling: the MoE GPT on 4 gloo ranks (DP 4) with EP 1, 2 and 4, under torchrun in turn:
-median step time and, from each run's memory_footprint record, the weights, gradients and
+ep-scaling: the MoE GPT on 4 gloo ranks (DP 4) with EP 1, 2 and 4, under torchrun in turn (and
+again, --rounds): median step time per run and, from each run's memory_footprint record, the weights, gradients and
 optimizer bytes of rank 0, beside tools/plan.py's figures for the same flags.
 """
 from __future__ import annotations
@@ -115,16 +115,22 @@ def moe_vs_dense(a) -> dict:
     return out
 
 
-def plan_bytes(flags: list[str]) -> str:
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *flags], capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
-    return proc.stdout if proc.returncode == 0 else proc.stderr
+def plan_figures(flags: list[str]) -> dict:
+    """tools/plan.py's figures for the same flags: parameters and bytes per GPU, dispatch traffic."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import plan
+    p = plan.make_plan(flags)
+    gib = 2 ** 30
+    return {"num_params_per_gpu": p["num_params_per_gpu"], "expert_params_per_gpu": p["moe"]["expert_params_per_gpu"],
+            "param_bytes": p["memory_gb"]["params"] * gib, "grad_bytes": p["memory_gb"]["grads"] * gib,
+            "optimizer_bytes": p["memory_gb"]["optimizer"] * gib,
+            "dispatch_bytes_per_iteration": p["moe"]["dispatch_bytes_per_iteration"]}
 
 
 def ep_scaling(a) -> dict:
     out = {}
     world = 4
-    for ep in a.ep:
+    for ep in [ep for _ in range(a.rounds) for ep in a.ep]:  # the EP sizes in turn, round after round
         flags = DATA + model_flags(a, True) + ["--train-iters", str(a.steps), "--global-batch-size",
                                                 str(a.micro_batch_size * world), "--log-interval", "1",
                                                 "--expert-model-parallel-size", str(ep),
@@ -141,13 +147,18 @@ def ep_scaling(a) -> dict:
                 records = [json.loads(line) for line in f]
         steps = [r["elapsed_ms"] for r in records if "consumed_samples" in r][2:]
         rank0 = next(r for r in records if r.get("event") == "memory_footprint")["ranks"][0]
-        row = {"step_ms_median": statistics.median(steps), "rank0": rank0,
-               "plan": plan_bytes(flags + ["--world-size", str(world)])}
-        out[f"ep{ep}"] = row
-        print(f"EP {ep}: step {row['step_ms_median']:.0f} ms; rank 0: params {rank0['num_params']:,}, weights "
-              f"{rank0['param_bytes'] / 2**20:.2f} MiB, grads {rank0['grad_bytes'] / 2**20:.2f} MiB, optimizer "
-              f"{rank0['optimizer_bytes'] / 2**20:.2f} MiB")
-        print("  plan.py: " + "\n  plan.py: ".join(row["plan"].strip().splitlines()[-12:]))
+        row = out.setdefault(f"ep{ep}", {"step_ms_median_by_round": [], "rank0": rank0,
+                                         "plan": plan_figures(flags + ["--world-size", str(world)])})
+        row["step_ms_median_by_round"].append(statistics.median(steps))
+        mib, pl = 2 ** 20, row["plan"]
+        print(f"EP {ep}: step {row['step_ms_median_by_round'][-1]:.0f} ms (median of {len(steps)})")
+        print(f"  rank 0 measured: params {rank0['num_params']:,} (experts {rank0.get('num_expert_params', 0):,}), "
+              f"weights {rank0['param_bytes'] / mib:.2f} MiB, grads {rank0['grad_bytes'] / mib:.2f} MiB, "
+              f"optimizer {rank0['optimizer_bytes'] / mib:.2f} MiB")
+        print(f"  plan.py:         params {pl['num_params_per_gpu']:,} (experts {pl['expert_params_per_gpu']:,}), "
+              f"weights {pl['param_bytes'] / mib:.2f} MiB, grads {pl['grad_bytes'] / mib:.2f} MiB, "
+              f"optimizer {pl['optimizer_bytes'] / mib:.2f} MiB; dispatch {pl['dispatch_bytes_per_iteration'] / mib:.1f} "
+              f"MiB per GPU and iteration")
     return out
 
 
@@ -162,6 +173,7 @@ def main(argv=None) -> dict:
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--ffn", type=int, default=256, help="each expert's hidden size (the dense MLP's is topk x this)")
     p.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--rounds", type=int, default=2, help="ep-scaling: runs of each EP size, in turn")
     p.add_argument("--json")
     a = p.parse_args(argv)
     a.steps = a.steps or (100 if a.which == "moe-vs-dense" else 12)
