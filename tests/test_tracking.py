@@ -88,7 +88,10 @@ def tracked_run(tmp_path_factory):
         records, proc = run_pretrain(2, BASE + [
             "--wandb-project", "megalite-test", "--wandb-exp-name", "tracked", "--wandb-save-dir", str(tmp / "wb"),
             "--tensorboard-dir", str(tmp / "tb"), "--timing-log-level", "2", "--log-timers-to-tensorboard",
-            "--use-distributed-optimizer", "--save", str(tmp / "ck"), "--save-interval", "2"], tmp, "tracked")
+            "--use-distributed-optimizer", "--save", str(tmp / "ck"), "--save-interval", "2",
+            # an MoE model over EP 2: its losses and tokens per expert are tracked too
+            "--disable-bias-linear", "--num-experts", "2", "--moe-router-topk", "1", "--moe-aux-loss-coeff", "1e-2",
+            "--expert-model-parallel-size", "2"], tmp, "tracked")
     finally:
         os.environ.pop("WANDB_MODE")
     train = {r["iteration"]: r for r in records if "consumed_samples" in r}
@@ -113,7 +116,8 @@ def test_wandb_offline_run_holds_the_metrics(tracked_run):
             history.setdefault(r.history.step.num, {}).update(row)
     assert {2, 4} <= set(history)
     for it, rec in train.items():
-        for key in ("lm_loss", "lr", "grad_norm", "tokens_per_sec", "consumed_samples", "tflops_per_gpu"):
+        for key in ("lm_loss", "lr", "grad_norm", "tokens_per_sec", "consumed_samples", "tflops_per_gpu",
+                    "load_balancing_loss", "expert_tokens_max"):
             assert history[it][f"train/{key}"] == pytest.approx(rec[key], rel=1e-9), (it, key)
     assert history[2]["valid/lm_loss"] == pytest.approx(evals[("valid", 2)]["lm_loss"], rel=1e-9)
     assert history[4]["test/ppl"] == pytest.approx(evals[("test", 4)]["ppl"], rel=1e-9)
@@ -136,6 +140,12 @@ def test_tensorboard_event_files_hold_the_scalars(tracked_run):
     for e in loss:  # TensorBoard stores float32
         assert e.value == pytest.approx(train[e.step]["lm_loss"], rel=1e-6)
     assert [e.step for e in acc.Scalars("valid/lm_loss")] == [2, 4]
+    lb = acc.Scalars("train/load_balancing_loss")
+    assert [e.value for e in lb] == pytest.approx([train[e.step]["load_balancing_loss"] for e in lb], rel=1e-6)
+    # per MoE layer: the fewest and most tokens an expert got (2 experts, top-1: 4 x 32 tokens a step)
+    for layer in (0, 1):
+        low, high = acc.Scalars(f"moe/layer_{layer}_tokens_min"), acc.Scalars(f"moe/layer_{layer}_tokens_max")
+        assert [e.step for e in high] == [2, 4] and all(a.value + b.value == 128 for a, b in zip(low, high))
     assert acc.Scalars("train/tokens_per_sec")[-1].value == pytest.approx(train[4]["tokens_per_sec"], rel=1e-6)
     (config,) = acc.Tensors("config/text_summary")
     text = config.tensor_proto.string_val[0].decode()
