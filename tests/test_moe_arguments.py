@@ -52,3 +52,27 @@ def test_expert_groups_take_consecutive_dp_cp_ranks():
     assert len(ep_groups) == 8 and len(edp_groups) == 8
     cp_grid = RankGrid(8, tp=1, pp=1, cp=2, ep=4)  # DP 4 x CP 2: k = cp + 2·dp = the rank
     assert cp_grid.expert_groups() == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+
+
+def test_use_checkpoint_args_takes_the_moe_architecture(tmp_path):
+    from test_checkpoint_args import RUN, config, write_checkpoint
+    ck = str(tmp_path / "ck")
+    moe = ["--num-experts", "8", "--moe-router-topk", "1", "--moe-ffn-hidden-size", "24", "--moe-layer-freq", "2",
+           "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+           "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate"]
+    write_checkpoint(ck, mock(100) + tiny(num_layers=4, global_batch_size=None, train_iters=1) + MOE[2:] + moe)
+    c = config(["--use-checkpoint-args", "--load", ck, "--mock-data", "--disable-bias-linear"] + RUN)
+    m = c.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_layer_freq) == (8, 1, 24, "2")
+    assert m.moe_router_enable_expert_bias and m.moe_shared_expert_gate and m.moe_shared_expert_intermediate_size == 16
+
+
+def test_checkpoint_of_another_moe_shape_is_refused():
+    from megalite.checkpoint.state import check_moe_config
+    from megalite.errors import CheckpointError
+    base = {"num_layers": 4, "ffn_hidden_size": 64, "num_experts": 4, "moe_layer_freq": "1"}
+    check_moe_config(base, dict(base, moe_layer_freq="'[1]*4'", moe_ffn_hidden_size=64), "ck")  # the same layers
+    for change, flag in (({"num_experts": 8}, "--num-experts"), ({"moe_layer_freq": "2"}, "--moe-layer-freq"),
+                         ({"num_experts": None}, "--num-experts"), ({"moe_ffn_hidden_size": 32}, "--moe-ffn-hidden-size")):
+        with pytest.raises(CheckpointError, match=f"{flag} is .* in the checkpoint"):
+            check_moe_config(base, dict(base, **change), "ck")

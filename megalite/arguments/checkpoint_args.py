@@ -42,6 +42,11 @@ FORCED = (
     "model.norm_epsilon", "model.openai_gelu", "model.use_rope_scaling", "model.rope_scaling_factor",
     "model.rope_scaling_low_freq_factor", "model.rope_scaling_high_freq_factor",
     "model.rope_scaling_original_max_position_embeddings", "model.rotary_seq_len_interpolation_factor",
+    # Mixture of Experts: which layers have experts, how many, their size and how tokens are routed
+    # (the load compares the shapes: checkpoint/state.py check_moe_config)
+    "model.num_experts", "model.moe_ffn_hidden_size", "model.moe_router_topk", "model.moe_layer_freq",
+    "model.moe_router_score_function", "model.moe_router_pre_softmax", "model.moe_router_enable_expert_bias",
+    "model.moe_shared_expert_intermediate_size", "model.moe_shared_expert_gate",
 )
 # The tokenizer file and its type: forced by default (Megatron-LM's
 # use_tokenizer_model_from_checkpoint_args). --no-use-tokenizer-model-from-checkpoint-args keeps
@@ -127,7 +132,8 @@ def _take(c: RunConfig, sections: dict) -> None:
         if value is None or (key in if_not_given and key in c.explicit):
             continue
         setattr(getattr(c, section), name, value)
-        explicit.add(key)
+        if not (name.startswith("moe_") and not sections.get("model", {}).get("num_experts")):
+            explicit.add(key)  # (a dense checkpoint's MoE defaults are not "given": they need no --num-experts)
     if sections.get("model", {}).get("group_query_attention") is False:
         # multi-head attention: the saved count is validation's fill-in (a group per head), not a
         # flag, and a --num-query-groups on the command line belonged to the grouped-query

@@ -74,6 +74,7 @@ def check_model_config(saved: dict, current: dict, where: str) -> None:
         if saved.get(key, defaults.get(key)) != current.get(key, defaults.get(key)):
             raise CheckpointError(f"checkpoint {where} does not match this model: {flag} is {saved.get(key)!r} in "
                                   f"the checkpoint and {current.get(key)!r} in this run")
+    check_moe_config(saved, current, where)
     if current.get("position_embedding_type") == "rope" and saved.get("rotary_base") != current.get("rotary_base"):
         raise CheckpointError(f"checkpoint {where} does not match this model: --rotary-base is "
                               f"{saved.get('rotary_base')} in the checkpoint and {current.get('rotary_base')} in this run")
@@ -82,6 +83,27 @@ def check_model_config(saved: dict, current: dict, where: str) -> None:
         raise CheckpointError(f"checkpoint {where} does not match this model: --max-position-embeddings is "
                               f"{saved.get('max_position_embeddings')} in the checkpoint and "
                               f"{current.get('max_position_embeddings')} in this run")
+
+
+def check_moe_config(saved: dict, current: dict, where: str) -> None:
+    """The MoE settings that shape the weights, as the layers they give (checkpoints from before
+    MoE lack them: a dense model)."""
+    from ..config.moe import moe_layer_pattern
+
+    def shape(c: dict) -> dict:
+        if not c.get("num_experts"):
+            return {"--num-experts": None}
+        return {"--num-experts": c["num_experts"],
+                "--moe-layer-freq": moe_layer_pattern(c.get("moe_layer_freq", 1), c["num_layers"]),
+                "--moe-ffn-hidden-size": c.get("moe_ffn_hidden_size") or c.get("ffn_hidden_size"),
+                "--moe-shared-expert-intermediate-size": c.get("moe_shared_expert_intermediate_size"),
+                "--moe-shared-expert-gate": bool(c.get("moe_shared_expert_gate")),
+                "--moe-router-enable-expert-bias": bool(c.get("moe_router_enable_expert_bias"))}
+    old, new = shape(saved), shape(current)
+    for flag in old if old.keys() == new.keys() else ["--num-experts"]:
+        if old.get(flag) != new.get(flag):
+            raise CheckpointError(f"checkpoint {where} does not match this model: {flag} is {old.get(flag)!r} in the "
+                                  f"checkpoint and {new.get(flag)!r} in this run")
 
 
 # -- how a local shard was cut from the whole tensor ----------------------------------------------
