@@ -64,7 +64,9 @@ def save_full_state_dict(root: str, state: dict[str, torch.Tensor], model_config
             (offset, n), = stage_layers(config.num_layers, pp, 1, pp_rank)
             chunk = _build_chunk_on_meta(config, pp_rank == 0, pp_rank == pp - 1, offset, n, tp, tp_rank)
             tensors, entries = {}, []
-            for name, p in chunk.global_named_parameters():
+            # persistent buffers (MoE expert biases), replicated: written by TP rank 0, when present
+            buffers = [(n, b) for n, b in chunk.global_named_buffers() if tp_rank == 0 and n in state]
+            for name, p in list(chunk.global_named_parameters()) + buffers:
                 if not param_info(p).is_owner(tp_rank):
                     continue
                 if name not in state:
