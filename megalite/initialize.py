@@ -272,5 +272,6 @@ def count_parameters(state: TrainState) -> int:
     """Parameters of the whole model, each counted once: replicated copies (TP, tied embedding
     on the last stage, DP and CP replicas) are skipped."""
     ps = state.ps
-    local = sum(p.numel() for _, p in state.named_params if param_info(p).is_owner(ps.tp_rank))
-    return int(sum(comm.all_gather_object(local if ps.dp_rank == 0 and ps.cp_rank == 0 else 0, comm.world_group())))
+    local = sum(p.numel() for _, p in state.named_params
+                if param_info(p).is_owner(ps.tp_rank) and ps.replica_rank(param_info(p).expert_parallel) == 0)
+    return int(sum(comm.all_gather_object(local, comm.world_group())))

@@ -197,6 +197,15 @@ class ParallelState:
     def expert_dp_rank(self) -> int:
         return self.expert_dp_ranks.index(self.rank) if self.expert_dp_size > 1 else 0
 
+    def replica_group(self, expert: bool):
+        """The ranks holding the same copy of a weight: DP x CP, or for an MoE expert's weight
+        (`expert`) its expert-data-parallel group."""
+        return self.expert_dp_group if expert and self.ep_size > 1 else self.dp_cp_group
+
+    def replica_rank(self, expert: bool) -> int:
+        """This rank's place in `replica_group(expert)`."""
+        return self.expert_dp_rank if expert and self.ep_size > 1 else self.dp_cp_rank
+
     @property
     def cp_rank(self) -> int:
         return self.grid.coords(self.rank)["cp"]

@@ -377,8 +377,7 @@ def params_norm(run: Run) -> float:
     t = torch.zeros(1, dtype=torch.float64, device=run.state.device)
     dp.finish_param_sync()  # every rank: pending ZeRO-1/2 gathers would leave stale values
     for p, _, _, stored in dp.param_pieces():
-        expert = param_info(p).expert_parallel and ps.ep_size > 1  # replicated over expert-DP only
-        first_replica = (ps.expert_dp_rank if expert else ps.dp_cp_rank) == 0
+        first_replica = ps.replica_rank(param_info(p).expert_parallel) == 0
         if (dp.strategy.shards_params or first_replica) and param_info(p).is_owner(ps.tp_rank):
             t += stored.detach().double().pow(2).sum()
     comm.all_reduce(t, comm.world_group())

@@ -245,7 +245,7 @@ def _sum_to_all(stored: list, ps, replicated_over_dp: bool) -> None:
             _sum(t, ps.tp_group)
     if replicated_over_dp:
         for p, t in stored:
-            _sum(t, replica_group(p, ps))
+            _sum(t, ps.replica_group(param_info(p).expert_parallel))
     for p, t in stored:
         if param_info(p).embedding_group_sync:
             _sum(t, ps.embedding_group)
@@ -261,12 +261,7 @@ def _sum_optimizer_state(pieces: list, ps, replicated_over_dp: bool) -> None:
     if replicated_over_dp:
         for p, tensors in pieces:
             for t in tensors:
-                _sum(t, replica_group(p, ps))
-
-
-def replica_group(p, ps):
-    """The ranks holding the same copy of `p`: DP x CP, or an MoE expert's expert-DP group."""
-    return ps.expert_dp_group if param_info(p).expert_parallel and ps.ep_size > 1 else ps.dp_cp_group
+                _sum(t, ps.replica_group(param_info(p).expert_parallel))
 
 
 def _sum(t: torch.Tensor, group) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import comm
 from ..errors import CheckpointError
 from ..model.init import global_shape, shard
 from ..parallel_state import ParallelState
@@ -178,9 +179,8 @@ def owned_pieces(train_state: TrainState) -> list[tuple]:
         # once; under expert parallelism an expert's over its expert-DP group
         groups = [(pieces, ps.dp_cp_size, ps.dp_cp_rank)]
         if ps.ep_size > 1:
-            experts = [pc for pc in pieces if param_info(pc[0]).expert_parallel]
-            groups = [([pc for pc in pieces if not param_info(pc[0]).expert_parallel], ps.dp_cp_size, ps.dp_cp_rank),
-                      (experts, ps.expert_dp_size, ps.expert_dp_rank)]
+            groups = [([pc for pc in pieces if param_info(pc[0]).expert_parallel == expert],
+                       comm.group_size(ps.replica_group(expert)), ps.replica_rank(expert)) for expert in (False, True)]
         pieces = [pc for group, size, rank in groups
                   for pc, owner in zip(group, dp_owners([p.numel() for p, *_ in group], size)) if owner == rank]
     return [pc for pc in pieces if _tp_owner(pc[0], ps.tp_rank)]

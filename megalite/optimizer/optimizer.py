@@ -129,8 +129,7 @@ class MixedPrecisionOptimizer:
         if self.ps.ep_size > 1:
             # expert weights differ across EP ranks: each replica group (DP x CP for dense
             # weights, expert-DP for experts) counts once, and the stats are summed over DP x CP
-            ps = self.ps
-            self.counted = [c and (ps.expert_dp_rank if param_info(p).expert_parallel else ps.dp_cp_rank) == 0
+            self.counted = [c and self.ps.replica_rank(param_info(p).expert_parallel) == 0
                             for c, p in zip(self.counted, self.params)]
 
     def _master_bytes(self) -> int:
@@ -138,7 +137,9 @@ class MixedPrecisionOptimizer:
 
     def _reduce_stats(self, stats: torch.Tensor) -> None:
         """All ranks agree on [squared norm, overflow count]: every DP replica holds the whole
-        reduced gradient, so sum over model-parallel ranks and take the max over DP."""
+        reduced gradient, so sum over model-parallel ranks and take the max over DP (under expert
+        parallelism, where DP x CP ranks hold different experts, the sum of what each replica
+        group's first rank counted)."""
         comm.all_reduce(stats, self.ps.mp_group)
         comm.all_reduce(stats, self.ps.dp_cp_group,
                         op=torch.distributed.ReduceOp.SUM if self.ps.ep_size > 1 else torch.distributed.ReduceOp.MAX)
