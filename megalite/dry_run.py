@@ -178,7 +178,7 @@ def dry_run(cfg: RunConfig, rank: int | None = None) -> DryRunReport:
 
 def _dry_run(cfg: RunConfig, rank: int | None) -> DryRunReport:
     start = time.perf_counter()
-    ps, _ = initialize_distributed(cfg.parallel, fake_rank=rank)
+    ps, _ = initialize_distributed(cfg.parallel, fake_rank=rank, moe=bool(cfg.model.num_experts))
     t = cfg.training
     model_config, eod = resolve_vocab(cfg)
     execution = ExecutionConfig.from_configs(cfg.optimizer, cfg.parallel, cfg.recompute, cfg.kernels)

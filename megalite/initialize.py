@@ -68,10 +68,10 @@ class Run:
 
 
 # -- set up -----------------------------------------------------------------------------------------
-def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None) -> tuple[parallel_state.ParallelState,
-                                                                                       torch.device]:
-    """The process groups of this rank and its device. --fake-process-group: rank `fake_rank`
-    (default $RANK) of cfg.world_size in the fake backend."""
+def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None,
+                           moe: bool = False) -> tuple[parallel_state.ParallelState, torch.device]:
+    """The process groups of this rank and its device (`moe`: with an MoE model's groups).
+    --fake-process-group: rank `fake_rank` (default $RANK) of cfg.world_size in the fake backend."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device("cpu")
     use_cuda = cfg.distributed_backend == "nccl"
@@ -87,7 +87,7 @@ def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None) ->
     ps = parallel_state.initialize(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                    cfg.virtual_pipeline_model_parallel_size, cfg.rank_order,
                                    timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size,
-                                   ep=cfg.expert_model_parallel_size)
+                                   ep=cfg.expert_model_parallel_size, moe=moe)
     return ps, device
 
 
@@ -153,7 +153,7 @@ def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod, str
 def setup(cfg: RunConfig) -> Run:
     if cfg.training.deterministic_mode:
         torch.use_deterministic_algorithms(True)
-    ps, device = initialize_distributed(cfg.parallel)
+    ps, device = initialize_distributed(cfg.parallel, moe=bool(cfg.model.num_experts))
     t = cfg.training
     # every blocking collective from here on is seen by the monitor (timeouts name where the run
     # stood; --log-straggler times the waits)

@@ -145,8 +145,8 @@ class ParallelState:
     embedding_group: object = None
     ep_group: object = None  # expert parallelism: other experts, tokens exchanged
     expert_dp_group: object = None  # an expert's replicas: its gradient reduction, ZeRO sharding
-    tp_dp_cp_group: object = None  # every rank of this pipeline stage: MoE token counts
-    tp_cp_group: object = None  # the ranks holding one micro-batch's tokens (TP under SP, x CP)
+    tp_dp_cp_group: object = None  # MoE: every rank of this pipeline stage (expert-bias token counts)
+    tp_cp_group: object = None  # MoE: the ranks holding one micro-batch's tokens (TP under SP, x CP)
     pp_ranks: list[int] = field(default_factory=lambda: [0])
     tp_ranks: list[int] = field(default_factory=lambda: [0])
     dp_ranks: list[int] = field(default_factory=lambda: [0])
@@ -276,7 +276,7 @@ def single_process_state() -> ParallelState:
 
 
 def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp",
-               timeout_minutes: float | None = None, cp: int = 1, ep: int = 1) -> ParallelState:
+               timeout_minutes: float | None = None, cp: int = 1, ep: int = 1, moe: bool = False) -> ParallelState:
     """Create every process group of the grid; torch.distributed must already be initialised
     (or the world must be a single process). `timeout_minutes` bounds each group's collectives
     (new groups do not inherit the default group's timeout: torch gives them its own default)."""
@@ -303,11 +303,16 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp
     ps.cp_group, ps.cp_ranks = make(grid.groups("cp"))
     ps.dp_cp_group, ps.dp_cp_ranks = make(grid.groups("dp", "cp"))
     ps.mp_group, _ = make(grid.groups("tp", "pp"))
-    ps.tp_dp_cp_group, _ = make(grid.groups("tp", "dp", "cp"))
-    ps.tp_cp_group, _ = make(grid.groups("tp", "cp"))
-    ep_groups, edp_groups = grid.expert_groups()
-    ps.ep_group, ps.ep_ranks = make(ep_groups)
-    ps.expert_dp_group, ps.expert_dp_ranks = make(edp_groups)
+    # MoE's groups only for an MoE model, and only those that differ from one above: each group
+    # costs a rendezvous at start-up (and, with NCCL, a communicator's memory)
+    ps.expert_dp_group, ps.expert_dp_ranks = ps.dp_cp_group, ps.dp_cp_ranks
+    if ep > 1:
+        ep_groups, edp_groups = grid.expert_groups()
+        ps.ep_group, ps.ep_ranks = make(ep_groups)
+        ps.expert_dp_group, ps.expert_dp_ranks = make(edp_groups)
+    if moe:
+        ps.tp_cp_group = ps.tp_group if cp == 1 else ps.cp_group if tp == 1 else make(grid.groups("tp", "cp"))[0]
+        ps.tp_dp_cp_group = make(grid.groups("tp", "dp", "cp"))[0]
     emb = make(grid.embedding_groups())
     # ranks outside the first/last stage belong to no embedding group
     if emb is not None:
