@@ -209,15 +209,16 @@ def train_step(run: Run) -> dict:
             moe_balance.update_expert_bias(run.model, state.ps.tp_dp_cp_group,
                                            state.model_config.moe_router_bias_update_rate)
     empty_unused_memory(run, 2)
-    moe_stats = moe_metrics(run, num_microbatches * state.ps.dp_size) if moe else {}
     return {"lm_loss": loss, "lr": lr, "decoupled_lr": decoupled_lr,
-            "global_batch_size": global_batch, **update, **moe_stats}
+            "global_batch_size": global_batch, **update}
 
 
-def moe_metrics(run: Run, microbatches: int) -> dict:
-    """The iteration's router losses (means over its micro-batches and MoE layers) and, per MoE
-    layer, the fewest and most tokens an expert received (a collective on every rank)."""
+def moe_metrics(run: Run, global_batch: int) -> dict:
+    """The last iteration's router losses (means over its micro-batches and MoE layers) and, per
+    MoE layer, the fewest and most tokens an expert received: read from the routers' statistics,
+    which stay until the next step starts; one collective on every rank, at log iterations only."""
     c = run.state.model_config
+    microbatches = global_batch // run.cfg.training.micro_batch_size  # over every DP rank
     return moe_balance.iteration_metrics(run.model, c.num_layers, c.num_experts, microbatches,
                                          (c.moe_aux_loss_coeff, c.moe_z_loss_coeff), run.state.device)
 
@@ -402,15 +403,14 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
     }
     if out.get("decoupled_lr") is not None:
         record["decoupled_lr"] = out["decoupled_lr"]
-    for key in ("load_balancing_loss", "z_loss"):  # MoE: the logged iteration's
-        if key in out:
-            record[key] = out[key]
-    if "moe_layers" in out:
-        per_layer = {f"layer_{r['layer']}_{k}": v for r in out["moe_layers"] for k, v in r.items()
+    if state.model_config.num_experts:  # MoE: the logged iteration's
+        moe = moe_metrics(run, out["global_batch_size"])
+        record.update({k: moe[k] for k in ("load_balancing_loss", "z_loss") if k in moe})
+        per_layer = {f"layer_{r['layer']}_{k}": v for r in moe["moe_layers"] for k, v in r.items()
                      if k != "layer" and v is not None}
-        record["expert_tokens_min"] = min(r["tokens_min"] for r in out["moe_layers"])
-        record["expert_tokens_max"] = max(r["tokens_max"] for r in out["moe_layers"])
-        run.jsonl.write({"event": "moe", "iteration": state.iteration, "layers": out["moe_layers"]})
+        record["expert_tokens_min"] = min(r["tokens_min"] for r in moe["moe_layers"])
+        record["expert_tokens_max"] = max(r["tokens_max"] for r in moe["moe_layers"])
+        run.jsonl.write({"event": "moe", "iteration": state.iteration, "layers": moe["moe_layers"]})
         run.tracker.log(per_layer, state.iteration, "moe")
     if "num_zeros_in_grad" in out:  # --log-num-zeros-in-grad: the logged iteration's
         record["num_zeros_in_grad"] = out["num_zeros_in_grad"]
