@@ -3,6 +3,7 @@ layout-invariantly), DataParallel and the optimizer, the checkpoint to resume, d
 iterators, and the start-up report. `setup` returns the `Run` that the loop (training.py) steps."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_mi
 from .optimizer import build_lr_scheduler, build_optimizer
 from .pipeline_parallel import get_schedule
 from .pipeline_parallel.p2p import PipeComm
+from .runtime.cpu import lean_malloc
 from .runtime.metrics import JsonlWriter, peak_tflops
 from .runtime.monitor import CommMonitor
 from .runtime.profiling import Profiler
@@ -62,22 +64,33 @@ class Run:
     pending_save: tuple | None = None  # (iteration, RNG states at its end)
     last_saved: int = -1  # the iteration of the latest checkpoint written by this run
     last_step_spiked: bool = False
+    # what the run opened (process groups, the monitor, hooks, files, threads), closed in reverse
+    # order by `close`, whether the run ended normally or not
+    closing: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def log(self, msg: str) -> None:
         self.state.log(msg)
 
+    def close(self) -> None:
+        self.closing.close()
+
 
 # -- set up -----------------------------------------------------------------------------------------
-def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None,
-                           moe: bool = False) -> tuple[parallel_state.ParallelState, torch.device]:
+def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None, moe: bool = False,
+                           closing: contextlib.ExitStack | None = None) -> tuple[parallel_state.ParallelState,
+                                                                                 torch.device]:
     """The process groups of this rank and its device (`moe`: with an MoE model's groups).
-    --fake-process-group: rank `fake_rank` (default $RANK) of cfg.world_size in the fake backend."""
+    --fake-process-group: rank `fake_rank` (default $RANK) of cfg.world_size in the fake backend.
+    `closing`: gets the groups' teardown (the default group too, if this call created it)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device("cpu")
     use_cuda = cfg.distributed_backend == "nccl"
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    created = not dist.is_initialized() and (cfg.fake_process_group or world > 1)
+    if closing is not None and created:
+        closing.callback(lambda: dist.is_initialized() and dist.destroy_process_group())
     if cfg.fake_process_group and not dist.is_initialized():
         comm.init_fake_process_group(int(os.environ.get("RANK", "0")) if fake_rank is None else fake_rank,
                                      cfg.world_size)
@@ -88,6 +101,8 @@ def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None,
                                    cfg.virtual_pipeline_model_parallel_size, cfg.rank_order,
                                    timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size,
                                    ep=cfg.expert_model_parallel_size, moe=moe)
+    if closing is not None and not created:
+        closing.callback(ps.destroy)
     return ps, device
 
 
@@ -151,14 +166,28 @@ def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod, str
 
 
 def setup(cfg: RunConfig) -> Run:
+    """The run of `cfg`; whatever it opens is closed by `Run.close` (here, if setting up fails)."""
+    closing = contextlib.ExitStack()
+    try:
+        return _setup(cfg, closing)
+    except BaseException:
+        closing.close()
+        raise
+
+
+def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     if cfg.training.deterministic_mode:
+        closing.callback(torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled())
         torch.use_deterministic_algorithms(True)
-    ps, device = initialize_distributed(cfg.parallel, moe=bool(cfg.model.num_experts))
+    ps, device = initialize_distributed(cfg.parallel, moe=bool(cfg.model.num_experts), closing=closing)
+    malloc = lean_malloc(device)  # before the model's tensors exist
     t = cfg.training
     # every blocking collective from here on is seen by the monitor (timeouts name where the run
-    # stood; --log-straggler times the waits)
+    # stood; --log-straggler times the waits); its watchdog thread is gone before the groups are
     monitor = CommMonitor(ps, device, cfg.parallel.distributed_timeout_minutes, time_waits=t.log_straggler)
-    comm.set_monitor(monitor)  # pretrain() stops it and uninstalls it, whatever happens
+    previous = comm.set_monitor(monitor)
+    closing.callback(comm.set_monitor, previous)
+    closing.callback(monitor.stop)
     monitor.start_watchdog()
     model_config, eod = resolve_vocab(cfg)
     zero3 = get_strategy(cfg.ddp.data_parallel_sharding_strategy).shards_params
@@ -178,6 +207,7 @@ def setup(cfg: RunConfig) -> Run:
     dp = build_data_parallel(model, [p for _, p in named_params], ps, cfg.ddp, cfg.training.num_microbatches,
                              device=device, init_fn=lambda p: initial_value(p, names[p], cfg.training.seed, ps.tp_group),
                              timers=timers)
+    closing.callback(dp.close)
     optimizer = build_optimizer(named_params, cfg.optimizer, dp, ps)
     state = TrainState(ps, model_config, named_params, optimizer, build_lr_scheduler(cfg.optimizer), rng_tracker,
                        device, dataclasses.replace(cfg, model=model_config).to_dict(),
@@ -207,19 +237,30 @@ def setup(cfg: RunConfig) -> Run:
               batch=build_num_microbatches_calculator(cfg.training, ps.dp_size),
               profiler=Profiler(cfg.training, ps.rank, device),
               peak=peak_tflops(cfg.training.peak_tflops, execution.params_dtype), monitor=monitor, timers=timers,
-              straggler=straggler, spike_guard=SpikeGuard.from_config(t), last_saved=state.iteration)
+              straggler=straggler, spike_guard=SpikeGuard.from_config(t), last_saved=state.iteration,
+              closing=closing)
+    for opened in (run.jsonl, run.tracker, run.saver):
+        if opened is not None:
+            closing.callback(opened.close)
+    closing.callback(run.profiler.stop)
     run.tracker.log_config(state.config)
-    log_startup(run)
+    log_startup(run, malloc)
     if state.load_stats is not None:
         log_checkpoint_load(run)
     return run
 
 
-def log_startup(run: Run) -> None:
+def log_startup(run: Run, malloc: str | None = None) -> None:
     ps, c, t, k = run.state.ps, run.state.model_config, run.cfg.training, run.cfg.kernels
     from .runtime.cpu import slow_bf16_warning  # --bf16 on a CPU without native bf16: say it once
     if (warning := slow_bf16_warning(run.state.device, run.model[0].execution.params_dtype)) is not None:
         run.log(warning)
+    lean = [malloc] if malloc else []
+    if ps.dp_cp_size > 1 and "ddp.ddp_bucket_size" not in run.cfg.explicit and \
+            run.cfg.parallel.distributed_backend == "gloo":
+        lean.append(f"--ddp-bucket-size {run.cfg.ddp.ddp_bucket_size} on gloo (not given; NCCL's default is 40000000)")
+    if lean:
+        run.log(f"> host memory: {'; '.join(lean)}")
     if k.use_flash_attn:
         attention = "flash-attn"
     elif k.attention_backend == "local":

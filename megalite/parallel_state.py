@@ -147,6 +147,7 @@ class ParallelState:
     expert_dp_group: object = None  # an expert's replicas: its gradient reduction, ZeRO sharding
     tp_dp_cp_group: object = None  # MoE: every rank of this pipeline stage (expert-bias token counts)
     tp_cp_group: object = None  # MoE: the ranks holding one micro-batch's tokens (TP under SP, x CP)
+    groups: list = field(default_factory=list)  # every group this rank is in, for destroy()
     pp_ranks: list[int] = field(default_factory=lambda: [0])
     tp_ranks: list[int] = field(default_factory=lambda: [0])
     dp_ranks: list[int] = field(default_factory=lambda: [0])
@@ -252,6 +253,13 @@ class ParallelState:
     def logging_rank(self) -> int:
         return self.grid.rank_of(tp=0, pp=self.pp_size - 1, dp=0, cp=0)
 
+    def destroy(self) -> None:
+        """Destroy the groups `initialize` made (the default group is its creator's to destroy)."""
+        if dist.is_initialized():
+            for g in self.groups:
+                dist.destroy_process_group(g)
+        self.groups = []
+
     def describe(self) -> str:
         cp = f" x CP {self.cp_size}" if self.cp_size > 1 else ""
         ep = f", EP {self.ep_size} x expert-DP {self.expert_dp_size}" if self.ep_size > 1 else ""
@@ -290,11 +298,17 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes is not None else None
 
     def make(groups: list[list[int]]):
+        """(this rank's group, its ranks). A group of one rank is None: comm treats None as a
+        group of size one, and each real group costs a rendezvous, a gloo context and its
+        threads (or an NCCL communicator). The groups of one dimension are all of one size, so
+        every rank skips the same ones and the creation order stays the same everywhere."""
         mine = None
         for ranks in groups:  # every rank creates every group, in the same order
-            g = dist.new_group(ranks, timeout=timeout)
+            g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 mine = (g, ranks)
+                if g is not None:
+                    ps.groups.append(g)
         return mine
 
     ps.tp_group, ps.tp_ranks = make(grid.groups("tp"))

@@ -304,18 +304,26 @@ def final_checkpoint(run: Run) -> None:
 
 
 def train(run: Run) -> None:
+    t = run.cfg.training
+    if t.exit_signal_handler:  # the process's handler is put back when the run closes
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: run.signal_received.__setitem__(0, True))
+        run.closing.callback(signal.signal, signal.SIGTERM, previous)
+    if t.manual_gc:
+        # no automatic collection: a rank that collects stalls all the others at its next
+        # collective; collecting at the same iterations everywhere makes the pause common
+        if gc.isenabled():
+            run.closing.callback(gc.enable)  # an in-process caller gets its collector back
+        gc.disable()
+        gc.collect()
+    train_loop(run)
+
+
+def train_loop(run: Run) -> None:
     t, state = run.cfg.training, run.state
     timer = Timer(state.device)
     timer.reset()
     window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0, "samples": 0}
     start_time, first_iteration = time.time(), state.iteration
-    if t.exit_signal_handler:
-        signal.signal(signal.SIGTERM, lambda signum, frame: run.signal_received.__setitem__(0, True))
-    if t.manual_gc:
-        # no automatic collection: a rank that collects stalls all the others at its next
-        # collective; collecting at the same iterations everywhere makes the pause common
-        gc.disable()
-        gc.collect()
     reason = None
     while state.iteration < t.train_iters and reason is None:
         run.monitor.where = f"in iteration {state.iteration + 1}"
@@ -365,10 +373,6 @@ def train(run: Run) -> None:
         run.saver.finalize(blocking=True)
     if reason is not None:
         run.log(f"> exiting at iteration {state.iteration}: {reason}")
-    if t.manual_gc:
-        gc.enable()  # leave an in-process caller the collector it had
-    run.jsonl.close()
-    run.tracker.close()
 
 
 def params_norm(run: Run) -> float:
@@ -446,15 +450,12 @@ def log_timers(run: Run, names, normalizer: float, level0: dict | None = None) -
 
 
 def pretrain(cfg: RunConfig) -> TrainState:
-    try:
-        run = setup(cfg)
+    """Train as `cfg` says. Everything the run opens (process groups, the collective monitor and
+    its thread, hooks, files, signal handlers, the garbage collector's state) is closed or put
+    back when it ends, normally or by an exception, so one process can train many times."""
+    run = setup(cfg)
+    with run.closing:
         train(run)
         run.monitor.where = "at the end of training"
         comm.barrier()
-    finally:  # the watchdog thread must be gone before torch.distributed is torn down
-        monitor = comm.set_monitor(None)
-        if monitor is not None:
-            monitor.stop()
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return run.state

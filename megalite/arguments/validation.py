@@ -232,6 +232,13 @@ def _check_outputs(c: RunConfig) -> None:
                          "none of which is given: the timers only reach the console (at --timing-log-level 1 or 2)")
 
 
+# --ddp-bucket-size where it is not given, on gloo: a bucket is also what ZeRO-2/3 stage and
+# gather at once, and gloo gains little from NCCL's large buckets; 4M elements (16 MB in fp32)
+# took the 729M-parameter ZeRO-3 run from 2.64 to 2.06 GB per rank at the same step time
+# (docs/zero.md, "The memory wall"). NCCL keeps Megatron-LM's 40M, and so do plans and dry runs.
+GLOO_BUCKET_SIZE = 4_000_000
+
+
 def _check_with_torch(c: RunConfig, check_files: bool) -> None:
     """Last, the checks that need torch (imported only now: a bad flag above is refused fast)."""
     import torch
@@ -248,6 +255,8 @@ def _check_with_torch(c: RunConfig, check_files: bool) -> None:
         p.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if p.distributed_backend == "nccl" and not torch.cuda.is_available():
         fail("--distributed-backend nccl needs CUDA; use gloo on CPU")
+    if p.distributed_backend == "gloo" and "ddp.ddp_bucket_size" not in c.explicit and not t.dry_run:
+        c.ddp.ddp_bucket_size = GLOO_BUCKET_SIZE  # (a dry run stands for the job's machine, NCCL's)
     if check_files:  # a probe on this machine's device; tools/plan.py plans for another one
         check_attention_backend(c)
     if t.deterministic_mode and p.distributed_backend == "nccl":

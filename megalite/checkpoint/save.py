@@ -180,6 +180,13 @@ class CheckpointSaver:
             publish(self.root, iteration)
         comm.barrier(comm.world_group())
 
+    def close(self) -> None:
+        """At the end of a run, also one that failed: wait for a background write (a local
+        file; nothing is published, no collective: peers may be gone)."""
+        if self.pending is not None:
+            self.pending[1].join()
+            self.pending = None
+
     def finalize(self, blocking: bool = False) -> None:
         """Publish a finished background save. Non-blocking calls ask every rank whether its
         writer is done (one small all-reduce) so that all ranks decide alike."""

@@ -124,6 +124,7 @@ class DataParallel:
         self._requested: list[int] = []
         self._handles: list = [None] * n
         self._dispatched = self._waited = n  # positions in _gather_order; n: nothing pending
+        self._module_hooks: list = []
         if self.overlap_param_gather:
             self._register_hooks(model)
 
@@ -286,7 +287,7 @@ class DataParallel:
                 buckets = sorted({self.layout.param_bucket[p] for p in _params_used_by(m)
                                   if p in self.layout.param_bucket})
                 if buckets:
-                    m.register_forward_pre_hook(self._make_hook(buckets))
+                    self._module_hooks.append(m.register_forward_pre_hook(self._make_hook(buckets)))
 
     def _make_hook(self, buckets: list[int]):
         def hook(module, inputs):
@@ -298,6 +299,16 @@ class DataParallel:
             if self._waited < len(self._handles):
                 self._wait_through(max(self._position[b] for b in buckets))
         return hook
+
+    def close(self) -> None:
+        """Remove every hook this object put on the model and its parameters, so that a finished
+        run leaves nothing attached (the gradient hooks would keep its buffers and process group
+        alive: grad_buffer._Hooked). Local only: on a run that failed, peers may be gone, so
+        gathers still in flight are not waited for (the loop's own end waits for them)."""
+        self.grads.close()
+        for h in self._module_hooks + (self.zero3.hooks if self.zero3 is not None else []):
+            h.remove()
+        self._module_hooks = []
 
     # -- reporting ---------------------------------------------------------------------------------
     def describe(self) -> list[str]:

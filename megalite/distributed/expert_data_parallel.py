@@ -54,6 +54,10 @@ class ExpertDataParallel:
         for d in self.domains:
             d.finish_param_sync()
 
+    def close(self) -> None:
+        for d in self.domains:
+            d.close()
+
     # -- per parameter, or per (domain, bucket) --------------------------------------------------
     def main_grad(self, p: nn.Parameter):
         return self._domain_of[p].main_grad(p)

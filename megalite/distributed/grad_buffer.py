@@ -22,6 +22,8 @@ benchmarks/RESULTS_zero.md).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import comm
@@ -66,7 +68,30 @@ class _Accumulator:
         return None
 
 
-class GradBuffer:
+class _Hooked:
+    """Owns the post-accumulate-grad hooks that route autograd's `.grad` into the buffer. A hook
+    lives in C++ on its parameter, so a hook holding the buffer would make parameter -> hook ->
+    buffer -> layout -> parameter a cycle Python's gc cannot see: it kept every finished run's
+    buffers, model and data-parallel group (with its threads and sockets) alive in a process
+    that trains again. So the hooks hold the buffer weakly, and `close` removes them."""
+
+    def _hook_params(self, layout: BucketLayout) -> None:
+        buffer = weakref.ref(self)
+
+        def accumulate(p: torch.nn.Parameter) -> None:
+            b = buffer()
+            if b is not None:  # a buffer no one holds any more: the gradient stays in p.grad
+                b._accumulate(p)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(accumulate) for p in layout.params]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+class GradBuffer(_Hooked):
     """A full-size fp32 gradient buffer (no_shard, ZeRO-1)."""
 
     sharded = False
@@ -94,7 +119,7 @@ class GradBuffer:
         for p in layout.params:
             start, end = layout.param_index[p]
             self.main_grad[p] = self.data[start:end].view(p.shape)
-            p.register_post_accumulate_grad_hook(self._accumulate)
+        self._hook_params(layout)
 
     @property
     def nbytes(self) -> int:
@@ -153,7 +178,7 @@ class GradBuffer:
                 self._handles[b] = None
 
 
-class ShardedGradBuffer:
+class ShardedGradBuffer(_Hooked):
     """This rank's slice of every bucket's reduced fp32 gradient (ZeRO-2, ZeRO-3), and the
     bucket-sized staging buffers the micro-batches' gradients pass through (module docstring).
 
@@ -179,8 +204,7 @@ class ShardedGradBuffer:
         self._in_flight: list[tuple[int, torch.Tensor, object]] = []  # (bucket, staging, handle), oldest first
         self._acc = _Accumulator(layout)
         self.peak_staging_bytes = 0  # most staging memory held at once (benchmarks report it)
-        for p in layout.params:
-            p.register_post_accumulate_grad_hook(self._accumulate)
+        self._hook_params(layout)
 
     @property
     def nbytes(self) -> int:

@@ -73,6 +73,7 @@ class Zero3Schedule:
         owner = unit_of_params(model)
         self.order: list[list[list[int]]] = []  # per chunk: buckets of each unit in forward order
         self.grad_only: set = set()  # units whose backward needs no parameters
+        self.hooks: list = []  # removed by DataParallel.close
         for chunk in model:
             units = []
             for i, unit in enumerate(unit_modules(chunk)):
@@ -84,8 +85,8 @@ class Zero3Schedule:
                     pos = (len(self.order), len(units) - 1)
                     if i > 0 and not backward_needs_params(unit):
                         self.grad_only.add(pos)
-                    unit.register_forward_pre_hook(self._pre_forward(pos))
-                    unit.register_forward_hook(self._post_forward(pos))
+                    self.hooks += [unit.register_forward_pre_hook(self._pre_forward(pos)),
+                                   unit.register_forward_hook(self._post_forward(pos))]
             self.order.append(units)
             tied = getattr(chunk, "output_weight_is_tied_here", None)
             if tied_output and tied is not None and tied():

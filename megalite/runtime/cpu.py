@@ -43,3 +43,31 @@ def slow_bf16_warning(device: torch.device, dtype: torch.dtype, flags=None) -> s
         return None
     return ("> WARNING: --bf16 on a CPU without AVX512-BF16 or AMX (no avx512_bf16 / amx_bf16 in /proc/cpuinfo): "
             "bf16 matrix multiplies run tens to hundreds of times slower than fp32 here; train in fp32 on this CPU")
+
+
+# -- lean host memory ------------------------------------------------------------------------------
+# glibc serves a freed block below its mmap threshold from the heap and keeps it there, and the
+# threshold grows (up to 32 MiB on 64-bit) each time a larger mapped block is freed: after a few
+# steps most freed tensors stay in the heap, counted in RSS (~115 MiB of a rank's peak in the
+# memory-wall run, docs/zero.md). With a fixed threshold of 256 KiB every larger tensor is mapped
+# and unmapped, so its memory returns to the system when it is freed. What glibc's own
+# MALLOC_MMAP_THRESHOLD_ sets is left alone.
+MMAP_THRESHOLD_BYTES = 256 * 1024
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def lean_malloc(device: torch.device) -> str | None:
+    """On a CPU run with glibc, fix the mmap threshold (once per process: glibc has no way back
+    to its sliding threshold, and none is needed); returns what it did for the start-up line, or
+    None where it did nothing (CUDA, another C library, the environment already sets it)."""
+    import ctypes
+    import os
+    if torch.device(device).type != "cpu" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        if not libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
+            return None
+    except (OSError, AttributeError):  # not glibc
+        return None
+    return f"freed tensors over {MMAP_THRESHOLD_BYTES // 1024} KiB go back to the system at once (glibc mallopt)"
