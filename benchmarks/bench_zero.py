@@ -280,18 +280,26 @@ def _corpus(tmp: str) -> list[str]:
             "SentencePieceTokenizer", "--tokenizer-model", f"{tmp}/tok.model"]
 
 
-def bench_memory_wall(strategy: str, iters: int, out_path: str, num_layers: int = 24, bucket_size: int = 4_000_000,
-                      overlap: str = "grads", malloc_env: bool = True) -> None:
+def bench_memory_wall(strategy: str, iters: int, out_path: str, num_layers: int = 24, bucket_size: int | None = None,
+                      overlap: str = "none", malloc_env: bool = False) -> None:
+    """By default the model's flags, the strategy and full recompute alone: what megalite picks
+    itself (on gloo 4M-element buckets, glibc's mmap threshold) is what is measured. The options
+    set by hand what the recipe before those defaults set (--bucket-size 4000000 --overlap grads
+    --malloc-env)."""
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import plan
     with tempfile.TemporaryDirectory() as tmp:
         flags = _corpus(tmp) + WALL + ["--train-iters", str(iters), "--data-parallel-sharding-strategy", strategy,
-                                       "--num-layers", str(num_layers), "--ddp-bucket-size", str(bucket_size)]
+                                       "--num-layers", str(num_layers)]
+        if bucket_size is not None:
+            flags += ["--ddp-bucket-size", str(bucket_size)]
         if STRATEGIES[strategy].shards_optimizer:
             flags += {"both": OVERLAP, "grads": OVERLAP[:1], "none": []}[overlap]
         env = MALLOC_ENV if malloc_env else {}
         out = launch(8, flags, tmp, env=env)
-        p = plan.make_plan(flags + ["--world-size", "8", "--gpu-memory-gb", "3"])
+        # the plan of the buckets the run used (plan.py plans NCCL's 40M where none is given)
+        p = plan.make_plan(flags + ["--world-size", "8", "--gpu-memory-gb", "3"]
+                           + ([] if bucket_size is not None else ["--ddp-bucket-size", "4000000"]))
     ranks = out["ranks"]
     base = statistics.median(r["baseline_rss_bytes"] for r in ranks)
     need = {s: 8 * (v["total"] * GIB + base) / GIB for s, v in p["memory_gb_by_strategy"].items()}
@@ -323,10 +331,10 @@ def main(argv=None) -> None:
     p.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "memory_wall.jsonl"),
                    help="memory-wall: append the JSON record here")
     p.add_argument("--num-layers", type=int, default=24, help="memory-wall: a smaller model to calibrate with")
-    p.add_argument("--bucket-size", type=int, default=4_000_000, help="memory-wall: --ddp-bucket-size")
-    p.add_argument("--overlap", choices=["both", "grads", "none"], default="grads",
+    p.add_argument("--bucket-size", type=int, help="memory-wall: --ddp-bucket-size (default: not given)")
+    p.add_argument("--overlap", choices=["both", "grads", "none"], default="none",
                    help="memory-wall: --overlap-grad-reduce and --overlap-param-gather, the first, or neither")
-    p.add_argument("--no-malloc-env", action="store_true", help=f"memory-wall: without {MALLOC_ENV}")
+    p.add_argument("--malloc-env", action="store_true", help=f"memory-wall: with {MALLOC_ENV} in the environment")
     a = p.parse_args(argv)
     if a.what == "strategies":
         bench_strategies(a.dp, a.iters or 6)
@@ -335,7 +343,7 @@ def main(argv=None) -> None:
     elif a.what == "fsdp2":
         bench_fsdp2()
     else:
-        bench_memory_wall(a.strategy, a.iters or 3, a.output, a.num_layers, a.bucket_size, a.overlap, not a.no_malloc_env)
+        bench_memory_wall(a.strategy, a.iters or 3, a.output, a.num_layers, a.bucket_size, a.overlap, a.malloc_env)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,8 @@ def parse(argv=None):
     flash_attn, c.kernels.use_flash_attn = c.kernels.use_flash_attn, False
     c.parallel.distributed_backend = None
     c.tracking = type(c.tracking)()
-    c = dataclasses.replace(c, explicit=c.explicit | set(placeholders))
+    # (given: megalite's smaller gloo buckets are this CPU's, not the planned machine's)
+    c = dataclasses.replace(c, explicit=c.explicit | set(placeholders) | {"ddp.ddp_bucket_size"})
     p = c.parallel
     world = options.world_size or (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
                                    * p.context_parallel_size)
