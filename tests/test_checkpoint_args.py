@@ -225,3 +225,113 @@ def test_mismatch_names_every_differing_flag():
         "--hidden-size is 64 in the checkpoint and 128 in this run; --disable-bias-linear is False in the checkpoint "
         "and True in this run. --use-checkpoint-args takes these from the checkpoint (--num-layers, --hidden-size "
         "only where the command line leaves them off)")
+
+
+# -- a resume's learning-rate schedule against the checkpoint's ------------------------------------
+SCHED = mock(100) + tiny(train_iters=30, lr_warmup_iters=2, min_lr=1e-4)
+WSD = ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "10"]
+DECAY = "the decay length (--train-iters, with no --lr-decay-iters)"
+# (the checkpoint's flags beyond SCHED, this run's beyond SCHED, what the refusal says)
+SCHEDULE_CHANGES = [
+    ([], ["--lr", "2e-3"], "--lr is 0.001 in the checkpoint and 0.002 in this run"),
+    ([], ["--min-lr", "0"], "--min-lr is 0.0001 in the checkpoint and 0.0 in this run"),
+    ([], ["--train-iters", "40"], f"{DECAY} is 30 iterations in the checkpoint and 40 iterations in this run"),
+    ([], ["--lr-decay-iters", "20"], "the decay length (--lr-decay-iters) is 30 iterations in the checkpoint and 20 "
+                                     "iterations in this run"),
+    ([], ["--lr-warmup-iters", "3"], "the warmup (--lr-warmup-iters) is 2 iterations in the checkpoint and 3 "
+                                     "iterations in this run"),
+    ([], ["--lr-warmup-iters", "0", "--lr-warmup-fraction", "0.1"],
+     "the warmup (--lr-warmup-fraction 0.1 of the decay) is 2 iterations in the checkpoint and 3 iterations in this run"),
+    ([], ["--lr-warmup-init", "1e-5"], "--lr-warmup-init is 0.0 in the checkpoint and 1e-05 in this run"),
+    ([], ["--lr-decay-style", "cosine"], "--lr-decay-style is linear in the checkpoint and cosine in this run"),
+    (WSD, ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "5"],
+     "the WSD decay phase (--lr-wsd-decay-iters) is 10 iterations in the checkpoint and 5 iterations in this run"),
+    (WSD, WSD + ["--lr-wsd-decay-style", "linear"],
+     "--lr-wsd-decay-style is exponential in the checkpoint and linear in this run"),
+    ([], ["--decoupled-lr", "5e-3"], "--decoupled-lr is none in the checkpoint and 0.005 in this run"),
+    (["--decoupled-lr", "5e-3"], ["--decoupled-lr", "5e-3", "--decoupled-min-lr", "1e-3"],
+     "--decoupled-min-lr is none in the checkpoint and 0.001 in this run"),
+    ([], ["--weight-decay", "0.1"], "--weight-decay is 0.01 in the checkpoint and 0.1 in this run"),
+    ([], ["--global-batch-size", "4"], "the warmup (--lr-warmup-iters) is 2 iterations of 8 samples in the checkpoint "
+                                       f"and 2 iterations of 4 samples in this run; {DECAY} is 30 iterations of 8 "
+                                       "samples in the checkpoint and 30 iterations of 4 samples in this run"),
+    (["--train-iters", None, "--train-samples", "240", "--lr-warmup-iters", "0", "--lr-warmup-samples", "16"],
+     ["--train-iters", None, "--train-samples", "240", "--lr-warmup-iters", "0", "--lr-warmup-samples", "16",
+      "--lr-decay-samples", "200"],
+     "the decay length (--lr-decay-samples) is 240 samples in the checkpoint and 200 samples in this run"),
+]
+
+
+def with_flags(base: list, extra: list) -> list:
+    """`base` with `extra`'s flags replacing its own (a value None drops the flag)."""
+    out, i = list(base), 0
+    while i < len(extra):
+        name = extra[i]
+        takes_value = i + 1 < len(extra) and (extra[i + 1] is None or not extra[i + 1].startswith("--"))
+        if name in out:
+            j = out.index(name)
+            del out[j:j + (2 if j + 1 < len(out) and not out[j + 1].startswith("--") else 1)]
+        if not takes_value or extra[i + 1] is not None:
+            out += extra[i:i + 1 + takes_value]
+        i += 1 + takes_value
+    return out
+
+
+def settled(ck: str, argv: list):
+    """The validated config of a resume from `ck` once its schedule is settled against the
+    checkpoint's (what validation does after its file checks)."""
+    from megalite.arguments.schedule_args import settle_schedule
+    c = config(argv + ["--load", ck])
+    settle_schedule(c)
+    return c
+
+
+@pytest.mark.parametrize("saved,run,message", SCHEDULE_CHANGES, ids=[" ".join(map(str, r)) for _, r, _ in SCHEDULE_CHANGES])
+def test_another_schedule_is_refused_naming_both_values(tmp_path, saved, run, message):
+    ck = str(tmp_path / "ck")
+    write_checkpoint(ck, with_flags(SCHED, saved))
+    settled(ck, with_flags(SCHED, saved))  # the same schedule resumes
+    with pytest.raises(ArgumentError) as e:
+        settled(ck, with_flags(SCHED, run))
+    text = str(e.value)
+    assert message in text, text
+    assert text.count(" in the checkpoint and ") == message.count(" in the checkpoint and "), text  # no other
+    assert "--use-checkpoint-opt_param-scheduler" in text and "--override-opt_param-scheduler" in text
+
+
+def test_schedule_flags_override_or_take_the_checkpoints(tmp_path):
+    ck = str(tmp_path / "ck")
+    write_checkpoint(ck, SCHED + ["--decoupled-lr", "5e-3"])
+    longer = with_flags(SCHED, ["--train-iters", "40", "--lr", "2e-3", "--weight-decay", "0.1"])
+    ours = settled(ck, longer + ["--override-opt_param-scheduler"]).optimizer
+    assert (ours.lr, ours.lr_decay_samples, ours.weight_decay, ours.decoupled_lr) == (2e-3, 320, 0.1, None)
+    c = settled(ck, longer + ["--use-checkpoint-opt_param-scheduler"])
+    theirs = c.optimizer
+    assert (theirs.lr, theirs.lr_decay_samples, theirs.weight_decay, theirs.decoupled_lr) == (1e-3, 240, 0.01, 5e-3)
+    assert c.training.train_iters == 40  # the command line still says when to stop
+    assert any(n.startswith("--use-checkpoint-opt_param-scheduler: the learning-rate schedule of") and
+               "--lr is 0.001 in the checkpoint and 0.002 in this run" in n for n in c.notices), c.notices
+    # a constant rate has no decay to stretch: a longer run goes on without either flag
+    write_checkpoint(str(tmp_path / "constant"), SCHED + ["--lr-decay-style", "constant"])
+    settled(str(tmp_path / "constant"), with_flags(SCHED, ["--train-iters", "40", "--lr-decay-style", "constant"]))
+
+
+@pytest.mark.parametrize("extra,notice", [(["--no-load-optim"], "--no-load-optim starts a fresh schedule"),
+                                          (["--finetune"], "--finetune starts a fresh schedule")])
+def test_schedule_is_not_compared_where_the_load_does_not_restore_it(tmp_path, extra, notice):
+    ck = str(tmp_path / "ck")
+    write_checkpoint(ck, SCHED)
+    c = settled(ck, with_flags(SCHED, ["--train-iters", "40"]) + extra + ["--use-checkpoint-opt_param-scheduler"])
+    assert c.optimizer.lr_decay_samples == 320
+    assert f"--use-checkpoint-opt_param-scheduler has no effect: {notice}" in c.notices[-1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--load", "x", "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+     "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive"),
+    (["--override-opt_param-scheduler"], "--override-opt_param-scheduler needs --load"),
+    (["--use-checkpoint-opt_param-scheduler"], "--use-checkpoint-opt_param-scheduler needs --load"),
+], ids=["both", "override-without-load", "use-checkpoint-without-load"])
+def test_schedule_flags_bad_input(argv, message):
+    with pytest.raises(ArgumentError, match=message):
+        config(SCHED + argv)
