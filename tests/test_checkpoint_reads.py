@@ -9,7 +9,7 @@ from dist_helpers import run_pretrain
 from tiny import mock, tiny
 
 BASE = mock(1000) + tiny(num_layers=4, train_iters=None, log_interval=1, eval_iters=0, use_distributed_optimizer=True,
-                          ddp_bucket_size=5000)
+                          ddp_bucket_size=5000, lr_decay_iters=10)  # (the resumes run longer: the same schedule)
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
 

@@ -107,12 +107,48 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    """Saved without biases; resumed with 6 layers instead of 4 and biases: one error line names
+    both flags, each value the right way round, and the flag that would take them."""
     ck = str(tmp_path / "ck")
-    run_pretrain(1, BASE + ["--train-iters", "2", "--save", ck], tmp_path, "first")
-    flags = [f if f != "64" else "128" for f in BASE]  # --hidden-size 128
-    _, proc = run_pretrain(1, flags + ["--load", ck], tmp_path, "second", check=False)
-    assert proc.returncode != 0
-    assert "--hidden-size is 64 in the checkpoint and 128 in this run" in proc.stderr
+    run_pretrain(1, BASE + ["--train-iters", "2", "--save", ck, "--disable-bias-linear"], tmp_path, "first")
+    _, proc = run_pretrain(1, BASE + ["--train-iters", "2", "--num-layers", "6", "--load", ck], tmp_path, "second",
+                           check=False)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].endswith(
+        "does not match this model: --num-layers is 4 in the checkpoint and 6 in this run; --disable-bias-linear is "
+        "True in the checkpoint and False in this run. --use-checkpoint-args takes these from the checkpoint "
+        "(--num-layers only where the command line leaves it off)"), errors[0]
+
+
+def test_a_longer_schedule_is_refused_overridden_or_kept(tmp_path):
+    """Saved at 4 of 8 iterations (warmup 2, linear decay over 8); resumed for 12: refused naming
+    the decay length; --override-opt_param-scheduler runs the decay over 12 from iteration 5 on,
+    --use-checkpoint-opt_param-scheduler the uninterrupted run's decay over 8 (then the minimum)."""
+    lr, min_lr = 3e-3, 1e-4
+    flags = BASE + ["--lr-warmup-iters", "2", "--min-lr", str(min_lr)]
+    ck = str(tmp_path / "ck")
+    first, _ = run_pretrain(1, flags + ["--train-iters", "8", "--save", ck, "--save-interval", "4", "--exit-interval",
+                                        "4"], tmp_path, "first")
+    longer = flags + ["--train-iters", "12", "--load", ck]
+    _, proc = run_pretrain(1, longer, tmp_path, "refused", check=False)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert ("the decay length (--train-iters, with no --lr-decay-iters) is 8 iterations in the checkpoint and 12 "
+            "iterations in this run") in errors[0]
+
+    def expected(iteration, decay):  # the rate of an iteration: the schedule at the step before it
+        step = iteration - 1
+        if step <= 2:
+            return lr * step / 2
+        return min_lr + (lr - min_lr) * (1 - (step - 2) / (decay - 2)) if step <= decay else min_lr
+
+    def lrs(records):
+        return {r["iteration"]: r["lr"] for r in records if "consumed_samples" in r}
+    assert lrs(first) == pytest.approx({i: expected(i, 8) for i in range(1, 5)}, rel=1e-12)
+    for name, decay in (("--override-opt_param-scheduler", 12), ("--use-checkpoint-opt_param-scheduler", 8)):
+        records, _ = run_pretrain(1, longer + [name], tmp_path, name[2:])
+        assert lrs(records) == pytest.approx({i: expected(i, decay) for i in range(5, 13)}, rel=1e-12), name
 
 
 def test_finetune_and_no_load_optim_load_weights_but_not_optimizer_state(corpus, tmp_path):

@@ -59,6 +59,13 @@ def _flags() -> dict:
     return {f"{s}.{f.name}": fl for s, cls in SECTIONS.items() for f, fl in flagged_fields(cls)}
 
 
+def shape_flags() -> set[str]:
+    """The flags taken only where the command line does not give them (the load's mismatch
+    message says so)."""
+    flags = _flags()
+    return {flags[key].name for key in IF_NOT_GIVEN}
+
+
 def _get(c: RunConfig, key: str):
     section, name = key.split(".")
     return getattr(getattr(c, section), name)

@@ -10,7 +10,8 @@ that cannot work stops every rank with the same message instead of hanging in a 
    (arguments/data.py), the learning-rate schedule, checkpointing, trackers, operations, and the
    Megatron-LM flags megalite refuses;
 3. files (arguments/paths.py, only with `check_files`): datasets, tokenizer files, the checkpoint
-   to load, and outputs that must not overwrite anything.
+   to load, and outputs that must not overwrite anything; then the learning-rate schedule against
+   the checkpoint's (arguments/schedule_args.py).
 
 torch is imported only at the very end of a successful validation, so a bad flag is refused in a
 fraction of a second."""
@@ -31,6 +32,7 @@ from .model import check_attention_backend, check_context_parallel, check_model_
     check_recompute
 from .moe import check_moe
 from .paths import check_paths
+from .schedule_args import check_schedule_flags, settle_schedule
 
 
 def validate(config: RunConfig, world_size: int | None = None, check_files: bool = True) -> RunConfig:
@@ -55,6 +57,7 @@ def validate(config: RunConfig, world_size: int | None = None, check_files: bool
     _check_outputs(c)
     if check_files:
         check_paths(c)
+        settle_schedule(c)  # a resume's learning-rate schedule against its checkpoint's (metadata.json)
     _check_with_torch(c, check_files)
     _fill_copies(c)
     return c
@@ -226,6 +229,7 @@ def _check_outputs(c: RunConfig) -> None:
         fail("--async-save needs --save")
     if (ck.finetune or ck.no_load_optim or ck.no_load_rng) and not ck.load:
         fail("--finetune / --no-load-optim / --no-load-rng need --load")
+    check_schedule_flags(c)
     t = c.training
     if t.log_timers_to_tensorboard and not (tr.tensorboard_dir or tr.wandb_project or t.log_jsonl or t.dry_run):
         c.notices.append("--log-timers-to-tensorboard writes to --tensorboard-dir, --wandb-project and --log-jsonl, "

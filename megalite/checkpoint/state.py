@@ -31,6 +31,14 @@ MODEL_FLAGS = {
     "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon", "openai_gelu": "--openai-gelu",
     "apply_layernorm_1p": "--apply-layernorm-1p",
 }
+# Mixture of Experts: the weights' shapes (which layers, how many experts, their sizes, the
+# shared expert, the expert bias) and the routing
+MOE_FLAGS = {key: "--" + key.replace("_", "-") for key in (
+    "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+    "moe_router_pre_softmax", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+    "moe_router_enable_expert_bias")}
+# settings whose flag says the opposite of the field (store_false): messages show the flag's value
+NEGATED = ("add_bias_linear",)
 # RoPE settings, compared for RoPE models only; a key older checkpoints lack means its default
 ROPE_FLAGS = {"use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "--rope-scaling-factor",
               "rope_scaling_low_freq_factor": "--rope-scaling-low-freq-factor",
@@ -65,46 +73,79 @@ class TrainState:
 
 
 def check_model_config(saved: dict, current: dict, where: str) -> None:
-    """Raise naming the first model setting that differs."""
+    """Raise naming every model setting that differs, each with the checkpoint's value and this
+    run's (as the flag gives it), and how --use-checkpoint-args would take them."""
+    differences = model_differences(saved, current)
+    if differences:
+        raise CheckpointError(f"checkpoint {where} does not match this model: "
+                              + "; ".join(f"{flag} is {old!r} in the checkpoint and {new!r} in this run"
+                                          for flag, old, new in differences)
+                              + f". {_checkpoint_args_hint([flag for flag, _, _ in differences])}")
+
+
+def model_differences(saved: dict, current: dict) -> list[tuple[str, object, object]]:
+    """(flag, checkpoint's value, this run's value) of each model setting that differs; a key an
+    older checkpoint lacks counts as its default."""
     from ..model import GPTConfig
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     flags = dict(MODEL_FLAGS, **(ROPE_FLAGS if current.get("position_embedding_type") == "rope" else {}))
     if not current.get("use_rope_scaling"):  # the scaling parameters matter only when scaling is on
         flags = {k: f for k, f in flags.items() if not k.startswith("rope_scaling_")}
+    if current.get("position_embedding_type") == "rope":
+        flags["rotary_base"] = "--rotary-base"
+    if current.get("position_embedding_type") == "learned_absolute":
+        flags["max_position_embeddings"] = "--max-position-embeddings"
+    out = []
     for key, flag in flags.items():
-        if saved.get(key, defaults.get(key)) != current.get(key, defaults.get(key)):
-            raise CheckpointError(f"checkpoint {where} does not match this model: {flag} is {saved.get(key)!r} in "
-                                  f"the checkpoint and {current.get(key)!r} in this run")
-    check_moe_config(saved, current, where)
-    if current.get("position_embedding_type") == "rope" and saved.get("rotary_base") != current.get("rotary_base"):
-        raise CheckpointError(f"checkpoint {where} does not match this model: --rotary-base is "
-                              f"{saved.get('rotary_base')} in the checkpoint and {current.get('rotary_base')} in this run")
-    if current.get("position_embedding_type") == "learned_absolute" and \
-            saved.get("max_position_embeddings") != current.get("max_position_embeddings"):
-        raise CheckpointError(f"checkpoint {where} does not match this model: --max-position-embeddings is "
-                              f"{saved.get('max_position_embeddings')} in the checkpoint and "
-                              f"{current.get('max_position_embeddings')} in this run")
+        old, new = saved.get(key, defaults.get(key)), current.get(key, defaults.get(key))
+        if old != new:
+            out.append((flag, _as_given(key, old), _as_given(key, new)))
+    return out + moe_differences(saved, current)
+
+
+def _as_given(key: str, value):
+    """A setting's value as its flag states it: --disable-bias-linear is True where add_bias_linear is False."""
+    return (not value) if key in NEGATED and value is not None else value
+
+
+def _checkpoint_args_hint(flags: list[str]) -> str:
+    """How --use-checkpoint-args would take the differing flags (arguments/checkpoint_args.py:
+    every flag the load compares is among the ones it takes)."""
+    from ..arguments.checkpoint_args import shape_flags
+    kept = [f for f in flags if f in shape_flags()]
+    return ("--use-checkpoint-args takes these from the checkpoint"
+            + (f" ({', '.join(kept)} only where the command line leaves {'it' if len(kept) == 1 else 'them'} off)"
+               if kept else ""))
 
 
 def check_moe_config(saved: dict, current: dict, where: str) -> None:
-    """The MoE settings that shape the weights, as the layers they give (checkpoints from before
-    MoE lack them: a dense model)."""
-    from ..config.moe import moe_layer_pattern
+    """Raise naming every MoE setting that differs (see `moe_differences`)."""
+    differences = moe_differences(saved, current)
+    if differences:
+        raise CheckpointError(f"checkpoint {where} does not match this model: "
+                              + "; ".join(f"{flag} is {old!r} in the checkpoint and {new!r} in this run"
+                                          for flag, old, new in differences))
 
-    def shape(c: dict) -> dict:
+
+def moe_differences(saved: dict, current: dict) -> list[tuple[str, object, object]]:
+    """The MoE settings, the weights' shapes as the layers they give, and the routing (checkpoints
+    from before MoE lack them: a dense model; from before a setting, its default). Between a dense
+    model and an MoE one only --num-experts differs: the other flags mean nothing to the dense one."""
+    from ..config.moe import moe_layer_pattern
+    from ..model import GPTConfig
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+
+    def settings(c: dict) -> dict:
         if not c.get("num_experts"):
             return {"--num-experts": None}
-        return {"--num-experts": c["num_experts"],
-                "--moe-layer-freq": moe_layer_pattern(c.get("moe_layer_freq", 1), c["num_layers"]),
-                "--moe-ffn-hidden-size": c.get("moe_ffn_hidden_size") or c.get("ffn_hidden_size"),
-                "--moe-shared-expert-intermediate-size": c.get("moe_shared_expert_intermediate_size"),
-                "--moe-shared-expert-gate": bool(c.get("moe_shared_expert_gate")),
-                "--moe-router-enable-expert-bias": bool(c.get("moe_router_enable_expert_bias"))}
-    old, new = shape(saved), shape(current)
-    for flag in old if old.keys() == new.keys() else ["--num-experts"]:
-        if old.get(flag) != new.get(flag):
-            raise CheckpointError(f"checkpoint {where} does not match this model: {flag} is {old.get(flag)!r} in the "
-                                  f"checkpoint and {new.get(flag)!r} in this run")
+        values = {key: c.get(key, defaults[key]) for key in MOE_FLAGS}
+        values["moe_layer_freq"] = moe_layer_pattern(values["moe_layer_freq"], c["num_layers"])
+        values["moe_ffn_hidden_size"] = values["moe_ffn_hidden_size"] or c.get("ffn_hidden_size")
+        return {flag: bool(values[key]) if isinstance(defaults[key], bool) else values[key]
+                for key, flag in MOE_FLAGS.items()}
+    old, new = settings(saved), settings(current)
+    return [(flag, old.get(flag), new.get(flag)) for flag in (old if old.keys() == new.keys() else ["--num-experts"])
+            if old.get(flag) != new.get(flag)]
 
 
 # -- how a local shard was cut from the whole tensor ----------------------------------------------

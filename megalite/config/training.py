@@ -151,6 +151,15 @@ class CheckpointConfig:
     finetune: bool = flag("--finetune", False, "load weights only; start at iteration 0", action="store_true")
     no_load_optim: bool = flag("--no-load-optim", False, "do not load optimizer state", action="store_true")
     no_load_rng: bool = flag("--no-load-rng", False, "do not load RNG states", action="store_true")
+    # Megatron-LM's two answers to a learning-rate schedule that differs from the checkpoint's
+    # (arguments/schedule_args.py); with neither, the resume is refused naming the differences
+    override_opt_param_scheduler: bool = flag(
+        "--override-opt_param-scheduler", False, "on resume, run the command line's learning-rate schedule (--lr, "
+        "--min-lr, warmup, decay length and style, WSD, --decoupled-lr, --weight-decay) where it differs from the "
+        "checkpoint's, from the checkpoint's step on", action="store_true")
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        "--use-checkpoint-opt_param-scheduler", False, "on resume, continue the checkpoint's learning-rate schedule, "
+        "whatever the command line's schedule flags say (--train-iters still says when to stop)", action="store_true")
     # Megatron-LM's load_args_from_checkpoint, applied first by validation (arguments/checkpoint_args.py)
     use_checkpoint_args: bool = flag(
         "--use-checkpoint-args", False, "take the model's architecture and tokenizer from the latest checkpoint "
