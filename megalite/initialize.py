@@ -180,7 +180,10 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
         closing.callback(torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled())
         torch.use_deterministic_algorithms(True)
     ps, device = initialize_distributed(cfg.parallel, moe=bool(cfg.model.num_experts), closing=closing)
-    malloc = lean_malloc(device)  # before the model's tensors exist
+    # a sharded strategy is chosen for memory: return freed host memory at once (it costs
+    # page faults, ~10% of a small model's step on CPU, so not for every run)
+    sharded = get_strategy(cfg.ddp.data_parallel_sharding_strategy).shards_optimizer
+    malloc = lean_malloc(device) if sharded else None  # before the model's tensors exist
     t = cfg.training
     # every blocking collective from here on is seen by the monitor (timeouts name where the run
     # stood; --log-straggler times the waits); its watchdog thread is gone before the groups are

@@ -21,6 +21,7 @@ initialised as spawn does, with the global generator put back to a new process's
 from __future__ import annotations
 
 import atexit
+import gc
 import itertools
 import pickle
 import os
@@ -113,6 +114,9 @@ def _serve(rank: int, tasks, results) -> None:
                 monitor.stop()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            # what a task built and dropped (a DataParallel a `call` made, with its groups' gloo
+            # threads and sockets) goes now, not whenever the collector next runs
+            gc.collect()
         results.put((job, rank, status, value))
 
 

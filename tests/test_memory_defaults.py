@@ -1,7 +1,8 @@
 """What megalite sets itself for lean host memory (the memory wall's settings, docs/zero.md):
 4M-element buckets on gloo where --ddp-bucket-size is not given (NCCL's 40M for plans and dry
 runs, which stand for the job's machine), and glibc's mmap threshold fixed at 256 KiB on a CPU
-run unless MALLOC_MMAP_THRESHOLD_ is in the environment; the start-up line says both."""
+run with a sharded strategy unless MALLOC_MMAP_THRESHOLD_ is in the environment; the start-up
+line says both."""
 import ctypes
 
 import pytest
@@ -76,7 +77,11 @@ def test_lean_malloc_without_glibc(monkeypatch):
 def test_startup_line_says_what_was_set(tmp_path, monkeypatch):
     from dist_helpers import run_pretrain
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    _, proc = run_pretrain(2, mock(100) + tiny(train_iters=1), tmp_path)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("> host memory:")]
-    assert lines == ["> host memory: freed tensors over 256 KiB go back to the system at once (glibc mallopt); "
-                     "--ddp-bucket-size 4000000 on gloo (not given; NCCL's default is 40000000)"], proc.stdout
+    buckets = "--ddp-bucket-size 4000000 on gloo (not given; NCCL's default is 40000000)"
+    malloc = "freed tensors over 256 KiB go back to the system at once (glibc mallopt)"
+    for name, extra, said in (("plain", [], [buckets]),
+                              ("zero1", ["--use-distributed-optimizer"], [malloc, buckets]),
+                              ("given", ["--ddp-bucket-size", "100"], [])):
+        _, proc = run_pretrain(2, mock(100) + tiny(train_iters=1) + extra, tmp_path, name)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("> host memory:")]
+        assert lines == ([f"> host memory: {'; '.join(said)}"] if said else []), (name, proc.stdout)

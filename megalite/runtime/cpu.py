@@ -57,7 +57,7 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
 def lean_malloc(device: torch.device) -> str | None:
-    """On a CPU run with glibc, fix the mmap threshold (once per process: glibc has no way back
+    """On a CPU run with glibc (setup asks for runs with a sharded strategy), fix the mmap threshold (once per process: glibc has no way back
     to its sliding threshold, and none is needed); returns what it did for the start-up line, or
     None where it did nothing (CUDA, another C library, the environment already sets it)."""
     import ctypes
