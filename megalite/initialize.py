@@ -181,7 +181,8 @@ def setup(cfg: RunConfig) -> Run:
     optimizer = build_optimizer(named_params, cfg.optimizer, dp, ps)
     state = TrainState(ps, model_config, named_params, optimizer, build_lr_scheduler(cfg.optimizer), rng_tracker,
                        device, dataclasses.replace(cfg, model=model_config).to_dict(),
-                       named_buffers=[nb for m in model for nb in m.global_named_buffers()])
+                       named_buffers=[nb for m in model for nb in m.global_named_buffers()],
+                       spike_guard=SpikeGuard.from_config(t))
     state.log(f"> optimizer: {optimizer.describe()}")
     ck = cfg.checkpoint
     if ck.load:
@@ -207,7 +208,7 @@ def setup(cfg: RunConfig) -> Run:
               batch=build_num_microbatches_calculator(cfg.training, ps.dp_size),
               profiler=Profiler(cfg.training, ps.rank, device),
               peak=peak_tflops(cfg.training.peak_tflops, execution.params_dtype), monitor=monitor, timers=timers,
-              straggler=straggler, spike_guard=SpikeGuard.from_config(t), last_saved=state.iteration)
+              straggler=straggler, spike_guard=state.spike_guard, last_saved=state.iteration)
     run.tracker.log_config(state.config)
     log_startup(run)
     if state.load_stats is not None:

@@ -26,10 +26,11 @@ GUARD = ["--check-for-spiky-loss", "--check-for-large-grads"]
 
 def reference_spikes(values, factor, window):
     """Indices a plain reading of the rule flags: not finite, or >= factor x the largest of the
-    last `window` accepted values once there are that many (a flagged value is not accepted)."""
+    last `window` accepted values, however few (none before the first accepted value; a flagged
+    value is not accepted)."""
     accepted, flagged = [], []
     for i, v in enumerate(values):
-        if not math.isfinite(v) or (len(accepted) >= window and v >= factor * max(accepted[-window:])):
+        if not math.isfinite(v) or (accepted and v >= factor * max(accepted[-window:])):
             flagged.append(i)
         else:
             accepted.append(v)
@@ -48,11 +49,57 @@ def test_guard_against_a_plain_reference():
             else:
                 guard.accept(v, None)
         assert got == reference_spikes(values, factor, window), (factor, window)
+    # the default window judges from the second value on: the first only for finiteness
+    guard = SpikeGuard(10, 100, patience=5, check_loss=True, check_grads=True)
+    assert guard.loss_spike(1e30) is None and guard.loss_spike(float("inf")) is not None
+    guard.accept(6.2, 1.6)  # an update at --lr 1e3 then gives a loss of 3.2e7: caught against this one
+    assert "is 5161290.3x the largest of the last 1 accepted (6.2" in guard.loss_spike(3.2e7)
+    assert guard.grad_norm_spike(15.9) is None and guard.grad_norm_spike(16.0) is not None
     guard = SpikeGuard(10, 1, patience=2, check_loss=False, check_grads=True)
     assert guard.loss_spike(1e9) is None  # the loss is not checked
     guard.accept(1.0, 2.0)
     assert "gradient norm 20" in guard.grad_norm_spike(20.0) and guard.grad_norm_spike(19.9) is None
     assert not guard.reject() and guard.reject()  # patience 2: the second in a row stops
+
+
+def _feed(guard, values):
+    """Losses and gradient norms (the norm: the loss / 2) through the guard as the loop does; the
+    indices it skipped."""
+    flagged = []
+    for i, v in enumerate(values):
+        if guard.loss_spike(v) is not None or guard.grad_norm_spike(v / 2) is not None:
+            flagged.append(i)
+            guard.reject()
+        else:
+            guard.accept(v, v / 2)
+    return flagged
+
+
+def test_guard_window_survives_a_resume():
+    """The window, saved (through JSON, as in metadata.json) mid-run and loaded into a fresh
+    guard, judges the rest of the run as the uninterrupted guard does; a checkpoint without it
+    gives an empty guard; a smaller --spike-window keeps the newest values."""
+    values = [6.0, 5.0, 4.0, 3.0, 2.0, 55.0, 1.9, 25.0, float("nan"), 1.8, 1.5, 1.4, 1.3, 60.0, 19.0, 1.2]
+    args = dict(factor=10, window=4, patience=100, check_loss=True, check_grads=True)
+    whole = SpikeGuard(**args)
+    expected = _feed(whole, values)
+    assert expected == reference_spikes(values, 10, 4) == [5, 8, 13, 14]  # 25 has left the window by 13
+    for cut in range(1, len(values)):
+        first = SpikeGuard(**args)
+        head = _feed(first, values[:cut])
+        resumed = SpikeGuard(**args)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        assert resumed.state_dict() == first.state_dict()
+        assert head + [cut + i for i in _feed(resumed, values[cut:])] == expected, cut
+        assert resumed.state_dict() == whole.state_dict(), cut
+    # without its window a guard resumed before 55 would take it (the first value: no baseline)
+    assert _feed(SpikeGuard(**args), values[5:]) != [i - 5 for i in expected if i >= 5]
+    empty = SpikeGuard(**args)
+    empty.load_state_dict(None)
+    assert empty.state_dict() == {"losses": [], "grad_norms": [], "consecutive": 0}
+    small = SpikeGuard(**{**args, "window": 2})
+    small.load_state_dict(whole.state_dict())
+    assert list(small.losses) == list(whole.losses)[-2:] and small.consecutive == whole.consecutive
 
 
 def test_spike_flags_need_a_check():
