@@ -214,7 +214,8 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     optimizer = build_optimizer(named_params, cfg.optimizer, dp, ps)
     state = TrainState(ps, model_config, named_params, optimizer, build_lr_scheduler(cfg.optimizer), rng_tracker,
                        device, dataclasses.replace(cfg, model=model_config).to_dict(),
-                       named_buffers=[nb for m in model for nb in m.global_named_buffers()])
+                       named_buffers=[nb for m in model for nb in m.global_named_buffers()],
+                       spike_guard=SpikeGuard.from_config(t))
     state.log(f"> optimizer: {optimizer.describe()}")
     ck = cfg.checkpoint
     if ck.load:
@@ -240,7 +241,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
               batch=build_num_microbatches_calculator(cfg.training, ps.dp_size),
               profiler=Profiler(cfg.training, ps.rank, device),
               peak=peak_tflops(cfg.training.peak_tflops, execution.params_dtype), monitor=monitor, timers=timers,
-              straggler=straggler, spike_guard=SpikeGuard.from_config(t), last_saved=state.iteration,
+              straggler=straggler, spike_guard=state.spike_guard, last_saved=state.iteration,
               closing=closing)
     for opened in (run.jsonl, run.tracker, run.saver):
         if opened is not None:

@@ -111,10 +111,11 @@ def after_guard(run: Run, guard, loss: float, update: dict) -> None:
     run.jsonl.write({"event": "spike", "iteration": iteration, "reason": update["spike"], "lm_loss": loss,
                      "grad_norm": update["grad_norm"]})
     if guard.reject():
+        latest = (f"The latest checkpoint (iteration {run.last_saved}) holds weights that trained on: resume from it"
+                  if run.last_saved > 0 else "No checkpoint of weights that trained on was written: start again")
         raise SpikeError(
             f"iteration {iteration}: {guard.consecutive} iterations in a row skipped for spikes (the last: "
-            f"{update['spike']}); stopped without saving. The latest checkpoint (iteration {run.last_saved}) holds "
-            f"weights that trained on: resume from it with a lower --lr or a tighter --clip-grad")
+            f"{update['spike']}); stopped without saving. {latest} with a lower --lr or a tighter --clip-grad")
 
 
 def save_pending(run: Run) -> None:

@@ -5,7 +5,8 @@ Layout on disk (Megatron-LM's directory names):
 
     DIR/latest_checkpointed_iteration.txt      the iteration of the newest complete checkpoint
     DIR/iter_0000100/metadata.json             iteration, consumed samples, arguments, model config,
-                                               the layout that wrote it, scheduler and loss scaler
+                                               the layout that wrote it, scheduler and loss scaler,
+                                               the spike guard's window
     DIR/iter_0000100/index.jsonl               the global index (index.py): the metadata
                                                again, and where every saved piece of every tensor is
     DIR/iter_0000100/rank_00003.safetensors    rank 3's tensors (tensor_file.py; nothing pickled)

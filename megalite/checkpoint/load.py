@@ -212,10 +212,12 @@ def _load_optimizer_state(train_state: TrainState, reader: _OwnedReader, restore
 
 def _restore_progress(train_state: TrainState, meta: dict, index, restore_optim: bool, restore_rng: bool,
                       load_rng: bool) -> None:
-    """Where the run stood: consumed samples, the optimizer's step count, the schedule and loss
-    scaler, and (on the layout that saved it) this rank's RNG states."""
+    """Where the run stood: consumed samples, the spike guard's window, the optimizer's step
+    count, the schedule and loss scaler, and (on the layout that saved it) this rank's RNG states."""
     ps, opt, lay = train_state.ps, train_state.optimizer, meta["layout"]
     train_state.consumed_samples = int(meta["consumed_samples"])
+    if train_state.spike_guard is not None:  # the losses of these weights' run (none saved: an empty guard)
+        train_state.spike_guard.load_state_dict(meta.get("spike_guard"))
     if restore_optim:
         if index.optimizer_step is not None:
             opt.set_step_count(index.optimizer_step)

@@ -84,6 +84,7 @@ def build_metadata(train_state: TrainState, iteration: int) -> dict:
         "grad_scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
         "optimizer": {"type": train_state.config["optimizer"]["optimizer"], "fp32_params": bool(opt.fp32_params)},
         "has_optimizer_state": True,
+        "spike_guard": train_state.spike_guard.state_dict() if train_state.spike_guard is not None else None,
     }
 
 

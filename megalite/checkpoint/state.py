@@ -50,8 +50,9 @@ ROPE_FLAGS = {"use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "
 @dataclass
 class TrainState:
     """What a checkpoint saves and restores: the model's parameters (global names), the optimizer
-    (masters and moments of the pieces it steps), the schedule and loss scaler, RNG states, and
-    where the run stands. `config` (RunConfig.to_dict()) is recorded in metadata.json for the tools."""
+    (masters and moments of the pieces it steps), the schedule and loss scaler, RNG states, the
+    spike guard's window, and where the run stands. `config` (RunConfig.to_dict()) is recorded in
+    metadata.json for the tools."""
     ps: ParallelState
     model_config: object  # model.GPTConfig
     named_params: list
@@ -66,6 +67,9 @@ class TrainState:
     # persistent buffers by global name (MoE routers' expert biases): replicated, moved by the
     # trainer rather than the optimizer; saved whole once, read whole by every rank
     named_buffers: list = dataclasses.field(default_factory=list)
+    # --check-for-spiky-loss / --check-for-large-grads (runtime/spikes.SpikeGuard), or None: its
+    # window is the same on every rank, saved once in the metadata
+    spike_guard: object = None
 
     def log(self, msg: str) -> None:
         if self.ps.rank == self.ps.logging_rank:

@@ -115,8 +115,8 @@ class TrainingConfig:
                                "of the last --spike-window accepted ones is a spike (> 1)",
                                check=(lambda v: v == v and 1 < v < float("inf"), "a number > 1"))
     spike_window: int = flag("--spike-window", 100, "accepted iterations whose largest loss (gradient norm) is the "
-                             "baseline; no iteration is checked before the window is full (Megatron-LM: 100)",
-                             check=AT_LEAST_1)
+                             "baseline, from the second iteration on with as many as there are yet (saved in "
+                             "checkpoints; Megatron-LM: the first 100)", check=AT_LEAST_1)
     spike_patience: int = flag("--spike-patience", 5, "consecutive skipped iterations after which the run stops "
                                "without saving (its latest checkpoint is the last one whose weights trained on)",
                                check=AT_LEAST_1)
