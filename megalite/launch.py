@@ -4,10 +4,11 @@
 
 takes torchrun's arguments and runs torchrun's own launcher (torch.distributed.run), so restarts,
 rendezvous and signals are torchrun's. One difference: when the workers refused their input
-(the root-cause worker exited with status 2, as megalite's entry points and argparse do for bad
-usage, and every other failed worker did too or was stopped by torchrun), the `error:` line the
-workers printed is the whole report: no ChildFailedError traceback, and exit status 2. Any other
-failure is reported exactly as torchrun reports it (its traceback and summary, exit status 1).
+(a worker exited with status 2, as megalite's entry points and argparse do for bad usage, and
+every other failed worker did too or was stopped by a signal, as torchrun stops the rest), the
+`error:` line the workers printed is the report: no ChildFailedError traceback (torchrun's log
+lines about the failed and stopped workers remain), and exit status 2. Any other failure is
+reported exactly as torchrun reports it (its traceback and summary, exit status 1).
 
 Plain torchrun cannot do this: its agent turns every failed worker into a traceback and status 1.
 """
