@@ -1,4 +1,6 @@
-# make demo   set up a virtual environment and pretrain a small GPT on the bundled corpus
+# make demo   set up a virtual environment and pretrain a small GPT on the bundled corpus: the
+#             data in data/build/, the run's log in runs/demo/; `make demo OUTPUT_DIR=/tmp/demo`
+#             writes both under /tmp/demo instead (data in /tmp/demo/data/, the log in /tmp/demo/)
 # make test   set up a virtual environment and run the whole test suite
 # make gpu-check   on a CUDA machine: GPU tests, throughput, one-GPU runs -> benchmarks/RESULTS_gpu.md
 # make test-fast   the in-process unit tests only (no pretrain runs, torchrun, spawned ranks or tool
@@ -12,6 +14,11 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megalite-installed
+# where `make data` and `make demo` write (empty: into the checkout, data/build/ and runs/demo/),
+# as the example scripts' OUTPUT_DIR
+OUTPUT_DIR ?=
+DATA_BUILD_DIR := $(if $(OUTPUT_DIR),$(OUTPUT_DIR)/data,data/build)
+DEMO_DIR := $(if $(OUTPUT_DIR),$(OUTPUT_DIR),runs/demo)
 
 .PHONY: setup demo test test-fast gpu-check data clean
 
@@ -28,17 +35,17 @@ $(STAMP): setup.cfg pyproject.toml
 setup: $(STAMP)
 
 data: $(STAMP)
-	PYTHON=$(PY) bash data/prepare.sh
+	DATA_BUILD_DIR='$(DATA_BUILD_DIR)' PYTHON=$(PY) bash data/prepare.sh
 
 demo: data
 	OMP_NUM_THREADS=2 $(PY) pretrain_gpt.py \
-	    --data-path data/build/corpus_text_document --split 98,2,0 \
-	    --tokenizer-type SentencePieceTokenizer --tokenizer-model data/build/tokenizer.model \
+	    --data-path '$(DATA_BUILD_DIR)/corpus_text_document' --split 98,2,0 \
+	    --tokenizer-type SentencePieceTokenizer --tokenizer-model '$(DATA_BUILD_DIR)/tokenizer.model' \
 	    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
 	    --micro-batch-size 16 --global-batch-size 32 --train-iters 200 \
 	    --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 20 \
 	    --hidden-dropout 0 --attention-dropout 0 \
-	    --log-interval 10 --eval-interval 100 --eval-iters 5 --log-jsonl runs/demo/metrics.jsonl
+	    --log-interval 10 --eval-interval 100 --eval-iters 5 --log-jsonl '$(DEMO_DIR)/metrics.jsonl'
 
 # the repository's own modules byte-compiled first (1 s of every test process's start-up otherwise)
 test: $(STAMP)

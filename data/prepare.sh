@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
-# Build the bundled demo dataset: SentencePiece tokenizer + Megatron .bin/.idx, under data/build/.
+# Build the bundled demo dataset: SentencePiece tokenizer + Megatron .bin/.idx, under
+# DATA_BUILD_DIR (default: data/build/ of the checkout; a relative path is taken from the current
+# directory). Nothing else is written (the dataset's index cache later goes to DATA_BUILD_DIR/cache).
 # Re-running skips steps whose outputs are newer than their inputs.
 #   bash data/prepare.sh                 # uses `python`
 #   PYTHON=.venv/bin/python bash data/prepare.sh
+#   DATA_BUILD_DIR=/tmp/demo/data bash data/prepare.sh
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
 VOCAB_SIZE="${VOCAB_SIZE:-1536}"   # the corpus has ~630 distinct words; BPE runs out of merges near 1860
-cd "$(dirname "$0")/.."
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD="${DATA_BUILD_DIR:-$ROOT/data/build}"
+mkdir -p "$BUILD"
+BUILD=$(cd "$BUILD" && pwd)
+cd "$ROOT"
 
-CORPUS=data/corpus.jsonl
-BUILD=data/build
+CORPUS=data/corpus.jsonl   # bundled; should it be missing, it is generated into $BUILD
 TOKENIZER="$BUILD/tokenizer.model"
 PREFIX="$BUILD/corpus"
 DATASET="${PREFIX}_text_document"
-mkdir -p "$BUILD"
 
 if [ ! -f "$CORPUS" ]; then
-    echo "== generating $CORPUS"
-    "$PYTHON" data/generate_corpus.py --output "$CORPUS"
+    CORPUS="$BUILD/corpus.jsonl"
+    if [ ! -f "$CORPUS" ]; then
+        echo "== generating $CORPUS"
+        "$PYTHON" data/generate_corpus.py --output "$CORPUS"
+    fi
 fi
 
 if [ ! -f "$TOKENIZER" ] || [ "$CORPUS" -nt "$TOKENIZER" ]; then

@@ -35,7 +35,8 @@
 #   data       DATA_PATH (prefix, several, or "w1 p1 w2 p2"; unset: mock data) SPLIT [969,30,1]
 #              TOKENIZER_TYPE [GPT2BPETokenizer] VOCAB_FILE MERGE_FILE TOKENIZER_MODEL
 #              VOCAB_SIZE [50257 with mock data] DATA_CACHE_PATH NUM_WORKERS [2]
-#   output     RUN_NAME [script name] OUTPUT_DIR [runs/$RUN_NAME] LOG_JSONL [$OUTPUT_DIR/metrics.jsonl]
+#   output     RUN_NAME [script name] OUTPUT_DIR [runs/$RUN_NAME, from the current directory: every
+#              output below goes there unless set apart] LOG_JSONL [$OUTPUT_DIR/metrics.jsonl]
 #              TENSORBOARD_DIR [$OUTPUT_DIR/tensorboard; empty: off] WANDB_PROJECT [unset: off]
 #              WANDB_EXP_NAME [$RUN_NAME] WANDB_SAVE_DIR [$OUTPUT_DIR] WANDB_ENTITY
 #              LOG_INTERVAL [10] EVAL_INTERVAL [1000] EVAL_ITERS [10]

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # A 1M-parameter GPT trained on the bundled corpus, on CPU, with 2 gloo processes (DP 2), in
 # about a minute: the same launch path as the GPT-3 scripts (examples/common.sh), small enough
-# for a laptop. Builds data/build/ first when it is missing (bash data/prepare.sh, ~1 s).
+# for a laptop. Builds the bundled data first when it is missing (bash data/prepare.sh, ~2 s).
 #
 #   bash examples/train_tiny_cpu.sh
 #   TP=2 bash examples/train_tiny_cpu.sh                      # tensor parallel instead of DP
-#   TRAIN_ITERS=20 OUTPUT_DIR=/tmp/tiny bash examples/train_tiny_cpu.sh
+#   TRAIN_ITERS=20 OUTPUT_DIR=/tmp/tiny bash examples/train_tiny_cpu.sh   # data and log under /tmp/tiny
 #   python tools/plot_metrics.py runs/train_tiny_cpu/metrics.jsonl --output tiny.png
+# Output: OUTPUT_DIR [runs/train_tiny_cpu, from the current directory] holds the run's log (and
+# checkpoints, TensorBoard, W&B when asked); with OUTPUT_DIR set, the bundled data is built into
+# $OUTPUT_DIR/data too (DATA_BUILD_DIR), so nothing is written into the checkout.
 # Every size, path and switch can be set from the environment (examples/common.sh lists them).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -17,14 +20,19 @@ fi
 TORCHRUN=${TORCHRUN:-$PYTHON -m torch.distributed.run}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-# data: the bundled corpus and its SentencePiece tokenizer
-DATA_PATH=${DATA_PATH:-$ROOT/data/build/corpus_text_document}
+# data: the bundled corpus and its SentencePiece tokenizer, built into DATA_BUILD_DIR [with
+# OUTPUT_DIR set: $OUTPUT_DIR/data, so that the run writes nothing outside OUTPUT_DIR; else the
+# checkout's data/build]
+if [ -n "${OUTPUT_DIR:-}" ]; then DATA_BUILD_DIR=${DATA_BUILD_DIR:-$OUTPUT_DIR/data}; fi
+DATA_BUILD_DIR=${DATA_BUILD_DIR:-$ROOT/data/build}
+DATA_PATH=${DATA_PATH:-$DATA_BUILD_DIR/corpus_text_document}
 TOKENIZER_TYPE=${TOKENIZER_TYPE:-SentencePieceTokenizer}
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-$ROOT/data/build/tokenizer.model}
+TOKENIZER_MODEL=${TOKENIZER_MODEL:-$DATA_BUILD_DIR/tokenizer.model}
 SPLIT=${SPLIT:-98,2,0}
 NUM_WORKERS=${NUM_WORKERS:-0}
-if [ "$DATA_PATH" = "$ROOT/data/build/corpus_text_document" ] && [ ! -f "$DATA_PATH.idx" ]; then
-    PYTHON="$PYTHON" bash "$ROOT/data/prepare.sh"
+if [ "$DATA_PATH" = "$DATA_BUILD_DIR/corpus_text_document" ] && [ ! -f "$DATA_PATH.idx" ] &&
+    [ "${DRY_RUN:-0}" != 1 ]; then
+    DATA_BUILD_DIR="$DATA_BUILD_DIR" PYTHON="$PYTHON" bash "$ROOT/data/prepare.sh"
 fi
 
 # model: 4 layers, hidden 128, 4 heads, 128 tokens

@@ -43,10 +43,58 @@ class MissingPackage(UserError, ImportError):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error is a `UserError`: one line (no usage block), and a `main`
-    called in-process returns 2 instead of exiting."""
+    called in-process returns 2 instead of exiting. A flag it does not know is told the nearest
+    one it does ("did you mean --X?"), whatever error argparse stopped at (a misspelt required
+    flag is reported as missing)."""
+
+    _misspelt: list[tuple[str, str]] = []  # (unknown flag, nearest known) of the parse_args call in progress
 
     def error(self, message):
-        raise UserError(f"{message} (see {self.prog} --help)")
+        raise UserError(f"{message}{self._did_you_mean(message)} (see {self.prog} --help)")
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        self._misspelt = self.misspelt(args)
+        try:
+            namespace, unknown = self.parse_known_args(args, namespace)
+            if unknown:
+                self.error(f"unrecognized arguments: {' '.join(unknown)}")
+            return namespace
+        finally:
+            self._misspelt = []
+
+    def misspelt(self, args: list[str]) -> list[tuple[str, str]]:
+        """(flag, nearest known flag) for each flag among `args` this parser does not know but has one like."""
+        import difflib
+        known = list(self._option_string_actions)
+        pairs = []
+        for arg in args:
+            name = arg.split("=", 1)[0]
+            if arg == "--":
+                break
+            if not name.startswith("-") or _is_number(name) or name in known or \
+                    (self.allow_abbrev and any(k.startswith(name) for k in known)):
+                continue
+            match = difflib.get_close_matches(name, known, n=1)
+            if match:
+                pairs.append((name, match[0]))
+        return pairs
+
+    def _did_you_mean(self, message: str) -> str:
+        pairs = self._misspelt
+        if not pairs:
+            return ""
+        if len(pairs) == 1 and message.startswith("unrecognized arguments") and pairs[0][0] in message:
+            return f"; did you mean {pairs[0][1]}?"  # the one unknown flag is named just before
+        return "; did you mean " + ", ".join(f"{m} for {n}" for n, m in pairs) + "?"
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 def _one_line(e: BaseException) -> str:
@@ -57,18 +105,36 @@ def report(prog: str, e: BaseException) -> None:
     """Print `prog: error: <message>` once per run.
 
     One process: print it. Under torchrun every rank usually fails alike (each validates the same
-    flags and reads the same files), so rank 0 prints and the others print only a message that
-    differs from rank 0's (prefixed with their rank), or when rank 0 did not fail at all.
+    flags and reads the same files), so rank 0 prints at once and the others print only a message
+    that differs from rank 0's (prefixed with their rank), or when rank 0 did not fail at all.
+    Each failing rank also leaves its line in torchrun's error file, so that torchrun's report of
+    the failed job names it as the root cause instead of "To enable traceback see ...".
     """
     line = f"{prog}: error: {_one_line(e)}"
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
+        _write_error_file(line)
+    if rank == 0:  # first, before the store is reached: it is the first line the user sees
+        print(line, file=sys.stderr, flush=True)
+    if world > 1:
         rank0_line = _exchange_with_rank0(rank, line)
-        if rank != 0:
-            if rank0_line == line:
-                return
-            line = f"[rank {rank}] {line}"
-    print(line, file=sys.stderr, flush=True)
+        if rank != 0 and rank0_line != line:
+            print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
+
+
+def _write_error_file(line: str) -> None:
+    """torchrun's per-worker error file ($TORCHELASTIC_ERROR_FILE), in the layout its `record`
+    decorator writes; torchrun shows its message in the ChildFailedError summary."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    except OSError:  # a courtesy to torchrun's report: never let it hide the error itself
+        pass
 
 
 def _exchange_with_rank0(rank: int, line: str) -> str | None:

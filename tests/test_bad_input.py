@@ -50,9 +50,10 @@ def _env() -> dict:
     return env
 
 
-def _run(tool: str, args: list[str], cwd: str, timeout: float = 120.0, nproc: int = 1):
+def _run(tool: str, args: list[str], cwd: str, timeout: float = 120.0, nproc: int = 1,
+         launcher: str = "torch.distributed.run"):
     env = _env()
-    launcher = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launcher = [PY] if nproc == 1 else [PY, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run(launcher + [os.path.join(ROOT, tool), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -355,16 +356,37 @@ def test_bad_input_is_refused_and_changes_nothing(refusals, case, culprit):
 
 
 def test_torchrun_reports_a_bad_flag_once(world):
-    """Two ranks fail alike: one line (from rank 0), no traceback from either rank."""
+    """Two ranks fail alike: one line (from rank 0), no traceback from either rank, and it is the
+    first line of the run's output. Plain torchrun then adds its ChildFailedError report (status 1),
+    whose root cause is that line; `python -m megalite.launch` adds no report and exits 2."""
     before = _tree(world)
-    proc = _run("pretrain_gpt.py", MOCK + ["--micro-batch-size", "0"], world, nproc=2)
-    assert proc.returncode != 0
-    ours = [line for line in proc.stderr.splitlines() if "pretrain_gpt.py: error:" in line]
-    assert ours == ["pretrain_gpt.py: error: --micro-batch-size must be an integer >= 1, got 0"], proc.stderr[-3000:]
-    # torchrun prints its own launcher traceback (ChildFailedError); none comes from our ranks
-    ours = [f'File "{os.path.join(ROOT, d)}' for d in ("megalite", "pretrain_gpt.py", "tools")]
-    assert not any(frame in proc.stderr for frame in ours), proc.stderr[-3000:]
+    expected = "pretrain_gpt.py: error: --micro-batch-size must be an integer >= 1, got 0"
+    with ThreadPoolExecutor(2) as pool:
+        plain, launched = pool.map(lambda launcher: _run("pretrain_gpt.py", MOCK + ["--micro-batch-size", "0"],
+                                                         world, nproc=2, launcher=launcher),
+                                   ("torch.distributed.run", "megalite.launch"))
+    for proc in plain, launched:
+        out = proc.stdout + proc.stderr
+        assert out.splitlines()[0] == expected, out[-3000:]
+        assert [line for line in out.splitlines() if line.startswith("pretrain_gpt.py")] == [expected], out[-3000:]
+        ours = [f'File "{os.path.join(ROOT, d)}' for d in ("megalite", "pretrain_gpt.py", "tools")]
+        assert not any(frame in out for frame in ours), out[-3000:]
+    assert plain.returncode == 1, plain.stderr[-3000:]  # torchrun's status for any failed worker
+    root_cause = plain.stderr[plain.stderr.index("Root Cause"):]
+    assert f"traceback : {expected}" in root_cause, plain.stderr[-3000:]
+    assert launched.returncode == 2 and "Traceback" not in launched.stderr, launched.stderr[-3000:]
     assert _tree(world) == before
+
+
+def test_launcher_keeps_torchrun_report_for_other_failures():
+    """Only a refusal (status 2, or a worker stopped after one) is reported by its error line alone."""
+    from types import SimpleNamespace as F
+
+    from megalite.launch import refused
+    assert refused({0: F(exitcode=2), 1: F(exitcode=-15)}) and refused({0: F(exitcode=2), 1: F(exitcode=2)})
+    assert not refused({0: F(exitcode=1), 1: F(exitcode=-15)})
+    assert not refused({0: F(exitcode=2), 1: F(exitcode=1)})
+    assert not refused({0: F(exitcode=-9)})
 
 
 def _load_tool(path: str):

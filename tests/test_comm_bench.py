@@ -47,3 +47,20 @@ def test_default_sweep_suits_the_backend():
     spec.loader.exec_module(tool)
     assert tool.build_parser().parse_args([]).max_bytes is None  # chosen by the backend
     assert tool.default_max_bytes("gloo") == 4 * 2**20 and tool.default_max_bytes("nccl") == 2**30
+
+
+def test_existing_json_out_is_refused(tmp_path):
+    import importlib.util
+
+    import pytest
+
+    from megalite.errors import InputError
+    spec = importlib.util.spec_from_file_location("comm_bench_under_test", os.path.join(ROOT, "tools", "comm_bench.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "bench.jsonl"
+    tool.check(tool.build_parser().parse_args(["--json-out", str(out)]), 2)  # a new file: fine
+    out.write_text("an earlier run\n")
+    with pytest.raises(InputError, match=f"--json-out {out} already exists; nothing is overwritten"):
+        tool.check(tool.build_parser().parse_args(["--json-out", str(out)]), 2)
+    assert out.read_text() == "an earlier run\n"

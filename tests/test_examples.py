@@ -141,11 +141,52 @@ def train_records(out_dir):
 CPU_ENV = {"OMP_NUM_THREADS": "1", "TORCHRUN": f"{sys.executable} -m torch.distributed.run", "PYTHON": sys.executable}
 
 
+def checkout_files() -> set:
+    """(path, size, mtime) of every file of the checkout but git's, the venv's and Python's caches."""
+    found = set()
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in (".git", ".venv", "__pycache__", ".pytest_cache")]
+        for name in files:
+            st = os.stat(os.path.join(top, name))
+            found.add((os.path.relpath(os.path.join(top, name), ROOT), st.st_size, st.st_mtime_ns))
+    return found
+
+
+def test_output_dir_moves_every_output_of_the_cpu_scripts(tmp_path):
+    """OUTPUT_DIR: the log and the bundled data's build under it (the data in OUTPUT_DIR/data), as
+    `make demo OUTPUT_DIR=...` does; unset, the checkout's data/build and runs/<script>."""
+    out = str(tmp_path / "out")
+    for script in (os.path.join(EXAMPLES, "train_tiny_cpu.sh"), MIXTRAL_CPU):
+        name = os.path.basename(script)[:-3]
+        ((cmd,), _) = dry_run(script, {"OUTPUT_DIR": out})
+        flags = split_command(cmd)[1]
+        assert flags[flags.index("--data-path") + 1] == f"{out}/data/corpus_text_document", script
+        assert flags[flags.index("--tokenizer-model") + 1] == f"{out}/data/tokenizer.model", script
+        assert flags[flags.index("--log-jsonl") + 1] == f"{out}/metrics.jsonl", script
+        ((cmd,), _) = dry_run(script)
+        flags = split_command(cmd)[1]
+        assert flags[flags.index("--data-path") + 1] == f"{ROOT}/data/build/corpus_text_document", script
+        assert flags[flags.index("--log-jsonl") + 1] == f"runs/{name}/metrics.jsonl", script
+    assert not os.path.exists(out)  # a dry run builds nothing
+    proc = subprocess.run(["make", "-n", "demo", f"OUTPUT_DIR={out}", f"STAMP={__file__}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert f"DATA_BUILD_DIR='{out}/data'" in text and f"--data-path '{out}/data/corpus_text_document'" in text
+    assert f"--tokenizer-model '{out}/data/tokenizer.model'" in text and f"--log-jsonl '{out}/metrics.jsonl'" in text
+    assert "data/build" not in text and "runs/" not in text
+
+
 @pytest.mark.slow
 def test_tiny_cpu_script_trains(tmp_path):
+    """... and with OUTPUT_DIR, from the checkout's root, writes there only (the data built in
+    OUTPUT_DIR/data) and nothing into the checkout."""
+    before = checkout_files()
     env = dict(CPU_ENV, TRAIN_ITERS="3", LOG_INTERVAL="1", EVAL_ITERS="1", OUTPUT_DIR=str(tmp_path))
-    proc = bash(os.path.join(EXAMPLES, "train_tiny_cpu.sh"), env, timeout=240, cwd=str(tmp_path))
+    proc = bash(os.path.join(EXAMPLES, "train_tiny_cpu.sh"), env, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert checkout_files() == before
+    assert os.path.isfile(tmp_path / "data" / "corpus_text_document.idx")
     train, records = train_records(tmp_path)
     assert [r["iteration"] for r in train] == [1, 2, 3]
     assert all(math.isfinite(r["lm_loss"]) and 0 < r["lm_loss"] < 10 for r in train)

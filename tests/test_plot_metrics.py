@@ -75,3 +75,19 @@ def test_errors(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingPackage, match="needs matplotlib.*pip install matplotlib"):
         plot_metrics.plot([write_log(tmp_path / "ok.jsonl")], str(tmp_path / "x.png"))
+
+
+def test_existing_output_is_refused_and_kept(tmp_path, capsys):
+    """An existing picture (or a log given as --output) is refused, byte for byte as it was."""
+    log = write_log(tmp_path / "a.jsonl")
+    out = tmp_path / "old.png"
+    out.write_bytes(b"an earlier picture")
+    assert plot_metrics.main([log, "--output", str(out)]) == 2
+    assert f"error: --output {out} already exists; nothing is overwritten" in capsys.readouterr().err
+    assert out.read_bytes() == b"an earlier picture"
+    before = open(log, "rb").read()
+    assert plot_metrics.main([log, "--output", log]) == 2
+    assert "already exists" in capsys.readouterr().err and open(log, "rb").read() == before
+    with pytest.raises(plot_metrics.InputError, match="already exists"):  # appeared after main's check
+        plot_metrics.plot([log], str(out))
+    assert out.read_bytes() == b"an earlier picture"

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--iters", type=int, default=20, help="timed operations per message size")
     p.add_argument("--warmup", type=int, default=5, help="untimed operations first")
-    p.add_argument("--json-out", help="also write one JSON line per measurement here (rank 0)")
+    p.add_argument("--json-out", help="also write one JSON line per measurement here (rank 0); must not exist")
     return p
 
 
@@ -94,6 +94,9 @@ def check(args, world: int) -> None:
             raise InputError(f"{flag}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
     if not args.distributed_timeout_minutes > 0:
         raise InputError("--distributed-timeout-minutes must be > 0")
+    if args.json_out and os.path.lexists(args.json_out):
+        raise InputError(f"--json-out {args.json_out} already exists; nothing is overwritten: choose another file "
+                         "or remove it")
 
 
 def run_op(op: str, group, ranks: list[int], buf, out, rank_in_group: int) -> None:
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
                                    timeout_minutes=args.distributed_timeout_minutes)
     dtype = getattr(torch, args.dtype)
     lead = dist.get_rank() == 0
-    out = open(args.json_out, "w") if lead and args.json_out else None
+    out = open(args.json_out, "x") if lead and args.json_out else None  # "x": checked above, never overwritten
 
     def say(line=""):
         if lead:

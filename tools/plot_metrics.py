@@ -5,7 +5,8 @@
 
 Three panels against iterations: training loss, validation loss, throughput (tokens/s); one
 line per run, labelled by its file name (by as much of its path as tells the runs apart).
-Needs matplotlib (pip install matplotlib); draws off-screen (Agg), no display needed.
+Needs matplotlib (pip install matplotlib); draws off-screen (Agg), no display needed. An
+--output that exists is refused (nothing is overwritten).
 """
 from __future__ import annotations
 
@@ -108,23 +109,36 @@ def plot(paths: list[str], output: str, title: str | None = None) -> dict:
         fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
+    try:
+        with open(output, "xb") as f:  # "x": a file that appeared since the check is not overwritten either
+            try:
+                fig.savefig(f, format=ext, dpi=100)
+            except BaseException:
+                os.remove(output)  # no half-written picture
+                raise
+    except FileExistsError:
+        raise InputError(_exists(output)) from None
+    finally:
+        plt.close(fig)
     return runs
+
+
+def _exists(output: str) -> str:
+    return f"--output {output} already exists; nothing is overwritten: choose another file or remove it"
 
 
 @cli(PROG)
 def main(argv=None) -> int:
     p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="RUN.jsonl", help="JSONL logs written by --log-jsonl")
-    p.add_argument("--output", "-o", required=True, help="image to write (.png, .svg, .pdf)")
+    p.add_argument("--output", "-o", required=True, help="image to write (.png, .svg, .pdf); must not exist")
     p.add_argument("--title", help="figure title")
     args = p.parse_args(argv)
     for path in args.runs:
         if not os.path.isfile(path):
             p.error(f"no such file: {path}")
-        if os.path.exists(args.output) and os.path.samefile(path, args.output):
-            p.error(f"--output {args.output} is one of the logs to plot: choose another file")
+    if os.path.lexists(args.output):  # before reading the logs (one of which it may be)
+        p.error(_exists(args.output))
     runs = plot(args.runs, args.output, args.title)
     for label, run in runs.items():
         last = run["train_loss"][-1] if run["train_loss"] else None

@@ -8,7 +8,8 @@
 # Megatron-LM's own validation or the device; each is marked "megalite:" and docs/megatron.md
 # ("Megatron-LM's launch scripts") lists them.
 #
-#   bash examples/megatron/run_cpu.sh [WORK_DIR]    # data, checkpoints, logs under WORK_DIR (default: a new temp dir)
+#   bash examples/megatron/run_cpu.sh [WORK_DIR]    # data, checkpoints, logs under WORK_DIR (default:
+#                                                   # $OUTPUT_DIR if set, else a new temp dir; never the checkout)
 #   DRY_RUN=1 bash examples/megatron/run_cpu.sh     # print the three commands only
 #   ONLY=gpt3 | ONLY=llama | ONLY=llama-mock        # run one of them
 #
@@ -19,7 +20,7 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PYTHON=${PYTHON:-python3}
-WORK=${1:-$(mktemp -d -t megalite-megatron-XXXXXX)}
+WORK=${1:-${OUTPUT_DIR:-$(mktemp -d -t megalite-megatron-XXXXXX)}}
 DATA=$WORK/data
 mkdir -p "$WORK"
 run() {

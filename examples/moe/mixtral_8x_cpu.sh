@@ -4,14 +4,18 @@
 # attention, untied output layer (Jiang et al. 2024's architecture at 1/64 of its width). 4 gloo
 # processes: DP 4, with the experts split over EP 2 (each rank holds 4 of the 8 experts of every
 # layer; tokens travel to their experts by all-to-all; each expert has 2 replicas, its expert-DP
-# group). The same launch path as the GPT-3 scripts (examples/common.sh). Builds data/build/
-# first when it is missing (bash data/prepare.sh, ~1 s).
+# group). The same launch path as the GPT-3 scripts (examples/common.sh). Builds the bundled data
+# first when it is missing (bash data/prepare.sh, ~2 s).
 #
 #   bash examples/moe/mixtral_8x_cpu.sh
 #   EP=4 bash examples/moe/mixtral_8x_cpu.sh                  # 2 experts per rank
 #   EP=1 bash examples/moe/mixtral_8x_cpu.sh                  # every expert on every rank (plain DP)
 #   DISPATCHER=allgather TRAIN_ITERS=20 bash examples/moe/mixtral_8x_cpu.sh
 #   DRY_RUN=1 bash examples/moe/mixtral_8x_cpu.sh             # print the command (for tools/plan.py)
+#   OUTPUT_DIR=/tmp/moe bash examples/moe/mixtral_8x_cpu.sh   # data and log under /tmp/moe
+# Output: OUTPUT_DIR [runs/mixtral_8x_cpu, from the current directory] holds the run's log (and
+# checkpoints, TensorBoard, W&B when asked); with OUTPUT_DIR set, the bundled data is built into
+# $OUTPUT_DIR/data too (DATA_BUILD_DIR), so nothing is written into the checkout.
 # Every size, path and switch can be set from the environment (examples/common.sh lists the
 # shared ones; NUM_EXPERTS, TOPK, EP, DISPATCHER, MOE_FFN_HIDDEN_SIZE, NUM_QUERY_GROUPS and
 # MOE_AUX_LOSS_COEFF are this script's). docs/moe.md explains the flags and the layout.
@@ -24,15 +28,19 @@ fi
 TORCHRUN=${TORCHRUN:-$PYTHON -m torch.distributed.run}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-# data: the bundled corpus and its SentencePiece tokenizer
-DATA_PATH=${DATA_PATH:-$ROOT/data/build/corpus_text_document}
+# data: the bundled corpus and its SentencePiece tokenizer, built into DATA_BUILD_DIR [with
+# OUTPUT_DIR set: $OUTPUT_DIR/data, so that the run writes nothing outside OUTPUT_DIR; else the
+# checkout's data/build]
+if [ -n "${OUTPUT_DIR:-}" ]; then DATA_BUILD_DIR=${DATA_BUILD_DIR:-$OUTPUT_DIR/data}; fi
+DATA_BUILD_DIR=${DATA_BUILD_DIR:-$ROOT/data/build}
+DATA_PATH=${DATA_PATH:-$DATA_BUILD_DIR/corpus_text_document}
 TOKENIZER_TYPE=${TOKENIZER_TYPE:-SentencePieceTokenizer}
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-$ROOT/data/build/tokenizer.model}
+TOKENIZER_MODEL=${TOKENIZER_MODEL:-$DATA_BUILD_DIR/tokenizer.model}
 SPLIT=${SPLIT:-98,2,0}
 NUM_WORKERS=${NUM_WORKERS:-0}
-if [ "$DATA_PATH" = "$ROOT/data/build/corpus_text_document" ] && [ ! -f "$DATA_PATH.idx" ] &&
+if [ "$DATA_PATH" = "$DATA_BUILD_DIR/corpus_text_document" ] && [ ! -f "$DATA_PATH.idx" ] &&
     [ "${DRY_RUN:-0}" != 1 ]; then
-    PYTHON="$PYTHON" bash "$ROOT/data/prepare.sh"
+    DATA_BUILD_DIR="$DATA_BUILD_DIR" PYTHON="$PYTHON" bash "$ROOT/data/prepare.sh"
 fi
 
 # model: Mixtral 8x7B's shape (32 layers, hidden 4096, 32 heads in 8 query groups, experts of

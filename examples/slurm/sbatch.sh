@@ -13,6 +13,11 @@
 # Submit from the repository root (paths are taken relative to the submission directory). Every
 # variable of examples/common.sh (DATA_PATH, TP, PP, MICRO_BATCH_SIZE, OUTPUT_DIR, ...) passes
 # through the environment; NNODES, NODE_RANK, MASTER_ADDR and GPUS_PER_NODE come from SLURM.
+# Outputs: the run's (log, checkpoints, TensorBoard) in OUTPUT_DIR [runs/<script>-<job id> of the
+# submission directory]; SLURM's own log in %x-%j.out of the submission directory unless
+# sbatch --output says otherwise. Nothing in the checkout, for instance:
+#   sbatch --nodes 16 --output /scratch/run1/%x-%j.out --export ALL,OUTPUT_DIR=/scratch/run1 \
+#       examples/slurm/sbatch.sh examples/gpt3_13B.sh
 # Adjust the #SBATCH lines below (or override them on the sbatch command line) for your cluster.
 #SBATCH --job-name=megalite
 #SBATCH --nodes=1
