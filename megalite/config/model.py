@@ -85,6 +85,12 @@ class GPTConfig:
         "--rotary-seq-len-interpolation-factor", None, "RoPE position interpolation: positions are divided by this",
         type=float)
 
+    # Qwen3's / OLMo 2's QK-norm (Megatron-LM's --qk-layernorm): a --normalization norm over each
+    # head's query and key (kv_channels wide, weights shared by the heads), before RoPE
+    qk_layernorm: bool = flag("--qk-layernorm", False, "normalise each attention head's query and key (a "
+                              "--normalization norm over kv_channels, shared by the heads) before RoPE",
+                              action="store_true")
+
     # -- Mixture of Experts (model/moe/; Megatron-LM's --num-experts and --moe-* flags) ----------
     num_experts: int | None = flag("--num-experts", None, "experts per MoE layer (>= 2); none: a dense model",
                                    type=int, check=AT_LEAST_1)

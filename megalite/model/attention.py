@@ -19,6 +19,7 @@ from .. import comm
 from ..recompute import recompute
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import ExecutionConfig, GPTConfig
+from .norm import Norm
 from ..context_parallel.attention import gather_kv
 
 try:  # optional accelerator, used only when asked for with --use-flash-attn
@@ -176,7 +177,7 @@ class SelfAttention(nn.Module):
     attention mask, [b or 1, 1, s/c, s] with columns in gathered order, is always given."""
 
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, rng_tracker=None, device=None,
-                 cp_group=None):
+                 cp_group=None, layer_number: int = 0):
         super().__init__()
         self.cp_group = cp_group
         tp = comm.group_size(tp_group)
@@ -198,6 +199,12 @@ class SelfAttention(nn.Module):
         self.core_attention = CoreAttention(config.attention_dropout, execution, rng_tracker)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.hn, config.hidden_size,
                                              init_std=out_std, **common)
+        # --qk-layernorm: Megatron-LM's q_layernorm / k_layernorm over each head's hn channels;
+        # every TP rank holds the whole (shared) weights but sees only its heads' q and k
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm = Norm(config, execution, device, size=self.hn, head_sharded=True)
+            self.k_layernorm = Norm(config, execution, device, size=self.hn, head_sharded=True)
         self.recompute_core_attention = False  # set by activation recompute ("selective")
         # while generating: a cache of this rank's keys and values (megalite.generation.KVCache)
         self.inference_cache = None
@@ -208,6 +215,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.hn)
         q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, self.num_heads, self.hn)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, ng, hn]
+        if self.q_layernorm is not None:  # before RoPE, as Megatron-LM and Qwen3
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.inference_cache is not None:

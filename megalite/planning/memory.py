@@ -68,6 +68,8 @@ def layer_params(c, moe: bool = False) -> tuple[int, int]:
     if c.model.add_qkv_bias and not bias:  # --add-qkv-bias: the QKV projection's bias alone
         sharded += qkv
     replicated = 2 * norm + (h if bias else 0)  # two norms; the projection's row-parallel bias is whole
+    if c.model.qk_layernorm:  # the q and k norms, kv_channels wide, whole on every TP rank
+        replicated += 2 * norm // h * c.model.kv_channels
     if moe:
         mlp_sharded, mlp_replicated = moe_layer_params(c)
     else:

