@@ -158,3 +158,73 @@ def test_qk_layernorm_gradients_under_tp2_match_one_process():
 def test_qk_layernorm_flag_reaches_the_model():
     args = validate_args(parse_args(tiny() + mock() + ["--qk-layernorm"]))
     assert args.model.qk_layernorm
+
+
+# -- --window-size, --window-attn-skip-freq -------------------------------------------------------------
+def test_sliding_window_matches_reference():
+    x = torch.randn(16, 2, 32, requires_grad=True)
+    arch, layer = attention_layer(window_size="3,0", qk_layernorm=True)
+    assert layer.window == 3
+    out, ref = layer_and_reference(x, arch, layer, window=3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    full = layer_and_reference(x, arch, layer)[1]
+    assert (out - full).abs().max() > 1e-2  # the window changes the function
+    # the local backend computes the same
+    arch, local = attention_layer(window_size="3,0", qk_layernorm=True, attention_backend="local")
+    torch.testing.assert_close(local(x, RotaryEmbedding(arch.kv_channels)(torch.arange(16).unsqueeze(0))), out,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,freq,num_layers,windowed", [
+    ("4,0", None, 3, [True, True, True]),
+    ("4,0", "2", 4, [True, False, True, False]),  # gpt-oss: sliding, full, sliding, full
+    ("4,0", "3", 6, [True, True, False, True, True, False]),
+    ("4,0", "[1,0,0,1]", 4, [True, False, False, True]),
+    ("4,0", "([1]*2+[0])*2", 6, [True, True, False, True, True, False]),
+    ("-1,0", "2", 2, [False, False]),  # -1: no limit
+])
+def test_window_attn_skip_freq_chooses_layers_as_megatron(window, freq, num_layers, windowed):
+    from megalite.config.model import GPTConfig
+    cfg = GPTConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, seq_length=16,
+                    window_size=window, window_attn_skip_freq=freq)
+    assert [cfg.attention_window(i) is not None for i in range(num_layers)] == windowed
+    # and each layer of a model gets its own
+    arch, execution = model_configs(num_layers=num_layers, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                    vocab_size=64, padded_vocab_size=64, max_position_embeddings=16, window_size=window,
+                                    window_attn_skip_freq=freq)
+    model = GPTModel(arch, execution=execution)
+    assert [layer.self_attention.window is not None for layer in model.decoder.layers] == windowed
+
+
+def test_sliding_window_generation_equals_uncached():
+    from megalite.generation import KVCache
+    arch, layer = attention_layer(window_size="3,0")
+    x = torch.randn(12, 1, 32)
+    rope = RotaryEmbedding(arch.kv_channels)
+    full = layer(x, rope(torch.arange(12).unsqueeze(0)))
+    layer.inference_cache = KVCache(12)
+    steps = [layer(x[:8], rope(torch.arange(8).unsqueeze(0)))]  # prefill, then one token at a time
+    steps += [layer(x[i:i + 1], rope(torch.tensor([[i]]))) for i in range(8, 12)]
+    layer.inference_cache = None
+    torch.testing.assert_close(torch.cat(steps), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--window-size", "128"], "--window-size must be two integers LEFT,RIGHT, got '128'"),
+    (["--window-size", "128,4"], "--window-size RIGHT must be 0"),
+    (["--window-size=-2,0"], "--window-size LEFT must be >= 0 (or -1: no limit), got -2"),
+    (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq chooses the layers --window-size applies to"),
+    (["--window-size", "8,0", "--window-attn-skip-freq", "[1,0,1]"],
+     "--window-attn-skip-freq must be 3 entries for 2 layers"),
+    (["--window-size", "8,0", "--window-attn-skip-freq", "0"], "--window-attn-skip-freq must be an integer >= 1"),
+])
+def test_window_flags_refused_with_one_line(extra, message):
+    with pytest.raises(ArgumentError) as e:
+        validate_args(parse_args(tiny() + mock() + extra))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_window_flags_reach_the_model():
+    c = validate_args(parse_args(tiny(num_layers=4) + mock() + ["--window-size", "(128,0)",
+                                                              "--window-attn-skip-freq", "2"]))
+    assert [c.model.attention_window(i) for i in range(4)] == [128, None, 128, None]

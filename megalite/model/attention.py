@@ -21,6 +21,7 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import ExecutionConfig, GPTConfig
 from .norm import Norm
 from ..context_parallel.attention import gather_kv
+from ..context_parallel.sharding import chunk_positions, gathered_positions
 
 try:  # optional accelerator, used only when asked for with --use-flash-attn
     from flash_attn import flash_attn_func
@@ -205,6 +206,8 @@ class SelfAttention(nn.Module):
         if config.qk_layernorm:
             self.q_layernorm = Norm(config, execution, device, size=self.hn, head_sharded=True)
             self.k_layernorm = Norm(config, execution, device, size=self.hn, head_sharded=True)
+        # --window-size on this layer (--window-attn-skip-freq): keys at most `window` positions back
+        self.window = config.attention_window(layer_number)
         self.recompute_core_attention = False  # set by activation recompute ("selective")
         # while generating: a cache of this rank's keys and values (megalite.generation.KVCache)
         self.inference_cache = None
@@ -225,6 +228,8 @@ class SelfAttention(nn.Module):
         if comm.group_size(self.cp_group) > 1:
             # the kv heads, before GQA expands them: c x less traffic than the expanded ones
             k, v = gather_kv(k, v, self.cp_group)  # [s, b, ng, hn], gathered key order
+        if self.window is not None:
+            attention_mask = self._windowed(attention_mask, q.size(0), k.size(0), q.device)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             # selective recompute: keep q, k, v; redo softmax(QKᵀ)·V (and its dropout) in backward
             ctx = recompute(self.core_attention, q, k, v, attention_mask,
@@ -232,3 +237,22 @@ class SelfAttention(nn.Module):
         else:
             ctx = self.core_attention(q, k, v, attention_mask)
         return self.linear_proj(ctx)
+
+    def _windowed(self, attention_mask, sq: int, sk: int, device):
+        """`attention_mask` (None: causal) narrowed to the sliding window: query i sees key j when
+        0 <= i - j <= window, in global positions: under CP this rank's two chunks against the
+        gathered keys (context_parallel/sharding.py), while generating the new queries at the end
+        of the cached keys (aligned bottom-right, as the cache's causal mask)."""
+        cp = comm.group_size(self.cp_group)
+        if cp > 1:
+            q_pos = chunk_positions(sk, cp, comm.group_rank(self.cp_group), device)
+            k_pos = gathered_positions(sk, cp, device)
+        else:
+            q_pos, k_pos = torch.arange(sk - sq, sk, device=device), torch.arange(sk, device=device)
+        distance = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)  # [sq, sk]
+        window = (distance >= 0) & (distance <= self.window)
+        if attention_mask is None:
+            return window
+        if attention_mask.dtype == torch.bool:
+            return attention_mask & window
+        return attention_mask.masked_fill(~window, float("-inf"))  # additive (0 / -inf)
