@@ -228,3 +228,57 @@ def test_window_flags_reach_the_model():
     c = validate_args(parse_args(tiny(num_layers=4) + mock() + ["--window-size", "(128,0)",
                                                               "--window-attn-skip-freq", "2"]))
     assert [c.model.attention_window(i) for i in range(4)] == [128, None, 128, None]
+
+
+# -- --softmax-type --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["auto", "local"])
+def test_learnable_sinks_match_reference(backend):
+    x = torch.randn(16, 2, 32, requires_grad=True)
+    arch, layer = attention_layer(softmax_type="learnable", window_size="5,0", qk_layernorm=True,
+                                  attention_backend=backend)
+    sinks = layer.core_attention.softmax_offset
+    assert sinks.shape == (4,) and "core_attention.softmax_offset" in dict(layer.named_parameters())
+    with torch.no_grad():
+        sinks.copy_(torch.tensor([-1.0, 0.5, 2.0, 4.0]))  # large enough to take much of the weight
+    out, ref = layer_and_reference(x, arch, layer, window=5, sinks=sinks)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert (out - layer_and_reference(x, arch, layer, window=5)[1]).abs().max() > 1e-2
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, [x, sinks], g), torch.autograd.grad(ref, [x, sinks], g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_off_by_one_is_a_zero_sink_without_parameters():
+    x = torch.randn(16, 2, 32)
+    arch, layer = attention_layer(softmax_type="off-by-one")
+    assert layer.core_attention.softmax_offset is None
+    assert not any("softmax_offset" in n for n, _ in layer.named_parameters())
+    out, ref = layer_and_reference(x, arch, layer, sinks=torch.zeros(4))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sinks_are_sharded_with_the_heads_and_initialised_by_name():
+    from megalite.tensor_parallel.param_info import param_info
+    arch, execution = model_configs(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                    vocab_size=64, padded_vocab_size=64, max_position_embeddings=16,
+                                    softmax_type="learnable")
+    model = GPTModel(arch, execution=execution)
+    model.initialize(5)
+    params = dict(model.global_named_parameters())
+    sink = params["decoder.layers.1.self_attention.core_attention.softmax_offset"]
+    info = param_info(sink)
+    assert info.tensor_parallel and info.partition_dim == 0 and info.init == "normal"
+    assert 0 < sink.abs().max() < 0.2  # normal(0, --init-method-std 0.02)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--softmax-type", "learnable", "--attention-backend", "flash"],
+     "--softmax-type learnable runs the explicit softmax"),
+    (["--softmax-type", "off-by-one", "--use-flash-attn"], "--softmax-type off-by-one adds a logit to the softmax"),
+    (["--softmax-type", "sink"], "invalid choice"),
+])
+def test_softmax_type_refusals(extra, message):
+    from megalite.errors import UserError
+    with pytest.raises(UserError) as e:
+        validate_args(parse_args(tiny() + mock() + extra))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)

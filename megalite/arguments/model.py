@@ -60,7 +60,8 @@ def check_model_shape(c: RunConfig) -> None:
 
 
 def check_attention_variants(c: RunConfig) -> None:
-    """--window-size / --window-attn-skip-freq: their syntax, and the kernels that cannot apply them."""
+    """--window-size / --window-attn-skip-freq (their syntax) and --softmax-type, and the kernels
+    that cannot apply them."""
     m, k = c.model, c.kernels
     if m.window_attn_skip_freq is not None and m.window_size is None:
         fail("--window-attn-skip-freq chooses the layers --window-size applies to; it needs --window-size")
@@ -79,6 +80,15 @@ def check_attention_variants(c: RunConfig) -> None:
         if left >= 0 and k.use_flash_attn:
             fail("--window-size needs an explicit mask over the window, which megalite does not pass to "
                  "--use-flash-attn; drop --use-flash-attn (torch SDPA is used)")
+
+
+    if m.softmax_type != "vanilla":
+        if k.use_flash_attn:
+            fail(f"--softmax-type {m.softmax_type} adds a logit to the softmax, which flash-attn does not take; "
+                 f"drop --use-flash-attn")
+        if k.attention_backend in ("flash", "fused"):
+            fail(f"--softmax-type {m.softmax_type} runs the explicit softmax (SDPA's kernels take no extra logit); "
+                 f"--attention-backend {k.attention_backend} excludes it: use auto, unfused or local")
 
 
 def check_recompute(c: RunConfig) -> None:

@@ -128,6 +128,11 @@ class GPTConfig:
         "--window-attn-skip-freq", None, "with --window-size, which layers attend fully: N (every N-th layer, "
         "from the N-th: N-1 windowed layers, then one full) or a Python list per layer, 1 windowed and 0 full, "
         "e.g. '[1,1,1,0]*3'", type=str)
+    # attention sinks (gpt-oss; Megatron-LM's --softmax-type): one more logit per head in the softmax's
+    # denominator, fixed at 0 (off-by-one, Miller 2023) or learned per head (learnable)
+    softmax_type: str = flag("--softmax-type", "vanilla", "the attention softmax: vanilla; off-by-one (a logit 0 "
+                             "beside the keys' in each denominator); learnable (a learned logit per head there: "
+                             "gpt-oss's attention sinks)", choices=["vanilla", "off-by-one", "learnable"])
 
     # -- Mixture of Experts (model/moe/; Megatron-LM's --num-experts and --moe-* flags) ----------
     num_experts: int | None = flag("--num-experts", None, "experts per MoE layer (>= 2); none: a dense model",
