@@ -4,7 +4,9 @@
 - each against attention written out in plain PyTorch here (`reference_attention`);
 - under TP 2 the gradients of the replicated q/k norm weights, after the TP all-reduce, equal one
   process's;
-- the flags' refusals, one line each.
+- the flags' refusals, one line each;
+- a model with all three trains the same on TP2 with SP, PP2 and CP2 (with selective recompute)
+  as on one process: loss, gradient norm and eval loss per iteration within 1e-5, final weights.
 """
 import math
 
@@ -282,3 +284,46 @@ def test_softmax_type_refusals(extra, message):
     with pytest.raises(UserError) as e:
         validate_args(parse_args(tiny() + mock() + extra))
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# -- every layout computes the same function -------------------------------------------------------------
+# as tests/test_layouts*.py: fp32, dropout 0, clipping active each step; all three variants at once
+# (gpt-oss's alternation: layers 0 and 2 windowed, 1 and 3 full), RoPE, RMSNorm and GQA. The window
+# (8 keys back) crosses the CP chunks (16 tokens each at CP 2) and PP 2 puts a windowed and a full
+# layer on each stage, chosen by global layer number.
+VARIANT_MODEL = tiny(num_layers=4, seq_length=64, lr=3e-3, train_iters=6, log_interval=1, eval_interval=3,
+                     eval_iters=1) + [
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--clip-grad", "0.25", "--adam-eps", "1e-4",
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--group-query-attention",
+    "--num-query-groups", "2", "--qk-layernorm", "--window-size", "8,0", "--window-attn-skip-freq", "2",
+    "--softmax-type", "learnable"]
+VARIANT_LAYOUTS = {
+    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "cp2-selective-recompute": (2, ["--context-parallel-size", "2", "--recompute-activations"]),
+}
+
+
+@pytest.fixture(scope="module")
+def variant_reference(corpus, tmp_path_factory):
+    from dist_helpers import assert_loss_falls, grad_norms, load_params, run_pretrain, train_losses
+    tmp = tmp_path_factory.mktemp("variant")
+    records, _ = run_pretrain(1, corpus + VARIANT_MODEL + ["--save", str(tmp / "ckpt")], tmp, "reference")
+    assert_loss_falls(train_losses(records), 0.3)
+    assert min(grad_norms(records)) > 0.25  # clipping acts on every iteration
+    params = load_params(str(tmp / "ckpt"))
+    assert any("q_layernorm" in n for n in params) and any("softmax_offset" in n for n in params)
+    return records, params
+
+
+@pytest.mark.parametrize("layout", list(VARIANT_LAYOUTS))
+def test_attention_variants_layout_matches_single_process(variant_reference, corpus, tmp_path, layout):
+    from dist_helpers import (assert_losses_close, assert_params_close, eval_losses, grad_norms, load_params,
+                              run_pretrain, train_losses)
+    ref_records, ref_params = variant_reference
+    nproc, flags = VARIANT_LAYOUTS[layout]
+    records, _ = run_pretrain(nproc, corpus + VARIANT_MODEL + flags + ["--save", str(tmp_path / "ckpt")], tmp_path)
+    assert_losses_close(train_losses(ref_records), train_losses(records), rtol=1e-5)
+    assert_losses_close(grad_norms(ref_records), grad_norms(records), rtol=1e-5)
+    assert_losses_close(eval_losses(ref_records), eval_losses(records), rtol=1e-5)
+    assert_params_close(ref_params, load_params(str(tmp_path / "ckpt")), atol=1e-5)
