@@ -18,7 +18,8 @@ ARCH = ["--num-layers", "3", "--hidden-size", "48", "--num-attention-heads", "4"
         "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--rotary-base", "500000",
         "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
         "--untie-embeddings-and-output-weights", "--apply-layernorm-1p", "--hidden-dropout", "0.0",
-        "--attention-dropout", "0.05", "--make-vocab-size-divisible-by", "64"]
+        "--attention-dropout", "0.05", "--make-vocab-size-divisible-by", "64",
+        "--qk-layernorm", "--window-size", "8,0", "--window-attn-skip-freq", "3", "--softmax-type", "learnable"]
 RUN = ["--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0"]
 
 
@@ -161,6 +162,10 @@ MISMATCHES = [
     (DENSE, "norm_epsilon", 1e-6, "--norm-epsilon", 1e-5, 1e-6),
     (DENSE, "openai_gelu", True, "--openai-gelu", False, True),
     (DENSE, "apply_layernorm_1p", True, "--apply-layernorm-1p", False, True),
+    (DENSE, "qk_layernorm", True, "--qk-layernorm", False, True),
+    (DENSE, "window_size", "128,0", "--window-size", None, "128,0"),
+    (dict(DENSE, window_size="8,0"), "window_attn_skip_freq", "2", "--window-attn-skip-freq", None, "2"),
+    (DENSE, "softmax_type", "learnable", "--softmax-type", "vanilla", "learnable"),
     (DENSE, "max_position_embeddings", 64, "--max-position-embeddings", 32, 64),
     (ROPE_MODEL, "rotary_base", 500000.0, "--rotary-base", 10000.0, 500000.0),
     (ROPE_MODEL, "use_rope_scaling", False, "--use-rope-scaling", True, False),

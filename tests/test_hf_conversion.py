@@ -274,6 +274,9 @@ def test_variants_match_transformers(kw, tmp_path):
     (dict(swiglu=True), "--swiglu with learned absolute positions"),
     (dict(normalization="RMSNorm"), "--normalization RMSNorm with learned absolute positions"),
     (dict(kv_channels=8), "--kv-channels 8"),
+    (dict(ROPE, qk_layernorm=True), "--qk-layernorm, which"),
+    (dict(ROPE, window_size="128,0"), "--window-size 128,0, which"),
+    (dict(ROPE, softmax_type="off-by-one"), "--softmax-type off-by-one, which"),
 ])
 def test_unexpressible_models_are_refused(kw, message):
     with pytest.raises(ConversionError, match="cannot export to Hugging Face") as e:

@@ -31,8 +31,10 @@ GPT3_175B = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-he
 
 # -- exact parameter counts against the model megalite builds ---------------------------------------
 @pytest.mark.parametrize("options", [[], VARIANT, ["--untie-embeddings-and-output-weights"],
-                                     ["--make-vocab-size-divisible-by", "7"], VARIANT + ["--add-qkv-bias"]],
-                         ids=["gpt2", "variant", "untied", "odd-padding", "qkv-bias"])
+                                     ["--make-vocab-size-divisible-by", "7"], VARIANT + ["--add-qkv-bias"],
+                                     ["--qk-layernorm"], VARIANT + ["--qk-layernorm", "--softmax-type", "learnable"]],
+                         ids=["gpt2", "variant", "untied", "odd-padding", "qkv-bias", "qk-layernorm",
+                              "qk-rmsnorm-sinks"])
 @pytest.mark.parametrize("pp,vpp_layers", [(1, None), (2, None), (2, 1)], ids=["pp1", "pp2", "pp2-vpp"])
 def test_stage_params_match_built_model(options, pp, vpp_layers):
     from megalite.model import GPTModel

@@ -47,6 +47,8 @@ FORCED = (
     "model.num_experts", "model.moe_ffn_hidden_size", "model.moe_router_topk", "model.moe_layer_freq",
     "model.moe_router_score_function", "model.moe_router_pre_softmax", "model.moe_router_enable_expert_bias",
     "model.moe_shared_expert_intermediate_size", "model.moe_shared_expert_gate",
+    # attention variants: extra weights (q/k norms, sinks) or another function of the same weights
+    "model.qk_layernorm", "model.window_size", "model.window_attn_skip_freq", "model.softmax_type",
 )
 # The tokenizer file and its type: forced by default (Megatron-LM's
 # use_tokenizer_model_from_checkpoint_args). --no-use-tokenizer-model-from-checkpoint-args keeps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ..config.model import parse_window_size, window_layer_pattern
 from ..config.run import RunConfig
 from ..config.sharding import get_strategy
 from .errors import fail
@@ -49,12 +50,45 @@ def check_model_shape(c: RunConfig) -> None:
     if k.use_flash_attn and k.attention_backend not in ("auto", "flash"):
         fail(f"--use-flash-attn selects the flash-attn package, which --attention-backend "
              f"{k.attention_backend} excludes; use --attention-backend flash (or auto)")
+    check_attention_variants(c)
     if m.openai_gelu and m.swiglu:
         fail("--openai-gelu selects the GeLU MLP's activation; --swiglu has none (choose one)")
     if (m.use_rope_scaling or m.rotary_seq_len_interpolation_factor) and m.position_embedding_type != "rope":
         fail("--use-rope-scaling / --rotary-seq-len-interpolation-factor need --position-embedding-type rope")
     if m.use_rope_scaling and not m.rope_scaling_low_freq_factor < m.rope_scaling_high_freq_factor:
         fail("--rope-scaling-low-freq-factor must be below --rope-scaling-high-freq-factor")
+
+
+def check_attention_variants(c: RunConfig) -> None:
+    """--window-size / --window-attn-skip-freq (their syntax) and --softmax-type, and the kernels
+    that cannot apply them."""
+    m, k = c.model, c.kernels
+    if m.window_attn_skip_freq is not None and m.window_size is None:
+        fail("--window-attn-skip-freq chooses the layers --window-size applies to; it needs --window-size")
+    if m.window_size is not None:
+        try:
+            left, right = parse_window_size(m.window_size)
+            window_layer_pattern(m.window_attn_skip_freq, m.num_layers)
+        except ValueError as e:
+            flag = "--window-size" if "LEFT,RIGHT" in str(e) else "--window-attn-skip-freq"
+            fail(f"{flag} must be {e}")
+        if left < -1:
+            fail(f"--window-size LEFT must be >= 0 (or -1: no limit), got {left}")
+        if right != 0:
+            fail(f"--window-size RIGHT must be 0: a GPT's attention is causal, no later key is visible "
+                 f"(got {m.window_size})")
+        if left >= 0 and k.use_flash_attn:
+            fail("--window-size needs an explicit mask over the window, which megalite does not pass to "
+                 "--use-flash-attn; drop --use-flash-attn (torch SDPA is used)")
+
+
+    if m.softmax_type != "vanilla":
+        if k.use_flash_attn:
+            fail(f"--softmax-type {m.softmax_type} adds a logit to the softmax, which flash-attn does not take; "
+                 f"drop --use-flash-attn")
+        if k.attention_backend in ("flash", "fused"):
+            fail(f"--softmax-type {m.softmax_type} runs the explicit softmax (SDPA's kernels take no extra logit); "
+                 f"--attention-backend {k.attention_backend} excludes it: use auto, unfused or local")
 
 
 def check_recompute(c: RunConfig) -> None:
@@ -169,7 +203,8 @@ def check_attention_backend(c: RunConfig) -> None:
         try:
             probe_attention(k.attention_backend, k.use_flash_attn, heads=m.num_attention_heads // tp,
                             groups=m.num_query_groups // tp, head_dim=m.kv_channels, dtype=dtype,
-                            dropout=m.attention_dropout, with_mask=c.data.reset_attention_mask, device=device)
+                            dropout=m.attention_dropout,
+                            with_mask=c.data.reset_attention_mask or m.window_size is not None, device=device)
             return
         except Exception as e:  # the kernel's own reason, shortened
             error = e

@@ -25,6 +25,12 @@ def hf_architecture(cfg: dict) -> str:
                               "(the export would be a different model)")
 
     heads, groups = cfg["num_attention_heads"], cfg.get("num_query_groups") or cfg["num_attention_heads"]
+    # the attention variants (docs/models.md) have no mapping yet: none of the classes below has them
+    for key, flag, plain in (("qk_layernorm", "--qk-layernorm", False), ("window_size", "--window-size", None),
+                             ("softmax_type", "--softmax-type", "vanilla")):
+        if cfg.get(key, plain) != plain:
+            refuse(f"{flag} {cfg[key]}" if cfg[key] is not True else flag,
+                   "the GPT-2, Llama and MoE exports")
     if cfg["position_embedding_type"] == "learned_absolute":
         gpt2 = "a GPT-2 style model (--position-embedding-type learned_absolute) as GPT2LMHeadModel"
         if cfg["normalization"] != "LayerNorm":

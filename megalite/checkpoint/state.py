@@ -29,7 +29,9 @@ MODEL_FLAGS = {
     "add_qkv_bias": "--add-qkv-bias",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon", "openai_gelu": "--openai-gelu",
-    "apply_layernorm_1p": "--apply-layernorm-1p",
+    "apply_layernorm_1p": "--apply-layernorm-1p", "qk_layernorm": "--qk-layernorm",
+    "window_size": "--window-size", "window_attn_skip_freq": "--window-attn-skip-freq",
+    "softmax_type": "--softmax-type",
 }
 # Mixture of Experts: the weights' shapes (which layers, how many experts, their sizes, the
 # shared expert, the expert bias) and the routing

@@ -14,6 +14,34 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def parse_window_size(text: str) -> tuple[int, int]:
+    """--window-size "LEFT,RIGHT" (or "(LEFT,RIGHT)", Megatron-LM's tuple_type) -> (left, right).
+    Raises ValueError for anything else."""
+    parts = str(text).strip().strip("()").split(",")
+    if len(parts) != 2:
+        raise ValueError(f"two integers LEFT,RIGHT, got {text!r}")
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"two integers LEFT,RIGHT, got {text!r}") from None
+    return left, right
+
+
+def window_layer_pattern(freq, num_layers: int) -> list[bool]:
+    """Per layer, whether --window-size applies (--window-attn-skip-freq): every layer without it;
+    an int N: all but every N-th layer counted from 1; a list: 1 windowed, 0 full. Raises
+    ValueError (with why) for a bad value."""
+    if freq is None:
+        return [True] * num_layers
+    text = str(freq).strip().strip("'\"")
+    if text.lstrip("-").isdigit():
+        n = int(text)
+        if n < 1:
+            raise ValueError(f"an integer >= 1 or a list, got {n}")
+        return [(i + 1) % n != 0 for i in range(num_layers)]
+    return moe_layer_pattern(text, num_layers)  # the same list syntax, parsed, never evaluated
+
+
 @dataclass
 class GPTConfig:
     """model: the architecture (Megatron-LM's model flags)."""
@@ -85,6 +113,27 @@ class GPTConfig:
         "--rotary-seq-len-interpolation-factor", None, "RoPE position interpolation: positions are divided by this",
         type=float)
 
+    # Qwen3's / OLMo 2's QK-norm (Megatron-LM's --qk-layernorm): a --normalization norm over each
+    # head's query and key (kv_channels wide, weights shared by the heads), before RoPE
+    qk_layernorm: bool = flag("--qk-layernorm", False, "normalise each attention head's query and key (a "
+                              "--normalization norm over kv_channels, shared by the heads) before RoPE",
+                              action="store_true")
+    # sliding-window attention (Mistral, Gemma, gpt-oss; Megatron-LM's --window-size, whose
+    # (left, right) is flash-attn's / Transformer Engine's: query i sees keys i - left .. i + right)
+    window_size: str | None = flag(
+        "--window-size", None, "sliding-window attention: LEFT,RIGHT (e.g. 128,0): query i attends to keys "
+        "i - LEFT .. i (LEFT + 1 keys; RIGHT must be 0, attention is causal; LEFT -1: no limit); none: full "
+        "causal attention", type=str)
+    window_attn_skip_freq: str | None = flag(
+        "--window-attn-skip-freq", None, "with --window-size, which layers attend fully: N (every N-th layer, "
+        "from the N-th: N-1 windowed layers, then one full) or a Python list per layer, 1 windowed and 0 full, "
+        "e.g. '[1,1,1,0]*3'", type=str)
+    # attention sinks (gpt-oss; Megatron-LM's --softmax-type): one more logit per head in the softmax's
+    # denominator, fixed at 0 (off-by-one, Miller 2023) or learned per head (learnable)
+    softmax_type: str = flag("--softmax-type", "vanilla", "the attention softmax: vanilla; off-by-one (a logit 0 "
+                             "beside the keys' in each denominator); learnable (a learned logit per head there: "
+                             "gpt-oss's attention sinks)", choices=["vanilla", "off-by-one", "learnable"])
+
     # -- Mixture of Experts (model/moe/; Megatron-LM's --num-experts and --moe-* flags) ----------
     num_experts: int | None = flag("--num-experts", None, "experts per MoE layer (>= 2); none: a dense model",
                                    type=int, check=AT_LEAST_1)
@@ -144,6 +193,16 @@ class GPTConfig:
     @property
     def expert_ffn_hidden_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def attention_window(self, layer_number: int) -> int | None:
+        """LEFT of --window-size for (0-based, global) layer `layer_number`, None where it attends
+        fully: Megatron-LM's is_layer_window_attention (whose layer numbers start at 1)."""
+        if self.window_size is None:
+            return None
+        left, _ = parse_window_size(self.window_size)
+        if left < 0:
+            return None
+        return left if window_layer_pattern(self.window_attn_skip_freq, self.num_layers)[layer_number] else None
 
     def rope_scaling(self) -> dict | None:
         """The llama3 scaling parameters for RotaryEmbedding, None without --use-rope-scaling."""

@@ -17,9 +17,12 @@ from torch import nn
 
 from .. import comm
 from ..recompute import recompute
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
+from ..tensor_parallel.layers import set_tp_attributes
 from .config import ExecutionConfig, GPTConfig
+from .norm import Norm
 from ..context_parallel.attention import gather_kv
+from ..context_parallel.sharding import chunk_positions, gathered_positions
 
 try:  # optional accelerator, used only when asked for with --use-flash-attn
     from flash_attn import flash_attn_func
@@ -92,13 +95,14 @@ def sdpa_backends(backend: str):
 
 
 def local_attention(q, k, v, attention_mask=None, dropout_p: float = 0.0,
-                    softmax_in_fp32: bool = False) -> torch.Tensor:
+                    softmax_in_fp32: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """--attention-backend local: softmax(Q·Kᵀ/√d + mask)·V written out (Vaswani et al. 2017,
     Eq. 1), as Megatron-LM's local DotProductAttention: the scaling, masking and softmax of the
     scores in the activations' dtype, or in fp32 with `softmax_in_fp32` (--attention-softmax-in-fp32,
     Megatron-LM's FusedScaleMaskSoftmax upcast). q [b, n, s, hn],
     k/v [b, g, s, hn] (g query groups, each serving n/g heads); mask [b, 1, s, s] (True: may
-    attend; or additive, 0 / -inf) or None for causal."""
+    attend; or additive, 0 / -inf) or None for causal. `sinks` [n] (--softmax-type): one more logit
+    per head, a column beside the keys' in the softmax, dropped after it (it has no value)."""
     if k.size(1) != q.size(1):
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, s, s]
@@ -111,7 +115,11 @@ def local_attention(q, k, v, attention_mask=None, dropout_p: float = 0.0,
         scores = scores.masked_fill(~attention_mask, float("-inf"))
     else:  # additive (0 / -inf), as SDPA takes it
         scores = scores + attention_mask
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p, training=True)
     return torch.matmul(probs, v)
@@ -126,13 +134,22 @@ class CoreAttention(nn.Module):
     (--use-flash-attn), or megalite's explicit `local_attention`.
     """
 
-    def __init__(self, attention_dropout: float, execution: ExecutionConfig, rng_tracker):
+    def __init__(self, attention_dropout: float, execution: ExecutionConfig, rng_tracker, num_heads: int = 0,
+                 softmax_type: str = "vanilla", init_std: float = 0.0, device=None):
         super().__init__()
         self.dropout = attention_dropout
         self.use_flash = execution.use_flash_attn
         self.backend = execution.attention_backend
         self.softmax_in_fp32 = execution.attention_softmax_in_fp32
         self.rng_tracker = rng_tracker
+        # --softmax-type: SDPA's kernels take no extra logit, so a sink runs `local_attention`'s
+        # explicit softmax (the cost of --attention-backend unfused: the [b, n, s, s] scores)
+        self.softmax_type = softmax_type
+        self.softmax_offset = None
+        if softmax_type == "learnable":  # Megatron-LM's name; one logit per head, sharded with the heads
+            self.softmax_offset = nn.Parameter(torch.empty(num_heads, dtype=execution.params_dtype, device=device))
+            set_tp_attributes(self.softmax_offset, 0)
+            set_init(self.softmax_offset, "normal", init_std)
 
     def forward(self, q, k, v, attention_mask=None):
         p = self.dropout if self.training else 0.0
@@ -145,14 +162,20 @@ class CoreAttention(nn.Module):
                                       dropout_p=p, causal=True)  # [b, s, n, hn]
                 return out.transpose(0, 1).reshape(s, b, n * hn)
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
-            if self.backend == "local":
-                out = local_attention(qb, kb, vb, attention_mask, p, self.softmax_in_fp32)
+            if self.backend == "local" or self.softmax_type != "vanilla":
+                out = local_attention(qb, kb, vb, attention_mask, p, self.softmax_in_fp32, self._sinks(qb))
             else:
                 with sdpa_backends(self.backend):
                     out = F.scaled_dot_product_attention(
                         qb, kb, vb, attn_mask=attention_mask, dropout_p=p, is_causal=attention_mask is None,
                         enable_gqa=kb.size(1) != qb.size(1))
         return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)
+
+
+    def _sinks(self, q):
+        if self.softmax_type == "learnable":
+            return self.softmax_offset
+        return q.new_zeros(q.size(1)) if self.softmax_type == "off-by-one" else None
 
 
 def probe_attention(backend: str, use_flash_attn: bool, heads: int, groups: int, head_dim: int, dtype,
@@ -176,7 +199,7 @@ class SelfAttention(nn.Module):
     attention mask, [b or 1, 1, s/c, s] with columns in gathered order, is always given."""
 
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, rng_tracker=None, device=None,
-                 cp_group=None):
+                 cp_group=None, layer_number: int = 0):
         super().__init__()
         self.cp_group = cp_group
         tp = comm.group_size(tp_group)
@@ -195,9 +218,18 @@ class SelfAttention(nn.Module):
         # sharded over TP with the rows of the weight, group by group
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, init_std=std,
                                                **dict(common, bias=config.add_bias_linear or config.add_qkv_bias))
-        self.core_attention = CoreAttention(config.attention_dropout, execution, rng_tracker)
+        self.core_attention = CoreAttention(config.attention_dropout, execution, rng_tracker, self.num_heads,
+                                            config.softmax_type, std, device)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.hn, config.hidden_size,
                                              init_std=out_std, **common)
+        # --qk-layernorm: Megatron-LM's q_layernorm / k_layernorm over each head's hn channels;
+        # every TP rank holds the whole (shared) weights but sees only its heads' q and k
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm = Norm(config, execution, device, size=self.hn, head_sharded=True)
+            self.k_layernorm = Norm(config, execution, device, size=self.hn, head_sharded=True)
+        # --window-size on this layer (--window-attn-skip-freq): keys at most `window` positions back
+        self.window = config.attention_window(layer_number)
         self.recompute_core_attention = False  # set by activation recompute ("selective")
         # while generating: a cache of this rank's keys and values (megalite.generation.KVCache)
         self.inference_cache = None
@@ -208,6 +240,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.hn)
         q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, self.num_heads, self.hn)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, ng, hn]
+        if self.q_layernorm is not None:  # before RoPE, as Megatron-LM and Qwen3
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.inference_cache is not None:
@@ -216,6 +250,8 @@ class SelfAttention(nn.Module):
         if comm.group_size(self.cp_group) > 1:
             # the kv heads, before GQA expands them: c x less traffic than the expanded ones
             k, v = gather_kv(k, v, self.cp_group)  # [s, b, ng, hn], gathered key order
+        if self.window is not None:
+            attention_mask = self._windowed(attention_mask, q.size(0), k.size(0), q.device)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             # selective recompute: keep q, k, v; redo softmax(QKᵀ)·V (and its dropout) in backward
             ctx = recompute(self.core_attention, q, k, v, attention_mask,
@@ -223,3 +259,22 @@ class SelfAttention(nn.Module):
         else:
             ctx = self.core_attention(q, k, v, attention_mask)
         return self.linear_proj(ctx)
+
+    def _windowed(self, attention_mask, sq: int, sk: int, device):
+        """`attention_mask` (None: causal) narrowed to the sliding window: query i sees key j when
+        0 <= i - j <= window, in global positions: under CP this rank's two chunks against the
+        gathered keys (context_parallel/sharding.py), while generating the new queries at the end
+        of the cached keys (aligned bottom-right, as the cache's causal mask)."""
+        cp = comm.group_size(self.cp_group)
+        if cp > 1:
+            q_pos = chunk_positions(sk, cp, comm.group_rank(self.cp_group), device)
+            k_pos = gathered_positions(sk, cp, device)
+        else:
+            q_pos, k_pos = torch.arange(sk - sq, sk, device=device), torch.arange(sk, device=device)
+        distance = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)  # [sq, sk]
+        window = (distance >= 0) & (distance <= self.window)
+        if attention_mask is None:
+            return window
+        if attention_mask.dtype == torch.bool:
+            return attention_mask & window
+        return attention_mask.masked_fill(~window, float("-inf"))  # additive (0 / -inf)

@@ -12,45 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..recompute import recompute
-from ..tensor_parallel import set_init
-from ..tensor_parallel.param_info import param_info
 from .attention import SelfAttention
 from .config import ExecutionConfig, GPTConfig
 from .mlp import MLP
 from .moe import MoELayer
-
-
-class Norm(nn.Module):
-    """LayerNorm or RMSNorm over the hidden dimension, with PyTorch's fused kernels. Its
-    parameters are replicated across TP; under sequence parallelism each rank sees only its
-    slice of the sequence, so their gradients are marked for a TP all-reduce.
-
-    --apply-layernorm-1p (Megatron-LM's LayerNorm1P, Transformer Engine's zero_centered_gamma):
-    the weight is stored as w - 1, initialised to 0, and applied as 1 + w. The function and its
-    gradients are the same; a weight near 0 keeps more precision in bf16 than one near 1."""
-
-    def __init__(self, config: GPTConfig, execution: ExecutionConfig, device=None):
-        super().__init__()
-        h, dtype = config.hidden_size, execution.params_dtype
-        self.kind, self.eps = config.normalization, config.norm_epsilon
-        if self.kind not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {self.kind!r}")
-        self.zero_centered = config.apply_layernorm_1p
-        self.weight = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
-        set_init(self.weight, "zeros" if self.zero_centered else "ones")
-        param_info(self.weight).sequence_parallel = execution.sequence_parallel
-        if self.kind == "LayerNorm":
-            self.bias = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
-            set_init(self.bias, "zeros")
-            param_info(self.bias).sequence_parallel = execution.sequence_parallel
-        else:
-            self.register_parameter("bias", None)
-
-    def forward(self, x):
-        weight = self.weight + 1 if self.zero_centered else self.weight
-        if self.kind == "LayerNorm":
-            return F.layer_norm(x, (x.size(-1),), weight, self.bias, self.eps)
-        return F.rms_norm(x, (x.size(-1),), weight, self.eps)
+from .norm import Norm
 
 
 class TransformerLayer(nn.Module):
@@ -62,7 +28,8 @@ class TransformerLayer(nn.Module):
         self.sequence_parallel = execution.sequence_parallel
         self.rng_tracker = rng_tracker
         self.input_layernorm = Norm(config, execution, device)
-        self.self_attention = SelfAttention(config, execution, tp_group, rng_tracker, device, cp_group)
+        self.self_attention = SelfAttention(config, execution, tp_group, rng_tracker, device, cp_group,
+                                            layer_number)
         self.pre_mlp_layernorm = Norm(config, execution, device)
         self.mlp = (MoELayer(config, execution, tp_group, ep_group, token_group, device)
                     if config.is_moe_layer(layer_number) else MLP(config, execution, tp_group, device))

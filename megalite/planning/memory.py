@@ -67,7 +67,11 @@ def layer_params(c, moe: bool = False) -> tuple[int, int]:
     sharded = qkv * h + proj_in * h + (qkv if bias else 0)
     if c.model.add_qkv_bias and not bias:  # --add-qkv-bias: the QKV projection's bias alone
         sharded += qkv
+    if c.model.softmax_type == "learnable":  # one sink logit per head, sharded with the heads
+        sharded += c.model.num_attention_heads // t
     replicated = 2 * norm + (h if bias else 0)  # two norms; the projection's row-parallel bias is whole
+    if c.model.qk_layernorm:  # the q and k norms, kv_channels wide, whole on every TP rank
+        replicated += 2 * norm // h * c.model.kv_channels
     if moe:
         mlp_sharded, mlp_replicated = moe_layer_params(c)
     else:

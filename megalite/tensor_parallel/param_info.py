@@ -18,8 +18,10 @@ class ParamInfo:
     tensor_parallel: bool = False
     partition_dim: int = 0
     partition_stride: int = 1
-    # replicated across TP but fed sequence-sharded activations (norms, row-parallel biases under
-    # sequence parallelism): the gradient is summed over TP after the DP reduction
+    # replicated across TP but each TP rank's gradient is a partial sum: fed sequence-sharded
+    # activations (norms, row-parallel biases under sequence parallelism) or head-sharded ones
+    # (--qk-layernorm's norms, as Megatron-LM's finalize_model_grads): summed over TP after the
+    # DP reduction
     sequence_parallel: bool = False
     # the last pipeline stage's copy of the tied word embedding: not saved and not counted in
     # norms (the first stage's copy is), initialised from the embedding's name
