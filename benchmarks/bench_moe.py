@@ -15,7 +15,8 @@ Each step is timed in wall-clock and in this process's CPU time; the ratio MoE /
 medians is printed (on a shared machine the CPU-time ratio is the steadier one). `moe-grouped` is
 the MoE model with --moe-grouped-gemm.
 
---profile: after two warm-up steps, torch.profiler over --profile-steps steps of each contestant;
+--profile: after two warm-up steps, torch.profiler over --profile-steps steps of each contestant
+(one step of each in turn);
 every operator's self time is given to the part of the model that ran it (forward: the module
 whose forward it ran in; backward: the forward operator that recorded its autograd node) and to
 a kind of operator (GEMM, copies, gather/scatter/sort, the rest), in ms per step. An operator's
@@ -213,24 +214,25 @@ def _region_of(event, seq_region: dict) -> tuple[str, str]:
         if e.name.startswith("autograd::engine::evaluate_function"):
             return "backward", seq_region.get((e.thread, e.sequence_nr), "other")
         e = e.cpu_parent
-    return "forward", "other"
+    return "step", "outside the model"  # zeroing gradients, the loss's reduction, the gradient check
 
 
-def profile_table(events, steps: int) -> dict:
-    """{(phase, region): {kind: ms per step}} from a profiler's events."""
-    seq_region = {}
-    for e in events:  # forward operators that recorded an autograd node: their region
-        if e.sequence_nr >= 0 and not e.name.startswith("autograd::"):
-            phase, region = _region_of(e, {})
-            if phase == "forward":
-                seq_region.setdefault((e.thread, e.sequence_nr), region)
+def profile_table(sessions, steps: int) -> dict:
+    """{(phase, region): {kind: ms per step}} from the events of profiler sessions."""
     # a shared machine preempts the process mid-operator and the clock runs on: each operator's
     # time is the median of its calls with the same input shapes, times their number
     calls: dict = {}
-    for e in events:
-        phase, region = _region_of(e, seq_region)
-        key = (phase, region, _kind(e), e.name, str(e.input_shapes))
-        calls.setdefault(key, []).append(e.self_cpu_time_total)
+    for events in sessions:
+        seq_region = {}
+        for e in events:  # forward operators that recorded an autograd node: their region
+            if e.sequence_nr >= 0 and not e.name.startswith("autograd::"):
+                phase, region = _region_of(e, {})
+                if phase == "forward":
+                    seq_region.setdefault((e.thread, e.sequence_nr), region)
+        for e in events:
+            phase, region = _region_of(e, seq_region)
+            key = (phase, region, _kind(e), e.name, str(e.input_shapes))
+            calls.setdefault(key, []).append(e.self_cpu_time_total)
     table: dict = {}
     for (phase, region, kind, _, _), times in calls.items():
         row = table.setdefault((phase, region), {})
@@ -260,13 +262,17 @@ def profile_contestants(a, contestants) -> dict:
         _label_regions(c)
         for _ in range(2):  # warm-up
             c.step()
-    for c in contestants:
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            t = time.perf_counter()
-            for _ in range(a.profile_steps):
+    sessions, wall = {c.name: [] for c in contestants}, {c.name: 0.0 for c in contestants}
+    for _ in range(a.profile_steps):  # one step of each in turn, as the timing does
+        for c in contestants:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                t = time.perf_counter()
                 c.step()
-            wall_ms = (time.perf_counter() - t) * 1e3 / a.profile_steps
-        table = profile_table(prof.events(), a.profile_steps)
+                wall[c.name] += time.perf_counter() - t
+            sessions[c.name].append(prof.events())
+    for c in contestants:
+        table = profile_table(sessions[c.name], a.profile_steps)
+        wall_ms = wall[c.name] * 1e3 / a.profile_steps
         print_profile(c.name, table, wall_ms)
         out[c.name] = {"wall_ms_per_step": wall_ms,
                        "table": [{"phase": ph, "part": rg, **row} for (ph, rg), row in table.items()]}
