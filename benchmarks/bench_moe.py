@@ -1,6 +1,7 @@
 """Mixture of Experts on CPU (numbers go to benchmarks/RESULTS_moe.md; tests never assert on them).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_moe.py moe-vs-dense [--steps 100]
+    OMP_NUM_THREADS=1 python benchmarks/bench_moe.py moe-vs-dense [--steps 100] [--contestants moe moe-grouped dense]
+    OMP_NUM_THREADS=1 python benchmarks/bench_moe.py moe-vs-dense --profile [--profile-steps 5]
     python benchmarks/bench_moe.py ep-scaling [--steps 12] [--rounds 2]
 
 moe-vs-dense: an MoE GPT (8 SwiGLU experts of ffn F per layer, top-2, aux loss 1e-2) against
@@ -10,6 +11,17 @@ process on the bundled corpus (data/build, `make data`), one step each in turn s
 machine slows both alike. Reported: tokens/s (median step), the lm loss after the same tokens
 (mean of the last 10 steps), and the MoE layers' time in token dispatch and combine (routing
 excluded: the dispatcher's forward minus its experts', summed over layers; backward not split).
+Each step is timed in wall-clock and in this process's CPU time; the ratio MoE / dense of both
+medians is printed (on a shared machine the CPU-time ratio is the steadier one). `moe-grouped` is
+the MoE model with --moe-grouped-gemm.
+
+--profile: after two warm-up steps, torch.profiler over --profile-steps steps of each contestant
+(one step of each in turn);
+every operator's self time is given to the part of the model that ran it (forward: the module
+whose forward it ran in; backward: the forward operator that recorded its autograd node) and to
+a kind of operator (GEMM, copies, gather/scatter/sort, the rest), in ms per step. An operator's
+time is the median of its calls of the same input shapes times their number: robust to the
+preemptions of a shared machine, which would otherwise land on whichever operator was running.
 
 ep-scaling: the MoE GPT on 4 gloo ranks (DP 4) with EP 1, 2 and 4, under torchrun in turn (and
 again, --rounds): median step time per run and, from each run's memory_footprint record, the weights, gradients and
@@ -86,16 +98,25 @@ class Contestant:
         return train_step(self.run)["lm_loss"]
 
 
-def moe_vs_dense(a) -> dict:
+def contestant_flags(a, name: str) -> list[str]:
     common = DATA + ["--train-iters", str(a.steps), "--global-batch-size", str(a.micro_batch_size)]
-    contestants = [Contestant("moe", common + model_flags(a, True)), Contestant("dense", common + model_flags(a, False))]
+    if name == "dense":
+        return common + model_flags(a, False)
+    return common + model_flags(a, True) + (["--moe-grouped-gemm"] if name == "moe-grouped" else [])
+
+
+def moe_vs_dense(a) -> dict:
+    contestants = [Contestant(name, contestant_flags(a, name)) for name in a.contestants]
+    if a.profile:
+        return profile_contestants(a, contestants)
     params = {c.name: sum(p.numel() for m in c.run.model for p in m.parameters()) for c in contestants}
-    times, losses = {c.name: [] for c in contestants}, {c.name: [] for c in contestants}
+    times, cpu, losses = ({c.name: [] for c in contestants} for _ in range(3))
     for i in range(a.steps):
         for c in contestants:
-            t = time.perf_counter()
+            t, p = time.perf_counter(), time.process_time()
             losses[c.name].append(c.step())
             times[c.name].append(time.perf_counter() - t)
+            cpu[c.name].append(time.process_time() - p)
         if i == 1:  # the first two steps (warm-up) are not timed
             for c in contestants:
                 c.dispatch_s = 0.0
@@ -104,14 +125,157 @@ def moe_vs_dense(a) -> dict:
     for c in contestants:
         ts = times[c.name][2:]
         out[c.name] = {"tokens_per_s_median": tokens / statistics.median(ts), "step_s_median": statistics.median(ts),
+                       "step_cpu_s_median": statistics.median(cpu[c.name][2:]),
                        "loss_first": losses[c.name][0], "loss_last10_mean": statistics.mean(losses[c.name][-10:]),
                        "dispatch_combine_forward_s_per_step": c.dispatch_s / len(ts)}
-    print(f"params: moe {params['moe']:,} (active per token ~ dense), dense {params['dense']:,}")
-    for name in ("moe", "dense"):
+    print("params: " + ", ".join(f"{name} {n:,}" for name, n in params.items()) + " (MoE: active per token ~ dense)")
+    for name in a.contestants:
         r = out[name]
-        print(f"{name:6s} tokens/s {r['tokens_per_s_median']:8.0f}  step {1e3 * r['step_s_median']:7.1f} ms  loss "
-              f"{r['loss_first']:.3f} -> {r['loss_last10_mean']:.3f} (last 10)  dispatch+combine fwd "
-              f"{1e3 * r['dispatch_combine_forward_s_per_step']:.1f} ms/step")
+        print(f"{name:11s} tokens/s {r['tokens_per_s_median']:8.0f}  step {1e3 * r['step_s_median']:7.1f} ms "
+              f"(CPU {1e3 * r['step_cpu_s_median']:7.1f} ms)  loss {r['loss_first']:.3f} -> {r['loss_last10_mean']:.3f} "
+              f"(last 10)  dispatch+combine fwd {1e3 * r['dispatch_combine_forward_s_per_step']:.1f} ms/step")
+    if "dense" in out:
+        dense = out["dense"]
+        for name in a.contestants:
+            if name != "dense":
+                r = out[name]
+                r["ratio_to_dense"] = {"wall": r["step_s_median"] / dense["step_s_median"],
+                                       "cpu": r["step_cpu_s_median"] / dense["step_cpu_s_median"]}
+                print(f"ratio {name} / dense (median step): wall {r['ratio_to_dense']['wall']:.3f}, "
+                      f"CPU {r['ratio_to_dense']['cpu']:.3f}")
+    return out
+
+
+# -- profile -----------------------------------------------------------------------------------
+KINDS = {  # operator -> kind (self CPU time); the rest: "other"
+    "GEMM": {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::matmul",
+             "aten::linear"},
+    "copy/stack": {"aten::stack", "aten::cat", "aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy",
+                   "aten::to", "aten::new_zeros", "aten::zeros", "aten::zero_", "aten::fill_", "aten::zeros_like"},
+    "gather/scatter/sort": {"aten::index_select", "aten::index_add_", "aten::index_add", "aten::index",
+                            "aten::index_put_", "aten::scatter_add_", "aten::scatter_", "aten::scatter", "aten::gather",
+                            "aten::argsort", "aten::sort", "aten::masked_fill", "aten::cumsum", "aten::topk",
+                            "aten::index_select_backward", "aten::embedding_dense_backward"},
+}
+REGION = "region:"
+
+
+def _kind(event) -> str:
+    if event.name.startswith(REGION) or event.name.startswith("autograd::") or event.name.endswith("Backward0") \
+            or event.name.endswith("Backward1") or event.name.endswith("BackwardBackward"):
+        return "overhead"  # time of the Python code and autograd engine between operators
+    return next((kind for kind, names in KINDS.items() if event.name in names), "other")
+
+
+def _label_regions(c: Contestant) -> None:
+    """record_function around the forward of each part of the model (innermost wins)."""
+    from torch.profiler import record_function
+    from megalite.model.moe.layer import MoELayer
+
+    def label(module, name):
+        state = {}
+        module.register_forward_pre_hook(lambda m, i: state.setdefault("rf", []).append(
+            record_function(REGION + name).__enter__()))
+        module.register_forward_hook(lambda m, i, o: state["rf"].pop().__exit__(None, None, None))
+
+    for m in c.run.model:
+        label(m, "embedding, output, loss")
+        for layer in m.decoder.layers:
+            label(layer.self_attention, "attention")
+            for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
+                label(norm, "norms")
+            if isinstance(layer.mlp, MoELayer):
+                label(layer.mlp, "moe: layer rest")
+                label(layer.mlp.router, "moe: router")
+                label(layer.mlp.experts, "moe: experts")
+                dispatcher = layer.mlp.dispatcher
+
+                def dispatch(*args, _d=dispatcher):
+                    with record_function(REGION + "moe: dispatch+combine"):
+                        return _d(*args)
+                layer.mlp.dispatcher = dispatch
+            else:
+                label(layer.mlp, "dense mlp")
+    opt = c.run.state.optimizer
+    step = opt.step
+
+    def opt_step(*args, **kw):
+        with record_function(REGION + "optimizer"):
+            return step(*args, **kw)
+    opt.step = opt_step
+
+
+def _region_of(event, seq_region: dict) -> tuple[str, str]:
+    """(phase, region) of an operator event."""
+    e = event
+    while e is not None:
+        if e.name.startswith(REGION):
+            return "forward" if e.name != REGION + "optimizer" else "step", e.name[len(REGION):]
+        if e.name.startswith("autograd::engine::evaluate_function"):
+            return "backward", seq_region.get((e.thread, e.sequence_nr), "other")
+        e = e.cpu_parent
+    return "step", "outside the model"  # zeroing gradients, the loss's reduction, the gradient check
+
+
+def profile_table(sessions, steps: int) -> dict:
+    """{(phase, region): {kind: ms per step}} from the events of profiler sessions."""
+    # a shared machine preempts the process mid-operator and the clock runs on: each operator's
+    # time is the median of its calls with the same input shapes, times their number
+    calls: dict = {}
+    for events in sessions:
+        seq_region = {}
+        for e in events:  # forward operators that recorded an autograd node: their region
+            if e.sequence_nr >= 0 and not e.name.startswith("autograd::"):
+                phase, region = _region_of(e, {})
+                if phase == "forward":
+                    seq_region.setdefault((e.thread, e.sequence_nr), region)
+        for e in events:
+            phase, region = _region_of(e, seq_region)
+            key = (phase, region, _kind(e), e.name, str(e.input_shapes))
+            calls.setdefault(key, []).append(e.self_cpu_time_total)
+    table: dict = {}
+    for (phase, region, kind, _, _), times in calls.items():
+        row = table.setdefault((phase, region), {})
+        row[kind] = row.get(kind, 0.0) + statistics.median(times) * len(times) / 1e3 / steps
+    return table
+
+
+def print_profile(name: str, table: dict, wall_ms: float) -> None:
+    kinds = ["GEMM", "copy/stack", "gather/scatter/sort", "other", "overhead"]
+    total = sum(sum(r.values()) for r in table.values())
+    print(f"\n{name}: {wall_ms:.1f} ms/step under the profiler, {total:.1f} ms/step of operator self time"
+          " (ms/step; overhead: Python and autograd between operators)")
+    print(f"| phase | part | total | {' | '.join(kinds)} |")
+    print("|---|---|---|" + "---|" * len(kinds))
+    order = {"forward": 0, "backward": 1, "step": 2}
+    for (phase, region), row in sorted(table.items(), key=lambda kv: (order[kv[0][0]], -sum(kv[1].values()))):
+        print(f"| {phase} | {region} | {sum(row.values()):.1f} | "
+              + " | ".join(f"{row.get(k, 0.0):.1f}" for k in kinds) + " |")
+    print(f"| all | | {total:.1f} | " + " | ".join(
+        f"{sum(r.get(k, 0.0) for r in table.values()):.1f}" for k in kinds) + " |")
+
+
+def profile_contestants(a, contestants) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    out = {}
+    for c in contestants:
+        _label_regions(c)
+        for _ in range(2):  # warm-up
+            c.step()
+    sessions, wall = {c.name: [] for c in contestants}, {c.name: 0.0 for c in contestants}
+    for _ in range(a.profile_steps):  # one step of each in turn, as the timing does
+        for c in contestants:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                t = time.perf_counter()
+                c.step()
+                wall[c.name] += time.perf_counter() - t
+            sessions[c.name].append(prof.events())
+    for c in contestants:
+        table = profile_table(sessions[c.name], a.profile_steps)
+        wall_ms = wall[c.name] * 1e3 / a.profile_steps
+        print_profile(c.name, table, wall_ms)
+        out[c.name] = {"wall_ms_per_step": wall_ms,
+                       "table": [{"phase": ph, "part": rg, **row} for (ph, rg), row in table.items()]}
     return out
 
 
@@ -174,6 +338,10 @@ def main(argv=None) -> dict:
     p.add_argument("--ffn", type=int, default=256, help="each expert's hidden size (the dense MLP's is topk x this)")
     p.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--rounds", type=int, default=2, help="ep-scaling: runs of each EP size, in turn")
+    p.add_argument("--contestants", nargs="+", choices=["moe", "moe-grouped", "dense"], default=["moe", "dense"],
+                   help="moe-vs-dense: the models, stepped in turn (moe-grouped: with --moe-grouped-gemm)")
+    p.add_argument("--profile", action="store_true", help="moe-vs-dense: where each step's time goes, by part and kind")
+    p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--json")
     a = p.parse_args(argv)
     a.steps = a.steps or (100 if a.which == "moe-vs-dense" else 12)

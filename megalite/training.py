@@ -22,6 +22,7 @@ from .config import RunConfig
 from .errors import UserError
 from .initialize import Run, batch_iterators, setup
 from .model.moe import balance as moe_balance
+from .optimizer.clip_grads import max_abs
 from .runtime.metrics import Timer, console_line, memory_record, memory_string, num_floating_point_operations, perplexity
 from .runtime.timers import INTERVAL_TIMERS, timers_text
 from .tensor_parallel.param_info import param_info
@@ -56,7 +57,7 @@ def global_loss(run: Run, stats, grads: list | None = None, per_rank: bool = Fal
         if per_rank:
             t[2 + 2 * world + ps.rank] = mine[0] / mine[1].clamp(min=1)
     if grads:  # max |g| (NaN wins, as torch.max propagates it)
-        t[2 + world + ps.rank] = torch.stack(torch._foreach_norm(grads, float("inf"))).max().double()
+        t[2 + world + ps.rank] = max_abs(grads)
     comm.all_reduce(t, comm.world_group())
     values = t.tolist()
     return values[0], values[1], values[2:2 + world], values[2 + world:2 + 2 * world], values[2 + 2 * world:]

@@ -24,6 +24,7 @@ import torch
 from megalite.model.config import model_configs
 from megalite.model.gpt import GPTModel
 from megalite.model.moe import MoELayer, balance
+from megalite.model.moe import experts as experts_module
 from megalite.model.moe.dispatcher import sort_by_expert
 from megalite.model.moe.router import capacity_mask
 
@@ -367,7 +368,12 @@ def test_layer_matches_loop(settings):
 # -- 6. grouped GEMM == loop, an expert without tokens included ---------------------------------
 
 @pytest.mark.parametrize("swiglu", [True, False])
-def test_grouped_gemm_matches_loop(swiglu):
+def test_grouped_gemm_matches_loop(swiglu, monkeypatch):
+    # torch._grouped_mm itself, on the CPU too (where --moe-grouped-gemm otherwise runs the loop)
+    monkeypatch.setattr(experts_module, "GROUPED_MM_DEVICES", frozenset({"cpu", "cuda"}))
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or grouped_mm(*a, **kw))
     layers = [moe_layer(swiglu=swiglu, moe_grouped_gemm=grouped, moe_aux_loss_coeff=0.01) for grouped in (False, True)]
     assert [layer.experts.grouped for layer in layers] == [False, True]
     # inputs all positive and expert 3's router row all negative: expert 3 gets no token
@@ -397,6 +403,17 @@ def test_grouped_gemm_matches_loop(swiglu):
             assert p.grad.abs().max() == 0, name
         elif ".local_experts." in name:
             assert p.grad.abs().max() > 0, name
+    assert len(calls) == 2  # one per projection
+
+
+def test_grouped_gemm_on_cpu_runs_the_loop(monkeypatch):
+    """On the CPU --moe-grouped-gemm computes with the loop (faster there): no torch._grouped_mm,
+    bitwise the loop's output."""
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: pytest.fail("torch._grouped_mm on the CPU"))
+    looped, grouped = (moe_layer(moe_grouped_gemm=g) for g in (False, True))
+    assert grouped.experts.grouped
+    x = tokens()
+    assert torch.equal(looped(x), grouped(x))
 
 
 # -- 7. a small MoE GPT trains ------------------------------------------------------------------

@@ -222,3 +222,20 @@ def test_grad_norm_is_accurate_for_large_tensors():
     whole = local_grad_stats([g], [True])[0].item()
     pieces = local_grad_stats(list(g.split([1_234_567, 2_000_000, 765_433])), [True] * 3)[0].item()
     assert abs(whole - exact) / exact < 1e-12 and abs(pieces - exact) / exact < 1e-12
+
+
+def test_max_abs_is_the_infinity_norm():
+    """max_abs (the gradient check's per-rank max |g|) equals torch's infinity norm, NaN wins,
+    empty tensors and no tensors give 0."""
+    import torch
+
+    from megalite.optimizer.clip_grads import max_abs
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(64, 32, generator=gen), -5.5 + torch.rand(7, generator=gen), torch.zeros(0)]
+    want = torch.stack(torch._foreach_norm(grads[:2], float("inf"))).max().double()
+    assert max_abs(grads).item() == want.item() and want.item() > 5
+    assert max_abs([]).item() == 0 and max_abs([torch.zeros(0)]).item() == 0
+    grads[1][3] = -float("inf")
+    assert max_abs(grads).item() == float("inf")
+    grads[0][1, 2] = float("nan")
+    assert torch.isnan(max_abs(grads))

@@ -37,6 +37,17 @@ def local_grad_stats(grads: list[torch.Tensor], counted: list[bool], device=None
     return stats
 
 
+def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """max |x| over the tensors (0 for none; NaN if one holds a NaN), in fp64: the infinity norm
+    from one min/max pass per tensor (torch.aminmax), as exact as it and on the CPU several
+    times faster than torch._foreach_norm(tensors, inf) or abs().amax()."""
+    extremes = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
+    if not extremes:
+        return torch.zeros((), dtype=torch.float64, device=tensors[0].device if tensors else None)
+    both = torch.stack(extremes)  # [n, 2]: min, max
+    return torch.maximum(both[:, 1], -both[:, 0]).max().double()
+
+
 def clip_by_norm(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
     """Scale `grads` in place so that a global norm `norm` becomes at most `max_norm` (0: off)."""
     if max_norm > 0 and grads:

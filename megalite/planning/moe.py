@@ -71,9 +71,9 @@ def moe_mlp_activation_bytes(c) -> float:
     layer's norms and attention), as megalite's modules keep them: the router's fp32 input and
     top-k choices (and its scores where a loss or the score function needs them); for each of the
     T·k routed rows its expert input, the expert MLP's fc1 output and activations (SwiGLU: [gate;
-    up], silu(gate) and their product, as the dense MLP), the expert output in fp32 and weighted
-    by its probability (the combine's two saved operands), and the int64 indices that sort and
-    unsort the rows; the shared expert as a dense MLP."""
+    up], silu(gate) and their product, as the dense MLP), the expert output and its probability
+    (fp32; what the combine keeps), and the int64 indices that sort and unsort the rows; the
+    shared expert as a dense MLP."""
     m, p = c.model, c.parallel
     t, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
     a = 2 if (c.optimizer.bf16 or c.optimizer.fp16) else 4  # bytes of an activation
@@ -89,7 +89,7 @@ def moe_mlp_activation_bytes(c) -> float:
         router += own * (4 * E + 4)  # logsumexp keeps the logits and its result
     rows = tokens * k  # balanced routing: as many rows arrive as leave
     indices = 5 if (p.moe_token_dispatcher_type == "alltoall" and ep > 1) else 3  # int64 vectors of rows
-    experts = rows * (a * h + a * glu * m.expert_ffn_hidden_size / t + 8 * h + 4 + 8 * indices)
+    experts = rows * (2 * a * h + a * glu * m.expert_ffn_hidden_size / t + 4 + 8 * indices)
     shared = 0.0
     if m.moe_shared_expert_intermediate_size:  # fc1's (sequence-sharded) input, its activations
         shared = own * a * h + tokens * a * glu * m.moe_shared_expert_intermediate_size / t

@@ -52,10 +52,11 @@ def sort_by_expert(indices: torch.Tensor, kept: torch.Tensor | None, first: int,
     (stable: token order within an expert); how many each of those experts got, [num] on the
     device, and the same as a list of ints (`host_counts`)."""
     flat = indices.reshape(-1) - first
-    outside = (flat < 0) | (flat >= num)
-    if kept is not None:
-        outside |= ~kept.reshape(-1)
-    flat = flat.masked_fill(outside, num)  # others sort last and are cut off
+    if kept is not None or first > 0 or num < num_experts:
+        outside = (flat < 0) | (flat >= num)
+        if kept is not None:
+            outside |= ~kept.reshape(-1)
+        flat = flat.masked_fill(outside, num)  # others sort last and are cut off
     # bincount as a scatter-add: the same counts, with a kernel on the meta device too
     counts = torch.zeros(num + 1, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     counts = counts[:num]
@@ -64,11 +65,40 @@ def sort_by_expert(indices: torch.Tensor, kept: torch.Tensor | None, first: int,
     return order, counts, host
 
 
+class _Combine(torch.autograd.Function):
+    """Σ over a token's choices of prob · expert output, in fp32, as [num_tokens, h]: y [N, h]
+    the outputs of the choices `order` [N] (flat choice numbers, each at most once), probs
+    [T, k]. One node with its own backward, the products autograd would compute, without its
+    copies: the forward scatter-adds into fresh zeros in place, and the probabilities' gradient
+    is written to its choices (each appears once) instead of accumulated."""
+
+    @staticmethod
+    def forward(ctx, y, probs, order, k, num_tokens):
+        token = order // k
+        p = probs.reshape(-1).index_select(0, order).unsqueeze(-1)  # [N, 1] fp32
+        out = torch.zeros(num_tokens, y.size(-1), dtype=torch.float32, device=y.device)
+        out.index_add_(0, token, y.float() * p)
+        ctx.save_for_backward(y, p, order, token)
+        ctx.probs_shape = probs.shape
+        return out.to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, p, order, token = ctx.saved_tensors
+        g = grad.float().index_select(0, token)  # [N, h]: each choice's token's gradient
+        grad_probs = None
+        if ctx.needs_input_grad[1]:
+            per_choice = (g * y.float()).sum(-1)
+            grad_probs = torch.zeros(ctx.probs_shape.numel(), dtype=per_choice.dtype, device=per_choice.device)
+            grad_probs = grad_probs.index_copy_(0, order, per_choice).view(ctx.probs_shape)
+        # in place: g is this function's own, and a fresh [N, h] buffer costs page faults on a CPU
+        grad_y = g.mul_(p).to(y.dtype) if ctx.needs_input_grad[0] else None
+        return grad_y, grad_probs, None, None, None
+
+
 def _combine(y: torch.Tensor, order: torch.Tensor, probs: torch.Tensor, k: int, num_tokens: int) -> torch.Tensor:
     """Σ over a token's choices of prob · expert output, in fp32, as [num_tokens, h]."""
-    weighted = y.float() * probs.reshape(-1)[order].unsqueeze(-1)
-    out = torch.zeros(num_tokens, y.size(-1), dtype=torch.float32, device=y.device)
-    return out.index_add(0, order // k, weighted).to(y.dtype)
+    return _Combine.apply(y, probs, order, k, num_tokens)
 
 
 class TokenDispatcher:

@@ -9,7 +9,14 @@ initialisation, checkpoints (resharding over EP included) and the Hugging Face c
 them like any other weight. --moe-grouped-gemm stacks the local experts' weights and runs one
 `torch._grouped_mm` per projection over the tokens sorted by expert; the loop computes the same
 products one expert at a time. Every local expert runs, with zero tokens too, so each has a
-gradient every micro-batch (gradient buckets count arrivals)."""
+gradient every micro-batch (gradient buckets count arrivals).
+
+The grouped kernel serves where it is a kernel of its own (`GROUPED_MM_DEVICES`: CUDA). On the
+CPU torch._grouped_mm is a loop of GEMMs itself, and slower than this module's (its backward
+concatenates per-group gradients, the stacking copies every expert's weights each micro-batch:
+a MoE layer's forward and backward took ~30% longer than the loop's for the benchmark's model,
+benchmarks/RESULTS_moe.md), so there --moe-grouped-gemm runs the loop: the same products, the
+same function."""
 from __future__ import annotations
 
 import math
@@ -40,6 +47,10 @@ class Expert(nn.Module):
         set_init(self.linear_fc2.weight, "normal", out_std)
         for w in (self.linear_fc1.weight, self.linear_fc2.weight):
             param_info(w).expert_parallel = True
+
+
+# devices where torch._grouped_mm is a grouped kernel (elsewhere the loop is faster: see above)
+GROUPED_MM_DEVICES = frozenset({"cuda"})
 
 
 def grouped_mm_fits(*dims_and_dtype) -> bool:
@@ -79,7 +90,7 @@ class LocalExperts(nn.Module):
         """x [N, h]: tokens sorted by local expert, counts[i] of them for expert i -> [N, h]
         (a partial sum over TP)."""
         experts = list(self.local_experts.values())
-        if self.grouped:
+        if self.grouped and x.device.type in GROUPED_MM_DEVICES:
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
             w1 = torch.stack([e.linear_fc1.weight.t() for e in experts])  # [E_local, h, fc1_out]
             w2 = torch.stack([e.linear_fc2.weight.t() for e in experts])  # [E_local, ffn, h]
