@@ -55,11 +55,21 @@ def global_loss(run: Run, stats, grads: list | None = None, per_rank: bool = Fal
             t[2 + ps.rank] = (~torch.isfinite(mine[0])).double()
         if per_rank:
             t[2 + 2 * world + ps.rank] = mine[0] / mine[1].clamp(min=1)
-    if grads:  # max |g| (NaN wins, as torch.max propagates it)
-        t[2 + world + ps.rank] = torch.stack(torch._foreach_norm(grads, float("inf"))).max().double()
+    if grads:
+        t[2 + world + ps.rank] = largest_magnitude(grads).double()
     comm.all_reduce(t, comm.world_group())
     values = t.tolist()
     return values[0], values[1], values[2:2 + world], values[2 + world:2 + 2 * world], values[2 + 2 * world:]
+
+
+def largest_magnitude(grads: list[torch.Tensor]) -> torch.Tensor:
+    """max |g| over the gradients; NaN wins (min and max propagate it). From each tensor's min and
+    max: the infinity norm's kernel took 13x as long on the CPU (50 ms for 16M elements)."""
+    extremes = [torch.stack(torch.aminmax(g)) for g in grads if g.numel()]
+    if not extremes:
+        return torch.zeros((), device=grads[0].device)
+    e = torch.stack(extremes)  # [tensors, (min, max)]
+    return torch.maximum(e[:, 1].amax(), -e[:, 0].amin())
 
 
 def check_finite(run: Run, loss_sum: float, bad_loss: list, grad_max: list, grad_scale: float) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 
-NORM_PIECE = 1 << 16  # elements per piece of a gradient converted to fp64 at a time (512 KiB of fp64)
+NORM_PIECE = 1 << 14  # elements of a gradient converted to fp64 at a time: 128 KiB, below the mmap threshold (runtime/cpu.py)
 
 
 def _pieces(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
