@@ -16,8 +16,8 @@ keeps exactly one logits-sized tensor. fp32 logits: their softmax, computed into
 that also becomes the gradient (the logits themselves can then be freed), or with
 `overwrite_logits` (the model's own loss, whose logits nothing else reads) the logits' own
 storage turned into their softmax in place: no second logits-sized tensor exists even at the
-forward's peak, and on the CPU no fresh pages are touched (writing 2048 x 32000 new fp32 values
-took a third of the loss's time, in page faults). 16-bit logits: the
+forward's peak, and no fresh pages are touched (on a CPU in benchmarks/RESULTS_throughput.md, writing 2048 x 32000 new fp32 values
+took ~200 of the loss's ~470 ms, mostly in page faults). 16-bit logits: the
 logits, in their dtype, plus [s, b] row statistics; backward recomputes the softmax in fp32 on
 slices of at most `CHUNK_ELEMENTS` logits. In bf16 that keeps 2 instead of 4 bytes per logit
 for backward and holds about 2 instead of 10 bytes per logit at the forward's peak (the unfused
