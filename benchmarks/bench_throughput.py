@@ -4,7 +4,7 @@ assert on them).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_throughput.py [--num-layers 4 --hidden-size 256 \
         --num-attention-heads 8 --seq-length 256 --micro-batch-size 8 --vocab-size 8192] \
-        [--steps 10] [--bf16] [--device cpu|cuda] [--no-compile] [--json out.json]
+        [--steps 10] [--threads N] [--bf16] [--device cpu|cuda] [--no-compile] [--json out.json]
 
 The same GPT (pre-LN, learned positions, LayerNorm, GeLU, tied embeddings, dropout 0, fp32
 unless --bf16) is trained by three contestants, one step each in turn, so a machine shared with
@@ -251,6 +251,8 @@ def main(argv=None) -> dict:
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, help="CPU threads of every contestant (torch.set_num_threads; "
+                   "default: OMP_NUM_THREADS or torch's own choice)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--json")
     a = p.parse_args(argv)
@@ -258,6 +260,10 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16 if a.bf16 else torch.float32
     if a.vocab_size % 128:
         p.error("--vocab-size must be a multiple of 128 (megalite pads to one; both models must match)")
+    if a.threads is not None:
+        if a.threads < 1:
+            p.error("--threads must be at least 1")
+        torch.set_num_threads(a.threads)
 
     print(f"machine: {machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads; commit {commit()}")
     peak = matmul_tflops(device, dtype) if device.type == "cpu" else None

@@ -63,3 +63,29 @@ def test_bf16_matches_fp32_reference():
                                target.reshape(-1), reduction="none").view(S, B)
     torch.testing.assert_close(loss, bf16_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad.float(), logits.grad, atol=2e-3, rtol=2e-2)
+
+
+def test_overwritten_logits_hold_the_softmax_and_change_nothing():
+    """`overwrite_logits` (the model's loss): fp32 logits that are an intermediate become their
+    softmax in place, with the same loss and gradients as the softmax in a new tensor; a leaf
+    that requires a gradient, or a view, is never overwritten."""
+    x, target, weight = _case(torch.float32)
+    results = []
+    for overwrite in (False, True):
+        leaf = x.detach().clone().requires_grad_()
+        logits = leaf * 1.0  # an intermediate, as the output layer's product
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = vocab_parallel_cross_entropy(logits, target, None, VOCAB, overwrite_logits=overwrite)
+        in_place = any(t.data_ptr() == logits.data_ptr() for t in saved)
+        assert in_place == overwrite
+        if overwrite:
+            torch.testing.assert_close(logits[..., :VOCAB].sum(-1), torch.ones(S, B))
+            assert logits[..., VOCAB:].abs().max() == 0
+        (loss * weight).sum().backward()
+        results.append((loss.detach(), leaf.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    leaf = x.detach().clone().requires_grad_()
+    vocab_parallel_cross_entropy(leaf, target, None, VOCAB, overwrite_logits=True)
+    vocab_parallel_cross_entropy(leaf.view(S, B, V), target, None, VOCAB, overwrite_logits=True)
+    assert torch.equal(leaf, x.detach())

@@ -237,9 +237,12 @@ class SelfAttention(nn.Module):
     def forward(self, x, rotary=None, attention_mask=None):
         qkv = self.linear_qkv(x)  # [s, b, ng·(np/ng + 2)·hn] for this rank's groups
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.hn)
-        q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, self.num_heads, self.hn)
-        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, ng, hn]
+        # one split, not three slices: its backward concatenates the three gradients into one
+        # new tensor, where each slice's would zero a qkv-sized tensor and the three be summed
+        q, k, v = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.hn).split(
+            [self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.num_heads, self.hn)
+        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng, hn]
         if self.q_layernorm is not None:  # before RoPE, as Megatron-LM and Qwen3
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:

@@ -228,5 +228,7 @@ class GPTModel(nn.Module):
             return logits
         cross_entropy = (fused_vocab_parallel_cross_entropy if self.execution.cross_entropy_loss_fusion
                          else vocab_parallel_cross_entropy)
-        loss = cross_entropy(logits, labels.transpose(0, 1), self.tp_group, self.config.vocab_size)
+        # the logits are read no more: fp32 ones become their softmax in place
+        loss = cross_entropy(logits, labels.transpose(0, 1), self.tp_group, self.config.vocab_size,
+                             overwrite_logits=True)
         return loss.transpose(0, 1)  # [b, s]

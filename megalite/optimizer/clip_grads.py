@@ -13,6 +13,20 @@ from __future__ import annotations
 import torch
 
 
+NORM_PIECE = 1 << 14  # elements of a gradient converted to fp64 at a time: 128 KiB, below the mmap threshold (runtime/cpu.py)
+
+
+def _pieces(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """The flat pieces of at most NORM_PIECE elements each gradient is cut into, and the index of
+    the gradient each piece belongs to."""
+    pieces, owner = [], []
+    for i, g in enumerate(grads):
+        parts = g.reshape(-1).split(NORM_PIECE)
+        pieces += parts
+        owner += [i] * len(parts)
+    return pieces, owner
+
+
 def local_grad_stats(grads: list[torch.Tensor], counted: list[bool], device=None,
                      count_zeros: bool = False) -> torch.Tensor:
     """[sum of squares of the counted grads, number of grads holding an inf or nan, zero elements
@@ -20,16 +34,22 @@ def local_grad_stats(grads: list[torch.Tensor], counted: list[bool], device=None
     rank, to be all-reduced; one pass over the gradients serves the norm and the overflow
     check (a tensor's norm is inf or nan exactly when it holds one, or overflows).
 
-    The squares are accumulated in fp64 (no copy: the reduction's dtype): in fp32 the norm of a
-    49M-element gradient (a 32000 x 1536 embedding) came out 0.38% low on the CPU, and by an
-    amount that depends on how the tensor is cut, so the norm, and with it clipping, would
-    depend on the layout (ZeRO's slices)."""
+    The squares are accumulated in fp64: in fp32 the norm of a 49M-element gradient (a 32000 x
+    1536 embedding) came out 0.38% low on the CPU, and by an amount that depends on how the
+    tensor is cut, so the norm, and with it clipping, would depend on the layout (ZeRO's slices).
+    The fp64 reduction converts its input, so each gradient is reduced in pieces of NORM_PIECE
+    elements: converting a whole one allocated an fp64 copy of every gradient (8 bytes per
+    parameter, fresh pages each step) and made the norm 3% of an fp32 CPU step; the pieces'
+    fp64 squares add up to the same sum within fp64 rounding."""
     stats = torch.zeros(3, dtype=torch.float64, device=device)
     if grads:
-        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
-        mask = torch.tensor(counted, dtype=torch.bool, device=norms.device)
-        stats[0] = torch.where(mask, norms.pow(2), 0.0).sum()  # no boolean indexing: shapes stay data-independent (meta)
-        stats[1] = (~torch.isfinite(norms)).sum()
+        pieces, owner = _pieces(grads)
+        piece_sq = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square()
+        index = torch.tensor(owner, device=piece_sq.device)
+        sq = torch.zeros(len(grads), dtype=torch.float64, device=piece_sq.device).index_add_(0, index, piece_sq)
+        mask = torch.tensor(counted, dtype=torch.bool, device=sq.device)
+        stats[0] = torch.where(mask, sq, 0.0).sum()  # no boolean indexing: shapes stay data-independent (meta)
+        stats[1] = (~torch.isfinite(sq)).sum()
         if count_zeros:
             zeros = [(g == 0).sum() for g, c in zip(grads, counted) if c]
             if zeros:

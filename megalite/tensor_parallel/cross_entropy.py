@@ -13,7 +13,11 @@ softmax).
 Memory (Megatron-LM's --cross-entropy-loss-fusion serves the same end): the logits are the
 largest activation of a GPT step (s·b·v/tp, e.g. 2048 x 8 x 50k = 0.8G elements), so backward
 keeps exactly one logits-sized tensor. fp32 logits: their softmax, computed into one new buffer
-that also becomes the gradient (the logits themselves can then be freed). 16-bit logits: the
+that also becomes the gradient (the logits themselves can then be freed), or with
+`overwrite_logits` (the model's own loss, whose logits nothing else reads) the logits' own
+storage turned into their softmax in place: no second logits-sized tensor exists even at the
+forward's peak, and no fresh pages are touched (on a CPU in benchmarks/RESULTS_throughput.md, writing 2048 x 32000 new fp32 values
+took ~200 of the loss's ~470 ms, mostly in page faults). 16-bit logits: the
 logits, in their dtype, plus [s, b] row statistics; backward recomputes the softmax in fp32 on
 slices of at most `CHUNK_ELEMENTS` logits. In bf16 that keeps 2 instead of 4 bytes per logit
 for backward and holds about 2 instead of 10 bytes per logit at the forward's peak (the unfused
@@ -43,8 +47,10 @@ def _row_chunks(n_rows: int, row_len: int):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_size, fuse_sums=False):
-        # logits: [s, b, v/tp] (this rank's vocabulary columns), target: [s, b] global ids
+    def forward(ctx, logits, target, group, vocab_size, fuse_sums=False, overwrite=False):
+        # logits: [s, b, v/tp] (this rank's vocabulary columns), target: [s, b] global ids.
+        # Returns (loss, the logits when they were overwritten by their softmax, else None)
+        ctx.set_materialize_grads(False)  # the overwritten logits get no gradient: none is made
         part = logits.size(-1)
         start = comm.group_rank(group) * part
         valid = max(0, min(part, vocab_size - start)) if vocab_size is not None else part
@@ -52,7 +58,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n = rows.size(0)
 
         if valid:
-            logits_max = rows.max(dim=-1).values.float()  # exact in any dtype
+            logits_max = rows.amax(dim=-1).float()  # exact in any dtype; amax: no indices (5x faster)
         else:  # this rank holds padding only
             logits_max = torch.full((n,), float("-inf"), device=logits.device)
         comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
@@ -69,10 +75,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # fp32 logits: the softmax replaces them for backward (same bytes, no recompute); 16-bit
         # logits: they are kept and the softmax is recomputed, slice by slice, in backward
         keep_softmax = logits.dtype == torch.float32
+        overwrite = overwrite and keep_softmax
         if keep_softmax:
-            softmax = torch.empty(n, part, dtype=torch.float32, device=logits.device)
+            if overwrite:  # the softmax in the logits' own storage
+                softmax = logits.view(n, part)
+                exp_logits = rows.sub_(logits_max.unsqueeze(-1)).exp_()
+            else:
+                softmax = torch.empty(n, part, dtype=torch.float32, device=logits.device)
+                exp_logits = torch.sub(rows, logits_max.unsqueeze(-1), out=softmax[:, :valid]).exp_()
             softmax[:, valid:] = 0.0  # padded columns took no part in the softmax
-            exp_logits = torch.sub(rows, logits_max.unsqueeze(-1), out=softmax[:, :valid]).exp_()
             sum_exp = exp_logits.sum(dim=-1)
         else:
             sum_exp = torch.zeros(n, dtype=torch.float32, device=logits.device)
@@ -89,20 +100,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.valid, ctx.keep_softmax, ctx.logits_shape = valid, keep_softmax, logits.shape
         if keep_softmax:
             exp_logits.div_(sum_exp.unsqueeze(-1))
-            ctx.save_for_backward(softmax, outside, local_target)
+            ctx.save_for_backward(logits if overwrite else softmax, outside, local_target)
         else:
             ctx.save_for_backward(logits, (logits_max + sum_exp.log()).unsqueeze(-1), outside, local_target)
-        return loss.view(target.shape)
+        if overwrite:
+            ctx.mark_dirty(logits)
+            return loss.view(target.shape), logits
+        return loss.view(target.shape), None
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_softmax=None):
         # d loss / d logit_j = softmax_j - 1[j == target]
         inside = (~ctx.saved_tensors[-2]).reshape(-1, 1).float()
         grad_loss = grad_loss.reshape(-1, 1).float()
         if ctx.keep_softmax:  # the saved fp32 softmax becomes the gradient in place
             softmax, _, local_target = ctx.saved_tensors
+            softmax = softmax.view(-1, softmax.size(-1))
             softmax.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
-            return softmax.mul_(grad_loss).view(ctx.logits_shape), None, None, None, None
+            return softmax.mul_(grad_loss).view(ctx.logits_shape), None, None, None, None, None
         logits, lse, _, local_target = ctx.saved_tensors
         valid, part = ctx.valid, logits.size(-1)
         grad = torch.empty_like(logits)
@@ -114,15 +129,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             g = (rows[lo:hi] - lse[lo:hi]).exp_()  # fp32 softmax of this slice, by promotion
             g.scatter_add_(-1, local_target[lo:hi, None], -inside[lo:hi])
             grad_rows[lo:hi, :valid] = g.mul_(grad_loss[lo:hi])
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
+
+
+def _overwritable(logits: torch.Tensor) -> bool:
+    """Logits autograd lets a function change in place: contiguous, neither a leaf that requires
+    a gradient nor a view (whose base would need its history rewritten too)."""
+    return logits.is_contiguous() and not logits._is_view() and not (logits.requires_grad and logits.is_leaf)
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
-                                 vocab_size: int | None = None) -> torch.Tensor:
-    """Per-token loss [s, b] from logits [s, b, v/tp] and targets [s, b]."""
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size)
+                                 vocab_size: int | None = None, overwrite_logits: bool = False) -> torch.Tensor:
+    """Per-token loss [s, b] from logits [s, b, v/tp] and targets [s, b]. `overwrite_logits`:
+    the caller reads the logits no more, so fp32 ones may hold their softmax afterwards (where
+    autograd allows it: `_overwritable`)."""
+    overwrite = overwrite_logits and _overwritable(logits)
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, False, overwrite)[0]
 
 
 def fused_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
-                                       vocab_size: int | None = None) -> torch.Tensor:
+                                       vocab_size: int | None = None, overwrite_logits: bool = False) -> torch.Tensor:
     """The same, with the two sum all-reduces fused into one (--cross-entropy-loss-fusion)."""
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, True)
+    overwrite = overwrite_logits and _overwritable(logits)
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, True, overwrite)[0]
