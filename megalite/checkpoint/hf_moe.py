@@ -1,6 +1,7 @@
-"""Mixture-of-Experts models <-> Hugging Face: `MixtralForCausalLM` and `Qwen2MoeForCausalLM`.
+"""Mixture-of-Experts models <-> Hugging Face: `MixtralForCausalLM`, `Qwen2MoeForCausalLM` and
+`Qwen3MoeForCausalLM`.
 
-Both are Llama-style models (RoPE, RMSNorm, SwiGLU, GQA; hf_config.py maps those) whose MLP is,
+All are Llama-style models (RoPE, RMSNorm, SwiGLU, GQA; hf_config.py maps those) whose MLP is,
 in some or all layers, a top-k routed set of SwiGLU experts (model/moe/):
 
     Mixtral     every layer MoE; softmax over the experts, top-k, renormalised, which is
@@ -11,15 +12,19 @@ in some or all layers, a top-k routed set of SwiGLU experts (model/moe/):
                 `norm_topk_prob` false is --moe-router-pre-softmax (top-k of the softmax, not
                 renormalised), true the renormalised softmax; q/k/v biases (`qkv_bias`,
                 --add-qkv-bias)
+    Qwen3-MoE   Qwen2-MoE's routing and dense layers, without the shared expert or any bias, with
+                --qk-layernorm (`self_attn.q_norm` / `k_norm`, mapped in hf_conversion.py); its
+                head_dim may differ from hidden / heads (--kv-channels)
 
 Weights, per MoE layer (rows of an expert's fc1 are [gate; up], as the dense SwiGLU MLP's):
 
-    megalite mlp.                                 Mixtral block_sparse_moe.   Qwen2-MoE mlp.
+    megalite mlp.                                 Mixtral block_sparse_moe.   Qwen2-MoE / Qwen3-MoE mlp.
     router.weight                       [E, h]    gate.weight                 gate.weight
     experts.local_experts.{e}.linear_fc1 [2f, h]  experts.{e}.w1 ; .w3        experts.{e}.gate_proj ; .up_proj
     experts.local_experts.{e}.linear_fc2 [h, f]   experts.{e}.w2              experts.{e}.down_proj
     shared_experts.linear_fc1 / fc2                                           shared_expert.gate_proj ; up ; down
     shared_experts.gate_weight          [1, h]                                shared_expert_gate.weight
+                                                                              (the shared expert: Qwen2-MoE only)
 
 transformers 5 holds the experts fused in memory (`mlp.experts.gate_up_proj` [E, 2f, h],
 `mlp.experts.down_proj` [E, h, f]) and writes the per-expert names above, which transformers 4
