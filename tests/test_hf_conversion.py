@@ -544,7 +544,8 @@ def _qwen3_dir(path, **kw):
     """A random Qwen3ForCausalLM saved by the installed transformers."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    rope = dict(rope_parameters={"rope_type": "default", "rope_theta": 5000.0}) if TRANSFORMERS_5 else dict(rope_theta=5000.0)
+    rope = (dict(rope_parameters={"rope_type": "default", "rope_theta": 5000.0}) if TRANSFORMERS_5
+            else dict(rope_theta=5000.0))
     config = Qwen3Config(**dict(dict(vocab_size=100, hidden_size=48, intermediate_size=56, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                      max_position_embeddings=64, rms_norm_eps=1e-6, **rope), **kw))

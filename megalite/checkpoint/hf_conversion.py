@@ -42,7 +42,8 @@ import tempfile
 import torch
 
 from ..model import pad_vocab_size
-from .hf_config import HF_CLASSES, ConversionError, config_from_hf, hf_architecture, hf_config, hf_rope, rope_from_hf, update_json
+from .hf_config import (HF_CLASSES, ConversionError, config_from_hf, hf_architecture, hf_config, hf_rope, rope_from_hf,
+                        update_json)
 from .hf_moe import moe_mlp_state, moe_mlp_tensors, moe_pattern
 from .hf_tokenizer import export_tokenizer, has_tokenizer_files, special_ids
 
@@ -138,7 +139,8 @@ def _llama_tensors(cfg: dict, state: dict, arch: str = "llama") -> dict:
 def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=None) -> str:
     """Write a Hugging Face model directory (config.json, generation_config.json,
     model.safetensors, and the tokenizer files when `tokenizer`, a megalite tokenizer, is given).
-    Returns the architecture name, a key of HF_CLASSES ("gpt2", "llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")."""
+    Returns the architecture name, a key of HF_CLASSES ("gpt2", "llama", "qwen3", "mixtral", "qwen2_moe",
+    "qwen3_moe")."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
