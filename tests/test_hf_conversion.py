@@ -232,10 +232,16 @@ def _config(**kw):
     return GPTConfig(**base)
 
 
-def _random_checkpoint(root, config):
+def _random_checkpoint(root, config, random_norms=False):
+    """A checkpoint of `config` with random weights (with `random_norms`, the norm weights too,
+    instead of their init of ones, so that a mapping that swaps two norms shows)."""
     model = GPTModel(config)
     model.initialize(7)
     state = {n: p.detach().clone() for n, p in model.global_named_parameters()}
+    if random_norms:
+        g = torch.Generator().manual_seed(3)
+        state = {n: torch.rand(p.shape, generator=g) + 0.5 if n.endswith("layernorm.weight") else p
+                 for n, p in state.items()}
     state["embedding.word_embeddings.weight"] = state["embedding.word_embeddings.weight"][: config.vocab_size]
     if "output_layer.weight" in state:
         state["output_layer.weight"] = state["output_layer.weight"][: config.vocab_size]
@@ -274,7 +280,9 @@ def test_variants_match_transformers(kw, tmp_path):
     (dict(swiglu=True), "--swiglu with learned absolute positions"),
     (dict(normalization="RMSNorm"), "--normalization RMSNorm with learned absolute positions"),
     (dict(kv_channels=8), "--kv-channels 8"),
-    (dict(ROPE, qk_layernorm=True), "--qk-layernorm, which"),
+    (dict(qk_layernorm=True), "--qk-layernorm with learned absolute positions"),
+    (dict(ROPE, qk_layernorm=True), "--qk-layernorm without --disable-bias-linear"),
+    (dict(ROPE, qk_layernorm=True, add_bias_linear=False, add_qkv_bias=True), "--add-qkv-bias with --qk-layernorm"),
     (dict(ROPE, window_size="128,0"), "--window-size 128,0, which"),
     (dict(ROPE, softmax_type="off-by-one"), "--softmax-type off-by-one, which"),
 ])
@@ -518,3 +526,139 @@ def test_checkpoints_refuse_another_activation_or_rope_scaling():
                 "rotary_seq_len_interpolation_factor")
     for cfg in (_config().to_dict(), _config(**ROPE).to_dict()):
         check_model_config({k: v for k, v in cfg.items() if k not in new_keys}, cfg, "old")
+
+
+# -- Qwen3 (dense): Llama with --qk-layernorm ------------------------------------------------------
+def _randomize(model, seed=0):
+    """Weights far from transformers' init (norm weights 1): swapping q_norm and k_norm, or a
+    head's channels, would change the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if name.endswith("norm.weight")
+                    else torch.randn(p.shape, generator=g) * 0.25)
+    return model.eval()
+
+
+def _qwen3_dir(path, **kw):
+    """A random Qwen3ForCausalLM saved by the installed transformers."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    rope = (dict(rope_parameters={"rope_type": "default", "rope_theta": 5000.0}) if TRANSFORMERS_5
+            else dict(rope_theta=5000.0))
+    config = Qwen3Config(**dict(dict(vocab_size=100, hidden_size=48, intermediate_size=56, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     max_position_embeddings=64, rms_norm_eps=1e-6, **rope), **kw))
+    model = _randomize(Qwen3ForCausalLM(config))
+    model.save_pretrained(path)
+    return model
+
+
+QWEN3_CASES = {
+    # GQA, head_dim 16 != hidden / heads (12), untied (Qwen3's default)
+    "gqa-headdim-untied": dict(),
+    # multi-head attention, tied embeddings, head_dim = hidden / heads, Llama 3.1 RoPE scaling
+    "mha-tied-llama3": dict(num_key_value_heads=4, head_dim=12, tie_word_embeddings=True,
+                            **({"rope_parameters": dict(LLAMA3_ROPE, rope_theta=5000.0)} if TRANSFORMERS_5
+                               else {"rope_scaling": LLAMA3_ROPE})),
+}
+
+
+@pytest.mark.parametrize("case", list(QWEN3_CASES))
+def test_qwen3_imports_with_equal_logits_and_exports_back(case, tmp_path, capsys):
+    from megalite.arguments import parse_config
+
+    reference = _qwen3_dir(tmp_path / "hf", **QWEN3_CASES[case])
+    ck, flags = _import(tmp_path / "hf", tmp_path / "ck", capsys)
+    ids, theirs = _hf_logits(reference, 100, 40)
+    model, meta = load_model(ck)
+    diff = (next_token_logits(model, ids) - theirs).abs().max().item()
+    print(f"Qwen3 {case} import: max |logit difference| = {diff:.3e}")
+    assert diff < 1e-5, diff
+    cfg = meta["model_config"]
+    assert cfg["qk_layernorm"] and cfg["kv_channels"] == reference.config.head_dim
+    # the q/k norms matter: without them the logits differ
+    for layer in model.decoder.layers:
+        layer.self_attention.q_layernorm = layer.self_attention.k_layernorm = None
+    assert (next_token_logits(model, ids) - theirs).abs().max().item() > 1e-3
+
+    # the printed flags build this very model
+    assert "--qk-layernorm" in flags
+    run = parse_config(flags + ["--load", ck, "--mock-data", "--seq-length", "64", "--micro-batch-size", "1",
+                                "--train-iters", "1", "--lr", "1e-3"], 1, check_files=False)
+    for key in ("qk_layernorm", "kv_channels", "num_query_groups", "add_bias_linear", "add_qkv_bias", "swiglu",
+                "untie_embeddings_and_output_weights", "use_rope_scaling", "rotary_base", "ffn_hidden_size"):
+        assert getattr(run.model, key) == cfg[key], key
+
+    # and back: the same tensors under the same names, a Qwen3ForCausalLM that computes the same
+    back = export(ck, tmp_path / "back", "--no-tokenizer")
+    from safetensors.torch import load_file
+    original, exported = (load_file(os.path.join(d, "model.safetensors")) for d in (tmp_path / "hf", back))
+    assert sorted(original) == sorted(exported) and all(torch.equal(original[k], exported[k]) for k in original)
+    raw, raw_back = (json.load(open(os.path.join(d, "config.json"))) for d in (tmp_path / "hf", back))
+    for key in ("architectures", "head_dim", "num_key_value_heads", "attention_bias", "tie_word_embeddings",
+                "rope_parameters", "rms_norm_eps", "intermediate_size", "use_sliding_window"):
+        assert raw_back.get(key) == raw.get(key), key
+    loaded = AutoModelForCausalLM.from_pretrained(back, local_files_only=True).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, theirs)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(num_query_groups=2, kv_channels=24, untie_embeddings_and_output_weights=True),
+    dict(apply_layernorm_1p=True, norm_epsilon=1e-3),  # stored as w - 1: exported as w
+], ids=["gqa-headdim-untied", "tied-layernorm-1p"])
+def test_qwen3_export_matches_transformers_and_imports_back(kw, tmp_path):
+    ck = _random_checkpoint(tmp_path / "ck", _config(**ROPE, add_bias_linear=False, qk_layernorm=True, **kw),
+                            random_norms=True)
+    diff, hf = max_logit_diff(ck, export(ck, tmp_path / "hf", "--no-tokenizer"))
+    print(f"Qwen3 {kw} export: max |logit difference| = {diff:.3e}")
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and diff < 1e-5, diff
+    back = str(tmp_path / "back")
+    assert convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir",
+                         str(tmp_path / "hf"), "--save-dir", back, "--target-tensor-parallel-size", "2"]) == 0
+    (_, a), (meta, b) = load_full_state_dict(ck), load_full_state_dict(back)
+    assert sorted(a) == sorted(b)
+    one = 1.0 if kw.get("apply_layernorm_1p") else 0.0  # the import holds w itself (no --apply-layernorm-1p)
+    assert all(torch.equal(a[n] + one if n.endswith("layernorm.weight") else a[n], b[n]) for n in a)
+    assert meta["model_config"]["qk_layernorm"] is True
+
+
+def _qwen3_tp_generate(rank, world_size, root):
+    import torch.distributed as dist
+
+    model, _ = load_model(root, tp_group=dist.group.WORLD)
+    prompt = [5, 17, 3, 88, 41]
+    return generate(model, prompt, 16, greedy=True), generate(model, prompt, 16, greedy=True, use_cache=False)
+
+
+def test_qwen3_generation_equals_transformers(tmp_path, capsys):
+    """Greedy decoding of an imported Qwen3: megalite's with the key/value cache, recomputing, and
+    transformers' generate agree token for token; at TP 2 (each rank normalising its own heads) too."""
+    from dist_helpers import spawn
+
+    reference = _qwen3_dir(tmp_path / "hf")
+    ck, _ = _import(tmp_path / "hf", tmp_path / "ck", capsys, "--target-tensor-parallel-size", "2")
+    model, _ = load_model(ck)
+    prompt = [5, 17, 3, 88, 41]
+    cached = generate(model, prompt, 16, greedy=True)
+    assert len(set(cached)) > 4, cached  # not one repeated token: the comparison proves something
+    theirs = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert cached == theirs == generate(model, prompt, 16, greedy=True, use_cache=False)
+    for tp_cached, tp_recomputed in spawn(_qwen3_tp_generate, 2, ck):
+        assert tp_cached == tp_recomputed == theirs
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(attention_bias=True), "attention_bias true"),
+    (dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), "use_sliding_window"),
+])
+def test_qwen3_import_refuses_what_megalite_cannot_compute(kw, message, tmp_path, capsys):
+    _qwen3_dir(tmp_path / "hf", **kw)
+    capsys.readouterr()
+    assert convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir",
+                         str(tmp_path / "hf"), "--save-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot import qwen3 model: {message}" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()

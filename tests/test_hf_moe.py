@@ -1,4 +1,5 @@
-"""Mixture-of-Experts models to and from Hugging Face: MixtralForCausalLM and Qwen2MoeForCausalLM.
+"""Mixture-of-Experts models to and from Hugging Face: MixtralForCausalLM, Qwen2MoeForCausalLM and
+Qwen3MoeForCausalLM.
 
 A random transformers model imports with the same logits (fp32, 1e-5) and exports back to the
 same tensors; a random megalite MoE model exports to a model transformers computes the same
@@ -16,7 +17,8 @@ import torch
 from dist_helpers import ROOT
 
 import transformers
-from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from megalite.checkpoint.hf_config import ConversionError, hf_architecture
 from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict
@@ -56,11 +58,15 @@ def _hf_model(path, arch, **kw):
         config = MixtralConfig(**dict(LLAMA_LIKE, intermediate_size=40, num_local_experts=4, num_experts_per_tok=2,
                                       **ROPE) | kw)
         model = MixtralForCausalLM(config)
-    else:
+    elif arch == "qwen2_moe":
         config = Qwen2MoeConfig(**dict(LLAMA_LIKE, intermediate_size=56, moe_intermediate_size=24,
                                        shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2,
                                        **ROPE) | kw)
         model = Qwen2MoeForCausalLM(config)
+    else:  # head_dim 16 != hidden / heads (12), as Qwen3-30B-A3B's 128 != 2048 / 32
+        config = Qwen3MoeConfig(**dict(LLAMA_LIKE, head_dim=16, intermediate_size=56, moe_intermediate_size=24,
+                                       num_experts=4, num_experts_per_tok=2, **ROPE) | kw)
+        model = Qwen3MoeForCausalLM(config)
     model = _randomize(model)
     model.save_pretrained(path)
     return model
@@ -97,6 +103,11 @@ HF_CASES = {
     # renormalised top-k, decoder_sparse_step 2 (layer 1 alone is MoE), no q/k/v bias, tied
     "qwen2_moe-step2-norm": ("qwen2_moe", dict(decoder_sparse_step=2, norm_topk_prob=True, qkv_bias=False,
                                                tie_word_embeddings=True)),
+    # QK-norm, no shared expert; top-k of the softmax (norm_topk_prob false), a dense middle layer, untied
+    "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[1], norm_topk_prob=False)),
+    # renormalised top-k, decoder_sparse_step 2 (layer 1 alone is MoE), tied, top-1
+    "qwen3_moe-step2-norm-tied": ("qwen3_moe", dict(decoder_sparse_step=2, norm_topk_prob=True,
+                                                    tie_word_embeddings=True, num_experts_per_tok=1)),
 }
 
 
@@ -118,7 +129,7 @@ def test_hf_moe_imports_with_equal_logits_and_exports_back(case, tmp_path, capsy
                                 "--lr", "1e-3"], 1, check_files=False)
     for key in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax",
                 "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "add_qkv_bias", "ffn_hidden_size",
-                "untie_embeddings_and_output_weights"):
+                "untie_embeddings_and_output_weights", "qk_layernorm", "kv_channels"):
         assert getattr(run.model, key) == cfg[key], key
     assert [run.model.is_moe_layer(i) for i in range(3)] == [GPTConfig.from_dict(cfg).is_moe_layer(i) for i in range(3)]
 
@@ -130,8 +141,14 @@ def test_hf_moe_imports_with_equal_logits_and_exports_back(case, tmp_path, capsy
     raw, raw_back = (json.load(open(os.path.join(d, "config.json"))) for d in (tmp_path / "hf", back))
     assert raw_back["architectures"] == raw["architectures"]
     for key in ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                "shared_expert_intermediate_size", "qkv_bias", "tie_word_embeddings"):
+                "shared_expert_intermediate_size", "qkv_bias", "tie_word_embeddings", "attention_bias"):
         assert raw_back.get(key) == raw.get(key), key
+    # the same sparse layers, though perhaps said another way (decoder_sparse_step 2 -> mlp_only_layers [0, 2])
+    sparse = [[i not in (r.get("mlp_only_layers") or []) and (i + 1) % r.get("decoder_sparse_step", 1) == 0
+               for i in range(3)] for r in (raw, raw_back)]
+    assert sparse[0] == sparse[1]
+    if arch == "qwen3_moe":
+        assert raw_back["head_dim"] == raw["head_dim"] == 16 and cfg["qk_layernorm"] and cfg["kv_channels"] == 16
     loaded = AutoModelForCausalLM.from_pretrained(back, local_files_only=True).eval()
     with torch.no_grad():
         assert torch.equal(loaded(_ids(1)).logits, reference(_ids(1)).logits)
@@ -147,6 +164,9 @@ def _megalite_moe(root, **kw):
     model = GPTModel(config)
     model.initialize(11)
     state = {n: p.detach().clone() for n, p in model.global_named_parameters()}
+    g = torch.Generator().manual_seed(5)  # norms away from their init of ones: a swapped norm shows
+    state = {n: torch.rand(p.shape, generator=g) + 0.5 if n.endswith("layernorm.weight") else p
+             for n, p in state.items()}
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if name in state:
             state[name] = state[name][:VOCAB]
@@ -161,6 +181,10 @@ MEGALITE_CASES = {
                                               add_qkv_bias=True)),
     "qwen2_moe-tied": ("Qwen2MoeForCausalLM", dict(QWEN_LIKE, moe_layer_freq="2", num_query_groups=4,
                                                    untie_embeddings_and_output_weights=False, moe_router_topk=3)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(qk_layernorm=True, moe_ffn_hidden_size=24, kv_channels=16,
+                                              moe_router_pre_softmax=True, moe_layer_freq="[1,0,1]")),
+    "qwen3_moe-tied": ("Qwen3MoeForCausalLM", dict(qk_layernorm=True, untie_embeddings_and_output_weights=False,
+                                                   moe_router_topk=3)),
 }
 
 
@@ -181,10 +205,12 @@ def test_megalite_moe_exports_with_equal_logits_and_imports_back(case, tmp_path)
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_kv_cached_generation_of_an_moe_model(tmp_path, capsys):
-    """Greedy decoding of an imported Qwen2-MoE model (MoE and dense layers, shared expert): with the
-    key/value cache, recomputing every step, and transformers' generate agree token for token."""
-    reference = _hf_model(tmp_path / "hf", "qwen2_moe", mlp_only_layers=[1])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_kv_cached_generation_of_an_moe_model(arch, tmp_path, capsys):
+    """Greedy decoding of an imported Qwen2-MoE model (MoE and dense layers, shared expert) or
+    Qwen3-MoE model (QK-norm): with the key/value cache, recomputing every step, and transformers'
+    generate agree token for token."""
+    reference = _hf_model(tmp_path / "hf", arch, mlp_only_layers=[1])
     ck = _convert("hf", "megalite", tmp_path / "hf", tmp_path / "ck")
     model, _ = load_model(ck)
     assert not model.training and all(not layer.training for _, layer in model.moe_layers())
@@ -239,6 +265,9 @@ def test_moe_generation_under_tensor_parallelism(tmp_path):
     (dict(QWEN_LIKE, kv_channels=16), "--kv-channels 16"),
     (dict(num_experts=None, add_qkv_bias=True), "--add-qkv-bias with --disable-bias-linear"),
     (dict(add_bias_linear=True), "--num-experts without --disable-bias-linear"),
+    (dict(QWEN_LIKE, qk_layernorm=True), "--moe-shared-expert-intermediate-size with --qk-layernorm"),
+    (dict(qk_layernorm=True, add_qkv_bias=True), "--add-qkv-bias with --qk-layernorm"),
+    (dict(qk_layernorm=True, moe_router_score_function="sigmoid"), "--moe-router-score-function sigmoid"),
     (dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
           add_bias_linear=True), "--num-experts 4 with learned absolute positions"),
 ])
@@ -257,6 +286,9 @@ def test_unexpressible_moe_models_are_refused(kw, message, tmp_path):
     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window"),
     ("qwen2_moe", dict(mlp_only_layers=[0, 1, 2]), "no sparse layer"),
     ("qwen2_moe", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    ("qwen3_moe", dict(attention_bias=True), "attention_bias true"),
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window"),
+    ("qwen3_moe", dict(decoder_sparse_step=4), "no sparse layer"),
 ])
 def test_import_refuses_what_megalite_cannot_compute(arch, kw, message, tmp_path, capsys):
     _hf_model(tmp_path / "hf", arch, **kw)

@@ -10,7 +10,9 @@ from ..errors import InputError
 from .hf_moe import HF_MOE_CLASSES, moe_architecture, moe_config_from_hf, moe_flags, moe_hf_config
 
 # megalite's name of each architecture -> the transformers class
-HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", **HF_MOE_CLASSES}
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", **HF_MOE_CLASSES}
+# what transformers calls the q/k norms of --qk-layernorm, by architecture
+QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
 
 
 class ConversionError(InputError):
@@ -25,12 +27,10 @@ def hf_architecture(cfg: dict) -> str:
                               "(the export would be a different model)")
 
     heads, groups = cfg["num_attention_heads"], cfg.get("num_query_groups") or cfg["num_attention_heads"]
-    # the attention variants (docs/models.md) have no mapping yet: none of the classes below has them
-    for key, flag, plain in (("qk_layernorm", "--qk-layernorm", False), ("window_size", "--window-size", None),
-                             ("softmax_type", "--softmax-type", "vanilla")):
+    # sliding windows and sinks (docs/models.md) have no mapping yet: none of the classes below has them
+    for key, flag, plain in (("window_size", "--window-size", None), ("softmax_type", "--softmax-type", "vanilla")):
         if cfg.get(key, plain) != plain:
-            refuse(f"{flag} {cfg[key]}" if cfg[key] is not True else flag,
-                   "the GPT-2, Llama and MoE exports")
+            refuse(f"{flag} {cfg[key]}", "the GPT-2, Llama, Qwen3 and MoE exports")
     if cfg["position_embedding_type"] == "learned_absolute":
         gpt2 = "a GPT-2 style model (--position-embedding-type learned_absolute) as GPT2LMHeadModel"
         if cfg["normalization"] != "LayerNorm":
@@ -43,6 +43,8 @@ def hf_architecture(cfg: dict) -> str:
             refuse(f"--num-query-groups {groups} (grouped-query attention) with learned absolute positions", gpt2)
         if cfg.get("num_experts"):
             refuse(f"--num-experts {cfg['num_experts']} with learned absolute positions", gpt2)
+        if cfg.get("qk_layernorm"):
+            refuse("--qk-layernorm with learned absolute positions", gpt2)
         if cfg["kv_channels"] * heads != cfg["hidden_size"]:
             refuse(f"--kv-channels {cfg['kv_channels']} != --hidden-size / --num-attention-heads "
                    f"({cfg['hidden_size']} / {heads})", gpt2)
@@ -61,6 +63,8 @@ def hf_architecture(cfg: dict) -> str:
             refuse("--openai-gelu with --swiglu", llama)
         if cfg.get("num_experts"):
             return moe_architecture(cfg, refuse)
+        if cfg.get("qk_layernorm"):
+            return _qwen3_architecture(cfg, refuse)
         if cfg.get("add_qkv_bias") and not cfg["add_bias_linear"]:
             refuse("--add-qkv-bias with --disable-bias-linear (Llama's attention_bias puts a bias on the output "
                    "projection too)", llama)
@@ -68,7 +72,33 @@ def hf_architecture(cfg: dict) -> str:
     raise ConversionError(f"--position-embedding-type {cfg['position_embedding_type']!r} has no Hugging Face mapping")
 
 
+def _qwen3_architecture(cfg: dict, refuse) -> str:
+    """"qwen3" for a dense Llama-like model with --qk-layernorm: Qwen3's attention_bias biases
+    q, k, v and the output projection together and its MLP has none, neither of megalite's bias
+    switches."""
+    qwen3 = "a model with --qk-layernorm as Qwen3ForCausalLM"
+    if cfg["add_bias_linear"]:
+        refuse("--qk-layernorm without --disable-bias-linear (biases on every linear layer; Qwen3's MLP has none)",
+               qwen3)
+    if cfg.get("add_qkv_bias"):
+        refuse("--add-qkv-bias with --qk-layernorm (Qwen3's attention_bias puts a bias on the output projection too)",
+               qwen3)
+    return "qwen3"
+
+
 # -- configs ---------------------------------------------------------------------------------------
+def transformers_class(name: str, architecture: str):
+    """transformers.<name>, or a ConversionError saying the installed transformers predates it
+    (Qwen3 and Qwen3-MoE came with 4.51)."""
+    import transformers
+
+    try:
+        return getattr(transformers, name)
+    except AttributeError:
+        raise ConversionError(f"{architecture} needs a newer transformers than the installed "
+                              f"{transformers.__version__} (it has no {name})") from None
+
+
 # GPT2Config.activation_function -> megalite's openai_gelu. gelu_new, gelu_pytorch_tanh and
 # gelu_fast are one function (0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), Hendrycks & Gimpel 2016),
 # written three ways; "gelu" is the exact erf form.
@@ -162,8 +192,12 @@ def hf_config(cfg: dict, bos_id: int | None = None, eos_id: int | None = None):
         head_dim=cfg["kv_channels"], hidden_act="silu", max_position_embeddings=cfg["max_position_embeddings"],
         rms_norm_eps=cfg["norm_epsilon"], rope_parameters=rope_parameters,
         attention_dropout=cfg.get("attention_dropout", 0.0), **common)
-    if arch != "llama":
+    if arch in HF_MOE_CLASSES:
         return moe_hf_config(cfg, arch, rope_model)
+    if arch == "qwen3":
+        Qwen3Config = transformers_class("Qwen3Config", "Qwen3ForCausalLM")
+        return Qwen3Config(intermediate_size=cfg["ffn_hidden_size"], attention_bias=False, use_sliding_window=False,
+                           architectures=[HF_CLASSES[arch]], **rope_model)
     return LlamaConfig(intermediate_size=cfg["ffn_hidden_size"], attention_bias=cfg["add_bias_linear"],
                        mlp_bias=cfg["add_bias_linear"], architectures=["LlamaForCausalLM"], **rope_model)
 
@@ -180,6 +214,16 @@ def _rope_model_from_hf(c, raw: dict, refuse) -> dict:
                 position_embedding_type="rope", rotary_percent=1.0, **rope_from_hf(raw, c.model_type),
                 normalization="RMSNorm", norm_epsilon=c.rms_norm_eps, swiglu=True, hidden_dropout=0.0,
                 attention_dropout=float(c.attention_dropout or 0.0))
+
+
+def _refuse_qwen3_attention(c, refuse) -> None:
+    """What a Qwen3 / Qwen3-MoE attention may have that megalite's cannot."""
+    if c.attention_bias:
+        refuse("attention_bias true (biases on q, k, v and o_proj; megalite's --add-qkv-bias has none on the "
+               "output projection)")
+    if getattr(c, "use_sliding_window", False) or "sliding_attention" in (getattr(c, "layer_types", None) or []):
+        refuse("use_sliding_window / layer_types 'sliding_attention' (the import does not map Hugging Face's "
+               "sliding windows to --window-size)")
 
 
 def config_from_hf(c, raw: dict) -> dict:
@@ -211,12 +255,16 @@ def config_from_hf(c, raw: dict) -> dict:
                    "--disable-bias-linear)")
         return dict(_rope_model_from_hf(c, raw, refuse), ffn_hidden_size=c.intermediate_size,
                     add_bias_linear=bool(c.attention_bias), **common)
+    if c.model_type in QK_NORM_ARCHS:
+        _refuse_qwen3_attention(c, refuse)
+    if c.model_type == "qwen3":
+        return dict(_rope_model_from_hf(c, raw, refuse), ffn_hidden_size=c.intermediate_size, add_bias_linear=False,
+                    qk_layernorm=True, **common)
     if c.model_type in HF_MOE_CLASSES:
         return dict(_rope_model_from_hf(c, raw, refuse), add_bias_linear=False, **moe_config_from_hf(c, refuse),
                     **common)
-    raise ConversionError(f"model_type {c.model_type!r}: only gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), "
-                          "mixtral (MixtralForCausalLM) and qwen2_moe (Qwen2MoeForCausalLM) directories can be "
-                          "imported")
+    raise ConversionError(f"model_type {c.model_type!r}: only " + ", ".join(f"{k} ({v})" for k, v in HF_CLASSES.items())
+                          + " directories can be imported")
 
 
 def update_json(path: str, **values) -> None:
@@ -248,6 +296,8 @@ def pretrain_flags(cfg: dict) -> list[str]:
                       cfg["rope_scaling_original_max_position_embeddings"]]
         if cfg.get("rotary_seq_len_interpolation_factor"):
             flags += ["--rotary-seq-len-interpolation-factor", cfg["rotary_seq_len_interpolation_factor"]]
+    if cfg.get("qk_layernorm"):
+        flags.append("--qk-layernorm")
     if cfg.get("openai_gelu"):
         flags.append("--openai-gelu")
     if cfg["swiglu"]:

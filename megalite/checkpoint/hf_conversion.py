@@ -1,6 +1,6 @@
 """Hugging Face `transformers` interchange: megalite weights <-> a local model directory.
 
-Four architectures cover what megalite trains, and each maps tensor by tensor, with no loss:
+These architectures cover what megalite trains, and each maps tensor by tensor, with no loss:
 
     GPT-2 style   learned absolute positions, LayerNorm, GeLU, biases, multi-head attention
                   -> GPT2LMHeadModel (activation_function "gelu" for exact GeLU, GPT-2's own
@@ -9,9 +9,12 @@ Four architectures cover what megalite trains, and each maps tensor by tensor, w
                   Llama 3.1 RoPE scaling (--use-rope-scaling) or position interpolation
                   (--rotary-seq-len-interpolation-factor)
                   -> LlamaForCausalLM
+    Llama style with --qk-layernorm (an RMSNorm over each head's query and key, before RoPE;
+                  no biases) -> Qwen3ForCausalLM (`self_attn.q_norm` / `k_norm`)
     Llama style with Mixture-of-Experts layers (hf_moe.py)
                   -> MixtralForCausalLM (every layer MoE, no shared expert), or
-                     Qwen2MoeForCausalLM (a gated shared expert; dense layers, q/k/v biases)
+                     Qwen2MoeForCausalLM (a gated shared expert; dense layers, q/k/v biases), or
+                     Qwen3MoeForCausalLM (--qk-layernorm, no shared expert; dense layers)
 
 Anything else (RoPE with LayerNorm, partial rotary, GQA in a GPT-2 model, ...) is refused with
 the setting named: a converter that silently produced a *different* model would be worse than
@@ -39,7 +42,8 @@ import tempfile
 import torch
 
 from ..model import pad_vocab_size
-from .hf_config import ConversionError, config_from_hf, hf_architecture, hf_config, hf_rope, rope_from_hf, update_json
+from .hf_config import (HF_CLASSES, ConversionError, config_from_hf, hf_architecture, hf_config, hf_rope, rope_from_hf,
+                        update_json)
 from .hf_moe import moe_mlp_state, moe_mlp_tensors, moe_pattern
 from .hf_tokenizer import export_tokenizer, has_tokenizer_files, special_ids
 
@@ -51,6 +55,11 @@ _HF_BUFFERS = re.compile(r"(\.attn\.(masked_)?bias|\.rotary_emb\.inv_freq)$")
 # megalite's projection layers and GPT-2's Conv1D names for them (weights transposed both ways)
 GPT2_PROJECTIONS = (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
                     ("mlp.linear_fc2", "mlp.c_proj"))
+
+
+# --qk-layernorm's per-head norms and Qwen3's names for them (one weight of head_dim, shared by the heads)
+QK_NORMS = (("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+            ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"))
 
 
 # -- fused QKV <-> separate Q, K, V ---------------------------------------------------------------
@@ -112,6 +121,9 @@ def _llama_tensors(cfg: dict, state: dict, arch: str = "llama") -> dict:
             q, k, v = split_qkv(state.pop(m + f"self_attention.linear_qkv.{kind}"), heads, groups, hn)
             out[h + f"self_attn.q_proj.{kind}"], out[h + f"self_attn.k_proj.{kind}"] = q, k
             out[h + f"self_attn.v_proj.{kind}"] = v
+        if cfg.get("qk_layernorm"):  # Qwen3's q_norm / k_norm: RMSNorm over head_dim (hf_config.py checks)
+            for ours, theirs in QK_NORMS:
+                out[h + theirs] = state.pop(m + ours)
         if moe:
             out.update(moe_mlp_tensors(cfg, arch, state, m, h))
         for kind in kinds:
@@ -127,7 +139,8 @@ def _llama_tensors(cfg: dict, state: dict, arch: str = "llama") -> dict:
 def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=None) -> str:
     """Write a Hugging Face model directory (config.json, generation_config.json,
     model.safetensors, and the tokenizer files when `tokenizer`, a megalite tokenizer, is given).
-    Returns the architecture name, a key of HF_CLASSES ("gpt2", "llama", "mixtral", "qwen2_moe")."""
+    Returns the architecture name, a key of HF_CLASSES ("gpt2", "llama", "qwen3", "mixtral", "qwen2_moe",
+    "qwen3_moe")."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
@@ -232,6 +245,9 @@ def _llama_state(cfg: dict, hf: dict, arch: str = "llama") -> dict:
         for kind in qkv_kinds:
             q, k, v = (hf.pop(h + f"self_attn.{p}_proj.{kind}") for p in "qkv")
             out[m + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, heads, groups, hn)
+        if cfg.get("qk_layernorm"):
+            for ours, theirs in QK_NORMS:
+                out[m + ours] = hf.pop(h + theirs)
         if moe:
             out.update(moe_mlp_state(cfg, arch, hf, m, h))
         for kind in kinds:
@@ -259,7 +275,7 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
         raise ConversionError(f"--load-dir {in_dir}: config.json cannot be read ({type(e).__name__}: {e})") from None
-    if raw.get("model_type") in ("llama", "mixtral", "qwen2_moe"):
+    if raw.get("model_type") in HF_CLASSES and raw["model_type"] != "gpt2":
         # refuse what megalite cannot compute before transformers validates (or drops) it
         rope_from_hf(raw, raw["model_type"])
     try:

@@ -1,6 +1,7 @@
-"""Mixture-of-Experts models <-> Hugging Face: `MixtralForCausalLM` and `Qwen2MoeForCausalLM`.
+"""Mixture-of-Experts models <-> Hugging Face: `MixtralForCausalLM`, `Qwen2MoeForCausalLM` and
+`Qwen3MoeForCausalLM`.
 
-Both are Llama-style models (RoPE, RMSNorm, SwiGLU, GQA; hf_config.py maps those) whose MLP is,
+All are Llama-style models (RoPE, RMSNorm, SwiGLU, GQA; hf_config.py maps those) whose MLP is,
 in some or all layers, a top-k routed set of SwiGLU experts (model/moe/):
 
     Mixtral     every layer MoE; softmax over the experts, top-k, renormalised, which is
@@ -11,15 +12,19 @@ in some or all layers, a top-k routed set of SwiGLU experts (model/moe/):
                 `norm_topk_prob` false is --moe-router-pre-softmax (top-k of the softmax, not
                 renormalised), true the renormalised softmax; q/k/v biases (`qkv_bias`,
                 --add-qkv-bias)
+    Qwen3-MoE   Qwen2-MoE's routing and dense layers, without the shared expert or any bias, with
+                --qk-layernorm (`self_attn.q_norm` / `k_norm`, mapped in hf_conversion.py); its
+                head_dim may differ from hidden / heads (--kv-channels)
 
 Weights, per MoE layer (rows of an expert's fc1 are [gate; up], as the dense SwiGLU MLP's):
 
-    megalite mlp.                                 Mixtral block_sparse_moe.   Qwen2-MoE mlp.
+    megalite mlp.                                 Mixtral block_sparse_moe.   Qwen2-MoE / Qwen3-MoE mlp.
     router.weight                       [E, h]    gate.weight                 gate.weight
     experts.local_experts.{e}.linear_fc1 [2f, h]  experts.{e}.w1 ; .w3        experts.{e}.gate_proj ; .up_proj
     experts.local_experts.{e}.linear_fc2 [h, f]   experts.{e}.w2              experts.{e}.down_proj
     shared_experts.linear_fc1 / fc2                                           shared_expert.gate_proj ; up ; down
     shared_experts.gate_weight          [1, h]                                shared_expert_gate.weight
+                                                                              (the shared expert: Qwen2-MoE only)
 
 transformers 5 holds the experts fused in memory (`mlp.experts.gate_up_proj` [E, 2f, h],
 `mlp.experts.down_proj` [E, h, f]) and writes the per-expert names above, which transformers 4
@@ -35,7 +40,8 @@ import torch
 
 from ..config.moe import moe_layer_pattern
 
-HF_MOE_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+HF_MOE_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def moe_pattern(cfg: dict) -> list[bool]:
@@ -47,9 +53,9 @@ def moe_pattern(cfg: dict) -> list[bool]:
 
 # -- which architecture, and the configs both ways --------------------------------------------------
 def moe_architecture(cfg: dict, refuse) -> str:
-    """"mixtral" or "qwen2_moe" for an MoE model_config that is otherwise Llama-like;
+    """"mixtral", "qwen2_moe" or "qwen3_moe" for an MoE model_config that is otherwise Llama-like;
     `refuse(setting, target)` raises naming what cannot be expressed."""
-    target = "MixtralForCausalLM or Qwen2MoeForCausalLM"
+    target = "MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM"
     if cfg["add_bias_linear"]:
         refuse("--num-experts without --disable-bias-linear (biases on every linear layer)", target)
     if cfg.get("moe_router_score_function", "softmax") != "softmax":
@@ -58,6 +64,15 @@ def moe_architecture(cfg: dict, refuse) -> str:
         refuse(f"--moe-expert-capacity-factor {cfg['moe_expert_capacity_factor']} (token dropping; their MoE "
                "layers are dropless)", target)
     pattern = moe_pattern(cfg)
+    if cfg.get("qk_layernorm"):  # Qwen3-MoE: QK-norm, no shared expert; dense layers and either top-k
+        qwen3 = "Qwen3MoeForCausalLM (the MoE model with --qk-layernorm)"
+        if cfg.get("moe_shared_expert_intermediate_size"):
+            refuse("--moe-shared-expert-intermediate-size with --qk-layernorm (Qwen3-MoE has no shared expert, "
+                   "Qwen2-MoE no QK-norm)", qwen3)
+        if cfg.get("add_qkv_bias"):
+            refuse("--add-qkv-bias with --qk-layernorm (Qwen3-MoE's attention_bias puts a bias on the output "
+                   "projection too)", qwen3)
+        return "qwen3_moe"
     if cfg.get("moe_shared_expert_intermediate_size"):
         qwen = "Qwen2MoeForCausalLM (the MoE model with a shared expert)"
         if not cfg.get("moe_shared_expert_gate"):
@@ -79,8 +94,8 @@ def moe_architecture(cfg: dict, refuse) -> str:
 
 
 def moe_hf_config(cfg: dict, arch: str, rope_model: dict):
-    """The MixtralConfig / Qwen2MoeConfig of an MoE model_config; `rope_model`: the keyword
-    arguments every Llama-style config shares (sizes, heads, RoPE, norms, vocabulary)."""
+    """The MixtralConfig / Qwen2MoeConfig / Qwen3MoeConfig of an MoE model_config; `rope_model`: the
+    keyword arguments every Llama-style config shares (sizes, heads, RoPE, norms, vocabulary)."""
     from transformers import MixtralConfig, Qwen2MoeConfig
 
     expert_ffn = cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]
@@ -88,19 +103,22 @@ def moe_hf_config(cfg: dict, arch: str, rope_model: dict):
     if arch == "mixtral":
         return MixtralConfig(intermediate_size=expert_ffn, num_local_experts=cfg["num_experts"], sliding_window=None,
                              router_jitter_noise=0.0, architectures=[HF_MOE_CLASSES[arch]], **routing, **rope_model)
-    rope_model = {k: v for k, v in rope_model.items() if k != "head_dim"}  # hidden / heads (checked)
     dense = [i for i, moe in enumerate(moe_pattern(cfg)) if not moe]
-    return Qwen2MoeConfig(
-        intermediate_size=cfg["ffn_hidden_size"], moe_intermediate_size=expert_ffn, num_experts=cfg["num_experts"],
-        shared_expert_intermediate_size=cfg["moe_shared_expert_intermediate_size"],
-        norm_topk_prob=not cfg.get("moe_router_pre_softmax"), decoder_sparse_step=1, mlp_only_layers=dense,
-        qkv_bias=bool(cfg.get("add_qkv_bias")), use_sliding_window=False, architectures=[HF_MOE_CLASSES[arch]],
-        **routing, **rope_model)
+    sparse = dict(intermediate_size=cfg["ffn_hidden_size"], moe_intermediate_size=expert_ffn,
+                  num_experts=cfg["num_experts"], norm_topk_prob=not cfg.get("moe_router_pre_softmax"),
+                  decoder_sparse_step=1, mlp_only_layers=dense, use_sliding_window=False,
+                  architectures=[HF_MOE_CLASSES[arch]], **routing)
+    if arch == "qwen3_moe":
+        from .hf_config import transformers_class
+        return transformers_class("Qwen3MoeConfig", HF_MOE_CLASSES[arch])(attention_bias=False, **sparse, **rope_model)
+    rope_model = {k: v for k, v in rope_model.items() if k != "head_dim"}  # hidden / heads (checked)
+    return Qwen2MoeConfig(shared_expert_intermediate_size=cfg["moe_shared_expert_intermediate_size"],
+                          qkv_bias=bool(cfg.get("add_qkv_bias")), **sparse, **rope_model)
 
 
 def moe_config_from_hf(c, refuse) -> dict:
-    """megalite's MoE settings (and the MLP and bias settings that go with them) of a
-    MixtralConfig / Qwen2MoeConfig; `refuse(what)` raises naming the field."""
+    """megalite's MoE settings (and the MLP, bias and QK-norm settings that go with them) of a
+    MixtralConfig / Qwen2MoeConfig / Qwen3MoeConfig; `refuse(what)` raises naming the field."""
     if c.model_type == "mixtral":
         if getattr(c, "router_jitter_noise", 0.0):
             refuse(f"router_jitter_noise {c.router_jitter_noise} (megalite's router adds no noise)")
@@ -111,20 +129,24 @@ def moe_config_from_hf(c, refuse) -> dict:
         return dict(ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
                     moe_router_topk=c.num_experts_per_tok, moe_layer_freq="1", add_qkv_bias=False)
     if getattr(c, "use_sliding_window", False) or "sliding_attention" in (getattr(c, "layer_types", None) or []):
-        refuse("use_sliding_window / layer_types 'sliding_attention' (megalite attends to every earlier position)")
+        refuse("use_sliding_window / layer_types 'sliding_attention' (the import does not map Hugging Face's "
+               "sliding windows to --window-size)")
     if not c.num_experts:
-        refuse("num_experts 0 (a dense Qwen2-MoE model)")
-    if not c.shared_expert_intermediate_size:
-        refuse("shared_expert_intermediate_size 0 (--moe-shared-expert-intermediate-size must be >= 1)")
+        refuse("num_experts 0 (a dense model)")
     only = set(getattr(c, "mlp_only_layers", None) or [])
     pattern = [i not in only and (i + 1) % c.decoder_sparse_step == 0 for i in range(c.num_hidden_layers)]
     if not any(pattern):
         refuse(f"no sparse layer (decoder_sparse_step {c.decoder_sparse_step}, mlp_only_layers {sorted(only)})")
-    return dict(ffn_hidden_size=c.intermediate_size, num_experts=c.num_experts, moe_router_topk=c.num_experts_per_tok,
-                moe_ffn_hidden_size=c.moe_intermediate_size,
-                moe_layer_freq="1" if all(pattern) else "[" + ",".join(str(int(m)) for m in pattern) + "]",
-                moe_router_pre_softmax=not c.norm_topk_prob,
-                moe_shared_expert_intermediate_size=c.shared_expert_intermediate_size, moe_shared_expert_gate=True,
+    sparse = dict(ffn_hidden_size=c.intermediate_size, num_experts=c.num_experts, moe_router_topk=c.num_experts_per_tok,
+                  moe_ffn_hidden_size=c.moe_intermediate_size,
+                  moe_layer_freq="1" if all(pattern) else "[" + ",".join(str(int(m)) for m in pattern) + "]",
+                  moe_router_pre_softmax=not c.norm_topk_prob)
+    if c.model_type == "qwen3_moe":  # its attention (QK-norm, no biases) is checked in hf_config.py
+        return dict(sparse, qk_layernorm=True, add_qkv_bias=False)
+    if not c.shared_expert_intermediate_size:
+        refuse("shared_expert_intermediate_size 0 (--moe-shared-expert-intermediate-size must be >= 1)")
+    return dict(sparse, moe_shared_expert_intermediate_size=c.shared_expert_intermediate_size,
+                moe_shared_expert_gate=True,
                 add_qkv_bias=bool(getattr(c, "qkv_bias", True)))  # transformers 4: always biased
 
 
@@ -149,7 +171,8 @@ def moe_flags(cfg: dict) -> list:
 
 # -- weights of one MoE layer's MLP -----------------------------------------------------------------
 # (expert fc1's gate rows, its up rows, fc2) by architecture; the router and shared-expert names
-EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
+EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+                "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
 
 
 def moe_mlp_tensors(cfg: dict, arch: str, state: dict, m: str, h: str) -> dict:
