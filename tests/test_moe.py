@@ -25,8 +25,8 @@ from megalite.model.config import model_configs
 from megalite.model.gpt import GPTModel
 from megalite.model.moe import MoELayer, balance
 from megalite.model.moe import experts as experts_module
-from megalite.model.moe.dispatcher import sort_by_expert
-from megalite.model.moe.router import capacity_mask
+from megalite.model.moe.dispatcher import DISPATCHERS, AllGatherDispatcher, sort_by_expert
+from megalite.model.moe.router import LOAD_BALANCING, SCORE_FUNCTIONS, SoftmaxScores, capacity_mask
 
 H, FFN, E, K, S, B = 16, 8, 4, 2, 8, 2  # hidden, expert ffn, experts, top-k, sequence, batch
 BASE = dict(num_layers=1, hidden_size=H, num_attention_heads=2, seq_length=S, max_position_embeddings=S,
@@ -416,7 +416,49 @@ def test_grouped_gemm_on_cpu_runs_the_loop(monkeypatch):
     assert torch.equal(looped(x), grouped(x))
 
 
-# -- 7. a small MoE GPT trains ------------------------------------------------------------------
+# -- 7. the seams: registries keyed by the flags' values ----------------------------------------
+
+def flag_choices(config_class, field_name: str) -> set:
+    import dataclasses
+    return set(next(f for f in dataclasses.fields(config_class) if f.name == field_name).metadata["flag"].choices)
+
+
+def test_registries_are_the_flags_choices():
+    """The flags' choices (config/, torch-free) name exactly the registered classes."""
+    from megalite.config import ParallelConfig
+    from megalite.config.model import GPTConfig
+    assert set(DISPATCHERS) == flag_choices(ParallelConfig, "moe_token_dispatcher_type")
+    assert set(SCORE_FUNCTIONS) == flag_choices(GPTConfig, "moe_router_score_function")
+    assert set(LOAD_BALANCING) == flag_choices(GPTConfig, "moe_router_load_balancing_type")
+
+
+def test_new_dispatcher_and_score_function_are_one_class_and_one_entry(monkeypatch):
+    """A registered dispatcher and score function are what the layer runs: here a dispatcher that
+    counts its calls and softmax scores at half temperature, against the loop reference."""
+    calls = []
+
+    class CountingDispatcher(AllGatherDispatcher):
+        def dispatch(self, x, routing):
+            calls.append(x.size(0))
+            return super().dispatch(x, routing)
+
+    class SharpSoftmax(SoftmaxScores):
+        def __call__(self, logits, k, select, pre_softmax, expert_bias):
+            return super().__call__(logits * 2, k, select, pre_softmax, expert_bias)
+
+    monkeypatch.setitem(DISPATCHERS, "counting", CountingDispatcher)
+    monkeypatch.setitem(SCORE_FUNCTIONS, "sharp", SharpSoftmax)
+    layer = moe_layer(moe_token_dispatcher_type="counting", moe_router_score_function="sharp")
+    x = tokens()
+    with torch.no_grad():
+        got = layer(x)
+        layer.router.weight.mul_(2)  # the reference at the sharpened logits
+        want = ref_layer(layer, x, True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [S * B]
+
+
+# -- 8. a small MoE GPT trains ------------------------------------------------------------------
 
 def test_moe_gpt_trains():
     s, b = 16, 4

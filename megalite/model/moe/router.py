@@ -42,24 +42,53 @@ class Routing:
     loss: torch.Tensor | None  # this rank's part of the micro-batch's aux + z losses (None: none)
 
 
-def topk_scores(logits: torch.Tensor, k: int, score_function: str, pre_softmax: bool,
-                expert_bias: torch.Tensor | None = None):
-    """(probs [T, k], indices [T, k], scores for the aux loss [T, E]) from fp32 logits [T, E]."""
-    if score_function == "softmax":
+def plain_topk(values: torch.Tensor, k: int):
+    """(top-k values, their expert indices) of each token's row [T, E]."""
+    return torch.topk(values, k, dim=-1)
+
+
+class ScoreFunction:
+    """How a router turns fp32 logits [T, E] into each token's k experts and their weights.
+
+    A new score function is a subclass and one entry in SCORE_FUNCTIONS (the choices of
+    --moe-router-score-function). `select(values, k)` picks each row's top-k (plain, or restricted
+    to a few groups of experts)."""
+
+    def __call__(self, logits: torch.Tensor, k: int, select, pre_softmax: bool,
+                 expert_bias: torch.Tensor | None):
+        """(probs [T, k], indices [T, k], the scores the load-balancing loss weighs [T, E])."""
+        raise NotImplementedError
+
+
+class SoftmaxScores(ScoreFunction):
+    """Mixtral: the top-k logits, softmaxed; pre-softmax (Qwen2-MoE without norm_topk_prob): the
+    top-k of the softmax over all E."""
+
+    def __call__(self, logits, k, select, pre_softmax, expert_bias):
         scores = torch.softmax(logits, dim=-1)
         if pre_softmax:
-            probs, indices = torch.topk(scores, k, dim=-1)
+            probs, indices = select(scores, k)
         else:
-            top, indices = torch.topk(logits, k, dim=-1)
+            top, indices = select(logits, k)
             probs = torch.softmax(top, dim=-1)
         return probs, indices, scores
-    scores = torch.sigmoid(logits)
-    choice = scores if expert_bias is None else scores + expert_bias
-    indices = torch.topk(choice, k, dim=-1).indices
-    probs = scores.gather(1, indices)
-    if k > 1:
-        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
-    return probs, indices, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+class SigmoidScores(ScoreFunction):
+    """DeepSeek-V3: s = sigmoid(logits), the top-k of s + expert bias (the bias for the choice
+    only), the weights s_topk normalised over the k (k > 1); the loss weighs s normalised over E."""
+
+    def __call__(self, logits, k, select, pre_softmax, expert_bias):
+        scores = torch.sigmoid(logits)
+        choice = scores if expert_bias is None else scores + expert_bias
+        indices = select(choice, k)[1]
+        probs = scores.gather(1, indices)
+        if k > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+        return probs, indices, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+SCORE_FUNCTIONS: dict[str, type[ScoreFunction]] = {"softmax": SoftmaxScores, "sigmoid": SigmoidScores}
 
 
 def capacity_mask(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, capacity: int,
@@ -94,6 +123,46 @@ def sequence_load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, seq
     return per_seq.sum() * (coeff / b)
 
 
+class BalancingLoss:
+    """A load-balancing loss over this rank's scores [T_local, E] (s_local x b tokens in [s, b]
+    order) and the micro-batch's routing choices, whose counts are summed over `token_group`.
+    A new one is a subclass and one entry in LOAD_BALANCING (the choices of
+    --moe-router-load-balancing-type); `enabled` False: no loss, nothing computed."""
+    enabled = True
+
+    def __call__(self, scores: torch.Tensor, onehot: torch.Tensor, token_group, seq_shape: tuple[int, int], k: int,
+                 coeff: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MicroBatchAuxLoss(BalancingLoss):
+    """aux_loss: over the whole micro-batch (Switch / GShard)."""
+
+    def __call__(self, scores, onehot, token_group, seq_shape, k, coeff):
+        s_local, b = seq_shape
+        counts = comm.all_reduce(onehot.sum(0), token_group)
+        return load_balancing_loss(scores, counts, s_local * b * comm.group_size(token_group), k, coeff)
+
+
+class SequenceAuxLoss(BalancingLoss):
+    """seq_aux_loss: per sequence, averaged over the sequences (DeepSeek-V2)."""
+
+    def __call__(self, scores, onehot, token_group, seq_shape, k, coeff):
+        s_local, b = seq_shape
+        counts = comm.all_reduce(onehot.view(s_local, b, -1).sum(0), token_group)
+        return sequence_load_balancing_loss(scores.view(s_local, b, -1), counts,
+                                            s_local * comm.group_size(token_group), k, coeff)
+
+
+class NoBalancingLoss(BalancingLoss):
+    """none: the routers are balanced by other means (the expert bias) or not at all."""
+    enabled = False
+
+
+LOAD_BALANCING: dict[str, type[BalancingLoss]] = {
+    "aux_loss": MicroBatchAuxLoss, "seq_aux_loss": SequenceAuxLoss, "none": NoBalancingLoss}
+
+
 def _first_training_pass() -> bool:
     """Whether this forward adds to the iteration's statistics (tokens per expert, logged losses):
     not under no_grad (evaluation), and not inside a backward pass, where activation recompute
@@ -106,8 +175,10 @@ class TopKRouter(nn.Module):
         super().__init__()
         E, h = config.num_experts, config.hidden_size
         self.num_experts, self.topk = E, config.moe_router_topk
-        self.score_function, self.pre_softmax = config.moe_router_score_function, config.moe_router_pre_softmax
-        self.balancing, self.aux_coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+        self.score_function = SCORE_FUNCTIONS[config.moe_router_score_function]()
+        self.pre_softmax = config.moe_router_pre_softmax
+        self.balancing = LOAD_BALANCING[config.moe_router_load_balancing_type]()
+        self.aux_coeff = config.moe_aux_loss_coeff
         self.z_coeff = config.moe_z_loss_coeff
         self.capacity_factor, self.drop_policy = config.moe_expert_capacity_factor, config.moe_token_drop_policy
         self.weight = nn.Parameter(torch.empty(E, h, dtype=execution.params_dtype, device=device))
@@ -126,8 +197,8 @@ class TopKRouter(nn.Module):
         """x [T, h] with T = s_local·b tokens in [s, b] order; `token_group`: the ranks holding
         the rest of the micro-batch's tokens (TP under sequence parallelism, x CP)."""
         logits = F.linear(x.float(), self.weight.float())  # [T, E] in fp32
-        probs, indices, scores = topk_scores(logits, self.topk, self.score_function, self.pre_softmax,
-                                             self.expert_bias)
+        probs, indices, scores = self.score_function(logits, self.topk, plain_topk, self.pre_softmax,
+                                                     self.expert_bias)
         kept = None
         if self.capacity_factor is not None:
             capacity = math.ceil(x.size(0) * self.topk / self.num_experts * self.capacity_factor)
@@ -145,7 +216,7 @@ class TopKRouter(nn.Module):
         s_local, b = seq_shape
         n = comm.group_size(token_group)
         total = None
-        if self.training and self.balancing != "none" and self.aux_coeff > 0:
+        if self.training and self.balancing.enabled and self.aux_coeff > 0:
             with torch.no_grad():  # the choices, before any dropping (Megatron-LM's)
                 if self.expert_bias is not None:
                     # f_e counts the top-k of the scores themselves, not of scores + bias (DeepSeek-V3
@@ -153,13 +224,7 @@ class TopKRouter(nn.Module):
                     # the choice but is no part of the load the loss measures
                     indices = torch.topk(scores, self.topk, dim=-1).indices
                 onehot = torch.zeros_like(scores).scatter_(1, indices, 1.0)
-            if self.balancing == "aux_loss":
-                counts = comm.all_reduce(onehot.sum(0), token_group)
-                total = load_balancing_loss(scores, counts, s_local * b * n, self.topk, self.aux_coeff)
-            else:
-                counts = comm.all_reduce(onehot.view(s_local, b, -1).sum(0), token_group)
-                total = sequence_load_balancing_loss(scores.view(s_local, b, -1), counts, s_local * n, self.topk,
-                                                     self.aux_coeff)
+            total = self.balancing(scores, onehot, token_group, seq_shape, self.topk, self.aux_coeff)
             if _first_training_pass():
                 self.aux_loss_sum = total.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
         if self.training and self.z_coeff:
