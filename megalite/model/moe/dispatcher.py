@@ -68,7 +68,8 @@ def sort_by_expert(indices: torch.Tensor, kept: torch.Tensor | None, first: int,
 
 
 class _Combine(torch.autograd.Function):
-    """Σ over a token's choices of prob · expert output, in fp32, as [num_tokens, h]: y [N, h]
+    """Σ over a token's choices of prob · expert output, in the probabilities' dtype (fp32, or
+    fp64 with --moe-router-dtype fp64), as [num_tokens, h]: y [N, h]
     the outputs of the choices `order` [N] (flat choice numbers, each at most once), probs
     [T, k]. One node with its own backward, the products autograd would compute, without its
     copies: the forward scatter-adds into fresh zeros in place, and the probabilities' gradient
@@ -78,8 +79,8 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, y, probs, order, k, num_tokens):
         token = order // k
         p = probs.reshape(-1).index_select(0, order).unsqueeze(-1)  # [N, 1] fp32
-        out = torch.zeros(num_tokens, y.size(-1), dtype=torch.float32, device=y.device)
-        out.index_add_(0, token, y.float() * p)
+        out = torch.zeros(num_tokens, y.size(-1), dtype=p.dtype, device=y.device)
+        out.index_add_(0, token, y.to(p.dtype) * p)
         ctx.save_for_backward(y, p, order, token)
         ctx.probs_shape = probs.shape
         return out.to(y.dtype)
@@ -87,10 +88,10 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         y, p, order, token = ctx.saved_tensors
-        g = grad.float().index_select(0, token)  # [N, h]: each choice's token's gradient
+        g = grad.to(p.dtype).index_select(0, token)  # [N, h]: each choice's token's gradient
         grad_probs = None
         if ctx.needs_input_grad[1]:
-            per_choice = (g * y.float()).sum(-1)
+            per_choice = (g * y.to(p.dtype)).sum(-1)
             grad_probs = torch.zeros(ctx.probs_shape.numel(), dtype=per_choice.dtype, device=per_choice.device)
             grad_probs = grad_probs.index_copy_(0, order, per_choice).view(ctx.probs_shape)
         # in place: g is this function's own, and a fresh [N, h] buffer costs page faults on a CPU

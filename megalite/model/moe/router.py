@@ -1,11 +1,14 @@
 """The top-k router: which experts each token goes to, with what weight, and the losses that keep
-the experts evenly loaded. Computed in fp32 whatever the activations' dtype.
+the experts evenly loaded. Computed in fp32 whatever the activations' dtype (fp64 with --moe-router-dtype fp64).
 
 Scores (Megatron-LM's topk_softmax_with_capacity):
   softmax            probs = softmax(top-k logits)           (Mixtral: softmax, top-k, renormalise)
   softmax, pre       probs = top-k of softmax(logits)        (Qwen2-MoE without norm_topk_prob)
   sigmoid            s = sigmoid(logits); top-k of s (+ expert bias, for the choice only);
                      probs = s_topk / sum(s_topk) for k > 1  (DeepSeek-V3)
+  group-limited      the top-k taken within each token's best --moe-router-group-topk of
+                     --moe-router-num-groups expert groups (GroupLimitedTopK)
+  scaling factor     probs x --moe-router-topk-scaling-factor (DeepSeek-V3's routed_scaling_factor)
 
 Losses, each added to the backward of the layer's output (AuxLossInjector) rather than to the
 language-model loss, so a pipeline stage without the loss can train its router:
@@ -86,6 +89,26 @@ class SigmoidScores(ScoreFunction):
         if k > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
         return probs, indices, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+class GroupLimitedTopK:
+    """Group-limited top-k (DeepSeek-V2 Sec. 2.1.3, V3 Sec. 2.1.2; Megatron-LM's group_limited_topk):
+    the E experts in `num_groups` groups of consecutive indices, each group scored per token by the
+    sum of its top (k // group_topk) values, and the top-k chosen within the `group_topk` best
+    groups only. With the groups on EP ranks or nodes, a token's copies reach at most group_topk
+    of them."""
+
+    def __init__(self, num_groups: int, group_topk: int):
+        self.num_groups, self.group_topk = num_groups, group_topk
+
+    def __call__(self, values: torch.Tensor, k: int):
+        T, E = values.shape
+        grouped = values.view(T, self.num_groups, E // self.num_groups)
+        group_scores = grouped.topk(k // self.group_topk, dim=-1).values.sum(dim=-1)  # [T, groups]
+        best = torch.topk(group_scores, self.group_topk, dim=-1).indices
+        keep = torch.zeros(T, self.num_groups, dtype=torch.bool, device=values.device).scatter_(1, best, True)
+        keep = keep.unsqueeze(-1).expand(grouped.shape).reshape(T, E)
+        return torch.topk(values.masked_fill(~keep, float("-inf")), k, dim=-1)
 
 
 SCORE_FUNCTIONS: dict[str, type[ScoreFunction]] = {"softmax": SoftmaxScores, "sigmoid": SigmoidScores}
@@ -181,6 +204,10 @@ class TopKRouter(nn.Module):
         self.aux_coeff = config.moe_aux_loss_coeff
         self.z_coeff = config.moe_z_loss_coeff
         self.capacity_factor, self.drop_policy = config.moe_expert_capacity_factor, config.moe_token_drop_policy
+        self.select = GroupLimitedTopK(config.moe_router_num_groups, config.moe_router_group_topk) \
+            if config.moe_router_group_topk else plain_topk
+        self.scaling_factor = config.moe_router_topk_scaling_factor
+        self.dtype = torch.float64 if config.moe_router_dtype == "fp64" else torch.float32
         self.weight = nn.Parameter(torch.empty(E, h, dtype=execution.params_dtype, device=device))
         set_init(self.weight, "normal", config.init_method_std)
         # replicated across TP; under sequence parallelism each TP rank routes other tokens
@@ -196,9 +223,11 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor, token_group, seq_shape: tuple[int, int]) -> Routing:
         """x [T, h] with T = s_local·b tokens in [s, b] order; `token_group`: the ranks holding
         the rest of the micro-batch's tokens (TP under sequence parallelism, x CP)."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E] in fp32
-        probs, indices, scores = self.score_function(logits, self.topk, plain_topk, self.pre_softmax,
+        logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype))  # [T, E] in fp32 (or fp64)
+        probs, indices, scores = self.score_function(logits, self.topk, self.select, self.pre_softmax,
                                                      self.expert_bias)
+        if self.scaling_factor:
+            probs = probs * self.scaling_factor
         kept = None
         if self.capacity_factor is not None:
             capacity = math.ceil(x.size(0) * self.topk / self.num_experts * self.capacity_factor)
@@ -218,10 +247,11 @@ class TopKRouter(nn.Module):
         total = None
         if self.training and self.balancing.enabled and self.aux_coeff > 0:
             with torch.no_grad():  # the choices, before any dropping (Megatron-LM's)
-                if self.expert_bias is not None:
-                    # f_e counts the top-k of the scores themselves, not of scores + bias (DeepSeek-V3
-                    # Eq. 18; Megatron-LM's compute_routing_scores_for_aux_loss): the bias steers
-                    # the choice but is no part of the load the loss measures
+                if self.expert_bias is not None or self.select is not plain_topk:
+                    # f_e counts the plain top-k of the scores themselves, not of scores + bias nor
+                    # within the groups (DeepSeek-V3 Eq. 18; Megatron-LM's
+                    # compute_routing_scores_for_aux_loss): bias and groups steer the choice but
+                    # are no part of the load the loss measures
                     indices = torch.topk(scores, self.topk, dim=-1).indices
                 onehot = torch.zeros_like(scores).scatter_(1, indices, 1.0)
             total = self.balancing(scores, onehot, token_group, seq_shape, self.topk, self.aux_coeff)
