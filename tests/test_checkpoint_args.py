@@ -185,6 +185,10 @@ MISMATCHES = [
     (MOE_MODEL, "moe_router_enable_expert_bias", True, "--moe-router-enable-expert-bias", False, True),
     (MOE_MODEL, "moe_shared_expert_intermediate_size", 16, "--moe-shared-expert-intermediate-size", None, 16),
     (MOE_MODEL, "moe_shared_expert_gate", True, "--moe-shared-expert-gate", False, True),
+    (MOE_MODEL, "moe_router_num_groups", 2, "--moe-router-num-groups", None, 2),
+    (MOE_MODEL, "moe_router_group_topk", 1, "--moe-router-group-topk", None, 1),
+    (MOE_MODEL, "moe_router_topk_scaling_factor", 2.5, "--moe-router-topk-scaling-factor", 1.0, 2.5),
+    (MOE_MODEL, "moe_router_dtype", "fp64", "--moe-router-dtype", "fp32", "fp64"),
 ]
 
 

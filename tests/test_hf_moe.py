@@ -257,6 +257,8 @@ def test_moe_generation_under_tensor_parallelism(tmp_path):
 @pytest.mark.parametrize("kw, message", [
     (dict(moe_router_score_function="sigmoid"), "--moe-router-score-function sigmoid"),
     (dict(moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor 1.0"),
+    (dict(moe_router_num_groups=2, moe_router_group_topk=1), "--moe-router-group-topk 1"),
+    (dict(moe_router_topk_scaling_factor=2.5), "--moe-router-topk-scaling-factor 2.5"),
     (dict(moe_router_pre_softmax=True), "--moe-router-pre-softmax without a shared expert"),
     (dict(moe_layer_freq="2"), "--moe-layer-freq 2 (dense layers) without a shared expert"),
     (dict(add_qkv_bias=True), "--add-qkv-bias without a shared expert"),

@@ -102,3 +102,18 @@ def test_moe_checkpoint_resumes_on_other_ep_sizes(corpus, tmp_path):
     save_full_state_dict(str(tmp_path / "tp1pp2"), state, meta["model_config"], meta["config"], 4, tp=1, pp=2)
     _, again = load_full_state_dict(str(tmp_path / "tp1pp2"))
     assert sorted(again) == sorted(state) and all(bool((again[n] == state[n]).all()) for n in biases)
+
+
+def test_group_limited_routing_under_ep2_matches_single_process(corpus, tmp_path):
+    """DeepSeek-V3's routing (sigmoid, expert bias, 2 groups with group top-1, scaled, in fp64) on
+    EP 2 with the alltoall dispatcher: each EP rank holds one group; losses and weights as one process."""
+    model = [f if MODEL[i - 1] not in ("--train-iters", "--num-layers") else {"--train-iters": "4",
+             "--num-layers": "2"}[MODEL[i - 1]] for i, f in enumerate(MODEL)] + BIAS + [
+        "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5",
+        "--moe-router-dtype", "fp64"]
+    ref, _ = run_pretrain(1, corpus + model + ["--save", str(tmp_path / "one")], tmp_path, "one")
+    records, _ = run_pretrain(2, corpus + model + EP2 + A2A + ["--save", str(tmp_path / "ep2")], tmp_path, "ep2")
+    assert len(train_losses(ref)) == 4
+    assert_losses_close(train_losses(ref), train_losses(records), rtol=1e-5)
+    assert_losses_close(moe_values(ref, "load_balancing_loss"), moe_values(records, "load_balancing_loss"), rtol=1e-5)
+    assert_params_close(load_params(str(tmp_path / "one")), load_params(str(tmp_path / "ep2")), atol=1e-5)

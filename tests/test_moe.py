@@ -25,8 +25,8 @@ from megalite.model.config import model_configs
 from megalite.model.gpt import GPTModel
 from megalite.model.moe import MoELayer, balance
 from megalite.model.moe import experts as experts_module
-from megalite.model.moe.dispatcher import sort_by_expert
-from megalite.model.moe.router import capacity_mask
+from megalite.model.moe.dispatcher import DISPATCHERS, AllGatherDispatcher, sort_by_expert
+from megalite.model.moe.router import LOAD_BALANCING, SCORE_FUNCTIONS, SoftmaxScores, capacity_mask
 
 H, FFN, E, K, S, B = 16, 8, 4, 2, 8, 2  # hidden, expert ffn, experts, top-k, sequence, batch
 BASE = dict(num_layers=1, hidden_size=H, num_attention_heads=2, seq_length=S, max_position_embeddings=S,
@@ -416,7 +416,140 @@ def test_grouped_gemm_on_cpu_runs_the_loop(monkeypatch):
     assert torch.equal(looped(x), grouped(x))
 
 
-# -- 7. a small MoE GPT trains ------------------------------------------------------------------
+# -- 7. group-limited routing, the scaling factor, the router's dtype ------------------------------
+
+def ref_group_choice(values: list[float], k: int, groups: int, group_topk: int) -> list[int]:
+    """Megatron-LM's group_limited_topk for one token: groups of consecutive experts, each scored by
+    the sum of its top k // group_topk values; the top-k among the best group_topk groups' experts."""
+    size = len(values) // groups
+    members = [list(range(g * size, (g + 1) * size)) for g in range(groups)]
+    score = [sum(sorted((values[e] for e in m), reverse=True)[:k // group_topk]) for m in members]
+    kept = sorted(range(groups), key=lambda g: -score[g])[:group_topk]
+    return sorted((e for g in kept for e in members[g]), key=lambda e: -values[e])[:k]
+
+
+def ref_group_probs(logits: torch.Tensor, k: int, groups: int, group_topk: int, score_function: str,
+                    pre_softmax: bool, bias, scaling: float):
+    """(probs [T, k] differentiable in logits, experts [T][k], plain top-k of the scores [T][k])."""
+    probs, experts = [], []
+    for row in logits:
+        if score_function == "softmax":
+            soft = torch.exp(row) / torch.exp(row).sum()
+            values = (soft if pre_softmax else row).tolist()
+            chosen = ref_group_choice(values, k, groups, group_topk)
+            p = soft[chosen] if pre_softmax else torch.exp(row[chosen]) / torch.exp(row[chosen]).sum()
+        else:
+            sig = 1.0 / (1.0 + torch.exp(-row))
+            values = [v + (0.0 if bias is None else b) for v, b in zip(sig.tolist(), bias or [0.0] * len(row))]
+            chosen = ref_group_choice(values, k, groups, group_topk)
+            p = sig[chosen] / sig[chosen].sum() if k > 1 else sig[chosen]
+        probs.append(p * scaling)
+        experts.append(chosen)
+    return torch.stack(probs), experts
+
+
+@pytest.mark.parametrize("score_function,pre_softmax,bias,k,groups,group_topk", [
+    ("softmax", False, False, 2, 4, 1), ("softmax", True, False, 4, 4, 2), ("sigmoid", False, True, 4, 4, 2),
+    ("sigmoid", False, False, 4, 2, 1), ("softmax", False, False, 3, 2, 1)])
+def test_group_limited_routing_matches_reference(score_function, pre_softmax, bias, k, groups, group_topk):
+    """Probabilities, experts, gradients (through the layer's output) and the aux loss, which
+    counts the plain top-k of the scores (Megatron-LM's compute_routing_scores_for_aux_loss)."""
+    n, scaling = 8, 2.5
+    layer = moe_layer(num_experts=n, moe_router_topk=k, moe_router_num_groups=groups,
+                      moe_router_group_topk=group_topk, moe_router_topk_scaling_factor=scaling,
+                      moe_router_score_function=score_function, moe_router_pre_softmax=pre_softmax,
+                      moe_router_enable_expert_bias=bias, moe_aux_loss_coeff=0.1)
+    bias_values = [0.3, -0.2, 0.1, 0.0, -0.4, 0.25, 0.05, -0.1] if bias else None
+    if bias:
+        layer.router.expert_bias.copy_(torch.tensor(bias_values))
+    x = tokens().reshape(S * B, H).requires_grad_()
+    routing = layer.route(x, (S, B))
+    weight = layer.router.weight.detach().clone().requires_grad_()
+    want_probs, want_experts = ref_group_probs(x @ weight.t(), k, groups, group_topk, score_function, pre_softmax,
+                                               bias_values, scaling)
+    assert routing.indices.tolist() == want_experts
+    torch.testing.assert_close(routing.probs, want_probs, rtol=1e-5, atol=1e-6)
+    plain = torch.topk(x @ weight.t() if score_function == "softmax" and not pre_softmax else
+                       torch.softmax(x @ weight.t(), -1) if score_function == "softmax" else
+                       torch.sigmoid(x @ weight.t()) + torch.tensor(bias_values or [0.0] * n), k).indices.tolist()
+    assert [set(e) for e in plain] != [set(e) for e in want_experts]  # the groups changed some token's choice
+    # gradients of the probabilities and the aux loss, against the reference's
+    r = torch.randn(routing.probs.shape, generator=torch.Generator().manual_seed(3))
+    (routing.probs * r).sum().add(routing.loss).backward()
+    aux, _ = ref_losses(x, weight, "aux_loss", 0.1, None, score_function, S, B, k)
+    (want_probs * r).sum().add(aux).backward()
+    torch.testing.assert_close(layer.router.weight.grad, weight.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(routing.loss, aux, rtol=1e-5, atol=1e-7)
+
+
+def test_scaling_factor_scales_the_routed_output():
+    """--moe-router-topk-scaling-factor multiplies the routed experts' weights: their sum scales."""
+    x = tokens()
+    with torch.no_grad():
+        base, scaled = moe_layer()(x), moe_layer(moe_router_topk_scaling_factor=2.5)(x)
+    torch.testing.assert_close(scaled, 2.5 * base, rtol=1e-6, atol=1e-6)
+
+
+def test_router_dtype_fp64():
+    """--moe-router-dtype fp64: logits, probabilities, losses and the weighted sum in fp64; the
+    probabilities agree with an fp64 computation to fp64 precision, those of fp32 routing do not."""
+    x = tokens().reshape(S * B, H)
+    layers = {d: moe_layer(moe_router_dtype=d, moe_aux_loss_coeff=0.1) for d in ("fp32", "fp64")}
+    logits = x.double() @ layers["fp64"].router.weight.double().t()
+    want = torch.softmax(torch.topk(logits, K).values, -1)
+    got = {d: layer.route(x, (S, B)) for d, layer in layers.items()}
+    assert got["fp64"].probs.dtype == got["fp64"].loss.dtype == torch.float64
+    assert got["fp32"].probs.dtype == torch.float32
+    assert (got["fp64"].probs - want).abs().max() < 1e-14 < (got["fp32"].probs.double() - want).abs().max()
+    with torch.no_grad():
+        out = {d: layer(tokens()) for d, layer in layers.items()}
+    assert out["fp64"].dtype == torch.float32  # the activations keep their dtype
+    torch.testing.assert_close(out["fp64"], out["fp32"], rtol=1e-5, atol=1e-6)
+
+
+# -- 8. the seams: registries keyed by the flags' values ----------------------------------------
+
+def flag_choices(config_class, field_name: str) -> set:
+    import dataclasses
+    return set(next(f for f in dataclasses.fields(config_class) if f.name == field_name).metadata["flag"].choices)
+
+
+def test_registries_are_the_flags_choices():
+    """The flags' choices (config/, torch-free) name exactly the registered classes."""
+    from megalite.config import ParallelConfig
+    from megalite.config.model import GPTConfig
+    assert set(DISPATCHERS) == flag_choices(ParallelConfig, "moe_token_dispatcher_type")
+    assert set(SCORE_FUNCTIONS) == flag_choices(GPTConfig, "moe_router_score_function")
+    assert set(LOAD_BALANCING) == flag_choices(GPTConfig, "moe_router_load_balancing_type")
+
+
+def test_new_dispatcher_and_score_function_are_one_class_and_one_entry(monkeypatch):
+    """A registered dispatcher and score function are what the layer runs: here a dispatcher that
+    counts its calls and softmax scores at half temperature, against the loop reference."""
+    calls = []
+
+    class CountingDispatcher(AllGatherDispatcher):
+        def dispatch(self, x, routing):
+            calls.append(x.size(0))
+            return super().dispatch(x, routing)
+
+    class SharpSoftmax(SoftmaxScores):
+        def __call__(self, logits, k, select, pre_softmax, expert_bias):
+            return super().__call__(logits * 2, k, select, pre_softmax, expert_bias)
+
+    monkeypatch.setitem(DISPATCHERS, "counting", CountingDispatcher)
+    monkeypatch.setitem(SCORE_FUNCTIONS, "sharp", SharpSoftmax)
+    layer = moe_layer(moe_token_dispatcher_type="counting", moe_router_score_function="sharp")
+    x = tokens()
+    with torch.no_grad():
+        got = layer(x)
+        layer.router.weight.mul_(2)  # the reference at the sharpened logits
+        want = ref_layer(layer, x, True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [S * B]
+
+
+# -- 9. a small MoE GPT trains ------------------------------------------------------------------
 
 def test_moe_gpt_trains():
     s, b = 16, 4

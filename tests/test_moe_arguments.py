@@ -26,6 +26,19 @@ MOE = ["--num-experts", "4", "--disable-bias-linear"]
     (MOE + ["--moe-layer-freq", "[1,0]"], 1, r"--moe-layer-freq must be .*2 entries for 4 layers"),
     (MOE + ["--moe-layer-freq", "__import__('os')"], 1, r"--moe-layer-freq must be an integer or a Python list"),
     (MOE + ["--moe-expert-capacity-factor", "0"], 1, r"--moe-expert-capacity-factor must be a number > 0"),
+    (MOE + ["--moe-router-num-groups", "2"], 1, r"--moe-router-num-groups needs --moe-router-group-topk"),
+    (MOE + ["--moe-router-group-topk", "1"], 1, r"--moe-router-group-topk needs --moe-router-num-groups"),
+    (MOE + ["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 1,
+     r"--moe-router-num-groups \(3\) does not divide --num-experts \(4\)"),
+    (MOE + ["--moe-router-num-groups", "2", "--moe-router-group-topk", "3"], 1,
+     r"--moe-router-group-topk \(3\) exceeds --moe-router-num-groups \(2\)"),
+    (MOE + ["--moe-router-num-groups", "4", "--moe-router-group-topk", "3"], 1,
+     r"--moe-router-group-topk \(3\) exceeds --moe-router-topk \(2\)"),
+    (MOE + ["--moe-router-num-groups", "4", "--moe-router-group-topk", "1"], 1,
+     r"--moe-router-topk / --moe-router-group-topk \(2 / 1\) exceeds the 1 experts of a group"),
+    (MOE + ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-topk", "3"], 1,
+     r"--moe-router-topk / --moe-router-group-topk \(3 / 1\) exceeds the 2 experts"),
+    (MOE + ["--moe-router-topk-scaling-factor", "0"], 1, r"--moe-router-topk-scaling-factor must be a number > 0"),
 ])
 def test_bad_moe_flags(extra, world, pattern):
     with pytest.raises(ArgumentError, match=pattern):
@@ -59,12 +72,15 @@ def test_use_checkpoint_args_takes_the_moe_architecture(tmp_path):
     ck = str(tmp_path / "ck")
     moe = ["--num-experts", "8", "--moe-router-topk", "1", "--moe-ffn-hidden-size", "24", "--moe-layer-freq", "2",
            "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-           "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate"]
+           "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate", "--moe-router-num-groups", "4",
+           "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp64"]
     write_checkpoint(ck, mock(100) + tiny(num_layers=4, global_batch_size=None, train_iters=1) + MOE[2:] + moe)
     c = config(["--use-checkpoint-args", "--load", ck, "--mock-data", "--disable-bias-linear"] + RUN)
     m = c.model
     assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_layer_freq) == (8, 1, 24, "2")
     assert m.moe_router_enable_expert_bias and m.moe_shared_expert_gate and m.moe_shared_expert_intermediate_size == 16
+    assert (m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk_scaling_factor,
+            m.moe_router_dtype) == (4, 1, 2.5, "fp64")
 
 
 def test_checkpoint_of_another_moe_shape_is_refused():
@@ -72,7 +88,11 @@ def test_checkpoint_of_another_moe_shape_is_refused():
     from megalite.errors import CheckpointError
     base = {"num_layers": 4, "ffn_hidden_size": 64, "num_experts": 4, "moe_layer_freq": "1"}
     check_moe_config(base, dict(base, moe_layer_freq="'[1]*4'", moe_ffn_hidden_size=64), "ck")  # the same layers
-    for change, flag in (({"num_experts": 8}, "--num-experts"), ({"moe_layer_freq": "2"}, "--moe-layer-freq"),
+    check_moe_config(base, dict(base, moe_router_dtype="fp32", moe_router_topk_scaling_factor=1.0), "ck")  # unset
+    for change, flag in (({"moe_router_num_groups": 2, "moe_router_group_topk": 1}, "--moe-router-num-groups"),
+                         ({"moe_router_topk_scaling_factor": 2.5}, "--moe-router-topk-scaling-factor"),
+                         ({"moe_router_dtype": "fp64"}, "--moe-router-dtype"),
+                         ({"num_experts": 8}, "--num-experts"), ({"moe_layer_freq": "2"}, "--moe-layer-freq"),
                          ({"num_experts": None}, "--num-experts"), ({"moe_ffn_hidden_size": 32}, "--moe-ffn-hidden-size")):
         with pytest.raises(CheckpointError, match=f"{flag} is .* in the checkpoint"):
             check_moe_config(base, dict(base, **change), "ck")

@@ -46,7 +46,8 @@ FORCED = (
     # (the load compares the shapes: checkpoint/state.py check_moe_config)
     "model.num_experts", "model.moe_ffn_hidden_size", "model.moe_router_topk", "model.moe_layer_freq",
     "model.moe_router_score_function", "model.moe_router_pre_softmax", "model.moe_router_enable_expert_bias",
-    "model.moe_shared_expert_intermediate_size", "model.moe_shared_expert_gate",
+    "model.moe_shared_expert_intermediate_size", "model.moe_shared_expert_gate", "model.moe_router_num_groups",
+    "model.moe_router_group_topk", "model.moe_router_topk_scaling_factor", "model.moe_router_dtype",
     # attention variants: extra weights (q/k norms, sinks) or another function of the same weights
     "model.qk_layernorm", "model.window_size", "model.window_attn_skip_freq", "model.softmax_type",
 )

@@ -20,6 +20,7 @@ def check_moe(c: RunConfig) -> None:
     e, k = m.num_experts, m.moe_router_topk
     if k > e:
         fail(f"--moe-router-topk ({k}) exceeds --num-experts ({e})")
+    check_group_routing(e, k, m.moe_router_num_groups, m.moe_router_group_topk)
     try:
         moe_layer_pattern(m.moe_layer_freq, m.num_layers)
     except ValueError as why:
@@ -50,3 +51,29 @@ def check_moe(c: RunConfig) -> None:
         fail("--expert-model-parallel-size > 1 with --use-tp-pp-dp-mapping is not supported: the expert grid "
              "(TP-EP-DP-PP) must keep the dense grid's pipeline groups, which the TP-CP-PP-DP order does not")
     p.expert_data_parallel_size = dp_cp // ep
+
+
+def check_group_routing(e: int, k: int, groups: int | None, group_topk: int | None) -> None:
+    """Group-limited routing: both flags or neither; the groups divide the experts; each kept
+    group is scored by its top k / group_topk experts (so group_topk <= k, and those fit in a
+    group), and the kept groups hold at least k experts."""
+    if (groups is None) != (group_topk is None):
+        given, missing = ("--moe-router-num-groups", "--moe-router-group-topk") if group_topk is None else \
+            ("--moe-router-group-topk", "--moe-router-num-groups")
+        fail(f"{given} needs {missing} (group-limited routing takes both)")
+    if groups is None:
+        return
+    if e % groups:
+        fail(f"--moe-router-num-groups ({groups}) does not divide --num-experts ({e})")
+    if group_topk > groups:
+        fail(f"--moe-router-group-topk ({group_topk}) exceeds --moe-router-num-groups ({groups})")
+    if group_topk > k:
+        fail(f"--moe-router-group-topk ({group_topk}) exceeds --moe-router-topk ({k}): each kept group is scored by "
+             f"its top (--moe-router-topk / --moe-router-group-topk) experts")
+    per_group = e // groups
+    if k // group_topk > per_group:
+        fail(f"--moe-router-topk / --moe-router-group-topk ({k} / {group_topk}) exceeds the {per_group} experts of a "
+             f"group (--num-experts / --moe-router-num-groups)")
+    if k > group_topk * per_group:
+        fail(f"--moe-router-topk ({k}) exceeds the {group_topk * per_group} experts of the "
+             f"--moe-router-group-topk ({group_topk}) groups kept")

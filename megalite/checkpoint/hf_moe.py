@@ -60,6 +60,12 @@ def moe_architecture(cfg: dict, refuse) -> str:
         refuse("--num-experts without --disable-bias-linear (biases on every linear layer)", target)
     if cfg.get("moe_router_score_function", "softmax") != "softmax":
         refuse(f"--moe-router-score-function {cfg['moe_router_score_function']} (their routers use softmax)", target)
+    if cfg.get("moe_router_group_topk"):
+        refuse(f"--moe-router-group-topk {cfg['moe_router_group_topk']} (group-limited routing; their routers "
+               "choose among all experts)", target)
+    if cfg.get("moe_router_topk_scaling_factor") not in (None, 1.0):
+        refuse(f"--moe-router-topk-scaling-factor {cfg['moe_router_topk_scaling_factor']} (their routers do not "
+               "scale the probabilities)", target)
     if cfg.get("moe_expert_capacity_factor") is not None:
         refuse(f"--moe-expert-capacity-factor {cfg['moe_expert_capacity_factor']} (token dropping; their MoE "
                "layers are dropless)", target)

@@ -38,7 +38,8 @@ MODEL_FLAGS = {
 MOE_FLAGS = {key: "--" + key.replace("_", "-") for key in (
     "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
     "moe_router_pre_softmax", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-    "moe_router_enable_expert_bias")}
+    "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_topk_scaling_factor", "moe_router_dtype")}
 # settings whose flag says the opposite of the field (store_false): messages show the flag's value
 NEGATED = ("add_bias_linear",)
 # RoPE settings, compared for RoPE models only; a key older checkpoints lack means its default
@@ -147,6 +148,9 @@ def moe_differences(saved: dict, current: dict) -> list[tuple[str, object, objec
         values = {key: c.get(key, defaults[key]) for key in MOE_FLAGS}
         values["moe_layer_freq"] = moe_layer_pattern(values["moe_layer_freq"], c["num_layers"])
         values["moe_ffn_hidden_size"] = values["moe_ffn_hidden_size"] or c.get("ffn_hidden_size")
+        # unset means the same function as its value here: routing in fp32, probabilities unscaled
+        values["moe_router_dtype"] = values["moe_router_dtype"] or "fp32"
+        values["moe_router_topk_scaling_factor"] = values["moe_router_topk_scaling_factor"] or 1.0
         return {flag: bool(values[key]) if isinstance(defaults[key], bool) else values[key]
                 for key, flag in MOE_FLAGS.items()}
     old, new = settings(saved), settings(current)

@@ -157,6 +157,24 @@ class GPTConfig:
     moe_router_pre_softmax: bool = flag(
         "--moe-router-pre-softmax", False, "softmax over all experts before top-k (Qwen2-MoE without norm_topk_prob) "
         "instead of over the k selected logits (Mixtral)", action="store_true")
+    # group-limited routing (DeepSeek-V2's device-limited, V3's node-limited): experts in groups of
+    # E / groups, each group scored by the sum of its top (k / group_topk) scores, top-k within the
+    # best group_topk groups (Megatron-LM's group_limited_topk)
+    moe_router_num_groups: int | None = flag(
+        "--moe-router-num-groups", None, "group-limited routing: the experts in this many equal groups (contiguous "
+        "indices; dividing --num-experts), each token's top-k chosen within its --moe-router-group-topk best groups "
+        "(DeepSeek-V3's node-limited routing)", type=int, check=AT_LEAST_1)
+    moe_router_group_topk: int | None = flag(
+        "--moe-router-group-topk", None, "group-limited routing: groups kept per token, each scored by the sum of "
+        "its top (--moe-router-topk / this) expert scores (<= --moe-router-num-groups, <= --moe-router-topk)",
+        type=int, check=AT_LEAST_1)
+    moe_router_topk_scaling_factor: float | None = flag(
+        "--moe-router-topk-scaling-factor", None, "multiplies the routing probabilities of the chosen experts "
+        "(DeepSeek-V3's routed_scaling_factor; > 0); none: 1", type=float, check=POSITIVE)
+    moe_router_dtype: str | None = flag(
+        "--moe-router-dtype", None, "the router's logits, probabilities and losses and the weighted sum of the "
+        "experts' outputs in this dtype; none: fp32 (megalite routes in fp32 whatever the activations' dtype)",
+        type=str, choices=["fp32", "fp64"])
     moe_router_enable_expert_bias: bool = flag(
         "--moe-router-enable-expert-bias", False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to "
         "the scores for the top-k choice only, moved after each step by --moe-router-bias-update-rate towards "

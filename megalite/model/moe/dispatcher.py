@@ -16,6 +16,8 @@ Both give the same numbers as one process holding every expert. Dropped choices 
 not sent; their tokens get nothing from that expert (the residual carries them)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ... import comm
@@ -66,7 +68,8 @@ def sort_by_expert(indices: torch.Tensor, kept: torch.Tensor | None, first: int,
 
 
 class _Combine(torch.autograd.Function):
-    """Σ over a token's choices of prob · expert output, in fp32, as [num_tokens, h]: y [N, h]
+    """Σ over a token's choices of prob · expert output, in the probabilities' dtype (fp32, or
+    fp64 with --moe-router-dtype fp64), as [num_tokens, h]: y [N, h]
     the outputs of the choices `order` [N] (flat choice numbers, each at most once), probs
     [T, k]. One node with its own backward, the products autograd would compute, without its
     copies: the forward scatter-adds into fresh zeros in place, and the probabilities' gradient
@@ -76,8 +79,8 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, y, probs, order, k, num_tokens):
         token = order // k
         p = probs.reshape(-1).index_select(0, order).unsqueeze(-1)  # [N, 1] fp32
-        out = torch.zeros(num_tokens, y.size(-1), dtype=torch.float32, device=y.device)
-        out.index_add_(0, token, y.float() * p)
+        out = torch.zeros(num_tokens, y.size(-1), dtype=p.dtype, device=y.device)
+        out.index_add_(0, token, y.to(p.dtype) * p)
         ctx.save_for_backward(y, p, order, token)
         ctx.probs_shape = probs.shape
         return out.to(y.dtype)
@@ -85,10 +88,10 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         y, p, order, token = ctx.saved_tensors
-        g = grad.float().index_select(0, token)  # [N, h]: each choice's token's gradient
+        g = grad.to(p.dtype).index_select(0, token)  # [N, h]: each choice's token's gradient
         grad_probs = None
         if ctx.needs_input_grad[1]:
-            per_choice = (g * y.float()).sum(-1)
+            per_choice = (g * y.to(p.dtype)).sum(-1)
             grad_probs = torch.zeros(ctx.probs_shape.numel(), dtype=per_choice.dtype, device=per_choice.device)
             grad_probs = grad_probs.index_copy_(0, order, per_choice).view(ctx.probs_shape)
         # in place: g is this function's own, and a fresh [N, h] buffer costs page faults on a CPU
@@ -102,40 +105,97 @@ def _combine(y: torch.Tensor, order: torch.Tensor, probs: torch.Tensor, k: int, 
 
 
 class TokenDispatcher:
-    def __init__(self, kind: str, num_experts: int, tp_group, ep_group):
-        if kind not in ("alltoall", "allgather"):
-            raise ValueError(f"--moe-token-dispatcher-type must be alltoall or allgather, got {kind!r}")
-        self.kind, self.num_experts, self.tp_group, self.ep_group = kind, num_experts, tp_group, ep_group
+    """Moves a rank's routed tokens to the experts and their outputs back: `dispatch` gives the
+    rows each local expert computes (sorted by local expert, with their counts) and a handle,
+    `combine` turns the experts' outputs for those rows into this rank's tokens' weighted sums.
+
+    A new dispatcher is a subclass and one entry in DISPATCHERS (the choices of
+    --moe-token-dispatcher-type). Tensor parallelism is common to every dispatcher: under
+    sequence parallelism the TP group's tokens and routing are all-gathered first (`_gather_tp`),
+    and the partial sums reduce-scattered back at the end (`_scatter_tp`)."""
+
+    def __init__(self, num_experts: int, first: int, num_local: int, tp_group, ep_group):
+        """Experts [first, first + num_local) of `num_experts` are this rank's."""
+        self.num_experts, self.first, self.num_local = num_experts, first, num_local
+        self.tp_group, self.ep_group = tp_group, ep_group
         self.ep = comm.group_size(ep_group)
 
-    def __call__(self, x: torch.Tensor, routing: Routing, experts) -> torch.Tensor:
-        """x [T, h] this rank's tokens -> [T, h] their experts' weighted sum."""
+    def dispatch(self, x: torch.Tensor, routing: Routing):
+        """x [T, h] this rank's tokens -> (rows [N, h] sorted by local expert, counts per local
+        expert as ints, handle for `combine`)."""
+        raise NotImplementedError
+
+    def combine(self, y: torch.Tensor, handle) -> torch.Tensor:
+        """y [N, h] the experts' outputs for the dispatched rows -> [T, h] this rank's tokens'
+        weighted sums of their experts' outputs."""
+        raise NotImplementedError
+
+    def _gather_tp(self, x: torch.Tensor, routing: Routing):
         probs, indices, kept = routing.probs, routing.indices, routing.kept
         if comm.group_size(self.tp_group) > 1:
             x, probs = gather_from_sp(x, self.tp_group), gather_from_sp(probs, self.tp_group)
             indices = comm.all_gather(indices, self.tp_group)
             kept = comm.all_gather(kept, self.tp_group) if kept is not None else None
-        run = self._alltoall if self.kind == "alltoall" and self.ep > 1 else self._allgather
-        out = run(x, probs, indices, kept, experts)
+        return x, probs, indices, kept
+
+    def _scatter_tp(self, out: torch.Tensor) -> torch.Tensor:
         return reduce_scatter_to_sp(out, self.tp_group)
 
-    def _allgather(self, x, probs, indices, kept, experts):
+
+@dataclass
+class _Rows:
+    """Where the dispatched rows came from: the flat choice numbers `order` (token = choice // k)
+    of the `num_tokens` tokens whose routing `probs` [num_tokens, k] weigh them."""
+    order: torch.Tensor
+    probs: torch.Tensor
+    k: int
+    num_tokens: int
+
+
+class AllGatherDispatcher(TokenDispatcher):
+    """The EP group's tokens and routing all-gathered; each rank computes its experts' rows and the
+    outputs are reduce-scattered: traffic ~ T·EP·h per rank, no count exchange."""
+
+    def dispatch(self, x, routing):
+        x, probs, indices, kept = self._gather_tp(x, routing)
         if self.ep > 1:
             x, probs = gather_from_sp(x, self.ep_group), gather_from_sp(probs, self.ep_group)
             indices = comm.all_gather(indices, self.ep_group)
             kept = comm.all_gather(kept, self.ep_group) if kept is not None else None
         k = indices.size(1)
-        order, _, counts = sort_by_expert(indices, kept, experts.first, experts.num_local, self.num_experts)
-        y = experts(x.index_select(0, order // k), counts)
-        return reduce_scatter_to_sp(_combine(y, order, probs, k, x.size(0)), self.ep_group)
+        order, _, counts = sort_by_expert(indices, kept, self.first, self.num_local, self.num_experts)
+        return x.index_select(0, order // k), counts, _Rows(order, probs, k, x.size(0))
 
-    def _alltoall(self, x, probs, indices, kept, experts):
-        k, n_local, ep = indices.size(1), experts.num_local, self.ep
+    def combine(self, y, handle: _Rows):
+        out = _combine(y, handle.order, handle.probs, handle.k, handle.num_tokens)
+        return self._scatter_tp(reduce_scatter_to_sp(out, self.ep_group))
+
+
+@dataclass
+class _Exchange(_Rows):
+    """An all-to-all's bookkeeping: the rows' split sizes each way and the permutation from
+    (source rank, local expert) blocks to (local expert, source rank) ones."""
+    perm: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+class AllToAllDispatcher(AllGatherDispatcher):
+    """Tokens sorted by expert, each EP rank sent exactly the rows for its experts (all_to_all
+    with uneven splits, after an all_to_all of the counts), computed there grouped by local
+    expert, and sent back the same way: traffic ~ T·k·h per rank. With one EP rank there is
+    nothing to exchange: the all-gather path, which then has no collective, runs."""
+
+    def dispatch(self, x, routing):
+        if self.ep == 1:
+            return super().dispatch(x, routing)
+        x, probs, indices, kept = self._gather_tp(x, routing)
+        k, n_local, ep = indices.size(1), self.num_local, self.ep
         order, counts, host = sort_by_expert(indices, kept, 0, self.num_experts, self.num_experts)  # [E] sent
         # how many rows each EP rank sends this one, per local expert: [EP, E_local]
         received = comm.all_to_all(counts, [n_local] * ep, [n_local] * ep, self.ep_group)
         if received.device.type == "meta":  # balanced routing: every rank sends what this one does
-            got = [host[experts.first:experts.first + n_local]] * ep
+            got = [host[self.first:self.first + n_local]] * ep
         else:
             got = received.view(ep, n_local).tolist()
         send_splits = [sum(host[r * n_local:(r + 1) * n_local]) for r in range(ep)]
@@ -146,7 +206,16 @@ class TokenDispatcher:
         blocks = [(starts[src * n_local + e], got[src][e]) for e in range(n_local) for src in range(ep)]
         perm = torch.cat([torch.arange(a, a + n, device=x.device) for a, n in blocks]) if blocks else \
             torch.zeros(0, dtype=torch.long, device=x.device)
-        y = experts(rows.index_select(0, perm), [sum(got[src][e] for src in range(ep)) for e in range(n_local)])
-        y = y.index_select(0, torch.argsort(perm))  # back to (source, expert) order
-        y = _AllToAll.apply(y, send_splits, recv_splits, self.ep_group)
-        return _combine(y, order, probs, k, x.size(0))
+        counts_local = [sum(got[src][e] for src in range(ep)) for e in range(n_local)]
+        handle = _Exchange(order, probs, k, x.size(0), perm, send_splits, recv_splits)
+        return rows.index_select(0, perm), counts_local, handle
+
+    def combine(self, y, handle):
+        if self.ep == 1:  # dispatched by the all-gather path
+            return super().combine(y, handle)
+        y = y.index_select(0, torch.argsort(handle.perm))  # back to (source, expert) order
+        y = _AllToAll.apply(y, handle.send_splits, handle.recv_splits, self.ep_group)
+        return self._scatter_tp(_combine(y, handle.order, handle.probs, handle.k, handle.num_tokens))
+
+
+DISPATCHERS: dict[str, type[TokenDispatcher]] = {"allgather": AllGatherDispatcher, "alltoall": AllToAllDispatcher}

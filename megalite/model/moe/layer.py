@@ -1,6 +1,11 @@
 """The Mixture-of-Experts MLP (Shazeer et al. 2017; Fedus et al. 2021; Jiang et al. 2024,
 Mixtral): y = Σ_{e in top-k(x)} p_e(x) · Expert_e(x) [+ shared expert(x)], in place of a layer's
-dense MLP. x: [s, b, h] ([s/tp, b, h] under sequence parallelism)."""
+dense MLP. x: [s, b, h] ([s/tp, b, h] under sequence parallelism).
+
+The forward is four phases, each a method: `route` (router.py: each token's experts and
+weights, and the router's losses), `dispatch` (dispatcher.py: the routed rows to the ranks
+holding their experts), `run_experts` (experts.py) and `combine` (dispatcher.py: the outputs
+back, weighted, summed per token); the shared expert runs beside them."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +18,9 @@ from ...tensor_parallel import set_init
 from ...tensor_parallel.param_info import param_info
 from ..config import ExecutionConfig, GPTConfig
 from ..mlp import MLP
-from .dispatcher import TokenDispatcher
+from .dispatcher import DISPATCHERS
 from .experts import LocalExperts
-from .router import TopKRouter
+from .router import Routing, TopKRouter
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -45,7 +50,8 @@ class MoELayer(nn.Module):
         self.token_group = token_group
         self.router = TopKRouter(config, execution, device)
         self.experts = LocalExperts(config, execution, tp_group, ep_group, device)
-        self.dispatcher = TokenDispatcher(execution.moe_token_dispatcher_type, config.num_experts, tp_group, ep_group)
+        self.dispatcher = DISPATCHERS[execution.moe_token_dispatcher_type](
+            config.num_experts, self.experts.first, self.experts.num_local, tp_group, ep_group)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
@@ -58,15 +64,34 @@ class MoELayer(nn.Module):
         # d(objective)/d(router loss) of each micro-batch, set by the trainer every iteration
         self.aux_loss_scale = 1.0
 
+    def route(self, tokens: torch.Tensor, seq_shape: tuple[int, int]) -> Routing:
+        """tokens [T, h] in [s, b] order -> each token's experts, weights and the router's losses."""
+        return self.router(tokens, self.token_group, seq_shape)
+
+    def dispatch(self, tokens: torch.Tensor, routing: Routing):
+        """-> (rows [N, h] for this rank's experts, sorted by local expert; counts; handle)."""
+        return self.dispatcher.dispatch(tokens, routing)
+
+    def run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return self.experts(rows, counts)
+
+    def combine(self, y: torch.Tensor, handle) -> torch.Tensor:
+        """The experts' outputs -> [T, h] each token's weighted sum of its experts' outputs."""
+        return self.dispatcher.combine(y, handle)
+
+    def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.shared_experts(x)
+        gate = getattr(self.shared_experts, "gate_weight", None)
+        return y if gate is None else torch.sigmoid(F.linear(x, gate)) * y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        routing = self.router(tokens, self.token_group, (s, b))
-        out = self.dispatcher(tokens, routing, self.experts).view(s, b, h)
+        routing = self.route(tokens, (s, b))
+        rows, counts, handle = self.dispatch(tokens, routing)
+        out = self.combine(self.run_experts(rows, counts), handle).view(s, b, h)
         if self.shared_experts is not None:
-            y = self.shared_experts(x)
-            gate = getattr(self.shared_experts, "gate_weight", None)
-            out = out + (y if gate is None else torch.sigmoid(F.linear(x, gate)) * y)
+            out = out + self.shared_expert(x)
         if routing.loss is not None and torch.is_grad_enabled():
             out = _AttachLoss.apply(out, routing.loss, self.aux_loss_scale)
         return out

@@ -1,11 +1,14 @@
 """The top-k router: which experts each token goes to, with what weight, and the losses that keep
-the experts evenly loaded. Computed in fp32 whatever the activations' dtype.
+the experts evenly loaded. Computed in fp32 whatever the activations' dtype (fp64 with --moe-router-dtype fp64).
 
 Scores (Megatron-LM's topk_softmax_with_capacity):
   softmax            probs = softmax(top-k logits)           (Mixtral: softmax, top-k, renormalise)
   softmax, pre       probs = top-k of softmax(logits)        (Qwen2-MoE without norm_topk_prob)
   sigmoid            s = sigmoid(logits); top-k of s (+ expert bias, for the choice only);
                      probs = s_topk / sum(s_topk) for k > 1  (DeepSeek-V3)
+  group-limited      the top-k taken within each token's best --moe-router-group-topk of
+                     --moe-router-num-groups expert groups (GroupLimitedTopK)
+  scaling factor     probs x --moe-router-topk-scaling-factor (DeepSeek-V3's routed_scaling_factor)
 
 Losses, each added to the backward of the layer's output (AuxLossInjector) rather than to the
 language-model loss, so a pipeline stage without the loss can train its router:
@@ -42,24 +45,73 @@ class Routing:
     loss: torch.Tensor | None  # this rank's part of the micro-batch's aux + z losses (None: none)
 
 
-def topk_scores(logits: torch.Tensor, k: int, score_function: str, pre_softmax: bool,
-                expert_bias: torch.Tensor | None = None):
-    """(probs [T, k], indices [T, k], scores for the aux loss [T, E]) from fp32 logits [T, E]."""
-    if score_function == "softmax":
+def plain_topk(values: torch.Tensor, k: int):
+    """(top-k values, their expert indices) of each token's row [T, E]."""
+    return torch.topk(values, k, dim=-1)
+
+
+class ScoreFunction:
+    """How a router turns fp32 logits [T, E] into each token's k experts and their weights.
+
+    A new score function is a subclass and one entry in SCORE_FUNCTIONS (the choices of
+    --moe-router-score-function). `select(values, k)` picks each row's top-k (plain, or restricted
+    to a few groups of experts)."""
+
+    def __call__(self, logits: torch.Tensor, k: int, select, pre_softmax: bool,
+                 expert_bias: torch.Tensor | None):
+        """(probs [T, k], indices [T, k], the scores the load-balancing loss weighs [T, E])."""
+        raise NotImplementedError
+
+
+class SoftmaxScores(ScoreFunction):
+    """Mixtral: the top-k logits, softmaxed; pre-softmax (Qwen2-MoE without norm_topk_prob): the
+    top-k of the softmax over all E."""
+
+    def __call__(self, logits, k, select, pre_softmax, expert_bias):
         scores = torch.softmax(logits, dim=-1)
         if pre_softmax:
-            probs, indices = torch.topk(scores, k, dim=-1)
+            probs, indices = select(scores, k)
         else:
-            top, indices = torch.topk(logits, k, dim=-1)
+            top, indices = select(logits, k)
             probs = torch.softmax(top, dim=-1)
         return probs, indices, scores
-    scores = torch.sigmoid(logits)
-    choice = scores if expert_bias is None else scores + expert_bias
-    indices = torch.topk(choice, k, dim=-1).indices
-    probs = scores.gather(1, indices)
-    if k > 1:
-        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
-    return probs, indices, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+class SigmoidScores(ScoreFunction):
+    """DeepSeek-V3: s = sigmoid(logits), the top-k of s + expert bias (the bias for the choice
+    only), the weights s_topk normalised over the k (k > 1); the loss weighs s normalised over E."""
+
+    def __call__(self, logits, k, select, pre_softmax, expert_bias):
+        scores = torch.sigmoid(logits)
+        choice = scores if expert_bias is None else scores + expert_bias
+        indices = select(choice, k)[1]
+        probs = scores.gather(1, indices)
+        if k > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+        return probs, indices, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+class GroupLimitedTopK:
+    """Group-limited top-k (DeepSeek-V2 Sec. 2.1.3, V3 Sec. 2.1.2; Megatron-LM's group_limited_topk):
+    the E experts in `num_groups` groups of consecutive indices, each group scored per token by the
+    sum of its top (k // group_topk) values, and the top-k chosen within the `group_topk` best
+    groups only. With the groups on EP ranks or nodes, a token's copies reach at most group_topk
+    of them."""
+
+    def __init__(self, num_groups: int, group_topk: int):
+        self.num_groups, self.group_topk = num_groups, group_topk
+
+    def __call__(self, values: torch.Tensor, k: int):
+        T, E = values.shape
+        grouped = values.view(T, self.num_groups, E // self.num_groups)
+        group_scores = grouped.topk(k // self.group_topk, dim=-1).values.sum(dim=-1)  # [T, groups]
+        best = torch.topk(group_scores, self.group_topk, dim=-1).indices
+        keep = torch.zeros(T, self.num_groups, dtype=torch.bool, device=values.device).scatter_(1, best, True)
+        keep = keep.unsqueeze(-1).expand(grouped.shape).reshape(T, E)
+        return torch.topk(values.masked_fill(~keep, float("-inf")), k, dim=-1)
+
+
+SCORE_FUNCTIONS: dict[str, type[ScoreFunction]] = {"softmax": SoftmaxScores, "sigmoid": SigmoidScores}
 
 
 def capacity_mask(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, capacity: int,
@@ -94,6 +146,46 @@ def sequence_load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, seq
     return per_seq.sum() * (coeff / b)
 
 
+class BalancingLoss:
+    """A load-balancing loss over this rank's scores [T_local, E] (s_local x b tokens in [s, b]
+    order) and the micro-batch's routing choices, whose counts are summed over `token_group`.
+    A new one is a subclass and one entry in LOAD_BALANCING (the choices of
+    --moe-router-load-balancing-type); `enabled` False: no loss, nothing computed."""
+    enabled = True
+
+    def __call__(self, scores: torch.Tensor, onehot: torch.Tensor, token_group, seq_shape: tuple[int, int], k: int,
+                 coeff: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MicroBatchAuxLoss(BalancingLoss):
+    """aux_loss: over the whole micro-batch (Switch / GShard)."""
+
+    def __call__(self, scores, onehot, token_group, seq_shape, k, coeff):
+        s_local, b = seq_shape
+        counts = comm.all_reduce(onehot.sum(0), token_group)
+        return load_balancing_loss(scores, counts, s_local * b * comm.group_size(token_group), k, coeff)
+
+
+class SequenceAuxLoss(BalancingLoss):
+    """seq_aux_loss: per sequence, averaged over the sequences (DeepSeek-V2)."""
+
+    def __call__(self, scores, onehot, token_group, seq_shape, k, coeff):
+        s_local, b = seq_shape
+        counts = comm.all_reduce(onehot.view(s_local, b, -1).sum(0), token_group)
+        return sequence_load_balancing_loss(scores.view(s_local, b, -1), counts,
+                                            s_local * comm.group_size(token_group), k, coeff)
+
+
+class NoBalancingLoss(BalancingLoss):
+    """none: the routers are balanced by other means (the expert bias) or not at all."""
+    enabled = False
+
+
+LOAD_BALANCING: dict[str, type[BalancingLoss]] = {
+    "aux_loss": MicroBatchAuxLoss, "seq_aux_loss": SequenceAuxLoss, "none": NoBalancingLoss}
+
+
 def _first_training_pass() -> bool:
     """Whether this forward adds to the iteration's statistics (tokens per expert, logged losses):
     not under no_grad (evaluation), and not inside a backward pass, where activation recompute
@@ -106,10 +198,16 @@ class TopKRouter(nn.Module):
         super().__init__()
         E, h = config.num_experts, config.hidden_size
         self.num_experts, self.topk = E, config.moe_router_topk
-        self.score_function, self.pre_softmax = config.moe_router_score_function, config.moe_router_pre_softmax
-        self.balancing, self.aux_coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+        self.score_function = SCORE_FUNCTIONS[config.moe_router_score_function]()
+        self.pre_softmax = config.moe_router_pre_softmax
+        self.balancing = LOAD_BALANCING[config.moe_router_load_balancing_type]()
+        self.aux_coeff = config.moe_aux_loss_coeff
         self.z_coeff = config.moe_z_loss_coeff
         self.capacity_factor, self.drop_policy = config.moe_expert_capacity_factor, config.moe_token_drop_policy
+        self.select = GroupLimitedTopK(config.moe_router_num_groups, config.moe_router_group_topk) \
+            if config.moe_router_group_topk else plain_topk
+        self.scaling_factor = config.moe_router_topk_scaling_factor
+        self.dtype = torch.float64 if config.moe_router_dtype == "fp64" else torch.float32
         self.weight = nn.Parameter(torch.empty(E, h, dtype=execution.params_dtype, device=device))
         set_init(self.weight, "normal", config.init_method_std)
         # replicated across TP; under sequence parallelism each TP rank routes other tokens
@@ -125,9 +223,11 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor, token_group, seq_shape: tuple[int, int]) -> Routing:
         """x [T, h] with T = s_local·b tokens in [s, b] order; `token_group`: the ranks holding
         the rest of the micro-batch's tokens (TP under sequence parallelism, x CP)."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E] in fp32
-        probs, indices, scores = topk_scores(logits, self.topk, self.score_function, self.pre_softmax,
-                                             self.expert_bias)
+        logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype))  # [T, E] in fp32 (or fp64)
+        probs, indices, scores = self.score_function(logits, self.topk, self.select, self.pre_softmax,
+                                                     self.expert_bias)
+        if self.scaling_factor:
+            probs = probs * self.scaling_factor
         kept = None
         if self.capacity_factor is not None:
             capacity = math.ceil(x.size(0) * self.topk / self.num_experts * self.capacity_factor)
@@ -145,21 +245,16 @@ class TopKRouter(nn.Module):
         s_local, b = seq_shape
         n = comm.group_size(token_group)
         total = None
-        if self.training and self.balancing != "none" and self.aux_coeff > 0:
+        if self.training and self.balancing.enabled and self.aux_coeff > 0:
             with torch.no_grad():  # the choices, before any dropping (Megatron-LM's)
-                if self.expert_bias is not None:
-                    # f_e counts the top-k of the scores themselves, not of scores + bias (DeepSeek-V3
-                    # Eq. 18; Megatron-LM's compute_routing_scores_for_aux_loss): the bias steers
-                    # the choice but is no part of the load the loss measures
+                if self.expert_bias is not None or self.select is not plain_topk:
+                    # f_e counts the plain top-k of the scores themselves, not of scores + bias nor
+                    # within the groups (DeepSeek-V3 Eq. 18; Megatron-LM's
+                    # compute_routing_scores_for_aux_loss): bias and groups steer the choice but
+                    # are no part of the load the loss measures
                     indices = torch.topk(scores, self.topk, dim=-1).indices
                 onehot = torch.zeros_like(scores).scatter_(1, indices, 1.0)
-            if self.balancing == "aux_loss":
-                counts = comm.all_reduce(onehot.sum(0), token_group)
-                total = load_balancing_loss(scores, counts, s_local * b * n, self.topk, self.aux_coeff)
-            else:
-                counts = comm.all_reduce(onehot.view(s_local, b, -1).sum(0), token_group)
-                total = sequence_load_balancing_loss(scores.view(s_local, b, -1), counts, s_local * n, self.topk,
-                                                     self.aux_coeff)
+            total = self.balancing(scores, onehot, token_group, seq_shape, self.topk, self.aux_coeff)
             if _first_training_pass():
                 self.aux_loss_sum = total.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
         if self.training and self.z_coeff:
