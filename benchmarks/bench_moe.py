@@ -10,7 +10,8 @@ token; the MoE adds its router), both trained by pretrain_gpt.py's own train_ste
 process on the bundled corpus (data/build, `make data`), one step each in turn so that a shared
 machine slows both alike. Reported: tokens/s (median step), the lm loss after the same tokens
 (mean of the last 10 steps), and the MoE layers' time in token dispatch and combine (routing
-excluded: the dispatcher's forward minus its experts', summed over layers; backward not split).
+excluded: MoELayer's dispatch and combine phases in the forward, summed over layers; backward not
+split).
 Each step is timed in wall-clock and in this process's CPU time; the ratio MoE / dense of both
 medians is printed (on a shared machine the CPU-time ratio is the steadier one). `moe-grouped` is
 the MoE model with --moe-grouped-gemm.
@@ -73,25 +74,15 @@ class Contestant:
             self._time_dispatch(layer)
 
     def _time_dispatch(self, layer) -> None:
-        """The dispatcher's forward time minus its experts' (instance attributes only)."""
-        dispatcher, experts = layer.dispatcher, layer.experts
-        state = {"experts": 0.0}
-
-        def timed(*args):
-            t, state["experts"] = time.perf_counter(), 0.0
-            out = dispatcher(*args)
-            self.dispatch_s += time.perf_counter() - t - state["experts"]
-            return out
-
-        def pre(module, inputs):
-            state["t"] = time.perf_counter()
-
-        def post(module, inputs, output):
-            state["experts"] += time.perf_counter() - state["t"]
-
-        experts.register_forward_pre_hook(pre)
-        experts.register_forward_hook(post)
-        layer.dispatcher = timed
+        """The layer's dispatch and combine phases (MoELayer.dispatch / .combine), timed in the
+        forward (instance attributes only; the experts run between the two)."""
+        for phase in ("dispatch", "combine"):
+            def timed(*args, _fn=getattr(layer, phase)):
+                t = time.perf_counter()
+                out = _fn(*args)
+                self.dispatch_s += time.perf_counter() - t
+                return out
+            setattr(layer, phase, timed)
 
     def step(self) -> float:
         from megalite.training import train_step
@@ -188,12 +179,11 @@ def _label_regions(c: Contestant) -> None:
                 label(layer.mlp, "moe: layer rest")
                 label(layer.mlp.router, "moe: router")
                 label(layer.mlp.experts, "moe: experts")
-                dispatcher = layer.mlp.dispatcher
-
-                def dispatch(*args, _d=dispatcher):
-                    with record_function(REGION + "moe: dispatch+combine"):
-                        return _d(*args)
-                layer.mlp.dispatcher = dispatch
+                for phase in ("dispatch", "combine"):
+                    def region(*args, _fn=getattr(layer.mlp, phase)):
+                        with record_function(REGION + "moe: dispatch+combine"):
+                            return _fn(*args)
+                    setattr(layer.mlp, phase, region)
             else:
                 label(layer.mlp, "dense mlp")
     opt = c.run.state.optimizer
