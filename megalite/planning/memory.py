@@ -152,7 +152,7 @@ def layer_activation_bytes(c, moe: bool = False) -> tuple[float, float]:
     # 24 = 8 attention (Q, K, V, context) + 16 MLP (4h GeLU): scaled for GQA, the MLP size, SwiGLU;
     # under CP the all-gathered K and V of the whole sequence (c x this rank's) are kept too
     attention = 4 + 4 * c.model.num_query_groups / a * (1 + cp if cp > 1 else 1)
-    if c.model.position_embedding_type == "rope":  # the rotated Q and K are new tensors, kept beside QKV's output
+    if c.model.uses_rope:  # the rotated Q and K are new tensors, kept beside QKV's output
         attention += 2 + 2 * c.model.num_query_groups / a
     # GeLU keeps fc1's output and GeLU's (4f/h in 16-bit); megalite's SwiGLU keeps fc1's [gate; up],
     # silu(gate) and their product (4f/h + 2f/h + 2f/h): twice GeLU's for the same f
