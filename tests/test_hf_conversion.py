@@ -278,6 +278,8 @@ def test_variants_match_transformers(kw, tmp_path):
     (dict(ROPE, qk_layernorm=True), "--qk-layernorm, which"),
     (dict(ROPE, window_size="128,0"), "--window-size 128,0, which"),
     (dict(ROPE, softmax_type="off-by-one"), "--softmax-type off-by-one, which"),
+    (dict(ROPE, swiglu=False, quick_geglu=True), "--quick-geglu, which"),
+    (dict(ROPE, glu_linear_offset=1.0), "--glu-linear-offset 1.0, which"),
 ])
 def test_unexpressible_models_are_refused(kw, message):
     with pytest.raises(ConversionError, match="cannot export to Hugging Face") as e:

@@ -51,6 +51,8 @@ FORCED = (
     "model.moe_shared_expert_intermediate_size", "model.moe_shared_expert_gate",
     # attention variants: extra weights (q/k norms, sinks) or another function of the same weights
     "model.qk_layernorm", "model.window_size", "model.window_attn_skip_freq", "model.softmax_type",
+    # gpt-oss's MLP: another function of the same fc1 / fc2 weights
+    "model.quick_geglu", "model.glu_linear_offset", "model.activation_func_clamp_value",
 )
 # The tokenizer file and its type: forced by default (Megatron-LM's
 # use_tokenizer_model_from_checkpoint_args). --no-use-tokenizer-model-from-checkpoint-args keeps

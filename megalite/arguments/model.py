@@ -54,6 +54,7 @@ def check_model_shape(c: RunConfig) -> None:
     check_attention_variants(c)
     if m.openai_gelu and m.swiglu:
         fail("--openai-gelu selects the GeLU MLP's activation; --swiglu has none (choose one)")
+    check_glu(c)
     if (m.use_rope_scaling or m.rotary_seq_len_interpolation_factor) and m.position_embedding_type != "rope":
         fail("--use-rope-scaling / --rotary-seq-len-interpolation-factor need --position-embedding-type rope"
              + (" (YaRN has its own frequencies)" if m.position_embedding_type == "yarn" else ""))
@@ -71,6 +72,23 @@ YARN_FLAGS = {"rotary_scaling_factor": "--rotary-scaling-factor",
               "yarn_beta_fast": "--yarn-beta-fast", "yarn_beta_slow": "--yarn-beta-slow", "mscale": "--mscale",
               "mscale_all_dim": "--mscale-all-dim",
               "yarn_correction_range_round_to_int": "--yarn-correction-range-round-to-int"}
+
+
+def check_glu(c: RunConfig) -> None:
+    """--quick-geglu, --glu-linear-offset and --activation-func-clamp-value (Megatron-LM's rules)."""
+    m = c.model
+    if m.quick_geglu and (m.swiglu or m.openai_gelu):
+        fail(f"--quick-geglu is the MLP's activation; {'--swiglu' if m.swiglu else '--openai-gelu'} is another "
+             f"(choose one)")
+    if m.glu_linear_offset and not m.gated_linear_unit:
+        fail(f"--glu-linear-offset {m.glu_linear_offset} applies to a gated MLP (--swiglu or --quick-geglu)")
+    if m.activation_func_clamp_value is not None and not m.quick_geglu:
+        fail("--activation-func-clamp-value clamps --quick-geglu's inputs; it needs --quick-geglu")
+    if m.quick_geglu and m.num_experts:
+        # megalite's experts compute their own activation (model/moe/experts.py), SwiGLU or GeLU only
+        fail("--quick-geglu with --num-experts: the MoE experts do not compute quick-GeGLU yet")
+    if m.glu_linear_offset and m.num_experts:
+        fail("--glu-linear-offset with --num-experts: the MoE experts do not add the offset yet")
 
 
 def check_rope(c: RunConfig) -> None:

@@ -25,9 +25,11 @@ def hf_architecture(cfg: dict) -> str:
                               "(the export would be a different model)")
 
     heads, groups = cfg["num_attention_heads"], cfg.get("num_query_groups") or cfg["num_attention_heads"]
-    # the attention variants (docs/models.md) have no mapping yet: none of the classes below has them
+    # the attention and MLP variants (docs/models.md) have no mapping yet: none of the classes below has them
     for key, flag, plain in (("qk_layernorm", "--qk-layernorm", False), ("window_size", "--window-size", None),
-                             ("softmax_type", "--softmax-type", "vanilla")):
+                             ("softmax_type", "--softmax-type", "vanilla"), ("quick_geglu", "--quick-geglu", False),
+                             ("glu_linear_offset", "--glu-linear-offset", 0.0),
+                             ("activation_func_clamp_value", "--activation-func-clamp-value", None)):
         if cfg.get(key, plain) != plain:
             refuse(f"{flag} {cfg[key]}" if cfg[key] is not True else flag,
                    "the GPT-2, Llama and MoE exports")

@@ -31,7 +31,8 @@ MODEL_FLAGS = {
     "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon", "openai_gelu": "--openai-gelu",
     "apply_layernorm_1p": "--apply-layernorm-1p", "qk_layernorm": "--qk-layernorm",
     "window_size": "--window-size", "window_attn_skip_freq": "--window-attn-skip-freq",
-    "softmax_type": "--softmax-type",
+    "softmax_type": "--softmax-type", "quick_geglu": "--quick-geglu", "glu_linear_offset": "--glu-linear-offset",
+    "activation_func_clamp_value": "--activation-func-clamp-value",
 }
 # Mixture of Experts: the weights' shapes (which layers, how many experts, their sizes, the
 # shared expert, the expert bias) and the routing

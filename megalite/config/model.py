@@ -85,6 +85,14 @@ class GPTConfig:
     normalization: str = flag("--normalization", "LayerNorm", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = flag("--norm-epsilon", 1e-5, "epsilon of the norms (> 0)", check=POSITIVE)
     swiglu: bool = flag("--swiglu", False, "SwiGLU MLP instead of GeLU", action="store_true")
+    # gpt-oss's MLP (Megatron-LM's --quick-geglu): a GLU whose gate goes through quick_gelu,
+    # x·sigmoid(1.702·x) (Hendrycks & Gimpel 2016, Sec. 2's sigmoid approximation)
+    quick_geglu: bool = flag("--quick-geglu", False, "gated MLP with quick GeLU, x·sigmoid(1.702·x), on the gate "
+                             "(gpt-oss's) instead of GeLU", action="store_true")
+    glu_linear_offset: float = flag("--glu-linear-offset", 0.0, "gated MLPs: act(gate) · (up + this) (gpt-oss: 1)")
+    activation_func_clamp_value: float | None = flag(
+        "--activation-func-clamp-value", None, "--quick-geglu: the gate clamped to at most this, the up half to "
+        "[-this, this], before the activation (gpt-oss: 7; > 0)", type=float, check=POSITIVE)
     add_bias_linear: bool = flag("--disable-bias-linear", True, "no biases in linear layers", action="store_false")
     # Qwen's attention: biases on the query, key and value projections only (Megatron-LM's --add-qkv-bias)
     add_qkv_bias: bool = flag("--add-qkv-bias", False, "biases in the QKV projection only (with "
@@ -247,6 +255,11 @@ class GPTConfig:
         return dict(factor=self.rope_scaling_factor, low_freq_factor=self.rope_scaling_low_freq_factor,
                     high_freq_factor=self.rope_scaling_high_freq_factor,
                     original_max_position_embeddings=self.rope_scaling_original_max_position_embeddings)
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """fc1 holds [gate; up] (Megatron-LM's gated_linear_unit): --swiglu or --quick-geglu."""
+        return self.swiglu or self.quick_geglu
 
     @property
     def uses_rope(self) -> bool:
