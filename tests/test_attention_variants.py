@@ -296,7 +296,10 @@ VARIANT_MODEL = tiny(num_layers=4, seq_length=64, lr=3e-3, train_iters=6, log_in
     "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--clip-grad", "0.25", "--adam-eps", "1e-4",
     "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--group-query-attention",
     "--num-query-groups", "2", "--qk-layernorm", "--window-size", "8,0", "--window-attn-skip-freq", "2",
-    "--softmax-type", "learnable"]
+    "--softmax-type", "learnable",
+    # gpt-oss's YaRN, its original context (16) a quarter of the sequence: global positions under CP
+    "--position-embedding-type", "yarn", "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings",
+    "16", "--no-yarn-correction-range-round-to-int"]
 VARIANT_LAYOUTS = {
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
@@ -327,3 +330,77 @@ def test_attention_variants_layout_matches_single_process(variant_reference, cor
     assert_losses_close(grad_norms(ref_records), grad_norms(records), rtol=1e-5)
     assert_losses_close(eval_losses(ref_records), eval_losses(records), rtol=1e-5)
     assert_params_close(ref_params, load_params(str(tmp_path / "ckpt")), atol=1e-5)
+
+
+# -- YaRN (--position-embedding-type yarn) -----------------------------------------------------------------
+YARN_CASES = [  # factor, original context, beta_fast, beta_slow, mscale, mscale_all_dim, round to int
+    (4.0, 64, 32.0, 1.0, 1.0, 0.0, True),
+    (32.0, 4096, 32.0, 1.0, 1.0, 0.0, False),  # gpt-oss's
+    (40.0, 4096, 32.0, 1.0, 0.707, 0.707, True),  # DeepSeek-V3's (concentration 1)
+    (8.0, 128, 16.0, 2.0, 1.0, 0.5, True),
+]
+
+
+@pytest.mark.parametrize("factor,original,fast,slow,mscale,mscale_all_dim,round_to_int", YARN_CASES)
+def test_yarn_cos_sin_equal_transformers(factor, original, fast, slow, mscale, mscale_all_dim, round_to_int):
+    """cos and sin, with the concentration factor, as transformers' rope_type "yarn" gives them."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    params = dict(rope_type="yarn", rope_theta=10000.0, factor=factor, original_max_position_embeddings=original,
+                  beta_fast=fast, beta_slow=slow, truncate=round_to_int, mscale=mscale, mscale_all_dim=mscale_all_dim)
+    hf = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_parameters=params,
+                     max_position_embeddings=int(original * factor))
+    inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    rope = RotaryEmbedding(64, 1.0, 10000.0, yarn=dict(
+        factor=factor, original_max_position_embeddings=original, beta_fast=fast, beta_slow=slow, mscale=mscale,
+        mscale_all_dim=mscale_all_dim, round_to_int=round_to_int))
+    pos = torch.arange(0, 8 * original, 7).unsqueeze(0)
+    emb = torch.cat([pos[0].float().unsqueeze(-1) * inv_freq] * 2, dim=-1)
+    cos, sin = rope(pos)
+    torch.testing.assert_close(cos[:, 0, 0], emb.cos() * scale, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[:, 0, 0], emb.sin() * scale, rtol=0, atol=1e-6)
+    plain = RotaryEmbedding(64, 1.0, 10000.0)
+    assert (rope.inv_freq - plain.inv_freq).abs().max() > 1e-3  # YaRN changed the low frequencies
+    assert rope.inv_freq[0] == plain.inv_freq[0]  # and kept the fastest one
+
+
+def test_yarn_flags_reach_the_model_and_gpt_oss_preset():
+    from megalite.config.model import GPTConfig
+    c = validate_args(parse_args(tiny() + mock() + ["--position-embedding-type", "yarn", "--rotary-scaling-factor",
+                                                   "4", "--yarn-original-max-position-embeddings", "16"]))
+    assert c.model.yarn() == dict(factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+                                  mscale=1.0, mscale_all_dim=0.0, round_to_int=True)
+    model = GPTModel(GPTConfig(**dict(c.model.to_dict(), vocab_size=64, padded_vocab_size=64)))
+    assert model.rotary.attention_scaling == pytest.approx(0.1 * math.log(4) + 1)
+    # Megatron-LM's --enable-gpt-oss over its examples/gptoss/02_train.sh's --position-embedding-type rope
+    c = validate_args(parse_args(tiny() + mock() + ["--position-embedding-type", "rope", "--rope-type", "rope",
+                                                   "--enable-gpt-oss"]))
+    assert c.model.position_embedding_type == "yarn"
+    assert c.model.yarn() == dict(factor=32.0, original_max_position_embeddings=131072, beta_fast=32.0,
+                                  beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0, round_to_int=False)
+    assert any("--position-embedding-type rope becomes yarn" in n for n in c.notices)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--position-embedding-type", "yarn"], "--position-embedding-type yarn needs "
+                                            "--yarn-original-max-position-embeddings"),
+    (["--position-embedding-type", "rope", "--yarn-beta-fast", "16"],
+     "--yarn-beta-fast sets YaRN, which needs --position-embedding-type yarn (got rope)"),
+    (["--no-yarn-correction-range-round-to-int"], "--yarn-correction-range-round-to-int sets YaRN"),
+    (["--rope-type", "yarn"], "--rope-type yarn is multi-latent attention's RoPE"),
+    (["--position-embedding-type", "yarn", "--yarn-original-max-position-embeddings", "16", "--rotary-percent", "0.5"],
+     "--rotary-percent must be 1.0"),
+    (["--position-embedding-type", "yarn", "--yarn-original-max-position-embeddings", "16", "--use-rope-scaling"],
+     "--use-rope-scaling / --rotary-seq-len-interpolation-factor need --position-embedding-type rope (YaRN"),
+    (["--position-embedding-type", "yarn", "--yarn-original-max-position-embeddings", "16", "--rotary-scaling-factor",
+      "0.5"], "--rotary-scaling-factor must be >= 1"),
+    (["--enable-gpt-oss", "--yarn-original-max-position-embeddings", "4096"],
+     "--enable-gpt-oss sets --yarn-original-max-position-embeddings 131072"),
+    (["--enable-gpt-oss", "--position-embedding-type", "learned_absolute"],
+     "--enable-gpt-oss sets gpt-oss's YaRN RoPE; it conflicts with --position-embedding-type learned_absolute"),
+])
+def test_yarn_refusals(extra, message):
+    from megalite.errors import UserError
+    with pytest.raises(UserError) as e:
+        validate_args(parse_args(tiny() + mock() + extra))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -141,6 +141,8 @@ def test_resume_takes_the_checkpoint_model_and_tokenizer(corpus, tmp_path):
 DENSE = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=4, kv_channels=16,
              ffn_hidden_size=256, vocab_size=1000, seq_length=32, max_position_embeddings=32)
 ROPE_MODEL = dict(DENSE, position_embedding_type="rope", use_rope_scaling=True)
+YARN_MODEL = dict(DENSE, position_embedding_type="yarn", rotary_scaling_factor=4.0,
+                  yarn_original_max_position_embeddings=16)
 MOE_MODEL = dict(DENSE, num_experts=4, moe_ffn_hidden_size=32)
 # (the model saved, field, this run's value, flag, as the flag gives the checkpoint's value, this run's)
 MISMATCHES = [
@@ -166,6 +168,9 @@ MISMATCHES = [
     (DENSE, "window_size", "128,0", "--window-size", None, "128,0"),
     (dict(DENSE, window_size="8,0"), "window_attn_skip_freq", "2", "--window-attn-skip-freq", None, "2"),
     (DENSE, "softmax_type", "learnable", "--softmax-type", "vanilla", "learnable"),
+    (DENSE, "quick_geglu", True, "--quick-geglu", False, True),
+    (dict(DENSE, quick_geglu=True), "glu_linear_offset", 1.0, "--glu-linear-offset", 0.0, 1.0),
+    (dict(DENSE, quick_geglu=True), "activation_func_clamp_value", 7.0, "--activation-func-clamp-value", None, 7.0),
     (DENSE, "max_position_embeddings", 64, "--max-position-embeddings", 32, 64),
     (ROPE_MODEL, "rotary_base", 500000.0, "--rotary-base", 10000.0, 500000.0),
     (ROPE_MODEL, "use_rope_scaling", False, "--use-rope-scaling", True, False),
@@ -175,6 +180,14 @@ MISMATCHES = [
     (ROPE_MODEL, "rope_scaling_original_max_position_embeddings", 4096,
      "--rope-scaling-original-max-position-embeddings", 8192, 4096),
     (ROPE_MODEL, "rotary_seq_len_interpolation_factor", 2.0, "--rotary-seq-len-interpolation-factor", None, 2.0),
+    (YARN_MODEL, "position_embedding_type", "rope", "--position-embedding-type", "yarn", "rope"),
+    (YARN_MODEL, "rotary_scaling_factor", 8.0, "--rotary-scaling-factor", 4.0, 8.0),
+    (YARN_MODEL, "yarn_original_max_position_embeddings", 32, "--yarn-original-max-position-embeddings", 16, 32),
+    (YARN_MODEL, "yarn_beta_fast", 16.0, "--yarn-beta-fast", 32.0, 16.0),
+    (YARN_MODEL, "yarn_beta_slow", 2.0, "--yarn-beta-slow", 1.0, 2.0),
+    (YARN_MODEL, "mscale", 0.707, "--mscale", 1.0, 0.707),
+    (YARN_MODEL, "mscale_all_dim", 0.707, "--mscale-all-dim", 0.0, 0.707),
+    (YARN_MODEL, "yarn_correction_range_round_to_int", False, "--yarn-correction-range-round-to-int", True, False),
     (DENSE, "num_experts", 4, "--num-experts", None, 4),
     (MOE_MODEL, "num_experts", 8, "--num-experts", 4, 8),
     (MOE_MODEL, "moe_ffn_hidden_size", 64, "--moe-ffn-hidden-size", 32, 64),
@@ -215,8 +228,9 @@ def test_mismatch_names_the_flag_with_both_values(model, key, new, flag, old_sho
 
 def test_every_compared_setting_has_a_case_and_is_taken_by_checkpoint_args():
     """The mismatch message's advice holds for every flag the load compares."""
-    from megalite.checkpoint.state import MODEL_FLAGS, MOE_FLAGS, ROPE_FLAGS
-    compared = set(MODEL_FLAGS) | set(ROPE_FLAGS) | set(MOE_FLAGS) | {"rotary_base", "max_position_embeddings"}
+    from megalite.checkpoint.state import MODEL_FLAGS, MOE_FLAGS, ROPE_FLAGS, YARN_FLAGS
+    compared = (set(MODEL_FLAGS) | set(ROPE_FLAGS) | set(MOE_FLAGS) | set(YARN_FLAGS)
+                | {"rotary_base", "max_position_embeddings"})
     assert compared <= {m[1] for m in MISMATCHES}
     taken = {k.split(".")[1] for k in IF_NOT_GIVEN + FORCED}
     assert compared <= taken, compared - taken

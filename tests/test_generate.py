@@ -127,7 +127,12 @@ def _model(**kw):
     return model.eval()
 
 
-@pytest.mark.parametrize("kw", [{}, LLAMA], ids=["gpt2", "llama-gqa-rope-scaling"])
+# YaRN stretching a 16-position original context 4x (cos/sin scaled by 0.1·ln 4 + 1)
+YARN = dict(LLAMA, position_embedding_type="yarn", use_rope_scaling=False, rotary_scaling_factor=4.0,
+            yarn_original_max_position_embeddings=16)
+
+
+@pytest.mark.parametrize("kw", [{}, LLAMA, YARN], ids=["gpt2", "llama-gqa-rope-scaling", "yarn"])
 def test_kv_cache_generates_what_recomputation_does(kw):
     from megalite.generation import kv_cache
 

@@ -22,6 +22,7 @@ from dist_helpers import ROOT, run_pretrain
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from megalite.arguments import parse_args, validate_args
 from megalite.checkpoint.files import read_metadata
 from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict
 from megalite.config import RunConfig
@@ -285,6 +286,8 @@ def test_variants_match_transformers(kw, tmp_path):
     (dict(ROPE, qk_layernorm=True, add_bias_linear=False, add_qkv_bias=True), "--add-qkv-bias with --qk-layernorm"),
     (dict(ROPE, window_size="128,0"), "--window-size 128,0, which"),
     (dict(ROPE, softmax_type="off-by-one"), "--softmax-type off-by-one, which"),
+    (dict(ROPE, swiglu=False, quick_geglu=True), "--quick-geglu, which"),
+    (dict(ROPE, glu_linear_offset=1.0), "--glu-linear-offset 1.0, which"),
 ])
 def test_unexpressible_models_are_refused(kw, message):
     with pytest.raises(ConversionError, match="cannot export to Hugging Face") as e:
@@ -348,7 +351,7 @@ def test_real_gpt2_imports_trains_and_exports(tmp_path, capsys):
     assert diff < 1e-5, diff
     # exact GeLU instead would be a different function: the comparison can fail
     for layer in model.decoder.layers:
-        layer.mlp.gelu_approximate = "none"
+        layer.mlp.activation = lambda y: torch.nn.functional.gelu(y, approximate="none")
     assert (next_token_logits(model, ids) - theirs).abs().max().item() > 1e-4
 
     # continue training it with the printed flags, on a small real corpus (the loss must fall)
@@ -466,8 +469,50 @@ def test_linear_rope_scaling_round_trips(tmp_path, capsys):
     assert raw["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
 
 
+# gpt-oss's YaRN (no rounding of the ramp) on a 16-position original context; and DeepSeek's
+# mscale / mscale_all_dim, with an attention_factor only --mscale can give
+YARN_ROPES = [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+     "truncate": False},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "mscale": 0.9, "mscale_all_dim": 0.5},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "attention_factor": 1.3},
+]
+
+
+@pytest.mark.parametrize("rope", YARN_ROPES, ids=["gpt-oss", "mscale", "attention-factor"])
+def test_yarn_rope_imports_and_exports(rope, tmp_path, capsys):
+    reference = _llama_dir(tmp_path / "hf", **rope)
+    ck, flags = _import(tmp_path / "hf", tmp_path / "ck", capsys)
+    assert flags[flags.index("--position-embedding-type") + 1] == "yarn"
+    assert flags[flags.index("--rotary-scaling-factor") + 1] == str(rope["factor"])
+    assert flags[flags.index("--yarn-original-max-position-embeddings") + 1] == "16"
+    assert ("--no-yarn-correction-range-round-to-int" in flags) == (rope.get("truncate") is False)
+    ids, theirs = _hf_logits(reference, 100, 100)  # beyond original_max_position_embeddings
+    model, meta = load_model(ck)
+    diff = (next_token_logits(model, ids) - theirs).abs().max().item()
+    print(f"Llama with YaRN {rope}: max |logit difference| = {diff:.3e}")
+    assert diff < 1e-5, diff
+    assert model.rotary.attention_scaling != 1.0  # the concentration factor is in play
+    yarn = model.rotary
+    model.rotary = type(yarn)(model.config.kv_channels, 1.0, 500000.0)  # plain RoPE: other logits
+    assert (next_token_logits(model, ids) - theirs).abs().max().item() > 1e-3
+    model.rotary = yarn
+    # the same flags build the same model from scratch
+    c = validate_args(parse_args(tiny() + ["--mock-data"] + pretrain_flags(meta["model_config"])))
+    assert c.model.yarn() == model.config.yarn()
+    # exported back, transformers computes the same, and it imports back to the same megalite model
+    hf_dir = export(ck, tmp_path / "hf_back", "--no-tokenizer")
+    raw = json.load(open(os.path.join(hf_dir, "config.json")))
+    assert raw["rope_scaling"]["rope_type"] == "yarn" and raw["rope_scaling"]["factor"] == rope["factor"]
+    back = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    assert (back(ids).logits - theirs).abs().max().item() < 1e-5
+    ck2, flags2 = _import(hf_dir, tmp_path / "ck2", capsys)
+    assert flags2 == flags and read_metadata(ck2)["model_config"] == meta["model_config"]
+
+
 @pytest.mark.parametrize("rope, message", [
-    ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type 'yarn'"),
+    ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type 'yarn' without "
+                                           "rope_scaling.original_max_position_embeddings"),
     ({"type": "dynamic", "factor": 2.0}, "rope_scaling.rope_type 'dynamic'"),
     ({"rope_type": "linear", "factor": 2.0, "beta_fast": 32}, "rope_scaling.beta_fast = 32 with rope_type 'linear'"),
     ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, "without rope_scaling.low_freq_factor"),

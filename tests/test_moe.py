@@ -126,9 +126,14 @@ def ref_losses(x: torch.Tensor, weight: torch.Tensor, balancing: str, aux_coeff:
     return aux, z
 
 
-def ref_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, swiglu: bool) -> torch.Tensor:
+def ref_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, swiglu) -> torch.Tensor:
+    """swiglu: True (SwiGLU), False (GeLU) or "gpt-oss" (transformers' GptOssExperts: alpha 1.702,
+    limit 7, up + 1)."""
     y = w1 @ x
-    if swiglu:
+    if swiglu == "gpt-oss":
+        gate, up = y[:y.numel() // 2].clamp(max=7.0), y[y.numel() // 2:].clamp(-7.0, 7.0)
+        a = gate / (1 + torch.exp(-1.702 * gate)) * (up + 1)
+    elif swiglu:
         gate, up = y[:y.numel() // 2], y[y.numel() // 2:]
         a = gate / (1 + torch.exp(-gate)) * up
     else:
@@ -350,9 +355,15 @@ def test_router_drops_over_capacity(policy, factor):
     dict(swiglu=False, moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs"),
     dict(swiglu=True, moe_expert_capacity_factor=0.75, moe_token_drop_policy="position",
          moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True, moe_aux_loss_coeff=0.1),
-], ids=["swiglu", "gelu-presoftmax-shared", "sigmoid-bias-gated-shared", "gelu-drop-probs", "swiglu-drop-position"])
+    # gpt-oss's experts: the dense MLP's quick-GeGLU with its offset and clamp (std 3: some clamped)
+    dict(swiglu=False, quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0, std=3.0),
+], ids=["swiglu", "gelu-presoftmax-shared", "sigmoid-bias-gated-shared", "gelu-drop-probs", "swiglu-drop-position",
+        "gpt-oss-glu"])
 def test_layer_matches_loop(settings):
-    layer = moe_layer(**settings)
+    settings = dict(settings)
+    layer = moe_layer(std=settings.pop("std", 0.5), **settings)
+    if settings.get("quick_geglu"):
+        settings["swiglu"] = "gpt-oss"
     if settings.get("moe_router_enable_expert_bias"):
         layer.router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
     x = tokens()
@@ -361,7 +372,7 @@ def test_layer_matches_loop(settings):
         want = ref_layer(layer, x, settings["swiglu"], settings.get("moe_router_score_function", "softmax"),
                          settings.get("moe_router_pre_softmax", False), settings.get("moe_expert_capacity_factor"),
                          settings.get("moe_token_drop_policy", "probs"))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, float(want.abs().max())))
     assert want.abs().max() > 0.1
 
 

@@ -141,3 +141,89 @@ def test_rng_tracker_differs_inside_tp_region_only():
     (out0, in0), (out1, in1) = spawn(_check_rng_tracker, 2)
     assert torch.equal(out0, out1)  # replicated activations: same mask on every TP rank
     assert not torch.equal(in0, in1)  # sharded activations: independent masks
+
+
+# -- gpt-oss's MLP (--quick-geglu --glu-linear-offset --activation-func-clamp-value) --------------------
+def _gpt_oss_mlp_reference(y, offset, limit):
+    """transformers' GptOssExperts, written out: gate and up clamped, up + offset times
+    gate·sigmoid(1.702·gate)."""
+    gate, up = y[..., : y.size(-1) // 2], y[..., y.size(-1) // 2:]
+    if limit is not None:
+        gate, up = torch.minimum(gate, torch.tensor(limit)), torch.maximum(torch.minimum(up, torch.tensor(limit)),
+                                                                          torch.tensor(-limit))
+    return (up + offset) * (gate * (1 / (1 + torch.exp(-1.702 * gate))))
+
+
+@pytest.mark.parametrize("offset,limit", [(1.0, 7.0), (0.0, None), (0.5, 2.0)])
+def test_quick_geglu_matches_the_formula_with_gradients(offset, limit):
+    from megalite.model.config import GPTConfig
+    from megalite.model.mlp import activation
+    cfg = GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=1, seq_length=4, quick_geglu=True,
+                    glu_linear_offset=offset, activation_func_clamp_value=limit)
+    y = (_inputs(0, 6, 2, 32) * 6).requires_grad_()  # wide: values on both sides of the clamp
+    y_ref = y.detach().clone().requires_grad_()
+    out, ref = activation(cfg)(y), _gpt_oss_mlp_reference(y_ref, offset, limit)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    weights = _inputs(1, *out.shape)
+    (out * weights).sum().backward()
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(y.grad, y_ref.grad, atol=1e-6, rtol=1e-6)
+    if limit is not None:  # the clamp acts: no gradient past it
+        assert (y.grad[..., :16][y.detach()[..., :16] > limit] == 0).all()
+        assert (y.detach()[..., :16] > limit).any()
+
+
+def _quick_geglu_mlp(rank, world):
+    """The MLP with --quick-geglu on `world` TP ranks (fc1 [gate; up] split with stride 2) against
+    one process with the whole weights: output and every weight gradient."""
+    import torch.distributed as dist
+    from megalite.model.config import ExecutionConfig, GPTConfig
+    from megalite.model.mlp import MLP
+    cfg = GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, ffn_hidden_size=16,
+                    quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=1.5)
+    whole = MLP(cfg, ExecutionConfig(), None)
+    tp = MLP(cfg, ExecutionConfig(), dist.group.WORLD)
+    with torch.no_grad():
+        for (_, w), (_, p) in zip(whole.named_parameters(), tp.named_parameters()):
+            w.copy_(_inputs(hash(w.shape) % 1000, *w.shape))
+            p.copy_(shard(w, param_info(p), rank, world))
+    x = _inputs(5, 3, 2, 8) * 3
+    out_whole, out_tp = whole(x), tp(x)
+    torch.testing.assert_close(out_tp, out_whole, atol=ATOL, rtol=0)
+    out_whole.square().sum().backward()
+    out_tp.square().sum().backward()
+    for (_, w), (_, p) in zip(whole.named_parameters(), tp.named_parameters()):
+        torch.testing.assert_close(p.grad, shard(w.grad, param_info(p), rank, world), atol=ATOL, rtol=1e-5)
+    return True
+
+
+def test_quick_geglu_mlp_under_tp2_matches_one_process():
+    assert all(spawn(_quick_geglu_mlp, 2))
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--quick-geglu", "--swiglu"], "--quick-geglu is the MLP's activation; --swiglu is another"),
+    (["--glu-linear-offset", "1"], "--glu-linear-offset 1.0 applies to a gated MLP"),
+    (["--activation-func-clamp-value", "7"], "--activation-func-clamp-value clamps --quick-geglu's inputs"),
+    (["--quick-geglu", "--activation-func-clamp-value", "0"], "--activation-func-clamp-value must be a number > 0"),
+])
+def test_quick_geglu_refusals(extra, message):
+    from megalite.arguments import parse_args, validate_args
+    from megalite.errors import UserError
+    from tiny import mock, tiny
+    with pytest.raises(UserError) as e:
+        validate_args(parse_args(tiny() + mock() + extra))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_quick_geglu_flags_reach_the_model():
+    from megalite.arguments import parse_args, validate_args
+    from megalite.model import GPTModel
+    from megalite.model.config import GPTConfig
+    from tiny import mock, tiny
+    c = validate_args(parse_args(tiny() + mock() + ["--quick-geglu", "--glu-linear-offset", "1",
+                                                   "--activation-func-clamp-value", "7"]))
+    assert (c.model.quick_geglu, c.model.glu_linear_offset, c.model.activation_func_clamp_value) == (True, 1.0, 7.0)
+    assert c.model.ffn_hidden_size == 4 * 64  # Megatron-LM's 8h/3 default is --swiglu's only
+    model = GPTModel(GPTConfig(**dict(c.model.to_dict(), vocab_size=64, padded_vocab_size=64)))
+    assert model.decoder.layers[0].mlp.linear_fc1.weight.shape == (2 * 4 * 64, 64)  # [gate; up]

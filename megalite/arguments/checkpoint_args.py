@@ -42,6 +42,8 @@ FORCED = (
     "model.norm_epsilon", "model.openai_gelu", "model.use_rope_scaling", "model.rope_scaling_factor",
     "model.rope_scaling_low_freq_factor", "model.rope_scaling_high_freq_factor",
     "model.rope_scaling_original_max_position_embeddings", "model.rotary_seq_len_interpolation_factor",
+    "model.rotary_scaling_factor", "model.yarn_original_max_position_embeddings", "model.yarn_beta_fast",
+    "model.yarn_beta_slow", "model.mscale", "model.mscale_all_dim", "model.yarn_correction_range_round_to_int",
     # Mixture of Experts: which layers have experts, how many, their size and how tokens are routed
     # (the load compares the shapes: checkpoint/state.py check_moe_config)
     "model.num_experts", "model.moe_ffn_hidden_size", "model.moe_router_topk", "model.moe_layer_freq",
@@ -50,6 +52,8 @@ FORCED = (
     "model.moe_router_group_topk", "model.moe_router_topk_scaling_factor", "model.moe_router_dtype",
     # attention variants: extra weights (q/k norms, sinks) or another function of the same weights
     "model.qk_layernorm", "model.window_size", "model.window_attn_skip_freq", "model.softmax_type",
+    # gpt-oss's MLP: another function of the same fc1 / fc2 weights
+    "model.quick_geglu", "model.glu_linear_offset", "model.activation_func_clamp_value",
 )
 # The tokenizer file and its type: forced by default (Megatron-LM's
 # use_tokenizer_model_from_checkpoint_args). --no-use-tokenizer-model-from-checkpoint-args keeps
@@ -129,6 +133,15 @@ def apply_checkpoint_args(c: RunConfig) -> None:
                      + (f" (over the command line's {', '.join(over)})" if over else ""))
 
 
+def _unused_default(name: str, model: dict) -> bool:
+    """A setting the checkpoint's model does not use, so not "given" (validation refuses a given one
+    without its feature): a dense checkpoint's MoE defaults, a non-YaRN checkpoint's YaRN ones."""
+    from .model import YARN_FLAGS
+    if name.startswith("moe_"):
+        return not model.get("num_experts")
+    return name in YARN_FLAGS and model.get("position_embedding_type") != "yarn"
+
+
 def _take(c: RunConfig, sections: dict) -> None:
     """The field-by-field copy; a value the checkpoint does not record (an older checkpoint) or
     records as unset is skipped, as Megatron-LM skips a checkpoint argument that is None."""
@@ -142,8 +155,8 @@ def _take(c: RunConfig, sections: dict) -> None:
         if value is None or (key in if_not_given and key in c.explicit):
             continue
         setattr(getattr(c, section), name, value)
-        if not (name.startswith("moe_") and not sections.get("model", {}).get("num_experts")):
-            explicit.add(key)  # (a dense checkpoint's MoE defaults are not "given": they need no --num-experts)
+        if not _unused_default(name, sections.get("model", {})):
+            explicit.add(key)
     if sections.get("model", {}).get("group_query_attention") is False:
         # multi-head attention: the saved count is validation's fill-in (a group per head), not a
         # flag, and a --num-query-groups on the command line belonged to the grouped-query

@@ -39,7 +39,8 @@ def check_model_shape(c: RunConfig) -> None:
         m.max_position_embeddings = m.seq_length
     if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
         fail(f"--seq-length ({m.seq_length}) exceeds --max-position-embeddings ({m.max_position_embeddings})")
-    if m.position_embedding_type == "rope":
+    check_rope(c)
+    if m.uses_rope:
         # RoPE rotates channel pairs: the rotated part of each head must be a positive even size
         rot = int(m.kv_channels * m.rotary_percent)
         if rot < 2 or rot % 2:
@@ -53,10 +54,78 @@ def check_model_shape(c: RunConfig) -> None:
     check_attention_variants(c)
     if m.openai_gelu and m.swiglu:
         fail("--openai-gelu selects the GeLU MLP's activation; --swiglu has none (choose one)")
+    check_glu(c)
     if (m.use_rope_scaling or m.rotary_seq_len_interpolation_factor) and m.position_embedding_type != "rope":
-        fail("--use-rope-scaling / --rotary-seq-len-interpolation-factor need --position-embedding-type rope")
+        fail("--use-rope-scaling / --rotary-seq-len-interpolation-factor need --position-embedding-type rope"
+             + (" (YaRN has its own frequencies)" if m.position_embedding_type == "yarn" else ""))
     if m.use_rope_scaling and not m.rope_scaling_low_freq_factor < m.rope_scaling_high_freq_factor:
         fail("--rope-scaling-low-freq-factor must be below --rope-scaling-high-freq-factor")
+
+
+# Megatron-LM's --enable-gpt-oss (megatron/post_training/model_builder.py): gpt-oss's YaRN, with its
+# original context as Megatron-LM sets it (131072; the released gpt-oss config.json says 4096)
+GPT_OSS_YARN = {"rotary_scaling_factor": 32.0, "yarn_original_max_position_embeddings": 131072,
+                "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                "yarn_correction_range_round_to_int": False}
+YARN_FLAGS = {"rotary_scaling_factor": "--rotary-scaling-factor",
+              "yarn_original_max_position_embeddings": "--yarn-original-max-position-embeddings",
+              "yarn_beta_fast": "--yarn-beta-fast", "yarn_beta_slow": "--yarn-beta-slow", "mscale": "--mscale",
+              "mscale_all_dim": "--mscale-all-dim",
+              "yarn_correction_range_round_to_int": "--yarn-correction-range-round-to-int"}
+
+
+def check_glu(c: RunConfig) -> None:
+    """--quick-geglu, --glu-linear-offset and --activation-func-clamp-value (Megatron-LM's rules)."""
+    m = c.model
+    if m.quick_geglu and (m.swiglu or m.openai_gelu):
+        fail(f"--quick-geglu is the MLP's activation; {'--swiglu' if m.swiglu else '--openai-gelu'} is another "
+             f"(choose one)")
+    if m.glu_linear_offset and not m.gated_linear_unit:
+        fail(f"--glu-linear-offset {m.glu_linear_offset} applies to a gated MLP (--swiglu or --quick-geglu)")
+    if m.activation_func_clamp_value is not None and not m.quick_geglu:
+        fail("--activation-func-clamp-value clamps --quick-geglu's inputs; it needs --quick-geglu")
+
+
+def check_rope(c: RunConfig) -> None:
+    """--position-embedding-type yarn and its flags, --enable-gpt-oss's preset, --rope-type."""
+    m = c.model
+    if m.rope_type == "yarn":  # Megatron-LM asserts it: "Common attention only support rope_type='rope'"
+        fail("--rope-type yarn is multi-latent attention's RoPE (as Megatron-LM, ordinary attention takes "
+             "--rope-type rope); for YaRN on this model use --position-embedding-type yarn")
+    if m.enable_gpt_oss:
+        apply_gpt_oss_yarn(c)
+    if m.position_embedding_type != "yarn":
+        given = [flag for key, flag in YARN_FLAGS.items() if f"model.{key}" in c.explicit]
+        if given:
+            fail(f"{given[0]} sets YaRN, which needs --position-embedding-type yarn (got "
+                 f"{m.position_embedding_type})")
+        return
+    if m.yarn_original_max_position_embeddings is None:
+        fail("--position-embedding-type yarn needs --yarn-original-max-position-embeddings (the context length "
+             "the model was pretrained at)")
+    if m.rotary_percent != 1.0:
+        fail(f"--position-embedding-type yarn rotates every head channel (Megatron-LM's YarnRotaryEmbedding); "
+             f"--rotary-percent must be 1.0, got {m.rotary_percent}")
+
+
+def apply_gpt_oss_yarn(c: RunConfig) -> None:
+    """--enable-gpt-oss: Megatron-LM's preset sets position_embedding_type yarn over the command
+    line's rope (its examples/gptoss/02_train.sh gives both); a YaRN flag given with another value
+    than the preset's is refused rather than overridden unseen."""
+    m = c.model
+    if m.position_embedding_type == "learned_absolute" and "model.position_embedding_type" in c.explicit:
+        fail("--enable-gpt-oss sets gpt-oss's YaRN RoPE; it conflicts with --position-embedding-type "
+             "learned_absolute")
+    if m.position_embedding_type == "rope" and "model.position_embedding_type" in c.explicit:
+        c.notices.append("--enable-gpt-oss: --position-embedding-type rope becomes yarn (Megatron-LM's preset)")
+    m.position_embedding_type = "yarn"
+    for key, value in GPT_OSS_YARN.items():
+        if f"model.{key}" in c.explicit and getattr(m, key) != value:
+            shown = ("--no-yarn-correction-range-round-to-int" if key == "yarn_correction_range_round_to_int"
+                     else f"{YARN_FLAGS[key]} {value:g}")
+            fail(f"--enable-gpt-oss sets {shown} (Megatron-LM's gpt-oss preset), but {YARN_FLAGS[key]} gives "
+                 f"{getattr(m, key)}; drop one of them")
+        setattr(m, key, value)
 
 
 def check_attention_variants(c: RunConfig) -> None:

@@ -27,10 +27,12 @@ def hf_architecture(cfg: dict) -> str:
                               "(the export would be a different model)")
 
     heads, groups = cfg["num_attention_heads"], cfg.get("num_query_groups") or cfg["num_attention_heads"]
-    # sliding windows and sinks (docs/models.md) have no mapping yet: none of the classes below has them
-    for key, flag, plain in (("window_size", "--window-size", None), ("softmax_type", "--softmax-type", "vanilla")):
+    # the attention and MLP variants (docs/models.md) without a mapping yet: none of the classes below has them
+    for key, flag, plain in (("window_size", "--window-size", None), ("softmax_type", "--softmax-type", "vanilla"),
+                             ("quick_geglu", "--quick-geglu", False), ("glu_linear_offset", "--glu-linear-offset", 0.0),
+                             ("activation_func_clamp_value", "--activation-func-clamp-value", None)):
         if cfg.get(key, plain) != plain:
-            refuse(f"{flag} {cfg[key]}", "the GPT-2, Llama, Qwen3 and MoE exports")
+            refuse(f"{flag} {cfg[key]}" if cfg[key] is not True else flag, "the GPT-2, Llama, Qwen3 and MoE exports")
     if cfg["position_embedding_type"] == "learned_absolute":
         gpt2 = "a GPT-2 style model (--position-embedding-type learned_absolute) as GPT2LMHeadModel"
         if cfg["normalization"] != "LayerNorm":
@@ -49,12 +51,13 @@ def hf_architecture(cfg: dict) -> str:
             refuse(f"--kv-channels {cfg['kv_channels']} != --hidden-size / --num-attention-heads "
                    f"({cfg['hidden_size']} / {heads})", gpt2)
         return "gpt2"
-    if cfg["position_embedding_type"] == "rope":
+    if cfg["position_embedding_type"] in ("rope", "yarn"):  # yarn: transformers' rope_type "yarn"
         llama = "a RoPE model as LlamaForCausalLM"
         if cfg["normalization"] != "RMSNorm":
-            refuse(f"--normalization {cfg['normalization']} with --position-embedding-type rope", llama)
+            refuse(f"--normalization {cfg['normalization']} with --position-embedding-type "
+                   f"{cfg['position_embedding_type']}", llama)
         if not cfg["swiglu"]:
-            refuse("a GeLU MLP (no --swiglu) with --position-embedding-type rope", llama)
+            refuse(f"a GeLU MLP (no --swiglu) with --position-embedding-type {cfg['position_embedding_type']}", llama)
         if cfg.get("rotary_percent", 1.0) != 1.0:
             refuse(f"--rotary-percent {cfg['rotary_percent']} (Llama rotates every head channel)", llama)
         if cfg.get("use_rope_scaling") and cfg.get("rotary_seq_len_interpolation_factor"):
@@ -107,7 +110,11 @@ GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, 
 
 # keys each transformers rope_type may carry, besides rope_type / type / rope_theta
 ROPE_TYPES = {"default": (), "linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate", "mscale",
+                       "mscale_all_dim", "attention_factor")}
+# transformers' YaRN keys that may be left out (its defaults, as megalite's flags')
+YARN_OPTIONAL = {"beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim", "attention_factor"}
 
 
 def hf_rope(cfg: dict) -> tuple[dict, dict | None]:
@@ -117,12 +124,50 @@ def hf_rope(cfg: dict) -> tuple[dict, dict | None]:
                    "low_freq_factor": float(cfg["rope_scaling_low_freq_factor"]),
                    "high_freq_factor": float(cfg["rope_scaling_high_freq_factor"]),
                    "original_max_position_embeddings": int(cfg["rope_scaling_original_max_position_embeddings"])}
+    elif cfg["position_embedding_type"] == "yarn":
+        scaling = hf_yarn(cfg)
     elif cfg.get("rotary_seq_len_interpolation_factor"):
         scaling = {"rope_type": "linear", "factor": float(cfg["rotary_seq_len_interpolation_factor"])}
     else:
         scaling = None
     params = dict(scaling or {"rope_type": "default"}, rope_theta=float(cfg["rotary_base"]))
     return params, scaling
+
+
+def hf_yarn(cfg: dict) -> dict:
+    """transformers' rope_type "yarn" of --position-embedding-type yarn. The concentration factor is
+    written out as attention_factor: transformers reads mscale / mscale_all_dim only when both are
+    non-zero (Megatron-LM's --mscale-all-dim defaults to 0), so they alone could not say it."""
+    from ..model.attention import yarn_concentration
+    factor, mscale, mscale_all_dim = (float(cfg[k]) for k in ("rotary_scaling_factor", "mscale", "mscale_all_dim"))
+    return {"rope_type": "yarn", "factor": factor,
+            "original_max_position_embeddings": int(cfg["yarn_original_max_position_embeddings"]),
+            "beta_fast": float(cfg["yarn_beta_fast"]), "beta_slow": float(cfg["yarn_beta_slow"]),
+            "truncate": bool(cfg["yarn_correction_range_round_to_int"]), "mscale": mscale,
+            "mscale_all_dim": mscale_all_dim, "attention_factor": yarn_concentration(factor, mscale, mscale_all_dim)}
+
+
+def yarn_from_hf(d: dict, refuse) -> dict:
+    """megalite's YaRN settings of transformers' rope_type "yarn" (its `_compute_yarn_parameters`
+    rules: beta_fast 32, beta_slow 1 and truncate True by default; attention_factor, else
+    mscale / mscale_all_dim when both are non-zero, else 0.1·ln(factor) + 1). An attention_factor
+    that mscale / mscale_all_dim do not give is written as --mscale with --mscale-all-dim 0."""
+    import math
+    from ..model.attention import yarn_concentration
+    factor = float(d["factor"])
+    mscale, mscale_all_dim = d.get("mscale"), d.get("mscale_all_dim")
+    pair = (float(mscale), float(mscale_all_dim)) if (mscale and mscale_all_dim) else (1.0, 0.0)
+    wanted = d.get("attention_factor")
+    if wanted is not None and not math.isclose(yarn_concentration(factor, *pair), wanted, rel_tol=1e-12):
+        if factor <= 1:
+            refuse(f"rope_parameters.attention_factor {wanted} with factor {factor} (YaRN scales cos/sin only when "
+                   "factor > 1)")
+        pair = ((wanted - 1.0) / (0.1 * math.log(factor)), 0.0)
+    return dict(position_embedding_type="yarn", rotary_scaling_factor=factor,
+                yarn_original_max_position_embeddings=int(d["original_max_position_embeddings"]),
+                yarn_beta_fast=float(d.get("beta_fast") or 32.0), yarn_beta_slow=float(d.get("beta_slow") or 1.0),
+                yarn_correction_range_round_to_int=bool(d.get("truncate", True)), mscale=pair[0],
+                mscale_all_dim=pair[1])
 
 
 def rope_from_hf(raw: dict, model_type: str = "llama") -> dict:
@@ -137,18 +182,22 @@ def rope_from_hf(raw: dict, model_type: str = "llama") -> dict:
         if "type" in d and "rope_type" in d and d["type"] != d["rope_type"]:
             refuse(f"{field}.type {d['type']!r} with {field}.rope_type {d['rope_type']!r}")
         if kind not in ROPE_TYPES:
-            refuse(f"{field}.rope_type {kind!r} (megalite implements default, linear and llama3 RoPE)")
+            refuse(f"{field}.rope_type {kind!r} (megalite implements default, linear, llama3 and yarn RoPE)")
         allowed = {"rope_type", "type", "rope_theta", *ROPE_TYPES[kind]}
         if d.get("partial_rotary_factor", 1.0) == 1.0:
             allowed.add("partial_rotary_factor")  # every channel rotated: plain RoPE
         extra = sorted(set(d) - allowed)
         if extra:
             refuse(f"{field}.{extra[0]} = {d[extra[0]]!r} with rope_type {kind!r}")
-        needed = [k for k in ROPE_TYPES[kind] if k != "original_max_position_embeddings" and d.get(k) is None]
+        needed = [k for k in ROPE_TYPES[kind] if d.get(k) is None and k not in YARN_OPTIONAL
+                  and (k != "original_max_position_embeddings" or kind == "yarn")]
         if needed:
             refuse(f"{field}.rope_type {kind!r} without {field}.{needed[0]}")
         out = dict(rotary_base=float(d.get("rope_theta") or raw.get("rope_theta") or 10000.0),
-                   use_rope_scaling=kind == "llama3", rotary_seq_len_interpolation_factor=None)
+                   use_rope_scaling=kind == "llama3", rotary_seq_len_interpolation_factor=None,
+                   position_embedding_type="rope")
+        if kind == "yarn":
+            out.update(yarn_from_hf(d, refuse))
         if kind == "linear":
             out["rotary_seq_len_interpolation_factor"] = float(d["factor"])
         if kind == "llama3":  # transformers falls back to max_position_embeddings, as here
@@ -211,7 +260,7 @@ def _rope_model_from_hf(c, raw: dict, refuse) -> dict:
                 num_query_groups=c.num_key_value_heads or heads,
                 kv_channels=getattr(c, "head_dim", None) or c.hidden_size // heads,
                 seq_length=c.max_position_embeddings, max_position_embeddings=c.max_position_embeddings,
-                position_embedding_type="rope", rotary_percent=1.0, **rope_from_hf(raw, c.model_type),
+                rotary_percent=1.0, **rope_from_hf(raw, c.model_type),
                 normalization="RMSNorm", norm_epsilon=c.rms_norm_eps, swiglu=True, hidden_dropout=0.0,
                 attention_dropout=float(c.attention_dropout or 0.0))
 
@@ -284,7 +333,7 @@ def pretrain_flags(cfg: dict) -> list[str]:
              "--norm-epsilon", cfg["norm_epsilon"], "--vocab-size", cfg["vocab_size"]]
     if cfg["num_query_groups"] != cfg["num_attention_heads"]:
         flags += ["--group-query-attention", "--num-query-groups", cfg["num_query_groups"]]
-    if cfg["position_embedding_type"] == "rope":
+    if cfg["position_embedding_type"] in ("rope", "yarn"):
         flags += ["--rotary-base", cfg["rotary_base"]]
         if cfg.get("rotary_percent", 1.0) != 1.0:
             flags += ["--rotary-percent", cfg["rotary_percent"]]
@@ -298,6 +347,13 @@ def pretrain_flags(cfg: dict) -> list[str]:
             flags += ["--rotary-seq-len-interpolation-factor", cfg["rotary_seq_len_interpolation_factor"]]
     if cfg.get("qk_layernorm"):
         flags.append("--qk-layernorm")
+    if cfg["position_embedding_type"] == "yarn":
+        flags += ["--rotary-scaling-factor", cfg["rotary_scaling_factor"], "--yarn-original-max-position-embeddings",
+                  cfg["yarn_original_max_position_embeddings"], "--yarn-beta-fast", cfg["yarn_beta_fast"],
+                  "--yarn-beta-slow", cfg["yarn_beta_slow"], "--mscale", cfg["mscale"],
+                  "--mscale-all-dim", cfg["mscale_all_dim"]]
+        if not cfg["yarn_correction_range_round_to_int"]:
+            flags.append("--no-yarn-correction-range-round-to-int")
     if cfg.get("openai_gelu"):
         flags.append("--openai-gelu")
     if cfg["swiglu"]:

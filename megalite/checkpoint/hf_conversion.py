@@ -6,8 +6,8 @@ These architectures cover what megalite trains, and each maps tensor by tensor, 
                   -> GPT2LMHeadModel (activation_function "gelu" for exact GeLU, GPT-2's own
                   "gelu_new" for --openai-gelu's tanh approximation)
     Llama style   RoPE (rotate-half), RMSNorm, SwiGLU, optional GQA / biases / untied output,
-                  Llama 3.1 RoPE scaling (--use-rope-scaling) or position interpolation
-                  (--rotary-seq-len-interpolation-factor)
+                  Llama 3.1 RoPE scaling (--use-rope-scaling), position interpolation
+                  (--rotary-seq-len-interpolation-factor) or YaRN (--position-embedding-type yarn)
                   -> LlamaForCausalLM
     Llama style with --qk-layernorm (an RMSNorm over each head's query and key, before RoPE;
                   no biases) -> Qwen3ForCausalLM (`self_attn.q_norm` / `k_norm`)

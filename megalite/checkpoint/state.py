@@ -31,7 +31,8 @@ MODEL_FLAGS = {
     "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon", "openai_gelu": "--openai-gelu",
     "apply_layernorm_1p": "--apply-layernorm-1p", "qk_layernorm": "--qk-layernorm",
     "window_size": "--window-size", "window_attn_skip_freq": "--window-attn-skip-freq",
-    "softmax_type": "--softmax-type",
+    "softmax_type": "--softmax-type", "quick_geglu": "--quick-geglu", "glu_linear_offset": "--glu-linear-offset",
+    "activation_func_clamp_value": "--activation-func-clamp-value",
 }
 # Mixture of Experts: the weights' shapes (which layers, how many experts, their sizes, the
 # shared expert, the expert bias) and the routing
@@ -48,6 +49,11 @@ ROPE_FLAGS = {"use_rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "
               "rope_scaling_high_freq_factor": "--rope-scaling-high-freq-factor",
               "rope_scaling_original_max_position_embeddings": "--rope-scaling-original-max-position-embeddings",
               "rotary_seq_len_interpolation_factor": "--rotary-seq-len-interpolation-factor"}
+
+# YaRN's settings (--position-embedding-type yarn), compared for YaRN models only
+YARN_FLAGS = {key: "--" + key.replace("_", "-") for key in (
+    "rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow", "mscale",
+    "mscale_all_dim", "yarn_correction_range_round_to_int")}
 
 
 @dataclass
@@ -95,10 +101,12 @@ def model_differences(saved: dict, current: dict) -> list[tuple[str, object, obj
     older checkpoint lacks counts as its default."""
     from ..model import GPTConfig
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    flags = dict(MODEL_FLAGS, **(ROPE_FLAGS if current.get("position_embedding_type") == "rope" else {}))
+    positions = current.get("position_embedding_type")
+    flags = dict(MODEL_FLAGS, **(ROPE_FLAGS if positions in ("rope", "yarn") else {}),
+                 **(YARN_FLAGS if positions == "yarn" else {}))
     if not current.get("use_rope_scaling"):  # the scaling parameters matter only when scaling is on
         flags = {k: f for k, f in flags.items() if not k.startswith("rope_scaling_")}
-    if current.get("position_embedding_type") == "rope":
+    if positions in ("rope", "yarn"):
         flags["rotary_base"] = "--rotary-base"
     if current.get("position_embedding_type") == "learned_absolute":
         flags["max_position_embeddings"] = "--max-position-embeddings"

@@ -69,14 +69,30 @@ class GPTConfig:
                                         "(>= 1, divides --num-attention-heads)", type=int, check=AT_LEAST_1)
     kv_channels: int | None = flag("--kv-channels", None, "per-head size (>= 1; default h / a)", type=int,
                                    check=AT_LEAST_1)
+    # rope: RoPE; yarn: RoPE with YaRN's frequencies and cos/sin scaling (Megatron-LM's
+    # position_embedding_type "yarn", with the --rotary-scaling-factor / --yarn-* / --mscale flags)
     position_embedding_type: str = flag("--position-embedding-type", "learned_absolute",
-                                        choices=["learned_absolute", "rope"])
+                                        "learned_absolute, rope, or yarn (RoPE with YaRN's context extension)",
+                                        choices=["learned_absolute", "rope", "yarn"])
+    # Megatron-LM's --rope-type: the RoPE of multi-latent attention (rope or yarn); ordinary attention
+    # takes rope only (Megatron-LM asserts it), its YaRN being --position-embedding-type yarn
+    rope_type: str | None = flag("--rope-type", None, "multi-latent attention's RoPE (Megatron-LM's flag); "
+                                 "ordinary attention takes only rope: use --position-embedding-type yarn for YaRN",
+                                 choices=["rope", "yarn"])
     rotary_base: float = flag("--rotary-base", 10000.0, "RoPE base (> 0)", check=POSITIVE)
     rotary_percent: float = flag("--rotary-percent", 1.0, "fraction of head channels rotated by RoPE, in (0, 1]",
                                  check=(lambda v: 0 < v <= 1, "in (0, 1]"))
     normalization: str = flag("--normalization", "LayerNorm", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = flag("--norm-epsilon", 1e-5, "epsilon of the norms (> 0)", check=POSITIVE)
     swiglu: bool = flag("--swiglu", False, "SwiGLU MLP instead of GeLU", action="store_true")
+    # gpt-oss's MLP (Megatron-LM's --quick-geglu): a GLU whose gate goes through quick_gelu,
+    # x·sigmoid(1.702·x) (Hendrycks & Gimpel 2016, Sec. 2's sigmoid approximation)
+    quick_geglu: bool = flag("--quick-geglu", False, "gated MLP with quick GeLU, x·sigmoid(1.702·x), on the gate "
+                             "(gpt-oss's) instead of GeLU", action="store_true")
+    glu_linear_offset: float = flag("--glu-linear-offset", 0.0, "gated MLPs: act(gate) · (up + this) (gpt-oss: 1)")
+    activation_func_clamp_value: float | None = flag(
+        "--activation-func-clamp-value", None, "--quick-geglu: the gate clamped to at most this, the up half to "
+        "[-this, this], before the activation (gpt-oss: 7; > 0)", type=float, check=POSITIVE)
     add_bias_linear: bool = flag("--disable-bias-linear", True, "no biases in linear layers", action="store_false")
     # Qwen's attention: biases on the query, key and value projections only (Megatron-LM's --add-qkv-bias)
     add_qkv_bias: bool = flag("--add-qkv-bias", False, "biases in the QKV projection only (with "
@@ -112,6 +128,34 @@ class GPTConfig:
     rotary_seq_len_interpolation_factor: float | None = flag(
         "--rotary-seq-len-interpolation-factor", None, "RoPE position interpolation: positions are divided by this",
         type=float)
+
+    # YaRN (Peng et al. 2023; Megatron-LM's YarnRotaryEmbedding, transformers' rope_type "yarn"),
+    # with --position-embedding-type yarn: frequencies whose wavelength exceeds the pretraining
+    # context (fewer than beta_slow turns in it) divided by the scaling factor, those with more than
+    # beta_fast turns kept, a linear ramp between; cos and sin multiplied by the concentration
+    # factor (0.1·mscale·ln s + 1) / (0.1·mscale_all_dim·ln s + 1)
+    rotary_scaling_factor: float = flag("--rotary-scaling-factor", 1.0, "YaRN's context extension factor s (>= 1)",
+                                        check=(lambda v: v >= 1, ">= 1"))
+    yarn_original_max_position_embeddings: int | None = flag(
+        "--yarn-original-max-position-embeddings", None, "YaRN: the context length the model was pretrained at "
+        "(>= 1; required with --position-embedding-type yarn)", type=int, check=AT_LEAST_1)
+    yarn_beta_fast: float = flag("--yarn-beta-fast", 32.0, "YaRN: frequencies with more turns than this in the "
+                                 "original context are kept (> 0)", check=POSITIVE)
+    yarn_beta_slow: float = flag("--yarn-beta-slow", 1.0, "YaRN: frequencies with fewer turns than this are "
+                                 "divided by --rotary-scaling-factor (> 0)", check=POSITIVE)
+    mscale: float = flag("--mscale", 1.0, "YaRN: the concentration factor's numerator coefficient (>= 0)",
+                         check=NON_NEGATIVE)
+    mscale_all_dim: float = flag("--mscale-all-dim", 0.0, "YaRN: the concentration factor's denominator "
+                                 "coefficient (>= 0)", check=NON_NEGATIVE)
+    yarn_correction_range_round_to_int: bool = flag(
+        "--yarn-correction-range-round-to-int", True, "YaRN: round the ramp's ends out to whole channel pairs "
+        "(DeepSeek's; gpt-oss does not: --no-yarn-correction-range-round-to-int)", action="boolean_optional")
+    # Megatron-LM's --enable-gpt-oss (its ModelOpt arguments): gpt-oss's YaRN, set by validation
+    enable_gpt_oss: bool = flag("--enable-gpt-oss", False, "gpt-oss's YaRN, as Megatron-LM's preset: "
+                                "--position-embedding-type yarn --rotary-scaling-factor 32 "
+                                "--yarn-original-max-position-embeddings 131072 --yarn-beta-fast 32 --yarn-beta-slow 1 "
+                                "--mscale 1 --mscale-all-dim 0 --no-yarn-correction-range-round-to-int",
+                                action="store_true")
 
     # Qwen3's / OLMo 2's QK-norm (Megatron-LM's --qk-layernorm): a --normalization norm over each
     # head's query and key (kv_channels wide, weights shared by the heads), before RoPE
@@ -229,6 +273,25 @@ class GPTConfig:
         return dict(factor=self.rope_scaling_factor, low_freq_factor=self.rope_scaling_low_freq_factor,
                     high_freq_factor=self.rope_scaling_high_freq_factor,
                     original_max_position_embeddings=self.rope_scaling_original_max_position_embeddings)
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """fc1 holds [gate; up] (Megatron-LM's gated_linear_unit): --swiglu or --quick-geglu."""
+        return self.swiglu or self.quick_geglu
+
+    @property
+    def uses_rope(self) -> bool:
+        """Rotary position embeddings (plain or YaRN)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    def yarn(self) -> dict | None:
+        """YaRN's parameters for RotaryEmbedding, None without --position-embedding-type yarn."""
+        if self.position_embedding_type != "yarn":
+            return None
+        return dict(factor=self.rotary_scaling_factor,
+                    original_max_position_embeddings=self.yarn_original_max_position_embeddings,
+                    beta_fast=self.yarn_beta_fast, beta_slow=self.yarn_beta_slow, mscale=self.mscale,
+                    mscale_all_dim=self.mscale_all_dim, round_to_int=self.yarn_correction_range_round_to_int)
 
     def to_dict(self) -> dict:
         return asdict(self)

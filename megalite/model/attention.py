@@ -34,7 +34,8 @@ class RotaryEmbedding(nn.Module):
     """RoPE (Su et al. 2021, Eq. 34), in the rotate-half form used by Megatron-LM and Llama."""
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, base: float = 10000.0,
-                 scaling: dict | None = None, seq_len_interpolation_factor: float | None = None, device=None):
+                 scaling: dict | None = None, seq_len_interpolation_factor: float | None = None, device=None,
+                 yarn: dict | None = None):
         super().__init__()
         self.dim = int(kv_channels * rotary_percent)
         if self.dim % 2:
@@ -43,6 +44,13 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim))
         if scaling is not None:
             inv_freq = llama3_scale_inv_freq(inv_freq, **scaling)
+        # YaRN (GPTConfig.yarn()): its frequencies, and cos/sin scaled by the concentration factor,
+        # so that every attention logit q·k is scaled by its square (Megatron-LM and transformers alike)
+        self.attention_scaling = 1.0
+        if yarn is not None:
+            inv_freq = yarn_inv_freq(inv_freq, base, self.dim, **{k: v for k, v in yarn.items()
+                                                                   if k not in ("mscale", "mscale_all_dim")})
+            self.attention_scaling = yarn_concentration(yarn["factor"], yarn["mscale"], yarn["mscale_all_dim"])
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -53,7 +61,39 @@ class RotaryEmbedding(nn.Module):
             pos = pos / self.seq_len_interpolation_factor
         freqs = pos.unsqueeze(-1) * self.inv_freq  # [b, s, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1).transpose(0, 1).unsqueeze(2)
+        if self.attention_scaling != 1.0:
+            return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return emb.cos(), emb.sin()
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, base: float, dim: int, factor: float, original_max_position_embeddings: int,
+                  beta_fast: float, beta_slow: float, round_to_int: bool) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al. 2023, Sec. 3.2 "NTK-by-parts"; Megatron-LM's
+    YarnRotaryEmbedding): channel pair d turns original_max / (2π·base^(2d/dim)) times over the
+    pretraining context. Pairs turning more than beta_fast times keep their frequency
+    (extrapolation: local order stays as trained), pairs turning fewer than beta_slow times are
+    divided by `factor` (interpolation: long distances land inside the trained range), and a
+    linear ramp over the pairs between blends the two."""
+    def pair_of(turns: float) -> float:  # the (fractional) channel pair that turns `turns` times
+        return dim * math.log(original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_of(beta_fast), pair_of(beta_slow)
+    if round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a one-pair ramp: avoid dividing by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (divided by factor)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def yarn_concentration(factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """YaRN's attention scaling (Peng et al. 2023, Eq. 22: √(1/t) = 0.1·ln s + 1), in DeepSeek's
+    form that Megatron-LM takes: (0.1·mscale·ln s + 1) / (0.1·mscale_all_dim·ln s + 1), 1 when s <= 1."""
+    def m(coefficient: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * coefficient * math.log(factor) + 1.0
+    return m(mscale) / m(mscale_all_dim)
 
 
 def llama3_scale_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,

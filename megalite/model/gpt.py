@@ -84,8 +84,8 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset = layer_offset
         self.input_tensor = None  # set by the pipeline schedule on stages after the first
-        if config.position_embedding_type not in ("learned_absolute", "rope"):
-            raise ValueError(f"--position-embedding-type must be learned_absolute or rope, "
+        if config.position_embedding_type not in ("learned_absolute", "rope", "yarn"):
+            raise ValueError(f"--position-embedding-type must be learned_absolute, rope or yarn, "
                              f"got {config.position_embedding_type!r}")
         if (rng_tracker is None and (comm.group_size(tp_group) > 1 or execution.sequence_parallel)
                 and max(config.hidden_dropout, config.attention_dropout) > 0):
@@ -167,8 +167,8 @@ class GPTModel(nn.Module):
     def _rotary(self, device):
         c = self.config
         return (RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base, c.rope_scaling(),
-                                c.rotary_seq_len_interpolation_factor, device)
-                if c.position_embedding_type == "rope" else None)
+                                c.rotary_seq_len_interpolation_factor, device, c.yarn())
+                if c.uses_rope else None)
 
     def materialize_buffers(self, device) -> None:
         """A model built on the meta device (ZeRO-3 materialises its parameters): its buffers on

@@ -75,7 +75,7 @@ def layer_params(c, moe: bool = False) -> tuple[int, int]:
     if moe:
         mlp_sharded, mlp_replicated = moe_layer_params(c)
     else:
-        fc1 = c.model.ffn_hidden_size * (2 if c.model.swiglu else 1) // t
+        fc1 = c.model.ffn_hidden_size * (2 if c.model.gated_linear_unit else 1) // t
         mlp_sharded, mlp_replicated = fc1 * h + c.model.ffn_hidden_size // t * h + (fc1 if bias else 0), \
             (h if bias else 0)
     return sharded + mlp_sharded, replicated + mlp_replicated
@@ -152,11 +152,11 @@ def layer_activation_bytes(c, moe: bool = False) -> tuple[float, float]:
     # 24 = 8 attention (Q, K, V, context) + 16 MLP (4h GeLU): scaled for GQA, the MLP size, SwiGLU;
     # under CP the all-gathered K and V of the whole sequence (c x this rank's) are kept too
     attention = 4 + 4 * c.model.num_query_groups / a * (1 + cp if cp > 1 else 1)
-    if c.model.position_embedding_type == "rope":  # the rotated Q and K are new tensors, kept beside QKV's output
+    if c.model.uses_rope:  # the rotated Q and K are new tensors, kept beside QKV's output
         attention += 2 + 2 * c.model.num_query_groups / a
     # GeLU keeps fc1's output and GeLU's (4f/h in 16-bit); megalite's SwiGLU keeps fc1's [gate; up],
     # silu(gate) and their product (4f/h + 2f/h + 2f/h): twice GeLU's for the same f
-    mlp = 4 * c.model.ffn_hidden_size / h * (2.0 if c.model.swiglu else 1.0)
+    mlp = 4 * c.model.ffn_hidden_size / h * (2.0 if c.model.gated_linear_unit else 1.0)
     # the scores of s/c queries against all s keys: softmax (2), and with attention dropout its
     # mask (1) and output (2)
     per_score = 5 if c.model.attention_dropout > 0 else 2

@@ -39,7 +39,7 @@ def chunk_layers(c, pp_rank: int) -> list[list[int]]:
 
 def expert_params(c) -> int:
     """Elements of one whole expert: fc1 [f_e (x2 with SwiGLU), h] and fc2 [h, f_e]; no biases."""
-    return c.model.expert_ffn_hidden_size * c.model.hidden_size * (3 if c.model.swiglu else 2)
+    return c.model.expert_ffn_hidden_size * c.model.hidden_size * (3 if c.model.gated_linear_unit else 2)
 
 
 def local_expert_params(c) -> int:
@@ -53,7 +53,7 @@ def moe_layer_params(c) -> tuple[int, int]:
     routed experts: the shared expert (a dense MLP without biases); the router and its gate."""
     m, t = c.model, c.parallel.tensor_model_parallel_size
     f_s, h = m.moe_shared_expert_intermediate_size or 0, m.hidden_size
-    sharded = f_s * (2 if m.swiglu else 1) // t * h + h * (f_s // t)
+    sharded = f_s * (2 if m.gated_linear_unit else 1) // t * h + h * (f_s // t)
     return sharded, m.num_experts * h + (h if f_s and m.moe_shared_expert_gate else 0)
 
 
@@ -80,7 +80,7 @@ def moe_mlp_activation_bytes(c) -> float:
     h, E, k = m.hidden_size, m.num_experts, m.moe_router_topk
     tokens = m.seq_length // p.context_parallel_size * c.training.micro_batch_size  # the TP group's
     own = tokens // t if (p.sequence_parallel and t > 1) else tokens  # routed by this rank
-    glu = 4 if m.swiglu else 2  # fc1's output and the activations kept, per f, in activations
+    glu = 4 if m.gated_linear_unit else 2  # fc1's output and the activations kept, per f, in activations
     router = own * (4 * h + 12 * k) + (4 * E * h if a == 2 else 0)  # fp32 input (and weight), probs, indices
     aux = m.moe_router_load_balancing_type != "none" and m.moe_aux_loss_coeff > 0
     if aux or m.moe_router_score_function == "sigmoid" or m.moe_router_pre_softmax:

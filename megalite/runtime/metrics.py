@@ -29,7 +29,7 @@ def num_floating_point_operations(c, batch_size: int) -> float:
     """
     s, L, h = c.seq_length, c.num_layers, c.hidden_size
     a, g, d = c.num_attention_heads, c.num_query_groups, c.kv_channels
-    n = 3 if c.swiglu else 2
+    n = 3 if (c.swiglu or getattr(c, "quick_geglu", False)) else 2  # a gated fc1 is two matrices
     mlp = 0.0
     for layer in range(L):
         if getattr(c, "num_experts", None) and c.is_moe_layer(layer):

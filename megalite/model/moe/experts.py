@@ -30,6 +30,7 @@ from ...tensor_parallel import set_init
 from ...tensor_parallel.layers import set_tp_attributes
 from ...tensor_parallel.param_info import param_info
 from ..config import ExecutionConfig, GPTConfig
+from ..mlp import activation
 
 
 class Expert(nn.Module):
@@ -37,10 +38,10 @@ class Expert(nn.Module):
         super().__init__()
         h, ffn = config.hidden_size, config.expert_ffn_hidden_size // tp
         std, out_std = config.init_method_std, config.init_method_std / math.sqrt(2.0 * config.num_layers)
-        dtype, swiglu = execution.params_dtype, config.swiglu
+        dtype, gated = execution.params_dtype, config.gated_linear_unit
         self.linear_fc1, self.linear_fc2 = nn.Module(), nn.Module()
-        self.linear_fc1.weight = nn.Parameter(torch.empty(ffn * (2 if swiglu else 1), h, dtype=dtype, device=device))
-        set_tp_attributes(self.linear_fc1.weight, 0, stride=2 if swiglu else 1)
+        self.linear_fc1.weight = nn.Parameter(torch.empty(ffn * (2 if gated else 1), h, dtype=dtype, device=device))
+        set_tp_attributes(self.linear_fc1.weight, 0, stride=2 if gated else 1)
         set_init(self.linear_fc1.weight, "normal", std)
         self.linear_fc2.weight = nn.Parameter(torch.empty(h, ffn, dtype=dtype, device=device))
         set_tp_attributes(self.linear_fc2.weight, 1)
@@ -73,18 +74,12 @@ class LocalExperts(nn.Module):
         ep, ep_rank, tp = comm.group_size(ep_group), comm.group_rank(ep_group), comm.group_size(tp_group)
         self.num_local = config.num_experts // ep
         self.first = ep_rank * self.num_local  # global index of the first local expert
-        self.swiglu, self.gelu_approximate = config.swiglu, "tanh" if config.openai_gelu else "none"
+        self._activation = activation(config)  # the dense MLP's: SwiGLU, quick-GeGLU or GeLU
         self.local_experts = nn.ModuleDict(
             {str(self.first + i): Expert(config, execution, tp, device) for i in range(self.num_local)})
         ffn = config.expert_ffn_hidden_size // tp
         self.grouped = execution.moe_grouped_gemm and grouped_mm_fits(config.hidden_size, ffn,
                                                                       execution.params_dtype)
-
-    def _activation(self, y: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(y, approximate=self.gelu_approximate)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [N, h]: tokens sorted by local expert, counts[i] of them for expert i -> [N, h]
