@@ -19,10 +19,13 @@ def test_paused_rank_is_named_slowest_in_compute(tmp_path):
         pid = workers(proc, 4)[SLOW]
         wait_for(lambda: any("consumed_samples" in r for r in records(jsonl)), 300, proc, "the first iteration")
         while proc.poll() is None:
-            if state(pid) == "R":  # computing (a rank blocked in a collective sleeps): pause it there
-                os.kill(pid, signal.SIGSTOP)
-                time.sleep(0.1)
-                os.kill(pid, signal.SIGCONT)
+            try:
+                if state(pid) == "R":  # computing (a rank blocked in a collective sleeps): pause it there
+                    os.kill(pid, signal.SIGSTOP)
+                    time.sleep(0.1)
+                    os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:  # the worker has finished; torchrun is about to
+                pass
             time.sleep(0.02)
         assert proc.returncode == 0, output(proc)[1][-3000:]
     finally:

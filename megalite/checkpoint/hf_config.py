@@ -242,7 +242,7 @@ def hf_config(cfg: dict, bos_id: int | None = None, eos_id: int | None = None):
         rms_norm_eps=cfg["norm_epsilon"], rope_parameters=rope_parameters,
         attention_dropout=cfg.get("attention_dropout", 0.0), **common)
     if arch in HF_MOE_CLASSES:
-        return moe_hf_config(cfg, arch, rope_model)
+        return moe_hf_config(cfg, arch, rope_model, transformers_class)
     if arch == "qwen3":
         Qwen3Config = transformers_class("Qwen3Config", "Qwen3ForCausalLM")
         return Qwen3Config(intermediate_size=cfg["ffn_hidden_size"], attention_bias=False, use_sliding_window=False,

@@ -99,9 +99,11 @@ def moe_architecture(cfg: dict, refuse) -> str:
     return "mixtral"
 
 
-def moe_hf_config(cfg: dict, arch: str, rope_model: dict):
+def moe_hf_config(cfg: dict, arch: str, rope_model: dict, transformers_class):
     """The MixtralConfig / Qwen2MoeConfig / Qwen3MoeConfig of an MoE model_config; `rope_model`: the
-    keyword arguments every Llama-style config shares (sizes, heads, RoPE, norms, vocabulary)."""
+    keyword arguments every Llama-style config shares (sizes, heads, RoPE, norms, vocabulary);
+    `transformers_class(name, architecture)`: hf_config's look-up of a class a transformers may lack
+    (passed in, as `refuse` elsewhere here: hf_config imports this module)."""
     from transformers import MixtralConfig, Qwen2MoeConfig
 
     expert_ffn = cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]
@@ -115,7 +117,6 @@ def moe_hf_config(cfg: dict, arch: str, rope_model: dict):
                   decoder_sparse_step=1, mlp_only_layers=dense, use_sliding_window=False,
                   architectures=[HF_MOE_CLASSES[arch]], **routing)
     if arch == "qwen3_moe":
-        from .hf_config import transformers_class
         return transformers_class("Qwen3MoeConfig", HF_MOE_CLASSES[arch])(attention_bias=False, **sparse, **rope_model)
     rope_model = {k: v for k, v in rope_model.items() if k != "head_dim"}  # hidden / heads (checked)
     return Qwen2MoeConfig(shared_expert_intermediate_size=cfg["moe_shared_expert_intermediate_size"],
