@@ -14,6 +14,7 @@ import torch.distributed as dist
 from . import comm, parallel_state
 from .checkpoint.load import load_checkpoint
 from .checkpoint.save import CheckpointSaver
+from .checkpoint.upcycle import load_upcycled
 from .checkpoint.state import TrainState
 from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
@@ -220,8 +221,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     ck = cfg.checkpoint
     if ck.load:
         monitor.where = "in the checkpoint load"
-        state.iteration = load_checkpoint(state, ck.load, finetune=ck.finetune, load_optim=not ck.no_load_optim,
-                                          load_rng=not ck.no_load_rng)
+        state.iteration = _load(state, ck, cfg.training.seed)
         monitor.where = "at start-up"
     datasets = build_datasets(cfg, model_config.vocab_size)
     # activations between stages: this rank's s/c tokens (CP), split over TP under sequence parallelism
@@ -251,7 +251,18 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     log_startup(run, malloc)
     if state.load_stats is not None:
         log_checkpoint_load(run)
+    if ck.moe_use_upcycling:  # the upcycled model, before any step (Megatron-LM's save at iteration 1)
+        run.saver.save(state, state.iteration)
     return run
+
+
+def _load(state: TrainState, ck, seed: int) -> int:
+    """The checkpoint under --load into `state`; the iteration the run continues from."""
+    if ck.moe_use_upcycling:  # a dense checkpoint into this MoE model (checkpoint/upcycle.py)
+        return load_upcycled(state, ck.load, ck.moe_upcycling_granularity, seed, finetune=ck.finetune,
+                             load_rng=not ck.no_load_rng)
+    return load_checkpoint(state, ck.load, finetune=ck.finetune, load_optim=not ck.no_load_optim,
+                           load_rng=not ck.no_load_rng)
 
 
 def log_startup(run: Run, malloc: str | None = None) -> None:

@@ -118,6 +118,8 @@ def _not_restored(c: RunConfig) -> str | None:
         return "there is no --load"
     if ck.finetune:
         return "--finetune starts a fresh schedule"
+    if ck.moe_use_upcycling:
+        return "--moe-use-upcycling starts a fresh schedule (Megatron-LM loads no optimizer or scheduler then)"
     if ck.no_load_optim:
         return "--no-load-optim starts a fresh schedule (Megatron-LM loads the scheduler with the optimizer)"
     if c.training.dry_run:

@@ -33,6 +33,7 @@ from .model import check_attention_backend, check_context_parallel, check_model_
 from .moe import check_moe
 from .paths import check_paths
 from .schedule_args import check_schedule_flags, settle_schedule
+from .upcycling import check_upcycling
 
 
 def validate(config: RunConfig, world_size: int | None = None, check_files: bool = True) -> RunConfig:
@@ -55,6 +56,7 @@ def validate(config: RunConfig, world_size: int | None = None, check_files: bool
     check_precision(c)
     _check_operations(c)
     _check_outputs(c)
+    check_upcycling(c, check_files)
     if check_files:
         check_paths(c)
         settle_schedule(c)  # a resume's learning-rate schedule against its checkpoint's (metadata.json)

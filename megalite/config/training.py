@@ -151,6 +151,16 @@ class CheckpointConfig:
     finetune: bool = flag("--finetune", False, "load weights only; start at iteration 0", action="store_true")
     no_load_optim: bool = flag("--no-load-optim", False, "do not load optimizer state", action="store_true")
     no_load_rng: bool = flag("--no-load-rng", False, "do not load RNG states", action="store_true")
+    # sparse upcycling (checkpoint/upcycling.py): a dense checkpoint under --load becomes this MoE run
+    moe_use_upcycling: bool = flag(
+        "--moe-use-upcycling", False, "load the dense checkpoint under --load into this MoE model (--num-experts): "
+        "each expert a copy of its layer's dense MLP, the router as initialised, a fresh optimizer and schedule; "
+        "save it to --save (which must hold no checkpoint) at iteration 1 and train on (as Megatron-LM)",
+        action="store_true")
+    moe_upcycling_granularity: int = flag(
+        "--moe-upcycling-granularity", 1, "with --moe-use-upcycling: each dense MLP cut into this many slices of "
+        "--moe-ffn-hidden-size = dense --ffn-hidden-size / g hidden units, expert e being slice e mod g "
+        "(arXiv:2410.07524; 1: every expert the whole MLP)", type=int, check=AT_LEAST_1)
     # Megatron-LM's two answers to a learning-rate schedule that differs from the checkpoint's
     # (arguments/schedule_args.py); with neither, the resume is refused naming the differences
     override_opt_param_scheduler: bool = flag(
