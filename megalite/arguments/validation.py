@@ -101,6 +101,12 @@ def _check_refused(c: RunConfig) -> None:
     if m.transformer_impl == "transformer_engine":
         fail("--transformer-impl transformer_engine is not supported: megalite does not use NVIDIA Transformer "
              "Engine; drop the flag (or give local: megalite's own layers)")
+    if not m.add_position_embedding and c.model.position_embedding_type != "rope":
+        fail(f"--no-position-embedding is deprecated, use --position-embedding-type (Megatron-LM accepts it only "
+             f"with rope, not {c.model.position_embedding_type})")
+    if not m.masked_softmax_fusion:
+        c.notices.append("--no-masked-softmax-fusion: megalite has no fused scale-mask-softmax kernel to switch off; "
+                         f"attention runs on --attention-backend {c.kernels.attention_backend} (the same function)")
     if m.rerun_mode not in (None, "disabled"):
         fail(f"--rerun-mode {m.rerun_mode} is not supported: megalite has no re-run state machine "
              f"(give disabled, or drop the flag)")

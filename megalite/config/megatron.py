@@ -25,6 +25,13 @@ class MegatronCompatConfig:
         "the GEMM (Megatron-LM does with apex / Transformer Engine)", action="store_false")
     apply_rope_fusion: bool = flag("--no-rope-fusion", True, _NOOP + "megalite's RoPE is plain PyTorch, never a "
                                    "fused kernel", action="store_false")
+    masked_softmax_fusion: bool = flag(
+        "--no-masked-softmax-fusion", True, "accepted with a notice: megalite never runs Megatron-LM's fused "
+        "scale-mask-softmax kernel; its attention is --attention-backend's (the same function)", action="store_false")
+    add_position_embedding: bool = flag(
+        "--no-position-embedding", True, "accepted with --position-embedding-type rope, where it changes nothing (a "
+        "RoPE model has no learned position table); refused otherwise, as Megatron-LM (deprecated: use "
+        "--position-embedding-type)", action="store_false")
     transformer_impl: str | None = flag("--transformer-impl", None, "local is megalite's own layers (accepted); "
                                         "transformer_engine is refused: megalite does not use Transformer Engine",
                                         choices=["local", "transformer_engine"])

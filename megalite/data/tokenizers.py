@@ -23,6 +23,7 @@ from typing import Callable
 from megalite.errors import InputError, InputNotFound, MissingPackage
 
 TOKENIZER_TYPES_HELP = ("GPTSentencePieceTokenizer is SentencePieceTokenizer under Megatron-LM's name; "
+                        "Llama2Tokenizer is SentencePiece with the bos id before each text; "
                         "TikTokenizer reads Megatron-LM's tiktoken vocabulary (a JSON list, --tokenizer-model) "
                         "with --tiktoken-pattern; NullTokenizer reads whitespace-separated ids below --vocab-size N "
                         "and uses N as its end-of-document id")
@@ -283,6 +284,27 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron-LM's Llama2Tokenizer: a SentencePiece ``.model`` whose ``tokenize`` puts the bos id
+    before each text (Megatron-LM's ``_Llama2Tokenizer.tokenize(s, bos=True, eos=False)``, as Llama
+    2 was trained); eod is the eos id (``--append-eod`` adds it)."""
+
+    name = "Llama2Tokenizer"
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        self.bos = self._sp.bos_id()
+        if self.bos < 0:
+            raise InputError(f"--tokenizer-model {model_file}: the model has no bos piece, which Llama2Tokenizer "
+                             f"puts before each text (train it with bos_id >= 0, e.g. tools/train_tokenizer.py)")
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos] + super().tokenize(text)
+
+    def tokenize_batch(self, texts) -> list[list[int]]:
+        return [[self.bos] + ids for ids in super().tokenize_batch(texts)]
+
+
 class HuggingFaceTokenizer:
     """``transformers.AutoTokenizer`` from a local directory (``--tokenizer-model``), offline only.
 
@@ -402,6 +424,7 @@ TOKENIZERS: dict[str, TokenizerSpec] = {
     "SentencePieceTokenizer": TokenizerSpec(("tokenizer_model",), lambda c: SentencePieceTokenizer(c.tokenizer_model)),
     "GPTSentencePieceTokenizer": TokenizerSpec(("tokenizer_model",),
                                                lambda c: SentencePieceTokenizer(c.tokenizer_model)),
+    "Llama2Tokenizer": TokenizerSpec(("tokenizer_model",), lambda c: Llama2Tokenizer(c.tokenizer_model)),
     "HuggingFaceTokenizer": TokenizerSpec(("tokenizer_model",), lambda c: HuggingFaceTokenizer(c.tokenizer_model)),
     "TikTokenizer": TokenizerSpec(("tokenizer_model",), lambda c: TikTokenizer(
         c.tokenizer_model, c.tiktoken_pattern, c.vocab_size, c.tiktoken_num_special_tokens or 1000,
