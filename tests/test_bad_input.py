@@ -194,7 +194,7 @@ CASES = [
     ("mock-eod-mask-loss", "pretrain_gpt.py", MOCK + ["--eod-mask-loss"], "--eod-mask-loss has no effect with --mock-data"),
     ("mock-reset-position-ids", "pretrain_gpt.py", MOCK + ["--reset-position-ids"], "--reset-position-ids"),
     # -- pretrain_gpt.py: tokenizers -------------------------------------------------------------------
-    ("tokenizer-type-unknown", "pretrain_gpt.py", MOCK + ["--tokenizer-type", "Llama2Tokenizer"], "--tokenizer-type"),
+    ("tokenizer-type-unknown", "pretrain_gpt.py", MOCK + ["--tokenizer-type", "BertWordPieceLowerCase"], "--tokenizer-type"),
     ("null-tokenizer-no-vocab", "pretrain_gpt.py", ["--mock-data", "--tokenizer-type", "NullTokenizer"] + TINY,
      "NullTokenizer needs --vocab-size"),
     ("vocab-file-without-type", "pretrain_gpt.py", MOCK + ["--vocab-file", "vocab.json"], "--vocab-file"),
@@ -416,7 +416,7 @@ def test_every_tool_takes_the_same_tokenizer_types(world, tmp_path):
         for t in TOKENIZER_TYPES:
             assert vars(parse(t))["tokenizer.tokenizer_type"] == t, tool  # every tool: TokenizerConfig's flags
         with pytest.raises(UserError, match="--tokenizer-type"):
-            parse("Llama2Tokenizer")
+            parse("BertWordPieceLowerCase")
 
 
 def test_gpt_sentencepiece_tokenizer_is_sentencepiece(world, tmp_path):
