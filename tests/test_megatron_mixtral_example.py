@@ -86,8 +86,8 @@ def llama2_data(corpus, tmp_path_factory):
         for i in range(NUM_DOCS):
             text = paragraphs[i % len(paragraphs)] + "\n\n" + paragraphs[(i + 1) % len(paragraphs)]
             f.write(json.dumps({"text": text}) + "\n")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(tmp / "docs.jsonl"),
-                    "--output-prefix", str(tmp / "llama2"), "--tokenizer-type", "Llama2Tokenizer",
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input",
+                    str(tmp / "docs.jsonl"), "--output-prefix", str(tmp / "llama2"), "--tokenizer-type", "Llama2Tokenizer",
                     "--tokenizer-model", model, "--append-eod"], env=dict(os.environ, PYTHONPATH=ROOT), check=True,
                    capture_output=True, text=True, timeout=300)
     return model, str(tmp / "llama2_text_document")
