@@ -124,3 +124,21 @@ def test_bad_inputs_get_one_error_line(corpus, dense, tmp_path):
     (moe_dir / "iter_0000001" / "metadata.json").write_text(json.dumps(meta))
     (moe_dir / "latest_checkpointed_iteration.txt").write_text("1\n")
     refused(base + MOE + ["--load", str(moe_dir)], "holds an MoE checkpoint .--num-experts 4")
+
+
+def test_notice_names_why_the_step0_function_differs(tmp_path):
+    """Megatron-LM's scaling with --moe-router-pre-softmax (E·g/k = 2: 2^(1/3) on SwiGLU weights),
+    a shared expert, sigmoid top-1: each named; the default routing: no notice."""
+    base = tiny(ffn_hidden_size=64) + ["--mock-data", "--vocab-size", "128", "--swiglu", "--disable-bias-linear",
+                                       "--load", str(tmp_path / "d"), "--save", str(tmp_path / "m")] + MOE
+
+    def notices(*extra):
+        return [n for n in validate_args(parse_args(base + list(extra)), 1, check_files=False).notices
+                if n.startswith("--moe-use-upcycling")]
+    assert notices() == []
+    (scaled,) = notices("--moe-router-pre-softmax")
+    assert "scaled by 1.25992 for --moe-router-pre-softmax" in scaled
+    shared, top1 = notices("--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
+                           "--moe-router-topk", "1")
+    assert "sigmoid(logit) < 1" in top1 or "sigmoid(logit) < 1" in shared
+    assert any("shared expert" in n for n in (shared, top1))
