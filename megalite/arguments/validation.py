@@ -22,7 +22,7 @@ import os
 from dataclasses import fields
 
 from ..config.fields import flagged_fields
-from ..config.megatron import FP8_FLAGS, REFUSED_FLAGS
+from ..config.megatron import FP8_FLAGS, KERNEL_NOTICES, REFUSED_FLAGS
 from ..config.run import SECTIONS, RunConfig
 from .batch import check_batch_schedule, check_lr_schedule
 from .checkpoint_args import apply_checkpoint_args
@@ -96,12 +96,32 @@ def _check_refused(c: RunConfig) -> None:
         fail(f"--ckpt-format {m.ckpt_format} ({what[m.ckpt_format]}) is not supported: megalite reads and "
              f"writes one format of its own (rank_NNNNN.pt shards + metadata.json, loadable on any layout; "
              f"tools/checkpoint/convert.py converts to Hugging Face); drop the flag")
-    if m.transformer_impl == "transformer_engine":
-        fail("--transformer-impl transformer_engine is not supported: megalite does not use NVIDIA Transformer "
-             "Engine; drop the flag (or give local: megalite's own layers)")
+    _kernel_notices(c)
     if m.rerun_mode not in (None, "disabled"):
         fail(f"--rerun-mode {m.rerun_mode} is not supported: megalite has no re-run state machine "
              f"(give disabled, or drop the flag)")
+
+
+def _kernel_notices(c: RunConfig) -> None:
+    """Megatron-LM's kernel-only choices: one notice line each saying what runs here instead (the
+    same function; FP8, which is not, is refused above)."""
+    m, p = c.megatron, c.parallel
+    if m.transformer_impl == "transformer_engine":
+        c.notices.append("--transformer-impl transformer_engine: megalite's own layers run instead (the same "
+                         "function; it does not use NVIDIA Transformer Engine)")
+    for name, (given, instead) in KERNEL_NOTICES.items():
+        if getattr(m, name) != getattr(type(m)(), name):
+            c.notices.append(f"{given}: a Megatron-LM kernel choice; {instead} (the same function)")
+    if p.moe_token_dispatcher_type == "flex":
+        backend = m.moe_flex_dispatcher_backend or "deepep"
+        c.notices.append(f"--moe-token-dispatcher-type flex ({backend} kernels): megalite's alltoall dispatcher "
+                         "runs instead (the same function)")
+        p.moe_token_dispatcher_type = "alltoall"
+    elif m.moe_flex_dispatcher_backend is not None:
+        c.notices.append(f"--moe-flex-dispatcher-backend {m.moe_flex_dispatcher_backend} has no effect without "
+                         "--moe-token-dispatcher-type flex (Megatron-LM accepts and ignores it there)")
+    if m.accumulate_allreduce_grads_in_fp32 and c.ddp.grad_reduce_in_bf16:
+        fail("--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16: give one")
 
 
 def _check_layout(c: RunConfig) -> list[int]:

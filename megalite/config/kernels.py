@@ -35,6 +35,9 @@ class KernelConfig:
         "--moe-grouped-gemm", False, "each MoE layer's local experts as one torch._grouped_mm per projection instead "
         "of a loop over experts (the same numbers; the loop where the shapes are not 16-byte aligned)",
         action="store_true")
+    moe_pad_expert_input_to_capacity: bool = flag(
+        "--moe-pad-expert-input-to-capacity", False, "with --moe-expert-capacity-factor: each expert's input padded "
+        "to exactly its capacity with zero-weight rows (static shapes; the same function)", action="store_true")
 
 
 __all__ = ["ATTENTION_BACKENDS", "KernelConfig"]
