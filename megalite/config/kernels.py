@@ -30,6 +30,11 @@ class KernelConfig:
         "--cross-entropy-loss-fusion", False, "the fused vocabulary-parallel cross entropy (one all-reduce of "
         "[target logit, sum of exp] instead of two; the same loss)", action="store_true")
 
+    disable_bf16_reduced_precision_matmul: bool = flag(
+        "--disable-bf16-reduced-precision-matmul", False, "CUDA bf16 GEMMs accumulate their split-K partial sums in "
+        "fp32, never in bf16 (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False; no effect "
+        "on the CPU)", action="store_true")
+
     # experts (model/moe/experts.py)
     moe_grouped_gemm: bool = flag(
         "--moe-grouped-gemm", False, "each MoE layer's local experts as one torch._grouped_mm per projection instead "
