@@ -1,0 +1,63 @@
+"""A gpt-oss-shaped model trains the same on every layout as on one process (issue 30, Done-when),
+on real text where the loss falls.
+
+The model: 4 layers, every one MoE (4 experts, top-2, aux and z losses on) with biased experts,
+router and attention (Megatron-LM's default: no --disable-bias-linear), the clamped quick-GeGLU
+(--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value 7), learned sinks, a sliding
+window of 8 keys on every other layer, YaRN and GQA. Layouts: TP 2 with SP (each expert's fc1
+bias split, its fc2 bias added once per TP sum), PP 2 (a windowed and a full layer per stage), CP 2
+(the window crossing the chunks) and EP 2 (an expert's biases with its weights on its owner).
+Compared: lm loss and the load-balancing loss per iteration (rtol 1e-5), the gradient norm
+(clipping acts every step), every parameter after the last step.
+"""
+import pytest
+
+from dist_helpers import (assert_loss_falls, assert_losses_close, assert_params_close, grad_norms, load_params,
+                          run_pretrain, train_losses)
+from tiny import tiny
+
+GPT_OSS = tiny(num_layers=4, seq_length=64, lr=3e-3, train_iters=6, log_interval=1, eval_iters=0) + [
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--clip-grad", "0.25", "--adam-eps", "1e-4",
+    "--normalization", "RMSNorm", "--group-query-attention", "--num-query-groups", "2",
+    "--window-size", "8,0", "--window-attn-skip-freq", "2", "--softmax-type", "learnable",
+    "--quick-geglu", "--glu-linear-offset", "1", "--activation-func-clamp-value", "7",
+    "--position-embedding-type", "yarn", "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings",
+    "16", "--no-yarn-correction-range-round-to-int",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2",
+    "--moe-z-loss-coeff", "1e-3"]
+LAYOUTS = {
+    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "cp2": (2, ["--context-parallel-size", "2"]),
+    "ep2-alltoall": (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
+}
+
+
+def _moe_values(records, key) -> list[float]:
+    return [r[key] for r in records if "consumed_samples" in r]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_reference(corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpt-oss")
+    records, _ = run_pretrain(1, corpus + GPT_OSS + ["--save", str(tmp / "ckpt")], tmp, "reference")
+    assert_loss_falls(train_losses(records), 0.3)
+    assert min(grad_norms(records)) > 0.25  # clipping acts on every iteration
+    params = load_params(str(tmp / "ckpt"))
+    for part in ("router.bias", "linear_fc1.bias", "linear_fc2.bias", "softmax_offset", "linear_qkv.bias"):
+        assert any(n.endswith(part) for n in params), part
+    # the expert biases, zero at the start, have learned something
+    assert max(float(p.abs().max()) for n, p in params.items() if n.endswith("experts.local_experts.0.linear_fc2.bias")) > 0
+    return records, params
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gpt_oss_layout_matches_single_process(gpt_oss_reference, corpus, tmp_path, layout):
+    ref_records, ref_params = gpt_oss_reference
+    nproc, flags = LAYOUTS[layout]
+    records, _ = run_pretrain(nproc, corpus + GPT_OSS + flags + ["--save", str(tmp_path / "ckpt")], tmp_path)
+    assert_losses_close(train_losses(ref_records), train_losses(records), rtol=1e-5)
+    assert_losses_close(_moe_values(ref_records, "load_balancing_loss"), _moe_values(records, "load_balancing_loss"),
+                        rtol=1e-5)
+    assert_losses_close(grad_norms(ref_records), grad_norms(records), rtol=1e-5)
+    assert_params_close(ref_params, load_params(str(tmp_path / "ckpt")), atol=1e-5)
