@@ -192,11 +192,12 @@ def _check_operations(c: RunConfig) -> None:
         if c.kernels.cross_entropy_loss_fusion:
             fail("--deterministic-mode refuses --cross-entropy-loss-fusion, as Megatron-LM does")
     _check_dry_run(c)
-    if c.kernels.attention_softmax_in_fp32 and (c.kernels.attention_backend != "local" or c.kernels.use_flash_attn):
+    explicit_softmax = c.kernels.attention_backend == "local" or c.model.softmax_type != "vanilla"  # sinks: local's
+    if c.kernels.attention_softmax_in_fp32 and (not explicit_softmax or c.kernels.use_flash_attn):
         c.notices.append(f"--attention-softmax-in-fp32 has no effect with --attention-backend "
                          f"{c.kernels.attention_backend}{' and --use-flash-attn' if c.kernels.use_flash_attn else ''}: "
                          f"SDPA's and flash-attn's kernels choose their own softmax precision (Megatron-LM accepts it "
-                         f"there too); it acts on --attention-backend local")
+                         f"there too); it acts on --attention-backend local (and with --softmax-type)")
     if not (t.check_for_spiky_loss or t.check_for_large_grads):
         for name in ("spike_factor", "spike_window", "spike_patience"):
             if f"training.{name}" in c.explicit:
@@ -247,8 +248,11 @@ def _check_outputs(c: RunConfig) -> None:
         fail("--save-interval needs --save")
     if ck.async_save and not ck.save:
         fail("--async-save needs --save")
-    if (ck.finetune or ck.no_load_optim or ck.no_load_rng) and not ck.load:
-        fail("--finetune / --no-load-optim / --no-load-rng need --load")
+    if ck.finetune and not ck.load:
+        fail("--finetune needs --load")
+    for name in ("no_load_optim", "no_load_rng"):  # Megatron-LM's gpt-oss script passes them without --load
+        if getattr(ck, name) and not ck.load:
+            c.notices.append(f"{flag(name)} has no effect without --load (Megatron-LM accepts and ignores it there)")
     check_schedule_flags(c)
     t = c.training
     if t.log_timers_to_tensorboard and not (tr.tensorboard_dir or tr.wandb_project or t.log_jsonl or t.dry_run):
