@@ -4,9 +4,10 @@ on real text where the loss falls.
 The model: 4 layers, every one MoE (4 experts, top-2, aux and z losses on) with biased experts,
 router and attention (Megatron-LM's default: no --disable-bias-linear), the clamped quick-GeGLU
 (--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value 7), learned sinks, a sliding
-window of 8 keys on every other layer, YaRN and GQA. Layouts: TP 2 with SP (each expert's fc1
-bias split, its fc2 bias added once per TP sum), PP 2 (a windowed and a full layer per stage), CP 2
-(the window crossing the chunks) and EP 2 (an expert's biases with its weights on its owner).
+window of 8 keys on every other layer, YaRN and GQA. Layouts: TP 2 with SP x DP 2 under ZeRO-2
+(each expert's fc1 bias split, its fc2 bias added once per TP sum), PP 2 (a windowed and a full
+layer per stage), CP 2 (the window crossing the chunks) and EP 2 under ZeRO-3 (an expert's biases
+with its weights on its owner).
 Compared: lm loss and the load-balancing loss per iteration (rtol 1e-5), the gradient norm
 (clipping acts every step), every parameter after the last step.
 """
@@ -25,11 +26,14 @@ GPT_OSS = tiny(num_layers=4, seq_length=64, lr=3e-3, train_iters=6, log_interval
     "16", "--no-yarn-correction-range-round-to-int",
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2",
     "--moe-z-loss-coeff", "1e-3"]
+ZERO = ["--ddp-bucket-size", "5000", "--data-parallel-sharding-strategy"]
 LAYOUTS = {
-    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # DP 2 under ZeRO-2: the experts' fc2 biases' gradients summed over TP from the sharded buffer
+    "tp2-sp-dp2-zero2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + ZERO + ["optim_grads"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "cp2": (2, ["--context-parallel-size", "2"]),
-    "ep2-alltoall": (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
+    "ep2-alltoall-zero3": (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+                           + ZERO + ["optim_grads_params"]),
 }
 
 
