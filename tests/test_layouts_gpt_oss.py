@@ -65,3 +65,18 @@ def test_gpt_oss_layout_matches_single_process(gpt_oss_reference, corpus, tmp_pa
                         rtol=1e-5)
     assert_losses_close(grad_norms(ref_records), grad_norms(records), rtol=1e-5)
     assert_params_close(ref_params, load_params(str(tmp_path / "ckpt")), atol=1e-5)
+
+
+def test_padded_to_capacity_under_ep2_matches_unpadded_single_process(corpus, tmp_path):
+    """Token dropping (capacity factor 1) on one process against EP 2 (alltoall) with every
+    expert's input padded to its capacity: each rank routes a micro-batch of its own, so the same
+    choices are dropped, and the padding rows weigh nothing: the same losses and weights."""
+    model = corpus + [f if GPT_OSS[i - 1] != "--train-iters" else "3" for i, f in enumerate(GPT_OSS)] + [
+        "--moe-expert-capacity-factor", "1.0"]
+    ref, _ = run_pretrain(1, model + ["--save", str(tmp_path / "ref")], tmp_path, "unpadded")
+    padded, _ = run_pretrain(2, model + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                                         "--moe-pad-expert-input-to-capacity", "--save", str(tmp_path / "padded")],
+                             tmp_path, "padded")
+    assert_losses_close(train_losses(ref), train_losses(padded), rtol=1e-5)
+    assert_losses_close(_moe_values(ref, "load_balancing_loss"), _moe_values(padded, "load_balancing_loss"), rtol=1e-5)
+    assert_params_close(load_params(str(tmp_path / "ref")), load_params(str(tmp_path / "padded")), atol=1e-5)

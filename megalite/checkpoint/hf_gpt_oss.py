@@ -111,7 +111,7 @@ def gpt_oss_config_from_hf(c, refuse) -> dict:
     if not c.attention_bias:
         refuse("attention_bias false (megalite's --disable-bias-linear would drop the experts' and router's "
                "biases too)")
-    if abs(float(c.swiglu_alpha) - QUICK_GELU_ALPHA) > 0:
+    if float(c.swiglu_alpha) != QUICK_GELU_ALPHA:
         refuse(f"swiglu_alpha {c.swiglu_alpha} (megalite's --quick-geglu is x·sigmoid({QUICK_GELU_ALPHA}·x))")
     types = list(c.layer_types)
     out = dict(ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
