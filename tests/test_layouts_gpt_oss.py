@@ -9,7 +9,9 @@ window of 8 keys on every other layer, YaRN and GQA. Layouts: TP 2 with SP x DP 
 layer per stage), CP 2 (the window crossing the chunks) and EP 2 under ZeRO-3 (an expert's biases
 with its weights on its owner).
 Compared: lm loss and the load-balancing loss per iteration (rtol 1e-5), the gradient norm
-(clipping acts every step), every parameter after the last step.
+(clipping acts every step), every parameter after the last step. And with token dropping, a
+checkpoint of one process resumes on EP 2 with --moe-pad-expert-input-to-capacity as the run
+itself continues.
 """
 import pytest
 
@@ -67,16 +69,26 @@ def test_gpt_oss_layout_matches_single_process(gpt_oss_reference, corpus, tmp_pa
     assert_params_close(ref_params, load_params(str(tmp_path / "ckpt")), atol=1e-5)
 
 
-def test_padded_to_capacity_under_ep2_matches_unpadded_single_process(corpus, tmp_path):
-    """Token dropping (capacity factor 1) on one process against EP 2 (alltoall) with every
-    expert's input padded to its capacity: each rank routes a micro-batch of its own, so the same
-    choices are dropped, and the padding rows weigh nothing: the same losses and weights."""
-    model = corpus + [f if GPT_OSS[i - 1] != "--train-iters" else "3" for i, f in enumerate(GPT_OSS)] + [
+def test_padded_to_capacity_under_ep2_resumes_the_unpadded_single_process(corpus, tmp_path):
+    """Token dropping (capacity factor 1) on one process, saved after 2 of 4 iterations, resumed
+    on EP 2 (alltoall) with every expert's input padded to its capacity: the biased experts and
+    router (and their optimizer state) resharded from EP 1 to EP 2, each rank routing a
+    micro-batch of its own, so the same choices are dropped, and the padding rows weigh nothing:
+    iterations 3-4 and the final weights as the uninterrupted run's."""
+    model = corpus + [f if GPT_OSS[i - 1] != "--train-iters" else "4" for i, f in enumerate(GPT_OSS)] + [
         "--moe-expert-capacity-factor", "1.0"]
-    ref, _ = run_pretrain(1, model + ["--save", str(tmp_path / "ref")], tmp_path, "unpadded")
-    padded, _ = run_pretrain(2, model + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
-                                         "--moe-pad-expert-input-to-capacity", "--save", str(tmp_path / "padded")],
-                             tmp_path, "padded")
-    assert_losses_close(train_losses(ref), train_losses(padded), rtol=1e-5)
-    assert_losses_close(_moe_values(ref, "load_balancing_loss"), _moe_values(padded, "load_balancing_loss"), rtol=1e-5)
-    assert_params_close(load_params(str(tmp_path / "ref")), load_params(str(tmp_path / "padded")), atol=1e-5)
+    save = tmp_path / "ref"
+    ref, _ = run_pretrain(1, model + ["--save", str(save), "--save-interval", "2"], tmp_path, "unpadded")
+    with open(save / "latest_checkpointed_iteration.txt", "w") as f:
+        f.write("2")  # resume from the middle of the run
+    padded, proc = run_pretrain(2, model + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                            "alltoall", "--moe-pad-expert-input-to-capacity", "--load", str(save),
+                                            "--save", str(tmp_path / "padded")], tmp_path, "padded")
+    assert "> loaded checkpoint" in proc.stdout, proc.stdout[-2000:]
+    assert len(train_losses(padded)) == 2
+    assert_losses_close(train_losses(ref)[2:], train_losses(padded), rtol=1e-5)
+    assert_losses_close(_moe_values(ref, "load_balancing_loss")[2:], _moe_values(padded, "load_balancing_loss"),
+                        rtol=1e-5)
+    with open(save / "latest_checkpointed_iteration.txt", "w") as f:
+        f.write("4")
+    assert_params_close(load_params(str(save)), load_params(str(tmp_path / "padded")), atol=1e-5)
