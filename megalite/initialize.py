@@ -176,10 +176,21 @@ def setup(cfg: RunConfig) -> Run:
         raise
 
 
+def _bf16_matmul_in_fp32(closing: contextlib.ExitStack) -> None:
+    """--disable-bf16-reduced-precision-matmul: CUDA's bf16 GEMMs reduce their split-K partial sums
+    in fp32 (Megatron-LM's flag), for this run only."""
+    matmul = torch.backends.cuda.matmul
+    closing.callback(setattr, matmul, "allow_bf16_reduced_precision_reduction",
+                     matmul.allow_bf16_reduced_precision_reduction)
+    matmul.allow_bf16_reduced_precision_reduction = False
+
+
 def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     if cfg.training.deterministic_mode:
         closing.callback(torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled())
         torch.use_deterministic_algorithms(True)
+    if cfg.kernels.disable_bf16_reduced_precision_matmul:
+        _bf16_matmul_in_fp32(closing)
     ps, device = initialize_distributed(cfg.parallel, moe=bool(cfg.model.num_experts), closing=closing)
     # a sharded strategy is chosen for memory: return freed host memory at once (it costs
     # page faults, ~10% of a small model's step on CPU, so not for every run)

@@ -107,5 +107,5 @@ def test_script_trains_on_two_cpu_ranks(llama2_data, tmp_path):
     train = [r for r in records if "consumed_samples" in r]
     assert [r["iteration"] for r in train] == [1, 2, 3, 4] and all(math.isfinite(x) for x in train_losses(records))
     assert {r["split"] for r in records if "split" in r} == {"valid", "test"}  # the 8 and 2 of 99990,8,2
-    assert "--no-masked-softmax-fusion: megalite has no fused scale-mask-softmax kernel" in proc.stdout
+    assert "--no-masked-softmax-fusion: a Megatron-LM kernel choice" in proc.stdout
     assert os.path.isfile(tmp_path / "ckpt" / "iter_0000004" / "metadata.json")

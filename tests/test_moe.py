@@ -126,10 +126,10 @@ def ref_losses(x: torch.Tensor, weight: torch.Tensor, balancing: str, aux_coeff:
     return aux, z
 
 
-def ref_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, swiglu) -> torch.Tensor:
+def ref_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, swiglu, b1=None, b2=None) -> torch.Tensor:
     """swiglu: True (SwiGLU), False (GeLU) or "gpt-oss" (transformers' GptOssExperts: alpha 1.702,
-    limit 7, up + 1)."""
-    y = w1 @ x
+    limit 7, up + 1); b1, b2: fc1's and fc2's biases (none: no bias)."""
+    y = w1 @ x + (0 if b1 is None else b1)
     if swiglu == "gpt-oss":
         gate, up = y[:y.numel() // 2].clamp(max=7.0), y[y.numel() // 2:].clamp(-7.0, 7.0)
         a = gate / (1 + torch.exp(-1.702 * gate)) * (up + 1)
@@ -138,7 +138,13 @@ def ref_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, swiglu) -> torc
         a = gate / (1 + torch.exp(-gate)) * up
     else:
         a = 0.5 * y * (1 + torch.erf(y / math.sqrt(2.0)))
-    return w2 @ a
+    return w2 @ a + (0 if b2 is None else b2)
+
+
+def ref_expert(x: torch.Tensor, mlp, swiglu) -> torch.Tensor:
+    """An expert or the shared expert of megalite's layer, by its weights and biases."""
+    fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+    return ref_mlp(x, fc1.weight, fc2.weight, swiglu, getattr(fc1, "bias", None), getattr(fc2, "bias", None))
 
 
 def ref_layer(layer: MoELayer, x: torch.Tensor, swiglu: bool, score_function="softmax", pre_softmax=False,
@@ -146,7 +152,7 @@ def ref_layer(layer: MoELayer, x: torch.Tensor, swiglu: bool, score_function="so
     """Token by token: sum over its kept top-k experts of prob * expert(x) [+ gate * shared(x)]."""
     s, b, h = x.shape
     flat = x.reshape(s * b, h)
-    logits = flat @ layer.router.weight.t()
+    logits = flat @ layer.router.weight.t() + (0 if layer.router.bias is None else layer.router.bias)
     bias = None if layer.router.expert_bias is None else layer.router.expert_bias.tolist()
     probs, experts = ref_route(logits, K, score_function, pre_softmax, bias)
     if capacity_factor is not None:
@@ -157,10 +163,10 @@ def ref_layer(layer: MoELayer, x: torch.Tensor, swiglu: bool, score_function="so
         y = torch.zeros(h)
         for p, e in zip(probs[t], experts[t]):
             expert = layer.experts.local_experts[str(e)]
-            y = y + p * ref_mlp(flat[t], expert.linear_fc1.weight, expert.linear_fc2.weight, swiglu)
+            y = y + p * ref_expert(flat[t], expert, swiglu)
         shared = layer.shared_experts
         if shared is not None:
-            z = ref_mlp(flat[t], shared.linear_fc1.weight, shared.linear_fc2.weight, swiglu)
+            z = ref_expert(flat[t], shared, swiglu)
             if hasattr(shared, "gate_weight"):
                 z = z / (1 + torch.exp(-(shared.gate_weight[0] * flat[t]).sum()))
             y = y + z
@@ -357,8 +363,13 @@ def test_router_drops_over_capacity(policy, factor):
          moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True, moe_aux_loss_coeff=0.1),
     # gpt-oss's experts: the dense MLP's quick-GeGLU with its offset and clamp (std 3: some clamped)
     dict(swiglu=False, quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0, std=3.0),
+    # Megatron-LM's default (no --disable-bias-linear): biased experts, router and shared expert
+    dict(swiglu=False, quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0, std=2.0,
+         add_bias_linear=True, moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True),
+    # each expert's input padded to its capacity: the same function
+    dict(swiglu=True, add_bias_linear=True, moe_expert_capacity_factor=0.75, moe_pad_expert_input_to_capacity=True),
 ], ids=["swiglu", "gelu-presoftmax-shared", "sigmoid-bias-gated-shared", "gelu-drop-probs", "swiglu-drop-position",
-        "gpt-oss-glu"])
+        "gpt-oss-glu", "gpt-oss-biases", "padded-to-capacity"])
 def test_layer_matches_loop(settings):
     settings = dict(settings)
     layer = moe_layer(std=settings.pop("std", 0.5), **settings)
@@ -378,20 +389,23 @@ def test_layer_matches_loop(settings):
 
 # -- 6. grouped GEMM == loop, an expert without tokens included ---------------------------------
 
-@pytest.mark.parametrize("swiglu", [True, False])
-def test_grouped_gemm_matches_loop(swiglu, monkeypatch):
+@pytest.mark.parametrize("swiglu,bias", [(True, False), (False, False), (True, True)])
+def test_grouped_gemm_matches_loop(swiglu, bias, monkeypatch):
     # torch._grouped_mm itself, on the CPU too (where --moe-grouped-gemm otherwise runs the loop)
     monkeypatch.setattr(experts_module, "GROUPED_MM_DEVICES", frozenset({"cpu", "cuda"}))
     calls = []
     grouped_mm = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or grouped_mm(*a, **kw))
-    layers = [moe_layer(swiglu=swiglu, moe_grouped_gemm=grouped, moe_aux_loss_coeff=0.01) for grouped in (False, True)]
+    layers = [moe_layer(swiglu=swiglu, moe_grouped_gemm=grouped, moe_aux_loss_coeff=0.01, add_bias_linear=bias)
+              for grouped in (False, True)]
     assert [layer.experts.grouped for layer in layers] == [False, True]
     # inputs all positive and expert 3's router row all negative: expert 3 gets no token
     x = tokens().abs()
     for layer in layers:
         with torch.no_grad():
             layer.router.weight[3] = -1.0
+            if bias:
+                layer.router.bias[3] = -100.0
     grad_out = torch.randn(S, B, H, generator=torch.Generator().manual_seed(7))
     outs, x_grads = [], []
     for layer in layers:
@@ -529,7 +543,8 @@ def test_registries_are_the_flags_choices():
     """The flags' choices (config/, torch-free) name exactly the registered classes."""
     from megalite.config import ParallelConfig
     from megalite.config.model import GPTConfig
-    assert set(DISPATCHERS) == flag_choices(ParallelConfig, "moe_token_dispatcher_type")
+    # flex: Megatron-LM's DeepEP / HybridEP kernels, which validation turns into alltoall (a notice)
+    assert set(DISPATCHERS) == flag_choices(ParallelConfig, "moe_token_dispatcher_type") - {"flex"}
     assert set(SCORE_FUNCTIONS) == flag_choices(GPTConfig, "moe_router_score_function")
     assert set(LOAD_BALANCING) == flag_choices(GPTConfig, "moe_router_load_balancing_type")
 
@@ -594,3 +609,23 @@ def test_moe_gpt_trains():
     for name, before in moe_params.items():
         assert params[name].grad is not None and params[name].grad.abs().max() > 0, name
         assert (params[name].detach() - before).abs().max() > 1e-3, name
+
+
+def test_padded_to_capacity_every_expert_gets_its_capacity():
+    """--moe-pad-expert-input-to-capacity: each expert's input exactly its capacity of rows, the
+    output and the gradients those of the unpadded layer."""
+    layers = [moe_layer(add_bias_linear=True, moe_expert_capacity_factor=0.75, moe_pad_expert_input_to_capacity=pad)
+              for pad in (False, True)]
+    x = tokens()
+    capacity = math.ceil(S * B * K / E * 0.75)
+    counts = [layer.dispatch(x.view(S * B, H), layer.route(x.view(S * B, H), (S, B)))[1] for layer in layers]
+    assert counts[1] == [capacity] * E and sum(counts[0]) < E * capacity
+    grad_out = torch.randn(S, B, H, generator=torch.Generator().manual_seed(7))
+    outs = []
+    for layer in layers:
+        y = layer(x)
+        (y * grad_out).sum().backward()
+        outs.append(y.detach())
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    for (name, a), b in zip(layers[0].named_parameters(), layers[1].parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6 * float(a.grad.abs().max()), msg=name)

@@ -13,7 +13,12 @@ MOE = ["--num-experts", "4", "--disable-bias-linear"]
 @pytest.mark.parametrize("extra,world,pattern", [
     (["--moe-router-topk", "2"], 1, r"--moe-router-topk needs --num-experts"),
     (["--expert-model-parallel-size", "2"], 2, r"--expert-model-parallel-size needs --num-experts"),
-    (["--num-experts", "4"], 1, r"--num-experts needs --disable-bias-linear"),
+    (MOE + ["--moe-pad-expert-input-to-capacity"], 1,
+     r"--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
+    (MOE + ["--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16", "--bf16"], 1,
+     r"--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16"),
+    (MOE + ["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid"], 1,
+     r"--fp8-format is not supported: FP8 training needs"),
     (MOE + ["--moe-router-topk", "5"], 1, r"--moe-router-topk \(5\) exceeds --num-experts \(4\)"),
     (MOE + ["--expert-model-parallel-size", "3"], 3, r"--num-experts \(4\) is not divisible by "
                                                      r"--expert-model-parallel-size \(3\)"),
@@ -43,6 +48,34 @@ MOE = ["--num-experts", "4", "--disable-bias-linear"]
 def test_bad_moe_flags(extra, world, pattern):
     with pytest.raises(ArgumentError, match=pattern):
         validate_args(parse_args(OK + extra), world)
+
+
+def test_biased_moe_is_megatron_lms_default():
+    """Without --disable-bias-linear experts, router and shared expert take biases (Megatron-LM's)."""
+    c = validate_args(parse_args(OK + ["--num-experts", "4"]), 1)
+    assert c.model.add_bias_linear and c.model.num_experts == 4
+
+
+@pytest.mark.parametrize("extra,notices", [
+    (["--moe-permute-fusion", "--moe-router-fusion", "--transformer-impl", "transformer_engine",
+      "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+      "--export-force-local-attention"],
+     ["--moe-permute-fusion: a Megatron-LM kernel choice; megalite permutes tokens with PyTorch",
+      "--moe-router-fusion: a Megatron-LM kernel choice; megalite's PyTorch router",
+      "--transformer-impl transformer_engine: megalite's own layers run instead",
+      "--no-masked-softmax-fusion: a Megatron-LM kernel choice", "--no-bias-gelu-fusion: a Megatron-LM kernel",
+      "--no-bias-dropout-fusion: a Megatron-LM kernel", "--export-force-local-attention: a Megatron-LM kernel"]),
+    (["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"],
+     ["--moe-token-dispatcher-type flex (hybridep kernels): megalite's alltoall dispatcher runs instead"]),
+    (["--moe-flex-dispatcher-backend", "deepep"], ["--moe-flex-dispatcher-backend deepep has no effect without"]),
+])
+def test_kernel_only_choices_get_one_notice_each(extra, notices):
+    c = validate_args(parse_args(OK + MOE + extra), 1)
+    for start in notices:
+        assert len([n for n in c.notices if n.startswith(start)]) == 1, (start, c.notices)
+    assert len(c.notices) == len(notices), c.notices
+    if "flex" in extra:
+        assert c.parallel.moe_token_dispatcher_type == "alltoall"
 
 
 def test_expert_data_parallel_size_is_derived():

@@ -229,12 +229,14 @@ def test_accepts_every_pretrain_gpt_flag_as_pretrain_gpt_does():
 
 
 # -- Mixture of Experts -------------------------------------------------------------------------
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-ffn-hidden-size", "48"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48"]
 MOE_VARIANTS = {
-    "every-layer-gelu": [],
-    "swiglu-shared-gated-every-2nd": ["--swiglu", "--moe-layer-freq", "2", "--moe-shared-expert-intermediate-size", "32",
-                                      "--moe-shared-expert-gate"],
-    "pattern-untied": ["--moe-layer-freq", "[0,1,1,0]", "--untie-embeddings-and-output-weights"],
+    "every-layer-gelu": ["--disable-bias-linear"],
+    "swiglu-shared-gated-every-2nd": ["--disable-bias-linear", "--swiglu", "--moe-layer-freq", "2",
+                                      "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate"],
+    "pattern-untied": ["--disable-bias-linear", "--moe-layer-freq", "[0,1,1,0]", "--untie-embeddings-and-output-weights"],
+    # Megatron-LM's default: biased experts, router and shared expert (gpt-oss's MLP)
+    "biased-quick-geglu-shared": ["--quick-geglu", "--moe-shared-expert-intermediate-size", "32"],
 }
 
 
@@ -276,7 +278,10 @@ def test_moe_params_per_rank_match_built_model(variant, tp, pp, ep, vpp_layers):
         argv += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers), "--global-batch-size", "16"]
     c, _ = plan.parse(argv)
     h, f, t = 64, 48, tp
-    expert = f * h * (3 if "--swiglu" in argv else 2)  # fc1 [f or 2f, h] and fc2 [h, f], no biases
+    gated, bias = "--swiglu" in argv or "--quick-geglu" in argv, "--disable-bias-linear" not in argv
+    # fc1 [f or 2f, h] and fc2 [h, f]; with biases fc1's (split over TP) and fc2's (whole on every TP rank)
+    split, whole = f * h * (3 if gated else 2) + (f * (2 if gated else 1) if bias else 0), h if bias else 0
+    expert = split + whole
     pattern = moe_pattern(c)
     for r in range(pp):
         plan_split = stage_param_split(c, r)
@@ -284,13 +289,13 @@ def test_moe_params_per_rank_match_built_model(variant, tp, pp, ep, vpp_layers):
         for ep_rank in range(ep):  # every EP rank holds as many (other experts)
             for tp_rank in range(tp):
                 assert built_params(c, tp_rank, ep_rank, r) == plan_split, (r, ep_rank, tp_rank)
-        assert plan_split[1] == moe_here * (4 // ep) * expert // t
+        assert plan_split[1] == moe_here * (4 // ep) * (split // t + whole)
     # the whole model, each parameter once: one process holding every expert
-    whole = built_params(plan.parse(SMALL + MOE + MOE_VARIANTS[variant])[0], 0, 0, 0)
-    assert total_params(c) == sum(whole)
+    one = built_params(plan.parse(SMALL + MOE + MOE_VARIANTS[variant])[0], 0, 0, 0)
+    assert total_params(c) == sum(one)
     p = plan.make_plan(argv)
-    assert p["num_params_total"] == sum(whole)
-    assert p["num_params_active"] == sum(whole) - sum(pattern) * (4 - 2) * expert  # top-2 of 4 experts
+    assert p["num_params_total"] == sum(one)
+    assert p["num_params_active"] == sum(one) - sum(pattern) * (4 - 2) * expert  # top-2 of 4 experts
     assert p["moe"]["expert_params_per_gpu"] == max(stage_param_split(c, r)[1] for r in range(pp))
 
 
@@ -303,7 +308,7 @@ def test_moe_zero_shards_experts_over_expert_dp():
     """ZeRO-1 in bf16 over DP 8 with EP 4: dense weights' 12 bytes of optimizer state over 8 ranks,
     experts' over the 2 that hold the same experts; ZeRO-3 shards the parameters alike."""
     from megalite.planning.memory import stage_param_split
-    argv = SMALL + MOE + ["--expert-model-parallel-size", "4", "--bf16", "--world-size", "8"]
+    argv = SMALL + MOE + ["--disable-bias-linear", "--expert-model-parallel-size", "4", "--bf16", "--world-size", "8"]
     c, _ = plan.parse(argv)
     dense, experts = stage_param_split(c, 0)
     assert experts == 4 * (4 // 4) * 48 * 64 * 2  # 4 MoE layers, 1 expert each here
@@ -323,7 +328,7 @@ def test_moe_flops_count_active_parameters_only():
     whose MLP is k experts wide, plus the router. MFU (training.py) divides these FLOPs."""
     from megalite.runtime.metrics import num_floating_point_operations
     L, h, s, V, B, E, k, f_e, f_s, f = 4, 64, 32, 1024, 8, 4, 2, 48, 32, 96
-    argv = SMALL + MOE + ["--swiglu", "--moe-layer-freq", "2", "--moe-shared-expert-intermediate-size", str(f_s),
+    argv = SMALL + MOE + ["--disable-bias-linear", "--swiglu", "--moe-layer-freq", "2", "--moe-shared-expert-intermediate-size", str(f_s),
                           "--moe-shared-expert-gate", "--ffn-hidden-size", str(f), "--global-batch-size", str(B)]
     p = plan.make_plan(argv)
     moe_layers, dense_layers = 2, 2  # layers 0 and 2
@@ -345,7 +350,7 @@ def test_moe_dispatch_bytes_per_iteration(dispatcher, capsys):
     of h bf16 values: alltoall sends the T·k routed copies, (EP-1)/EP of them to other ranks;
     allgather sends the rank's T tokens to, and reduce-scatters T outputs for, EP-1 ranks."""
     L, h, s, b, m, ep, k = 4, 64, 32, 2, 4, 4, 2
-    argv = SMALL + MOE + ["--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher,
+    argv = SMALL + MOE + ["--disable-bias-linear", "--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher,
                           "--bf16", "--world-size", "8", "--global-batch-size", str(b * m * 8)]
     p = plan.make_plan(argv)
     T = s * b
@@ -355,7 +360,7 @@ def test_moe_dispatch_bytes_per_iteration(dispatcher, capsys):
     full = plan.make_plan(argv + ["--recompute-granularity", "full", "--recompute-method", "uniform",
                                   "--recompute-num-layers", "1"])
     assert full["moe"]["dispatch_bytes_per_iteration"] == pytest.approx(6 * L * m * per * h * 2)
-    assert plan.make_plan(SMALL + MOE + ["--world-size", "8"])["moe"]["dispatch_bytes_per_iteration"] == 0
+    assert plan.make_plan(SMALL + MOE + ["--disable-bias-linear", "--world-size", "8"])["moe"]["dispatch_bytes_per_iteration"] == 0
     assert plan.main(argv) == 0
     out = capsys.readouterr().out
     assert f"dispatch {dispatcher} over EP 4: " in out and "EP 4 x expert-DP 2" in out

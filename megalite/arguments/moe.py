@@ -10,6 +10,9 @@ def check_moe(c: RunConfig) -> None:
     m, p = c.model, c.parallel
     ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
     dp_cp = p.data_parallel_size * p.context_parallel_size
+    if c.kernels.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        fail("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (as Megatron-LM: the capacity "
+             "is what each expert's input is padded to)")
     if not m.num_experts:
         given = sorted(k for k in c.explicit if k.startswith("model.moe_"))
         if given or ep > 1:
@@ -25,8 +28,6 @@ def check_moe(c: RunConfig) -> None:
         moe_layer_pattern(m.moe_layer_freq, m.num_layers)
     except ValueError as why:
         fail(f"--moe-layer-freq must be {why}")
-    if m.add_bias_linear:
-        fail("--num-experts needs --disable-bias-linear: megalite's experts and shared expert have no biases")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
         fail("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as Megatron-LM: the bias "
              "shifts sigmoid scores, which are not normalised over experts)")

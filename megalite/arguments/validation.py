@@ -22,7 +22,7 @@ import os
 from dataclasses import fields
 
 from ..config.fields import flagged_fields
-from ..config.megatron import FP8_FLAGS, REFUSED_FLAGS
+from ..config.megatron import FP8_FLAGS, KERNEL_NOTICES, REFUSED_FLAGS
 from ..config.run import SECTIONS, RunConfig
 from .batch import check_batch_schedule, check_lr_schedule
 from .checkpoint_args import apply_checkpoint_args
@@ -98,18 +98,35 @@ def _check_refused(c: RunConfig) -> None:
         fail(f"--ckpt-format {m.ckpt_format} ({what[m.ckpt_format]}) is not supported: megalite reads and "
              f"writes one format of its own (rank_NNNNN.pt shards + metadata.json, loadable on any layout; "
              f"tools/checkpoint/convert.py converts to Hugging Face); drop the flag")
-    if m.transformer_impl == "transformer_engine":
-        fail("--transformer-impl transformer_engine is not supported: megalite does not use NVIDIA Transformer "
-             "Engine; drop the flag (or give local: megalite's own layers)")
     if not m.add_position_embedding and c.model.position_embedding_type != "rope":
         fail(f"--no-position-embedding is deprecated, use --position-embedding-type (Megatron-LM accepts it only "
              f"with rope, not {c.model.position_embedding_type})")
-    if not m.masked_softmax_fusion:
-        c.notices.append("--no-masked-softmax-fusion: megalite has no fused scale-mask-softmax kernel to switch off; "
-                         f"attention runs on --attention-backend {c.kernels.attention_backend} (the same function)")
+    _kernel_notices(c)
     if m.rerun_mode not in (None, "disabled"):
         fail(f"--rerun-mode {m.rerun_mode} is not supported: megalite has no re-run state machine "
              f"(give disabled, or drop the flag)")
+
+
+def _kernel_notices(c: RunConfig) -> None:
+    """Megatron-LM's kernel-only choices: one notice line each saying what runs here instead (the
+    same function; FP8, which is not, is refused above)."""
+    m, p = c.megatron, c.parallel
+    if m.transformer_impl == "transformer_engine":
+        c.notices.append("--transformer-impl transformer_engine: megalite's own layers run instead (the same "
+                         "function; it does not use NVIDIA Transformer Engine)")
+    for name, (given, instead) in KERNEL_NOTICES.items():
+        if getattr(m, name) != getattr(type(m)(), name):
+            c.notices.append(f"{given}: a Megatron-LM kernel choice; {instead} (the same function)")
+    if p.moe_token_dispatcher_type == "flex":
+        backend = m.moe_flex_dispatcher_backend or "deepep"
+        c.notices.append(f"--moe-token-dispatcher-type flex ({backend} kernels): megalite's alltoall dispatcher "
+                         "runs instead (the same function)")
+        p.moe_token_dispatcher_type = "alltoall"
+    elif m.moe_flex_dispatcher_backend is not None:
+        c.notices.append(f"--moe-flex-dispatcher-backend {m.moe_flex_dispatcher_backend} has no effect without "
+                         "--moe-token-dispatcher-type flex (Megatron-LM accepts and ignores it there)")
+    if m.accumulate_allreduce_grads_in_fp32 and c.ddp.grad_reduce_in_bf16:
+        fail("--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16: give one")
 
 
 def _check_layout(c: RunConfig) -> list[int]:
@@ -180,11 +197,12 @@ def _check_operations(c: RunConfig) -> None:
         if c.kernels.cross_entropy_loss_fusion:
             fail("--deterministic-mode refuses --cross-entropy-loss-fusion, as Megatron-LM does")
     _check_dry_run(c)
-    if c.kernels.attention_softmax_in_fp32 and (c.kernels.attention_backend != "local" or c.kernels.use_flash_attn):
+    explicit_softmax = c.kernels.attention_backend == "local" or c.model.softmax_type != "vanilla"  # sinks: local's
+    if c.kernels.attention_softmax_in_fp32 and (not explicit_softmax or c.kernels.use_flash_attn):
         c.notices.append(f"--attention-softmax-in-fp32 has no effect with --attention-backend "
                          f"{c.kernels.attention_backend}{' and --use-flash-attn' if c.kernels.use_flash_attn else ''}: "
                          f"SDPA's and flash-attn's kernels choose their own softmax precision (Megatron-LM accepts it "
-                         f"there too); it acts on --attention-backend local")
+                         f"there too); it acts on --attention-backend local (and with --softmax-type)")
     if not (t.check_for_spiky_loss or t.check_for_large_grads):
         for name in ("spike_factor", "spike_window", "spike_patience"):
             if f"training.{name}" in c.explicit:
@@ -235,8 +253,11 @@ def _check_outputs(c: RunConfig) -> None:
         fail("--save-interval needs --save")
     if ck.async_save and not ck.save:
         fail("--async-save needs --save")
-    if (ck.finetune or ck.no_load_optim or ck.no_load_rng) and not ck.load:
-        fail("--finetune / --no-load-optim / --no-load-rng need --load")
+    if ck.finetune and not ck.load:
+        fail("--finetune needs --load")
+    for name in ("no_load_optim", "no_load_rng"):  # Megatron-LM's gpt-oss script passes them without --load
+        if getattr(ck, name) and not ck.load:
+            c.notices.append(f"{flag(name)} has no effect without --load (Megatron-LM accepts and ignores it there)")
     check_schedule_flags(c)
     t = c.training
     if t.log_timers_to_tensorboard and not (tr.tensorboard_dir or tr.wandb_project or t.log_jsonl or t.dry_run):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from ..errors import InputError
+from .hf_gpt_oss import gpt_oss_architecture, gpt_oss_config_from_hf, is_gpt_oss
 from .hf_moe import HF_MOE_CLASSES, moe_architecture, moe_config_from_hf, moe_flags, moe_hf_config
 
 # megalite's name of each architecture -> the transformers class
@@ -27,6 +28,8 @@ def hf_architecture(cfg: dict) -> str:
                               "(the export would be a different model)")
 
     heads, groups = cfg["num_attention_heads"], cfg.get("num_query_groups") or cfg["num_attention_heads"]
+    if is_gpt_oss(cfg):  # sinks, sliding windows, the clamped GLU: hf_gpt_oss.py
+        return gpt_oss_architecture(cfg, refuse)
     # the attention and MLP variants (docs/models.md) without a mapping yet: none of the classes below has them
     for key, flag, plain in (("window_size", "--window-size", None), ("softmax_type", "--softmax-type", "vanilla"),
                              ("quick_geglu", "--quick-geglu", False), ("glu_linear_offset", "--glu-linear-offset", 0.0),
@@ -309,6 +312,8 @@ def config_from_hf(c, raw: dict) -> dict:
     if c.model_type == "qwen3":
         return dict(_rope_model_from_hf(c, raw, refuse), ffn_hidden_size=c.intermediate_size, add_bias_linear=False,
                     qk_layernorm=True, **common)
+    if c.model_type == "gpt_oss":
+        return {**_rope_model_from_hf(c, raw, refuse), **common, **gpt_oss_config_from_hf(c, refuse)}
     if c.model_type in HF_MOE_CLASSES:
         return dict(_rope_model_from_hf(c, raw, refuse), add_bias_linear=False, **moe_config_from_hf(c, refuse),
                     **common)

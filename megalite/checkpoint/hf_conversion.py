@@ -14,7 +14,9 @@ These architectures cover what megalite trains, and each maps tensor by tensor, 
     Llama style with Mixture-of-Experts layers (hf_moe.py)
                   -> MixtralForCausalLM (every layer MoE, no shared expert), or
                      Qwen2MoeForCausalLM (a gated shared expert; dense layers, q/k/v biases), or
-                     Qwen3MoeForCausalLM (--qk-layernorm, no shared expert; dense layers)
+                     Qwen3MoeForCausalLM (--qk-layernorm, no shared expert; dense layers), or
+                     GptOssForCausalLM (sinks, sliding windows, biased experts and router, the
+                     clamped GLU; hf_gpt_oss.py)
 
 Anything else (RoPE with LayerNorm, partial rotary, GQA in a GPT-2 model, ...) is refused with
 the setting named: a converter that silently produced a *different* model would be worse than
@@ -60,6 +62,10 @@ GPT2_PROJECTIONS = (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_
 # --qk-layernorm's per-head norms and Qwen3's names for them (one weight of head_dim, shared by the heads)
 QK_NORMS = (("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
             ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"))
+
+
+# --softmax-type learnable's sink logits and gpt-oss's name for them (one per head)
+SINKS = ("self_attention.core_attention.softmax_offset", "self_attn.sinks")
 
 
 # -- fused QKV <-> separate Q, K, V ---------------------------------------------------------------
@@ -124,6 +130,8 @@ def _llama_tensors(cfg: dict, state: dict, arch: str = "llama") -> dict:
         if cfg.get("qk_layernorm"):  # Qwen3's q_norm / k_norm: RMSNorm over head_dim (hf_config.py checks)
             for ours, theirs in QK_NORMS:
                 out[h + theirs] = state.pop(m + ours)
+        if cfg.get("softmax_type") == "learnable":  # gpt-oss's sinks (hf_config.py checks)
+            out[h + SINKS[1]] = state.pop(m + SINKS[0])
         if moe:
             out.update(moe_mlp_tensors(cfg, arch, state, m, h))
         for kind in kinds:
@@ -248,6 +256,8 @@ def _llama_state(cfg: dict, hf: dict, arch: str = "llama") -> dict:
         if cfg.get("qk_layernorm"):
             for ours, theirs in QK_NORMS:
                 out[m + ours] = hf.pop(h + theirs)
+        if cfg.get("softmax_type") == "learnable":
+            out[m + SINKS[0]] = hf.pop(h + SINKS[1])
         if moe:
             out.update(moe_mlp_state(cfg, arch, hf, m, h))
         for kind in kinds:

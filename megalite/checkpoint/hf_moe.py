@@ -39,9 +39,10 @@ from __future__ import annotations
 import torch
 
 from ..config.moe import moe_layer_pattern
+from .hf_gpt_oss import GPT_OSS_CLASS, gpt_oss_flags, gpt_oss_hf_config, gpt_oss_mlp_state, gpt_oss_mlp_tensors
 
 HF_MOE_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": GPT_OSS_CLASS}  # gpt-oss: hf_gpt_oss.py
 
 
 def moe_pattern(cfg: dict) -> list[bool]:
@@ -106,6 +107,8 @@ def moe_hf_config(cfg: dict, arch: str, rope_model: dict, transformers_class):
     (passed in, as `refuse` elsewhere here: hf_config imports this module)."""
     from transformers import MixtralConfig, Qwen2MoeConfig
 
+    if arch == "gpt_oss":
+        return gpt_oss_hf_config(cfg, rope_model, transformers_class)
     expert_ffn = cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]
     routing = dict(num_experts_per_tok=cfg["moe_router_topk"], output_router_logits=False)
     if arch == "mixtral":
@@ -160,6 +163,8 @@ def moe_config_from_hf(c, refuse) -> dict:
 def moe_flags(cfg: dict) -> list:
     """pretrain_gpt.py flags of the MoE settings (and --add-qkv-bias)."""
     flags = ["--add-qkv-bias"] if cfg.get("add_qkv_bias") else []
+    if cfg.get("quick_geglu"):  # gpt-oss's attention and MLP variants
+        flags += gpt_oss_flags(cfg)
     if not cfg.get("num_experts"):
         return flags
     flags += ["--num-experts", cfg["num_experts"], "--moe-router-topk", cfg["moe_router_topk"]]
@@ -185,6 +190,8 @@ EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_pr
 def moe_mlp_tensors(cfg: dict, arch: str, state: dict, m: str, h: str) -> dict:
     """Hugging Face tensors of layer prefix `h` ("model.layers.i.") from megalite's `state`
     (layer prefix `m`), popping what they use."""
+    if arch == "gpt_oss":
+        return gpt_oss_mlp_tensors(cfg, state, m, h)
     ours, theirs = m + "mlp.", h + ("block_sparse_moe." if arch == "mixtral" else "mlp.")
     gate, up, down = EXPERT_NAMES[arch]
     out = {theirs + "gate.weight": state.pop(ours + "router.weight")}
@@ -204,6 +211,8 @@ def moe_mlp_tensors(cfg: dict, arch: str, state: dict, m: str, h: str) -> dict:
 def moe_mlp_state(cfg: dict, arch: str, hf: dict, m: str, h: str) -> dict:
     """megalite tensors of one MoE layer from Hugging Face's `hf` (prefix "model." stripped; `h`:
     "layers.i."), popping what they use; KeyError names a missing tensor."""
+    if arch == "gpt_oss":
+        return gpt_oss_mlp_state(cfg, hf, m, h)
     theirs = h + "mlp."
     if arch == "mixtral" and h + "block_sparse_moe.gate.weight" in hf:
         theirs = h + "block_sparse_moe."

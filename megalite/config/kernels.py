@@ -30,11 +30,19 @@ class KernelConfig:
         "--cross-entropy-loss-fusion", False, "the fused vocabulary-parallel cross entropy (one all-reduce of "
         "[target logit, sum of exp] instead of two; the same loss)", action="store_true")
 
+    disable_bf16_reduced_precision_matmul: bool = flag(
+        "--disable-bf16-reduced-precision-matmul", False, "CUDA bf16 GEMMs accumulate their split-K partial sums in "
+        "fp32, never in bf16 (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False; no effect "
+        "on the CPU)", action="store_true")
+
     # experts (model/moe/experts.py)
     moe_grouped_gemm: bool = flag(
         "--moe-grouped-gemm", False, "each MoE layer's local experts as one torch._grouped_mm per projection instead "
         "of a loop over experts (the same numbers; the loop where the shapes are not 16-byte aligned)",
         action="store_true")
+    moe_pad_expert_input_to_capacity: bool = flag(
+        "--moe-pad-expert-input-to-capacity", False, "with --moe-expert-capacity-factor: each expert's input padded "
+        "to exactly its capacity with zero-weight rows (static shapes; the same function)", action="store_true")
 
 
 __all__ = ["ATTENTION_BACKENDS", "KernelConfig"]

@@ -25,16 +25,36 @@ class MegatronCompatConfig:
         "the GEMM (Megatron-LM does with apex / Transformer Engine)", action="store_false")
     apply_rope_fusion: bool = flag("--no-rope-fusion", True, _NOOP + "megalite's RoPE is plain PyTorch, never a "
                                    "fused kernel", action="store_false")
-    masked_softmax_fusion: bool = flag(
-        "--no-masked-softmax-fusion", True, "accepted with a notice: megalite never runs Megatron-LM's fused "
-        "scale-mask-softmax kernel; its attention is --attention-backend's (the same function)", action="store_false")
     add_position_embedding: bool = flag(
         "--no-position-embedding", True, "accepted with --position-embedding-type rope, where it changes nothing (a "
         "RoPE model has no learned position table); refused otherwise, as Megatron-LM (deprecated: use "
         "--position-embedding-type)", action="store_false")
-    transformer_impl: str | None = flag("--transformer-impl", None, "local is megalite's own layers (accepted); "
-                                        "transformer_engine is refused: megalite does not use Transformer Engine",
-                                        choices=["local", "transformer_engine"])
+    transformer_impl: str | None = flag("--transformer-impl", None, "local is megalite's own layers; "
+                                        "transformer_engine: megalite's own layers run instead, with a notice (its "
+                                        "FP8 is refused: --fp8-*)", choices=["local", "transformer_engine"])
+    # Megatron-LM's kernel choices with no counterpart here: a notice says what runs (KERNEL_NOTICES)
+    masked_softmax_fusion: bool = flag("--no-masked-softmax-fusion", True, "Megatron-LM's fused masked softmax off "
+                                       "(megalite never fuses it: a notice)", action="store_false")
+    bias_gelu_fusion: bool = flag("--no-bias-gelu-fusion", True, "Megatron-LM's fused bias + GeLU off (megalite "
+                                  "never fuses it: a notice)", action="store_false")
+    bias_dropout_fusion: bool = flag("--no-bias-dropout-fusion", True, "Megatron-LM's fused bias + dropout + add "
+                                     "off (megalite never fuses it: a notice)", action="store_false")
+    export_force_local_attention: bool = flag(
+        "--export-force-local-attention", False, "Megatron-LM's local attention instead of Transformer Engine's for "
+        "export (megalite's attention is its own: a notice)", action="store_true")
+    moe_permute_fusion: bool = flag("--moe-permute-fusion", False, "Transformer Engine's fused token permutation "
+                                    "(megalite's index_select / index_add runs: a notice)", action="store_true")
+    moe_router_fusion: bool = flag("--moe-router-fusion", False, "Transformer Engine's fused router top-k and "
+                                   "losses (megalite's PyTorch router runs: a notice)", action="store_true")
+    moe_flex_dispatcher_backend: str | None = flag(
+        "--moe-flex-dispatcher-backend", None, "--moe-token-dispatcher-type flex's backend (DeepEP or HybridEP "
+        "kernels; megalite's alltoall dispatcher runs instead: a notice)", choices=["deepep", "hybridep"])
+    accumulate_allreduce_grads_in_fp32: bool = flag(
+        "--accumulate-allreduce-grads-in-fp32", False, _NOOP + "megalite accumulates and reduces gradients in fp32 "
+        "already (unless --grad-reduce-in-bf16, which it contradicts)", action="store_true")
+    moe_per_layer_logging: bool = flag(
+        "--moe-per-layer-logging", False, _NOOP + "megalite always logs each MoE layer's losses and loads (the "
+        "JSONL moe event, the trackers' moe section)", action="store_true")
     auto_detect_ckpt_format: bool = flag(
         "--auto-detect-ckpt-format", False, _NOOP + "megalite always detects the format of --load: its own is read, "
         "Megatron-LM's torch, torch_dist and zarr checkpoints are named and refused", action="store_true")
@@ -67,9 +87,20 @@ class MegatronCompatConfig:
     fp8_param_gather: bool = flag("--fp8-param-gather", False, "refused: " + _FP8, action="store_true")
 
 
+# kernel choices with no counterpart here: field -> (its flag as given, what runs instead); each set
+# one gets a notice line (arguments/validation.py), none changes the function
+KERNEL_NOTICES = {
+    "masked_softmax_fusion": ("--no-masked-softmax-fusion", "megalite's attention softmax is never fused"),
+    "bias_gelu_fusion": ("--no-bias-gelu-fusion", "megalite adds biases and applies the activation unfused"),
+    "bias_dropout_fusion": ("--no-bias-dropout-fusion", "megalite adds bias, dropout and residual unfused"),
+    "export_force_local_attention": ("--export-force-local-attention", "megalite's own attention runs"),
+    "moe_permute_fusion": ("--moe-permute-fusion", "megalite permutes tokens with PyTorch index_select / index_add"),
+    "moe_router_fusion": ("--moe-router-fusion", "megalite's PyTorch router (the same top-k and losses) runs"),
+}
+
 # the fields refused whenever they are set (to anything but their default); each flag's help says why
 REFUSED_FLAGS = ("apply_query_key_layer_scaling", "squared_relu", "save_retain_interval", "dist_ckpt_strictness",
                  "dist_ckpt_optim_fully_reshardable", "use_persistent_ckpt_worker")
 FP8_FLAGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
 
-__all__ = ["MegatronCompatConfig", "REFUSED_FLAGS", "FP8_FLAGS"]
+__all__ = ["MegatronCompatConfig", "KERNEL_NOTICES", "REFUSED_FLAGS", "FP8_FLAGS"]

@@ -29,8 +29,8 @@ class ParallelConfig:
         "DP x CP / EP ranks", check=AT_LEAST_1)
     moe_token_dispatcher_type: str = flag(
         "--moe-token-dispatcher-type", "allgather", "how tokens reach their experts across EP ranks: allgather "
-        "(every rank sees the EP group's tokens) or alltoall (each token sent to its experts' ranks only)",
-        choices=["allgather", "alltoall"])
+        "(every rank sees the EP group's tokens) or alltoall (each token sent to its experts' ranks only); flex "
+        "(Megatron-LM's DeepEP / HybridEP kernels) runs alltoall, with a notice", choices=["allgather", "alltoall", "flex"])
     # a name of pipeline_parallel/schedules.py's SCHEDULES (checked by validation; torch-free here)
     pipeline_schedule: str | None = flag(
         "--pipeline-schedule", None, "the pipeline schedule by name: no_pipelining (PP 1), 1f1b (one model chunk "

@@ -26,6 +26,7 @@ class ExecutionConfig:
     cross_entropy_loss_fusion: bool = False
     moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall (model/moe/dispatcher.py)
     moe_grouped_gemm: bool = False  # model/moe/experts.py
+    moe_pad_expert_input_to_capacity: bool = False  # model/moe/router.py
 
     def __post_init__(self):
         from ..config.parallel import RecomputeConfig  # the recompute fields' own checks
@@ -40,7 +41,8 @@ class ExecutionConfig:
                    attention_softmax_in_fp32=kernels.attention_softmax_in_fp32,
                    cross_entropy_loss_fusion=kernels.cross_entropy_loss_fusion,
                    moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
-                   moe_grouped_gemm=kernels.moe_grouped_gemm)
+                   moe_grouped_gemm=kernels.moe_grouped_gemm,
+                   moe_pad_expert_input_to_capacity=kernels.moe_pad_expert_input_to_capacity)
 
 
 def model_configs(**settings) -> tuple[GPTConfig, ExecutionConfig]:

@@ -37,24 +37,38 @@ def chunk_layers(c, pp_rank: int) -> list[list[int]]:
     return [list(range(first, first + n)) for first, n in stage_layers(c.model.num_layers, p, v, pp_rank)]
 
 
+def _expert_parts(c, ffn: int) -> tuple[int, int]:
+    """(elements split over TP, elements whole on every TP rank) of an MLP of `ffn` hidden units:
+    fc1 [ffn (x2 gated), h] and fc2 [h, ffn], with biases unless --disable-bias-linear (fc1's
+    split with its rows, fc2's whole)."""
+    m = c.model
+    fc1 = ffn * (2 if m.gated_linear_unit else 1)
+    bias = bool(m.add_bias_linear)
+    return fc1 * m.hidden_size + m.hidden_size * ffn + (fc1 if bias else 0), (m.hidden_size if bias else 0)
+
+
 def expert_params(c) -> int:
-    """Elements of one whole expert: fc1 [f_e (x2 with SwiGLU), h] and fc2 [h, f_e]; no biases."""
-    return c.model.expert_ffn_hidden_size * c.model.hidden_size * (3 if c.model.gated_linear_unit else 2)
+    """Elements of one whole expert (weights and biases)."""
+    return sum(_expert_parts(c, c.model.expert_ffn_hidden_size))
 
 
 def local_expert_params(c) -> int:
-    """Expert elements one GPU holds per MoE layer: E/EP experts, each sharded over TP."""
+    """Expert elements one GPU holds per MoE layer: E/EP experts, each sharded over TP (fc2's
+    bias whole)."""
     m, p = c.model, c.parallel
-    return m.num_experts // p.expert_model_parallel_size * expert_params(c) // p.tensor_model_parallel_size
+    split, whole = _expert_parts(c, m.expert_ffn_hidden_size)
+    return m.num_experts // p.expert_model_parallel_size * (split // p.tensor_model_parallel_size + whole)
 
 
 def moe_layer_params(c) -> tuple[int, int]:
     """(elements sharded over TP on one TP rank, replicated) of an MoE layer's MLP other than its
-    routed experts: the shared expert (a dense MLP without biases); the router and its gate."""
+    routed experts: the shared expert (a dense MLP); the router (with its bias unless
+    --disable-bias-linear) and the shared expert's gate."""
     m, t = c.model, c.parallel.tensor_model_parallel_size
     f_s, h = m.moe_shared_expert_intermediate_size or 0, m.hidden_size
-    sharded = f_s * (2 if m.gated_linear_unit else 1) // t * h + h * (f_s // t)
-    return sharded, m.num_experts * h + (h if f_s and m.moe_shared_expert_gate else 0)
+    split, whole = _expert_parts(c, f_s) if f_s else (0, 0)
+    router = m.num_experts * (h + (1 if m.add_bias_linear else 0))
+    return split // t, whole + router + (h if f_s and m.moe_shared_expert_gate else 0)
 
 
 def active_params(c, total: int) -> int:

@@ -5,7 +5,7 @@
         --load-dir ckpt --save-dir ckpt_tp2pp2 --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
     # export: a directory AutoModelForCausalLM / AutoTokenizer load (GPT2LMHeadModel, LlamaForCausalLM,
-    # Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM)
+    # Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or GptOssForCausalLM)
     python tools/checkpoint/convert.py --model-type GPT --loader megalite --saver hf --load-dir ckpt --save-dir hf_out
 
     # import: a local directory of one of those (safetensors) as a megalite checkpoint
@@ -17,7 +17,9 @@ Only the model weights travel (no optimizer state). The mapping lives in megalit
 from config.json in the transformers 4.x or 5.x layout) become --rotary-base, --use-rope-scaling
 --rope-scaling-*, --rotary-seq-len-interpolation-factor; Qwen3's q_norm / k_norm become --qk-layernorm;
 Mixtral's, Qwen2-MoE's and Qwen3-MoE's experts, router and shared expert become --num-experts, --moe-*
-and --add-qkv-bias (hf_moe.py). The import prints the flags
+and --add-qkv-bias (hf_moe.py); gpt-oss's sinks, sliding windows and clamped GLU become --softmax-type
+learnable, --window-size / --window-attn-skip-freq and --quick-geglu --glu-linear-offset 1
+--activation-func-clamp-value (hf_gpt_oss.py). The import prints the flags
 to train on with.
 --save-dir must be new or empty: nothing existing is overwritten. Bad input ends with one `error:`
 line and exit status 2.

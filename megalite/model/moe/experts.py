@@ -46,7 +46,20 @@ class Expert(nn.Module):
         self.linear_fc2.weight = nn.Parameter(torch.empty(h, ffn, dtype=dtype, device=device))
         set_tp_attributes(self.linear_fc2.weight, 1)
         set_init(self.linear_fc2.weight, "normal", out_std)
-        for w in (self.linear_fc1.weight, self.linear_fc2.weight):
+        # biases unless --disable-bias-linear (Megatron-LM's experts, gpt-oss's): fc1's split over
+        # TP with its output rows; fc2's whole, added by TP rank 0 alone (LocalExperts.forward) so
+        # that the TP sum of the partial outputs counts it once; each TP rank's gradient is then a
+        # partial sum (rank 0's the whole, the others' zero): summed over TP like a
+        # sequence-parallel parameter's
+        self.linear_fc1.bias = self.linear_fc2.bias = None
+        if config.add_bias_linear:
+            self.linear_fc1.bias = nn.Parameter(torch.empty(ffn * (2 if gated else 1), dtype=dtype, device=device))
+            set_tp_attributes(self.linear_fc1.bias, 0, stride=2 if gated else 1)
+            self.linear_fc2.bias = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
+            param_info(self.linear_fc2.bias).sequence_parallel = tp > 1
+            for b in (self.linear_fc1.bias, self.linear_fc2.bias):
+                set_init(b, "zeros")
+        for w in self.parameters():
             param_info(w).expert_parallel = True
 
 
@@ -72,6 +85,7 @@ class LocalExperts(nn.Module):
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, ep_group, device=None):
         super().__init__()
         ep, ep_rank, tp = comm.group_size(ep_group), comm.group_rank(ep_group), comm.group_size(tp_group)
+        self.add_fc2_bias = comm.group_rank(tp_group) == 0  # fc2's bias once per TP sum (Expert)
         self.num_local = config.num_experts // ep
         self.first = ep_rank * self.num_local  # global index of the first local expert
         self._activation = activation(config)  # the dense MLP's: SwiGLU, quick-GeGLU or GeLU
@@ -89,7 +103,18 @@ class LocalExperts(nn.Module):
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
             w1 = torch.stack([e.linear_fc1.weight.t() for e in experts])  # [E_local, h, fc1_out]
             w2 = torch.stack([e.linear_fc2.weight.t() for e in experts])  # [E_local, ffn, h]
-            return _grouped_mm(self._activation(_grouped_mm(x, w1, offs)), w2, offs)
-        outs = [F.linear(self._activation(F.linear(part, e.linear_fc1.weight)), e.linear_fc2.weight)
+            y = self._add_biases(_grouped_mm(x, w1, offs), [e.linear_fc1.bias for e in experts], counts)
+            y = _grouped_mm(self._activation(y), w2, offs)
+            return self._add_biases(y, [e.linear_fc2.bias for e in experts], counts) if self.add_fc2_bias else y
+        outs = [F.linear(self._activation(F.linear(part, e.linear_fc1.weight, e.linear_fc1.bias)),
+                         e.linear_fc2.weight, e.linear_fc2.bias if self.add_fc2_bias else None)
                 for part, e in zip(x.split(counts), experts)]
         return torch.cat(outs) if outs else x[:0]
+
+    @staticmethod
+    def _add_biases(y: torch.Tensor, biases: list, counts: list[int]) -> torch.Tensor:
+        """y [N, out] grouped by local expert (counts[i] rows of expert i) + each row's expert's bias."""
+        if biases[0] is None:
+            return y
+        rows = torch.tensor(counts, device=y.device)
+        return y + torch.stack(biases).repeat_interleave(rows, dim=0, output_size=y.size(0))

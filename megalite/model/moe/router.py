@@ -129,6 +129,21 @@ def capacity_mask(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, 
     return keep.gather(1, indices)
 
 
+def pad_to_capacity(probs: torch.Tensor, indices: torch.Tensor, kept: torch.Tensor, num_experts: int,
+                    capacity: int):
+    """--moe-pad-expert-input-to-capacity (Megatron-LM's pad_to_capacity): the routing as E choices
+    per token (probs [T, E], 0 where not chosen; indices [T, E] = 0..E-1; kept [T, E]), each expert
+    keeping its kept choices plus the earliest other tokens up to exactly min(capacity, T) rows.
+    The padding rows weigh 0: the same function, with every expert's input the same shape."""
+    T = indices.size(0)
+    dense = torch.zeros(T, num_experts, dtype=probs.dtype, device=probs.device).scatter(1, indices, probs)
+    keep = torch.zeros(T, num_experts, dtype=torch.bool, device=kept.device).scatter(1, indices, kept)
+    room = min(capacity, T) - keep.sum(0, keepdim=True)  # [1, E] padding rows each expert needs
+    keep |= ~keep & (torch.cumsum((~keep).long(), dim=0) <= room)
+    every = torch.arange(num_experts, device=indices.device).expand(T, num_experts)
+    return dense, every, keep
+
+
 def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, total_tokens: int, k: int,
                         coeff: float) -> torch.Tensor:
     """coeff · E / (T² k) · Σ_e P_e f_e over this rank's scores [T_local, E] and the whole
@@ -204,14 +219,23 @@ class TopKRouter(nn.Module):
         self.aux_coeff = config.moe_aux_loss_coeff
         self.z_coeff = config.moe_z_loss_coeff
         self.capacity_factor, self.drop_policy = config.moe_expert_capacity_factor, config.moe_token_drop_policy
+        self.pad_to_capacity = execution.moe_pad_expert_input_to_capacity and self.capacity_factor is not None
         self.select = GroupLimitedTopK(config.moe_router_num_groups, config.moe_router_group_topk) \
             if config.moe_router_group_topk else plain_topk
         self.scaling_factor = config.moe_router_topk_scaling_factor
         self.dtype = torch.float64 if config.moe_router_dtype == "fp64" else torch.float32
         self.weight = nn.Parameter(torch.empty(E, h, dtype=execution.params_dtype, device=device))
         set_init(self.weight, "normal", config.init_method_std)
+        # a bias on the logits unless --disable-bias-linear (Megatron-LM's Router; gpt-oss's router
+        # has one), initialised like the weight (Megatron-LM's init_method on both)
+        self.bias = None
+        if config.add_bias_linear:
+            self.bias = nn.Parameter(torch.empty(E, dtype=execution.params_dtype, device=device))
+            set_init(self.bias, "normal", config.init_method_std)
         # replicated across TP; under sequence parallelism each TP rank routes other tokens
-        param_info(self.weight).sequence_parallel = execution.sequence_parallel
+        for p in (self.weight, self.bias):
+            if p is not None:
+                param_info(p).sequence_parallel = execution.sequence_parallel
         # aux-loss-free balancing: moved by the trainer after each step (moe/balance.py)
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32, device=device)
                              if config.moe_router_enable_expert_bias else None)
@@ -223,12 +247,13 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor, token_group, seq_shape: tuple[int, int]) -> Routing:
         """x [T, h] with T = s_local·b tokens in [s, b] order; `token_group`: the ranks holding
         the rest of the micro-batch's tokens (TP under sequence parallelism, x CP)."""
-        logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype))  # [T, E] in fp32 (or fp64)
+        bias = self.bias.to(self.dtype) if self.bias is not None else None
+        logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype), bias)  # [T, E] in fp32 (or fp64)
         probs, indices, scores = self.score_function(logits, self.topk, self.select, self.pre_softmax,
                                                      self.expert_bias)
         if self.scaling_factor:
             probs = probs * self.scaling_factor
-        kept = None
+        kept = capacity = None
         if self.capacity_factor is not None:
             capacity = math.ceil(x.size(0) * self.topk / self.num_experts * self.capacity_factor)
             kept = capacity_mask(probs.detach(), indices, self.num_experts, capacity, self.drop_policy)
@@ -239,6 +264,8 @@ class TopKRouter(nn.Module):
                 routed.scatter_(1, indices, 1.0 if kept is None else kept.float())
                 self.tokens_per_expert += routed.sum(0)
         loss = self._losses(logits, scores, indices, token_group, seq_shape)
+        if self.pad_to_capacity:
+            return Routing(*pad_to_capacity(probs, indices, kept, self.num_experts, capacity), loss)
         return Routing(probs, indices, kept, loss)
 
     def _losses(self, logits, scores, indices, token_group, seq_shape):

@@ -1,0 +1,171 @@
+"""gpt-oss to and from Hugging Face (GptOssForCausalLM, a small random GptOssConfig): sinks,
+alternating sliding windows, biased attention, router and experts, the clamped GLU with its
+interleaved gate/up columns, YaRN and GQA.
+
+A random transformers model imports with the same logits (fp32, 1e-5) and exports back to the same
+tensors; a random megalite gpt-oss model exports to a model transformers computes the same with
+and imports back to the same tensors; what GptOssForCausalLM cannot express is refused, named.
+"""
+import json
+import os
+import shlex
+
+import pytest
+import torch
+
+from test_hf_moe import VOCAB, _convert, _ids, _logit_diff, _randomize, _safetensors
+
+from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
+
+from megalite.checkpoint.hf_config import ConversionError, hf_architecture
+from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict
+from megalite.config import RunConfig
+from megalite.model import GPTConfig, GPTModel
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 16, "rope_theta": 150000.0}
+
+
+def _hf_gpt_oss(path, **kw):
+    config = GptOssConfig(**dict(num_hidden_layers=3, hidden_size=48, intermediate_size=24, head_dim=16,
+                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                 num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=64,
+                                 sliding_window=6, rms_norm_eps=1e-6, rope_parameters=YARN) | kw)
+    config._attn_implementation = "eager"  # the sinks: transformers' reference attention
+    model = _randomize(GptOssForCausalLM(config))
+    with torch.no_grad():  # large enough activations that the clamp at swiglu_limit bites
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(8.0)
+    model.save_pretrained(path)
+    return model
+
+
+HF_CASES = {
+    # YaRN, every other layer windowed (gpt-oss's layer_types), untied
+    "yarn-alternating": dict(),
+    # plain RoPE, the windows on layers 1 and 2, tied, top-1, a lower clamp
+    "rope-windows-tied": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                              layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                              tie_word_embeddings=True, num_experts_per_tok=1, swiglu_limit=3.0),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_gpt_oss_imports_with_equal_logits_and_exports_back(case, tmp_path, capsys):
+    reference = _hf_gpt_oss(tmp_path / "hf", **HF_CASES[case])
+    ck = _convert("hf", "megalite", tmp_path / "hf", tmp_path / "ck")
+    printed = capsys.readouterr().out
+    from megalite.generation import load_model
+    cfg = load_model(ck)[1]["model_config"]
+    assert cfg["softmax_type"] == "learnable" and cfg["quick_geglu"] and cfg["add_bias_linear"]
+    diff = _logit_diff(ck, reference, _ids())
+    print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e}")
+    assert diff < 1e-5, diff
+
+    # the printed flags build this very model
+    from megalite.arguments import parse_config
+    flags = shlex.split(printed.split("pretrain_gpt.py ")[1].splitlines()[0].removesuffix(" ..."))
+    run = parse_config(flags + ["--mock-data", "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1",
+                                "--lr", "1e-3"], 1, check_files=False)
+    for key in ("num_experts", "moe_router_topk", "ffn_hidden_size", "quick_geglu", "glu_linear_offset",
+                "activation_func_clamp_value", "softmax_type", "window_size", "add_bias_linear", "kv_channels",
+                "position_embedding_type", "untie_embeddings_and_output_weights"):
+        assert getattr(run.model, key) == cfg[key], key
+    assert [run.model.attention_window(i) for i in range(3)] == \
+        [GPTConfig.from_dict(cfg).attention_window(i) for i in range(3)]
+
+    # and back: the same tensors under the same names, the same layer types and window
+    back = _convert("megalite", "hf", ck, tmp_path / "back", "--no-tokenizer")
+    original, exported = _safetensors(tmp_path / "hf"), _safetensors(back)
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    raw, raw_back = (json.load(open(os.path.join(d, "config.json"))) for d in (tmp_path / "hf", back))
+    for key in ("architectures", "layer_types", "sliding_window", "swiglu_limit", "swiglu_alpha", "num_local_experts",
+                "num_experts_per_tok", "tie_word_embeddings", "attention_bias", "head_dim"):
+        assert raw_back[key] == raw[key], key
+    assert raw_back["rope_parameters"]["rope_type"] == raw["rope_parameters"]["rope_type"]
+    loaded = AutoModelForCausalLM.from_pretrained(back, local_files_only=True, attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(_ids(1)).logits, reference(_ids(1)).logits)
+
+
+def _megalite_gpt_oss(root, **kw):
+    base = dict(num_layers=3, hidden_size=48, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                vocab_size=VOCAB, padded_vocab_size=128, seq_length=64, max_position_embeddings=64, hidden_dropout=0.0,
+                attention_dropout=0.0, init_method_std=0.25, position_embedding_type="yarn", rotary_base=150000.0,
+                rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=16,
+                yarn_correction_range_round_to_int=False, normalization="RMSNorm", quick_geglu=True,
+                glu_linear_offset=1.0, activation_func_clamp_value=7.0, softmax_type="learnable", window_size="5,0",
+                window_attn_skip_freq="2", add_bias_linear=True, ffn_hidden_size=24, num_experts=4, moe_router_topk=2,
+                untie_embeddings_and_output_weights=True)
+    config = GPTConfig(**dict(base, **kw))
+    model = GPTModel(config)
+    model.initialize(11)
+    g = torch.Generator().manual_seed(5)  # biases and norms away from their init (zeros, ones)
+    state = {}
+    for n, p in model.global_named_parameters():
+        p = p.detach().clone()
+        if n.endswith("layernorm.weight"):
+            p = torch.rand(p.shape, generator=g) + 0.5
+        elif n.endswith(".bias") or n.endswith("softmax_offset"):
+            p = torch.randn(p.shape, generator=g) * 0.5
+        elif "linear_fc1" in n:
+            p = p * 4.0
+        state[n] = p[:VOCAB] if n in ("embedding.word_embeddings.weight", "output_layer.weight") else p
+    save_full_state_dict(str(root), state, config.to_dict(), RunConfig().to_dict())
+    return str(root)
+
+
+def test_megalite_gpt_oss_exports_with_equal_logits_and_imports_back(tmp_path):
+    ck = _megalite_gpt_oss(tmp_path / "ck")
+    hf_dir = _convert("megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, attn_implementation="eager").eval()
+    assert type(hf).__name__ == "GptOssForCausalLM"
+    assert hf.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert hf.config.sliding_window == 6
+    diff = _logit_diff(ck, hf, _ids())
+    print(f"gpt-oss: max |logit difference| megalite vs transformers = {diff:.3e}")
+    assert diff < 1e-5, diff
+    # imported back on another layout: the same tensors
+    back = _convert("hf", "megalite", hf_dir, tmp_path / "back", "--target-tensor-parallel-size", "2",
+                    "--target-pipeline-parallel-size", "3")
+    (_, a), (_, b) = load_full_state_dict(ck), load_full_state_dict(back)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+GPT_OSS_CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                   ffn_hidden_size=16, vocab_size=VOCAB, position_embedding_type="rope", normalization="RMSNorm",
+                   quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0, softmax_type="learnable",
+                   add_bias_linear=True, num_experts=4, moe_router_topk=2, untie_embeddings_and_output_weights=True,
+                   rotary_percent=1.0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(add_bias_linear=False), "--disable-bias-linear"),
+    (dict(softmax_type="vanilla"), "--softmax-type vanilla"),
+    (dict(glu_linear_offset=0.0), "--glu-linear-offset 0.0"),
+    (dict(activation_func_clamp_value=None), "no --activation-func-clamp-value"),
+    (dict(moe_layer_freq="[1,0]"), r"--moe-layer-freq \[1,0\]"),
+    (dict(moe_shared_expert_intermediate_size=8), "--moe-shared-expert-intermediate-size"),
+    (dict(window_size="4,2"), "--window-size 4,2"),
+    (dict(moe_router_score_function="sigmoid"), "routing other than"),
+])
+def test_what_gpt_oss_cannot_express_is_refused(change, message):
+    with pytest.raises(ConversionError, match=f"cannot export to Hugging Face: {message}.*GptOssForCausalLM"):
+        hf_architecture(dict(GPT_OSS_CFG, **change))
+    assert hf_architecture(GPT_OSS_CFG) == "gpt_oss"
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(swiglu_alpha=1.5), "swiglu_alpha 1.5"),
+    (dict(attention_bias=False), "attention_bias false"),
+])
+def test_gpt_oss_configs_megalite_cannot_compute_are_refused(kw, message, tmp_path, capsys):
+    from test_hf_moe import convert
+    _hf_gpt_oss(tmp_path / "hf", **kw)
+    capsys.readouterr()
+    assert convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir",
+                         str(tmp_path / "hf"), "--save-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot import gpt_oss model: " in err and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
