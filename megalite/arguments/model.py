@@ -8,6 +8,7 @@ from ..config.model import parse_window_size, window_layer_pattern
 from ..config.run import RunConfig
 from ..config.sharding import get_strategy
 from .errors import fail
+from .mla import check_mla
 
 
 def check_model_shape(c: RunConfig) -> None:
@@ -39,8 +40,9 @@ def check_model_shape(c: RunConfig) -> None:
         m.max_position_embeddings = m.seq_length
     if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
         fail(f"--seq-length ({m.seq_length}) exceeds --max-position-embeddings ({m.max_position_embeddings})")
+    check_mla(c)
     check_rope(c)
-    if m.uses_rope:
+    if m.uses_rope and not m.multi_latent_attention:
         # RoPE rotates channel pairs: the rotated part of each head must be a positive even size
         rot = int(m.kv_channels * m.rotary_percent)
         if rot < 2 or rot % 2:
@@ -89,11 +91,13 @@ def check_glu(c: RunConfig) -> None:
 def check_rope(c: RunConfig) -> None:
     """--position-embedding-type yarn and its flags, --enable-gpt-oss's preset, --rope-type."""
     m = c.model
-    if m.rope_type == "yarn":  # Megatron-LM asserts it: "Common attention only support rope_type='rope'"
+    if m.rope_type == "yarn" and not m.multi_latent_attention:  # Megatron-LM asserts it: "Common attention only support rope_type='rope'"
         fail("--rope-type yarn is multi-latent attention's RoPE (as Megatron-LM, ordinary attention takes "
              "--rope-type rope); for YaRN on this model use --position-embedding-type yarn")
     if m.enable_gpt_oss:
         apply_gpt_oss_yarn(c)
+    if m.mla_yarn:
+        return  # MLA's YaRN (--rope-type yarn, its default): checked in mla.py
     if m.position_embedding_type != "yarn":
         given = [flag for key, flag in YARN_FLAGS.items() if f"model.{key}" in c.explicit]
         if given:
