@@ -1,0 +1,187 @@
+"""Multi-latent attention (--multi-latent-attention, model/mla.py; DeepSeek-V2/V3).
+
+- its flags: Megatron-LM's defaults, each refusal one line naming the flag;
+- under TP 2 (heads split, down-projections replicated) the loss and every gradient, after the TP
+  all-reduce of the marked replicated weights, equal one process's;
+- tools/plan.py's parameter count equals the built model's;
+- a tiny MLA model (query compression, YaRN, QK-norm) trains the same on TP2 with SP, CP2 with
+  selective recompute, PP2 with full recompute and ZeRO-3 as on one process: loss, gradient norm
+  and eval loss per iteration within 1e-5, final weights.
+(Transformers' DeepseekV3 logits and MLA's latent KV cache: tests/test_hf_deepseek.py.)
+"""
+import pytest
+import torch
+
+from dist_helpers import spawn
+from megalite.arguments import ArgumentError, parse_args, validate_args
+from megalite.data.batch import build_batch
+from megalite.model import GPTModel, model_configs
+from megalite.tensor_parallel import seed_everything
+from tiny import mock, tiny
+
+MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--normalization", "RMSNorm"]
+
+
+def test_mla_flags_and_megatron_defaults():
+    c = validate_args(parse_args(tiny() + mock() + MLA))
+    m = c.model
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim) == (None, 32, 128, 64, 128)
+    assert m.mla_yarn and m.rope_type is None  # Megatron-LM's MLA default: yarn (plain RoPE at factor 1)
+    c = validate_args(parse_args(tiny() + mock() + MLA + ["--rope-type", "yarn", "--rotary-scaling-factor", "4",
+                                                          "--yarn-original-max-position-embeddings", "16",
+                                                          "--mscale-all-dim", "1", "--q-lora-rank", "8"]))
+    model = GPTModel(type(c.model)(**dict(c.model.to_dict(), vocab_size=64, padded_vocab_size=64)))
+    attention = model.decoder.layers[0].self_attention
+    assert type(attention).__name__ == "MLASelfAttention" and attention.linear_q_up_proj.weight.shape == (4 * 192, 8)
+    assert model.rotary.dim == 64 and attention.query_scale == pytest.approx((0.1 * torch.tensor(4.0).log().item() + 1) ** 2)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--q-lora-rank", "8"], "--q-lora-rank sets multi-latent attention's shape; it needs --multi-latent-attention"),
+    (["--kv-lora-rank", "8"], "--kv-lora-rank sets multi-latent attention's shape"),
+    (["--v-head-dim", "8"], "--v-head-dim sets multi-latent attention's shape"),
+    (["--rope-type", "yarn"], "for YaRN on this model use --position-embedding-type yarn"),
+    (["--multi-latent-attention"], "--multi-latent-attention needs --position-embedding-type rope"),
+    (MLA + ["--tensor-model-parallel-size", "3", "--num-attention-heads", "4"],
+     "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
+    (MLA + ["--group-query-attention", "--num-query-groups", "2"], "--group-query-attention cannot be combined "
+                                                                   "with --multi-latent-attention"),
+    (MLA + ["--window-size", "8,0"], "--window-size cannot be combined with --multi-latent-attention"),
+    (MLA + ["--qk-pos-emb-head-dim", "7"], "--qk-pos-emb-head-dim (7) must be even"),
+    (MLA + ["--rotary-scaling-factor", "4"], "--rope-type yarn with --rotary-scaling-factor > 1 needs "
+                                            "--yarn-original-max-position-embeddings"),
+    (MLA + ["--use-rope-scaling"], "--use-rope-scaling cannot be combined with --multi-latent-attention"),
+])
+def test_mla_bad_input_refused_with_one_line(extra, message):
+    with pytest.raises(ArgumentError) as e:
+        validate_args(parse_args(tiny() + mock() + extra), world_size=3 if "3" in extra else None)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# -- under TP 2 ---------------------------------------------------------------------------------------
+MLA_KW = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=90, padded_vocab_size=128,
+              seq_length=16, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+              position_embedding_type="rope", normalization="RMSNorm", qk_layernorm=True, multi_latent_attention=True,
+              q_lora_rank=12, kv_lora_rank=10, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, rope_type="yarn",
+              rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=8, mscale_all_dim=1.0)
+
+
+def _tp_grads(settings, group, rank, data):
+    from megalite import comm
+    from megalite.tensor_parallel.param_info import param_info
+    arch, execution = model_configs(**settings)
+    model = GPTModel(arch, group, seed_everything(3, rank, 0, torch.device("cpu")), execution=execution)
+    model.initialize(5)
+    with torch.no_grad():  # latent norms other than 1, so that their gradient matters downstream
+        for name, p in model.global_named_parameters():
+            if "layernorm" in name:
+                p.copy_(torch.linspace(0.5, 1.5, p.numel()))
+    loss = model(data["input_ids"], data["position_ids"], data["attention_mask"], data["labels"]).sum()
+    loss.backward()
+    out = {}
+    for name, p in model.global_named_parameters():
+        g = p.grad.clone()
+        if param_info(p).sequence_parallel:
+            comm.all_reduce(g, group)  # what DataParallel.finish_grad_sync does
+        if param_info(p).tensor_parallel:
+            g = comm.all_gather(g, group, dim=param_info(p).partition_dim)
+        out[name] = g
+    return float(loss), out
+
+
+def _tp_worker(rank, world):
+    import torch.distributed as dist
+    data = build_batch(torch.randint(0, 90, (2, 17), generator=torch.Generator().manual_seed(0)))
+    one_loss, one = _tp_grads(MLA_KW, None, 0, data)
+    out = {}
+    for sp in (False, True):
+        loss, tp = _tp_grads(dict(MLA_KW, sequence_parallel=sp), dist.group.WORLD, rank, data)
+        out[sp] = (loss, {n: (one[n], tp[n]) for n in one if "self_attention" in n})
+    return one_loss, out
+
+
+def test_mla_gradients_under_tp2_match_one_process():
+    for one_loss, by_sp in spawn(_tp_worker, 2):
+        for sp, (loss, grads) in by_sp.items():
+            assert abs(one_loss - loss) <= 1e-5 * abs(one_loss), sp
+            assert any("linear_kv_down_proj" in n for n in grads) and any("kv_layernorm" in n for n in grads)
+            for name, (g_one, g_tp) in grads.items():
+                assert g_one.abs().max() > 0, name
+                torch.testing.assert_close(g_tp, g_one, rtol=1e-5, atol=1e-6, msg=f"{name} (SP {sp})")
+
+
+# -- every layout computes the same function -------------------------------------------------------------
+# as tests/test_attention_variants.py: fp32, dropout 0, clipping active each step; query compression,
+# YaRN whose original context (16) is a quarter of the sequence (global positions under CP), QK-norm
+MLA_MODEL = tiny(num_layers=2, seq_length=64, lr=3e-3, train_iters=6, log_interval=1, eval_interval=3,
+                 eval_iters=1) + MLA + [
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--clip-grad", "0.25", "--adam-eps", "1e-4",
+    "--swiglu", "--disable-bias-linear", "--qk-layernorm", "--q-lora-rank", "24", "--kv-lora-rank", "16",
+    "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--rope-type", "yarn",
+    "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "16", "--mscale", "0.9",
+    "--mscale-all-dim", "1.0"]
+MLA_LAYOUTS = {
+    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "cp2-selective-recompute": (2, ["--context-parallel-size", "2", "--recompute-activations"]),
+    "pp2-full-recompute": (2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+                               "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    "zero3": (2, ["--ddp-bucket-size", "5000", "--data-parallel-sharding-strategy", "optim_grads_params"]),
+}
+
+
+@pytest.fixture(scope="module")
+def mla_reference(corpus, tmp_path_factory):
+    from dist_helpers import assert_loss_falls, grad_norms, load_params, run_pretrain, train_losses
+    tmp = tmp_path_factory.mktemp("mla")
+    records, _ = run_pretrain(1, corpus + MLA_MODEL + ["--save", str(tmp / "ckpt")], tmp, "reference")
+    assert_loss_falls(train_losses(records), 0.3)
+    assert min(grad_norms(records)) > 0.25  # clipping acts on every iteration
+    params = load_params(str(tmp / "ckpt"))
+    assert any("linear_q_down_proj" in n for n in params) and any("kv_layernorm" in n for n in params)
+    return records, params
+
+
+@pytest.mark.parametrize("layout", list(MLA_LAYOUTS))
+def test_mla_layout_matches_single_process(mla_reference, corpus, tmp_path, layout):
+    from dist_helpers import (assert_losses_close, assert_params_close, eval_losses, grad_norms, load_params,
+                              run_pretrain, train_losses)
+    ref_records, ref_params = mla_reference
+    nproc, flags = MLA_LAYOUTS[layout]
+    records, _ = run_pretrain(nproc, corpus + MLA_MODEL + flags + ["--save", str(tmp_path / "ckpt")], tmp_path)
+    assert_losses_close(train_losses(ref_records), train_losses(records), rtol=1e-5)
+    assert_losses_close(grad_norms(ref_records), grad_norms(records), rtol=1e-5)
+    assert_losses_close(eval_losses(ref_records), eval_losses(records), rtol=1e-5)
+    assert_params_close(ref_params, load_params(str(tmp_path / "ckpt")), atol=1e-5)
+
+
+# -- tools/plan.py --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("options", [["--q-lora-rank", "24", "--qk-layernorm", "--normalization", "LayerNorm"],
+                                     ["--qk-layernorm", "--softmax-type", "learnable", "--disable-bias-linear"]],
+                         ids=["q-lora-layernorm", "no-q-lora-sinks"])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_plan_counts_mla_parameters_of_the_built_model(options, pp):
+    import os
+    import sys
+
+    from dist_helpers import ROOT
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import plan
+    from megalite.parallel_state import stage_layers
+    from megalite.planning.memory import layer_activation_bytes, stage_params, total_params
+    argv = ["--vocab-size", "1000", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--micro-batch-size", "2", "--multi-latent-attention", "--position-embedding-type",
+            "rope", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim",
+            "12", *options, "--pipeline-model-parallel-size", str(pp), "--world-size", str(pp)]
+    c, _ = plan.parse(argv)
+    built = []
+    for r in range(pp):
+        (offset, layers), = stage_layers(c.model.num_layers, pp, 1, r)
+        chunk = GPTModel(c.model, None, None, pre_process=r == 0, post_process=r == pp - 1, layer_offset=offset,
+                         num_layers=layers)
+        built.append(sum(p.numel() for p in chunk.parameters()))
+    assert [stage_params(c, r) for r in range(pp)] == built
+    tied = 0 if pp == 1 else c.model.padded_vocab_size * c.model.hidden_size
+    assert total_params(c) == sum(built) - tied
+    # MLA's activations are its own: the latent and head sizes change them
+    wider, _ = plan.parse([a if a != "12" else "48" for a in argv])
+    assert layer_activation_bytes(wider)[0] > layer_activation_bytes(c)[0]
