@@ -185,3 +185,31 @@ def test_plan_counts_mla_parameters_of_the_built_model(options, pp):
     # MLA's activations are its own: the latent and head sizes change them
     wider, _ = plan.parse([a if a != "12" else "48" for a in argv])
     assert layer_activation_bytes(wider)[0] > layer_activation_bytes(c)[0]
+
+
+@pytest.mark.parametrize("world,flags", [
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    (4, ["--context-parallel-size", "2", "--data-parallel-sharding-strategy", "optim_grads_params"]),
+], ids=["tp2-sp", "cp2-zero3"])
+def test_plan_matches_the_mla_dry_run(world, flags):
+    """The dry run builds MLA on the meta device; its parameter bytes are the plan's, its
+    activations within 10% of it."""
+    import importlib.util
+    import os
+
+    from dist_helpers import ROOT
+    spec = importlib.util.spec_from_file_location("plan_tool_mla", os.path.join(ROOT, "tools", "plan.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    argv = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+            "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "1000", "--hidden-dropout", "0",
+            "--attention-dropout", "0", *MLA, "--q-lora-rank", "96", "--kv-lora-rank", "64", "--qk-head-dim", "32",
+            "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32", "--qk-layernorm", "--swiglu", "--disable-bias-linear",
+            "--recompute-activations", *flags, "--world-size", str(world)]
+    config, _ = tool.parse(argv)
+    plan = tool.report.make_plan(config, 80.0)
+    for row in tool.verify(config, plan):
+        got, want = row["measured"], row["planned"]
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert got[key] == want[key], (row["rank"], key)
+        assert abs(got["activation_bytes"] - want["activation_bytes"]) <= 0.1 * want["activation_bytes"], row

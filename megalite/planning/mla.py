@@ -29,7 +29,13 @@ def mla_activation_coefficients(c) -> tuple[float, float]:
     h, n = m.hidden_size, m.num_attention_heads
     d, dr, dv, r, rq = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.kv_lora_rank, m.q_lora_rank
     heads = n * (3 * (d + dr) + (d + dv) + (d + dr) + dv)
-    if cp > 1:
-        heads += cp * n * (d + dr + dv)
+    if cp > 1:  # the gathered keys and values replace the local ones (only concatenated for the gather)
+        heads += cp * n * (d + dr + dv) - n * (d + dr) - n * (d + dv)
     latents = 2 * (rq or 0) + 2 * r + 2 * dr
+    # fp32 intermediates: RoPE rotates in fp32 (model/attention.py apply_rotary keeps the rotated
+    # half, and with 16-bit activations the upcast channels too) and so do the latent RMSNorms:
+    # 4 bytes each, in units of 2 bytes (x2 again for fp32 activations, as the rest)
+    per = 4.0 if (c.optimizer.bf16 or c.optimizer.fp16) else 1.0
+    heads += per / 2 * n * dr
+    latents += per / 2 * (dr + (((rq or 0) + r) if m.qk_layernorm else 0))
     return 2.0 * heads / h, 2.0 * latents / h
