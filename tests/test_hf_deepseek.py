@@ -192,3 +192,4 @@ def test_deepseek_export_refuses_what_it_cannot_express(kw, message):
                            **kw)).to_dict()
     with pytest.raises(ConversionError, match=message.replace("[", r"\[").replace("]", r"\]")):
         hf_architecture(cfg)
+
