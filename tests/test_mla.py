@@ -51,6 +51,8 @@ def test_mla_flags_and_megatron_defaults():
     (MLA + ["--rotary-scaling-factor", "4"], "--rope-type yarn with --rotary-scaling-factor > 1 needs "
                                             "--yarn-original-max-position-embeddings"),
     (MLA + ["--use-rope-scaling"], "--use-rope-scaling cannot be combined with --multi-latent-attention"),
+    (MLA + ["--rope-type", "rope", "--mscale", "0.5"], "--mscale sets YaRN, which needs --rope-type yarn with "
+                                                      "--multi-latent-attention (got --rope-type rope)"),
 ])
 def test_mla_bad_input_refused_with_one_line(extra, message):
     with pytest.raises(ArgumentError) as e:

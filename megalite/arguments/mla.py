@@ -17,6 +17,8 @@ def check_mla(c: RunConfig) -> None:
         if given:
             fail(f"{given[0]} sets multi-latent attention's shape; it needs --multi-latent-attention")
         return
+    if "model.kv_channels" not in c.explicit:  # the query/key head size (the attention-backend probe's)
+        m.kv_channels = m.qk_head_dim + m.qk_pos_emb_head_dim
     if m.position_embedding_type != "rope":
         fail(f"--multi-latent-attention needs --position-embedding-type rope (its decoupled RoPE key; YaRN is "
              f"--rope-type yarn), got {m.position_embedding_type}")

@@ -26,7 +26,7 @@ def check_model_shape(c: RunConfig) -> None:
         fail(f"--num-attention-heads ({heads}) is not divisible by --tensor-model-parallel-size ({tp})")
     if m.num_query_groups % tp:
         fail(f"--num-query-groups ({m.num_query_groups}) is not divisible by --tensor-model-parallel-size ({tp})")
-    if "model.kv_channels" not in c.explicit:
+    if "model.kv_channels" not in c.explicit and not m.multi_latent_attention:  # MLA's: arguments/mla.py
         if m.hidden_size % heads:
             fail(f"--hidden-size ({m.hidden_size}) is not divisible by --num-attention-heads ({heads}); "
                  f"set --kv-channels")
@@ -100,6 +100,9 @@ def check_rope(c: RunConfig) -> None:
         return  # MLA's YaRN (--rope-type yarn, its default): checked in mla.py
     if m.position_embedding_type != "yarn":
         given = [flag for key, flag in YARN_FLAGS.items() if f"model.{key}" in c.explicit]
+        if given and m.multi_latent_attention:
+            fail(f"{given[0]} sets YaRN, which needs --rope-type yarn with --multi-latent-attention (got "
+                 f"--rope-type {m.rope_type})")
         if given:
             fail(f"{given[0]} sets YaRN, which needs --position-embedding-type yarn (got "
                  f"{m.position_embedding_type})")
