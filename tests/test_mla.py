@@ -204,3 +204,22 @@ def test_deepseek_v3_script_trains(tmp_path):
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     train = [r for r in records if "lm_loss" in r and "consumed_samples" in r]
     assert [r["iteration"] for r in train] == [1, 2, 3] and all(math.isfinite(r["lm_loss"]) for r in train)
+
+
+def test_mla_flops_count_its_weights():
+    """The model FLOPs (MFU's) of an MLA model: 6 per weight per token for its projections, as the
+    built model's attention weights, plus the scores and the weighted values."""
+    from megalite.config.model import GPTConfig
+    from megalite.runtime.metrics import mla_weights_per_token, num_floating_point_operations
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+                padded_vocab_size=64, position_embedding_type="rope", multi_latent_attention=True, kv_lora_rank=10,
+                qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, add_bias_linear=False)
+    for q_lora_rank in (None, 12):
+        c = GPTConfig(**base, q_lora_rank=q_lora_rank)
+        attention = GPTModel(c).decoder.layers[0].self_attention
+        weights = sum(p.numel() for n, p in attention.named_parameters() if p.ndim == 2)
+        assert mla_weights_per_token(c) == weights
+        wider = GPTConfig(**dict(base, v_head_dim=7), q_lora_rank=q_lora_rank)
+        B, s, L, a = 3, 16, 2, 4
+        extra = 6 * B * s * L * ((7 - 6) * a * 32 + (7 - 6) * a * 10 + s * a * 1)  # proj, kv up, values
+        assert num_floating_point_operations(wider, B) - num_floating_point_operations(c, B) == pytest.approx(extra)

@@ -309,7 +309,8 @@ class GPTConfig:
         --rope-type yarn)."""
         if self.position_embedding_type != "yarn" and not self.mla_yarn:
             return None
-        original = self.yarn_original_max_position_embeddings or self.max_position_embeddings  # unused at factor 1
+        original = (self.yarn_original_max_position_embeddings or self.max_position_embeddings
+                    or self.seq_length)  # unused at factor 1
         return dict(factor=self.rotary_scaling_factor,
                     original_max_position_embeddings=original, beta_fast=self.yarn_beta_fast,
                     beta_slow=self.yarn_beta_slow, mscale=self.mscale,
