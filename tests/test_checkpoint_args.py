@@ -210,7 +210,7 @@ MISMATCHES = [
     (MLA_MODEL, "qk_head_dim", 16, "--qk-head-dim", 128, 16),
     (MLA_MODEL, "qk_pos_emb_head_dim", 8, "--qk-pos-emb-head-dim", 64, 8),
     (MLA_MODEL, "v_head_dim", 16, "--v-head-dim", 128, 16),
-    (MLA_MODEL, "rope_type", "yarn", "--rope-type", "rope", "yarn"),
+    (MLA_MODEL, "rope_type", None, "--rope-type", "rope", "yarn"),  # none: MLA's yarn
 ]
 
 

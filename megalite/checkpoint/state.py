@@ -119,6 +119,8 @@ def model_differences(saved: dict, current: dict) -> list[tuple[str, object, obj
     out = []
     for key, flag in flags.items():
         old, new = saved.get(key, defaults.get(key)), current.get(key, defaults.get(key))
+        if key == "rope_type":  # MLA's default (none) is yarn, as Megatron-LM's
+            old, new = old or "yarn", new or "yarn"
         if old != new:
             out.append((flag, _as_given(key, old), _as_given(key, new)))
     return out + moe_differences(saved, current)
