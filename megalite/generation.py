@@ -29,6 +29,7 @@ from .errors import CheckpointError
 from .errors import InputError, InputNotFound
 from .model import GPTConfig, GPTModel, pad_vocab_size
 from .model.attention import SelfAttention
+from .model.mla import MLASelfAttention
 
 
 
@@ -97,7 +98,9 @@ def build_tokenizer_for(meta: dict, overrides: dict | None = None):
 
 class KVCache:
     """One attention layer's keys and values for the positions seen so far, this rank's query
-    groups only: [max_len, b, ng/tp, hn] each, preallocated, filled as positions arrive."""
+    groups only: [max_len, b, ng/tp, hn] each, preallocated, filled as positions arrive. For
+    multi-latent attention (model/mla.py) the compressed latent [max_len, b, kv_lora_rank] and the
+    rotated decoupled key [max_len, b, 1, qk_pos_emb_head_dim] instead, up-projected when attending."""
 
     def __init__(self, max_len: int):
         self.max_len, self.length = max_len, 0
@@ -123,7 +126,7 @@ class KVCache:
 @contextlib.contextmanager
 def kv_cache(model, max_len: int):
     """Give every attention layer of `model` an empty KVCache for the duration of the block."""
-    layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    layers = [m for m in model.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
     for layer in layers:
         layer.inference_cache = KVCache(max_len)
     try:

@@ -144,6 +144,7 @@ ROPE_MODEL = dict(DENSE, position_embedding_type="rope", use_rope_scaling=True)
 YARN_MODEL = dict(DENSE, position_embedding_type="yarn", rotary_scaling_factor=4.0,
                   yarn_original_max_position_embeddings=16)
 MOE_MODEL = dict(DENSE, num_experts=4, moe_ffn_hidden_size=32)
+MLA_MODEL = dict(DENSE, position_embedding_type="rope", multi_latent_attention=True, rope_type="rope")
 # (the model saved, field, this run's value, flag, as the flag gives the checkpoint's value, this run's)
 MISMATCHES = [
     (DENSE, "num_layers", 6, "--num-layers", 4, 6),
@@ -202,6 +203,14 @@ MISMATCHES = [
     (MOE_MODEL, "moe_router_group_topk", 1, "--moe-router-group-topk", None, 1),
     (MOE_MODEL, "moe_router_topk_scaling_factor", 2.5, "--moe-router-topk-scaling-factor", 1.0, 2.5),
     (MOE_MODEL, "moe_router_dtype", "fp64", "--moe-router-dtype", "fp32", "fp64"),
+    (dict(DENSE, position_embedding_type="rope"), "multi_latent_attention", True, "--multi-latent-attention", False,
+     True),
+    (MLA_MODEL, "q_lora_rank", 24, "--q-lora-rank", None, 24),
+    (MLA_MODEL, "kv_lora_rank", 16, "--kv-lora-rank", 32, 16),
+    (MLA_MODEL, "qk_head_dim", 16, "--qk-head-dim", 128, 16),
+    (MLA_MODEL, "qk_pos_emb_head_dim", 8, "--qk-pos-emb-head-dim", 64, 8),
+    (MLA_MODEL, "v_head_dim", 16, "--v-head-dim", 128, 16),
+    (MLA_MODEL, "rope_type", None, "--rope-type", "rope", "yarn"),  # none: MLA's yarn
 ]
 
 
@@ -228,8 +237,8 @@ def test_mismatch_names_the_flag_with_both_values(model, key, new, flag, old_sho
 
 def test_every_compared_setting_has_a_case_and_is_taken_by_checkpoint_args():
     """The mismatch message's advice holds for every flag the load compares."""
-    from megalite.checkpoint.state import MODEL_FLAGS, MOE_FLAGS, ROPE_FLAGS, YARN_FLAGS
-    compared = (set(MODEL_FLAGS) | set(ROPE_FLAGS) | set(MOE_FLAGS) | set(YARN_FLAGS)
+    from megalite.checkpoint.state import MLA_FLAGS, MODEL_FLAGS, MOE_FLAGS, ROPE_FLAGS, YARN_FLAGS
+    compared = (set(MODEL_FLAGS) | set(ROPE_FLAGS) | set(MOE_FLAGS) | set(YARN_FLAGS) | set(MLA_FLAGS)
                 | {"rotary_base", "max_position_embeddings"})
     assert compared <= {m[1] for m in MISMATCHES}
     taken = {k.split(".")[1] for k in IF_NOT_GIVEN + FORCED}

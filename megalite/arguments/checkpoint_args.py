@@ -54,6 +54,9 @@ FORCED = (
     "model.qk_layernorm", "model.window_size", "model.window_attn_skip_freq", "model.softmax_type",
     # gpt-oss's MLP: another function of the same fc1 / fc2 weights
     "model.quick_geglu", "model.glu_linear_offset", "model.activation_func_clamp_value",
+    # multi-latent attention: its weights' shapes and its RoPE
+    "model.multi_latent_attention", "model.q_lora_rank", "model.kv_lora_rank", "model.qk_head_dim",
+    "model.qk_pos_emb_head_dim", "model.v_head_dim", "model.rope_type",
 )
 # The tokenizer file and its type: forced by default (Megatron-LM's
 # use_tokenizer_model_from_checkpoint_args). --no-use-tokenizer-model-from-checkpoint-args keeps
@@ -139,7 +142,11 @@ def _unused_default(name: str, model: dict) -> bool:
     from .model import YARN_FLAGS
     if name.startswith("moe_"):
         return not model.get("num_experts")
-    return name in YARN_FLAGS and model.get("position_embedding_type") != "yarn"
+    mla = name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type")
+    if mla:
+        return not model.get("multi_latent_attention")
+    mla_yarn = model.get("multi_latent_attention") and (model.get("rope_type") or "yarn") == "yarn"
+    return name in YARN_FLAGS and model.get("position_embedding_type") != "yarn" and not mla_yarn
 
 
 def _take(c: RunConfig, sections: dict) -> None:

@@ -8,6 +8,7 @@ from ..config.model import parse_window_size, window_layer_pattern
 from ..config.run import RunConfig
 from ..config.sharding import get_strategy
 from .errors import fail
+from .mla import check_mla
 
 
 def check_model_shape(c: RunConfig) -> None:
@@ -25,7 +26,7 @@ def check_model_shape(c: RunConfig) -> None:
         fail(f"--num-attention-heads ({heads}) is not divisible by --tensor-model-parallel-size ({tp})")
     if m.num_query_groups % tp:
         fail(f"--num-query-groups ({m.num_query_groups}) is not divisible by --tensor-model-parallel-size ({tp})")
-    if "model.kv_channels" not in c.explicit:
+    if "model.kv_channels" not in c.explicit and not m.multi_latent_attention:  # MLA's: arguments/mla.py
         if m.hidden_size % heads:
             fail(f"--hidden-size ({m.hidden_size}) is not divisible by --num-attention-heads ({heads}); "
                  f"set --kv-channels")
@@ -39,8 +40,9 @@ def check_model_shape(c: RunConfig) -> None:
         m.max_position_embeddings = m.seq_length
     if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
         fail(f"--seq-length ({m.seq_length}) exceeds --max-position-embeddings ({m.max_position_embeddings})")
+    check_mla(c)
     check_rope(c)
-    if m.uses_rope:
+    if m.uses_rope and not m.multi_latent_attention:
         # RoPE rotates channel pairs: the rotated part of each head must be a positive even size
         rot = int(m.kv_channels * m.rotary_percent)
         if rot < 2 or rot % 2:
@@ -89,13 +91,18 @@ def check_glu(c: RunConfig) -> None:
 def check_rope(c: RunConfig) -> None:
     """--position-embedding-type yarn and its flags, --enable-gpt-oss's preset, --rope-type."""
     m = c.model
-    if m.rope_type == "yarn":  # Megatron-LM asserts it: "Common attention only support rope_type='rope'"
+    if m.rope_type == "yarn" and not m.multi_latent_attention:  # Megatron-LM asserts it: "Common attention only support rope_type='rope'"
         fail("--rope-type yarn is multi-latent attention's RoPE (as Megatron-LM, ordinary attention takes "
              "--rope-type rope); for YaRN on this model use --position-embedding-type yarn")
     if m.enable_gpt_oss:
         apply_gpt_oss_yarn(c)
+    if m.mla_yarn:
+        return  # MLA's YaRN (--rope-type yarn, its default): checked in mla.py
     if m.position_embedding_type != "yarn":
         given = [flag for key, flag in YARN_FLAGS.items() if f"model.{key}" in c.explicit]
+        if given and m.multi_latent_attention:
+            fail(f"{given[0]} sets YaRN, which needs --rope-type yarn with --multi-latent-attention (got "
+                 f"--rope-type {m.rope_type})")
         if given:
             fail(f"{given[0]} sets YaRN, which needs --position-embedding-type yarn (got "
                  f"{m.position_embedding_type})")

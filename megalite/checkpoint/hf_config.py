@@ -8,10 +8,13 @@ import json
 
 from ..errors import InputError
 from .hf_gpt_oss import gpt_oss_architecture, gpt_oss_config_from_hf, is_gpt_oss
+from .hf_deepseek import (DEEPSEEK_CLASS, deepseek_architecture, deepseek_config_from_hf, deepseek_flags,
+                          deepseek_hf_config, deepseek_yarn)
 from .hf_moe import HF_MOE_CLASSES, moe_architecture, moe_config_from_hf, moe_flags, moe_hf_config
 
 # megalite's name of each architecture -> the transformers class
-HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", **HF_MOE_CLASSES}
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", **HF_MOE_CLASSES,
+              "deepseek_v3": DEEPSEEK_CLASS}
 # what transformers calls the q/k norms of --qk-layernorm, by architecture
 QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
 
@@ -36,6 +39,8 @@ def hf_architecture(cfg: dict) -> str:
                              ("activation_func_clamp_value", "--activation-func-clamp-value", None)):
         if cfg.get(key, plain) != plain:
             refuse(f"{flag} {cfg[key]}" if cfg[key] is not True else flag, "the GPT-2, Llama, Qwen3 and MoE exports")
+    if cfg.get("multi_latent_attention"):  # hf_deepseek.py
+        return deepseek_architecture(cfg, refuse)
     if cfg["position_embedding_type"] == "learned_absolute":
         gpt2 = "a GPT-2 style model (--position-embedding-type learned_absolute) as GPT2LMHeadModel"
         if cfg["normalization"] != "LayerNorm":
@@ -127,7 +132,7 @@ def hf_rope(cfg: dict) -> tuple[dict, dict | None]:
                    "low_freq_factor": float(cfg["rope_scaling_low_freq_factor"]),
                    "high_freq_factor": float(cfg["rope_scaling_high_freq_factor"]),
                    "original_max_position_embeddings": int(cfg["rope_scaling_original_max_position_embeddings"])}
-    elif cfg["position_embedding_type"] == "yarn":
+    elif cfg["position_embedding_type"] == "yarn" or deepseek_yarn(cfg):  # MLA's: --rope-type yarn
         scaling = hf_yarn(cfg)
     elif cfg.get("rotary_seq_len_interpolation_factor"):
         scaling = {"rope_type": "linear", "factor": float(cfg["rotary_seq_len_interpolation_factor"])}
@@ -238,6 +243,8 @@ def hf_config(cfg: dict, bos_id: int | None = None, eos_id: int | None = None):
             embd_pdrop=cfg.get("hidden_dropout", 0.0), attn_pdrop=cfg.get("attention_dropout", 0.0),
             architectures=["GPT2LMHeadModel"], **common)
     rope_parameters, _ = hf_rope(cfg)
+    if arch == "deepseek_v3":
+        return deepseek_hf_config(cfg, common, rope_parameters, transformers_class)
     rope_model = dict(  # what every Llama-style config takes
         hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_layers"],
         num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_query_groups"],
@@ -314,6 +321,8 @@ def config_from_hf(c, raw: dict) -> dict:
                     qk_layernorm=True, **common)
     if c.model_type == "gpt_oss":
         return {**_rope_model_from_hf(c, raw, refuse), **common, **gpt_oss_config_from_hf(c, refuse)}
+    if c.model_type == "deepseek_v3":
+        return dict(deepseek_config_from_hf(c, raw, rope_from_hf(raw, c.model_type), refuse), **common)
     if c.model_type in HF_MOE_CLASSES:
         return dict(_rope_model_from_hf(c, raw, refuse), add_bias_linear=False, **moe_config_from_hf(c, refuse),
                     **common)
@@ -367,4 +376,4 @@ def pretrain_flags(cfg: dict) -> list[str]:
         flags.append("--disable-bias-linear")
     if cfg["untie_embeddings_and_output_weights"]:
         flags.append("--untie-embeddings-and-output-weights")
-    return [str(f) for f in flags + moe_flags(cfg)]
+    return [str(f) for f in flags + moe_flags(cfg) + deepseek_flags(cfg)]

@@ -17,6 +17,8 @@ These architectures cover what megalite trains, and each maps tensor by tensor, 
                      Qwen3MoeForCausalLM (--qk-layernorm, no shared expert; dense layers), or
                      GptOssForCausalLM (sinks, sliding windows, biased experts and router, the
                      clamped GLU; hf_gpt_oss.py)
+    Multi-latent attention (--multi-latent-attention) with DeepSeek-V3's MoE (hf_deepseek.py)
+                  -> DeepseekV3ForCausalLM
 
 Anything else (RoPE with LayerNorm, partial rotary, GQA in a GPT-2 model, ...) is refused with
 the setting named: a converter that silently produced a *different* model would be worse than
@@ -46,6 +48,7 @@ import torch
 from ..model import pad_vocab_size
 from .hf_config import (HF_CLASSES, ConversionError, config_from_hf, hf_architecture, hf_config, hf_rope, rope_from_hf,
                         update_json)
+from .hf_deepseek import deepseek_state, deepseek_tensors
 from .hf_moe import moe_mlp_state, moe_mlp_tensors, moe_pattern
 from .hf_tokenizer import export_tokenizer, has_tokenizer_files, special_ids
 
@@ -160,7 +163,8 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
     state = dict(state)
     if cfg.get("apply_layernorm_1p"):  # zero-centred norm weights (w - 1): Hugging Face stores w itself
         state = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in state.items()}
-    tensors = _gpt2_tensors(cfg, state) if arch == "gpt2" else _llama_tensors(cfg, state, arch)
+    tensors = (_gpt2_tensors(cfg, state) if arch == "gpt2" else deepseek_tensors(cfg, state)
+               if arch == "deepseek_v3" else _llama_tensors(cfg, state, arch))
     if state:
         raise ConversionError(f"checkpoint {meta.get('dir', '')} has tensors the {arch} mapping does not place: "
                               f"{', '.join(sorted(state)[:5])}")
@@ -299,7 +303,8 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     lm_head = hf.pop("lm_head.weight", None)
     hf = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in hf.items() if not _HF_BUFFERS.search(k)}
     try:
-        state = _gpt2_state(cfg, hf) if prefix == "transformer." else _llama_state(cfg, hf, hf_cfg.model_type)
+        state = (_gpt2_state(cfg, hf) if prefix == "transformer." else deepseek_state(cfg, hf)
+                 if hf_cfg.model_type == "deepseek_v3" else _llama_state(cfg, hf, hf_cfg.model_type))
     except KeyError as e:
         raise ConversionError(f"--load-dir {in_dir}: weight {prefix}{e.args[0]} is missing") from None
     if hf:

@@ -33,6 +33,7 @@ MODEL_FLAGS = {
     "window_size": "--window-size", "window_attn_skip_freq": "--window-attn-skip-freq",
     "softmax_type": "--softmax-type", "quick_geglu": "--quick-geglu", "glu_linear_offset": "--glu-linear-offset",
     "activation_func_clamp_value": "--activation-func-clamp-value",
+    "multi_latent_attention": "--multi-latent-attention",
 }
 # Mixture of Experts: the weights' shapes (which layers, how many experts, their sizes, the
 # shared expert, the expert bias) and the routing
@@ -41,6 +42,9 @@ MOE_FLAGS = {key: "--" + key.replace("_", "-") for key in (
     "moe_router_pre_softmax", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
     "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_topk_scaling_factor", "moe_router_dtype")}
+# multi-latent attention (model/mla.py): its weights' shapes and its RoPE, compared for MLA models
+MLA_FLAGS = {key: "--" + key.replace("_", "-") for key in (
+    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type")}
 # settings whose flag says the opposite of the field (store_false): messages show the flag's value
 NEGATED = ("add_bias_linear",)
 # RoPE settings, compared for RoPE models only; a key older checkpoints lack means its default
@@ -102,8 +106,10 @@ def model_differences(saved: dict, current: dict) -> list[tuple[str, object, obj
     from ..model import GPTConfig
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     positions = current.get("position_embedding_type")
+    mla = current.get("multi_latent_attention")
+    mla_yarn = mla and (current.get("rope_type") or "yarn") == "yarn"
     flags = dict(MODEL_FLAGS, **(ROPE_FLAGS if positions in ("rope", "yarn") else {}),
-                 **(YARN_FLAGS if positions == "yarn" else {}))
+                 **(YARN_FLAGS if positions == "yarn" or mla_yarn else {}), **(MLA_FLAGS if mla else {}))
     if not current.get("use_rope_scaling"):  # the scaling parameters matter only when scaling is on
         flags = {k: f for k, f in flags.items() if not k.startswith("rope_scaling_")}
     if positions in ("rope", "yarn"):
@@ -113,6 +119,8 @@ def model_differences(saved: dict, current: dict) -> list[tuple[str, object, obj
     out = []
     for key, flag in flags.items():
         old, new = saved.get(key, defaults.get(key)), current.get(key, defaults.get(key))
+        if key == "rope_type":  # MLA's default (none) is yarn, as Megatron-LM's
+            old, new = old or "yarn", new or "yarn"
         if old != new:
             out.append((flag, _as_given(key, old), _as_given(key, new)))
     return out + moe_differences(saved, current)

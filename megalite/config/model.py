@@ -178,6 +178,20 @@ class GPTConfig:
                              "beside the keys' in each denominator); learnable (a learned logit per head there: "
                              "gpt-oss's attention sinks)", choices=["vanilla", "off-by-one", "learnable"])
 
+    # -- multi-latent attention (DeepSeek-V2 Sec. 2.1, V3 Sec. 2.1.1; Megatron-LM's MLASelfAttention,
+    # model/mla.py): keys and values up-projected from a kv_lora_rank-wide latent per token, and a
+    # decoupled RoPE key of qk_pos_emb_head_dim shared by the heads; queries optionally compressed too
+    multi_latent_attention: bool = flag("--multi-latent-attention", False, "multi-latent attention (DeepSeek-V2/V3) "
+                                        "instead of the fused-QKV attention", action="store_true")
+    q_lora_rank: int | None = flag("--q-lora-rank", None, "MLA: rank of the query's low-rank compression (>= 1); "
+                                   "none: no query compression", type=int, check=AT_LEAST_1)
+    kv_lora_rank: int = flag("--kv-lora-rank", 32, "MLA: rank of the key/value latent (>= 1)", check=AT_LEAST_1)
+    qk_head_dim: int = flag("--qk-head-dim", 128, "MLA: per-head query/key channels without RoPE (>= 1)",
+                            check=AT_LEAST_1)
+    qk_pos_emb_head_dim: int = flag("--qk-pos-emb-head-dim", 64, "MLA: per-head query/key channels with RoPE "
+                                    "(the decoupled key; even, >= 2)", check=AT_LEAST_1)
+    v_head_dim: int = flag("--v-head-dim", 128, "MLA: per-head value channels (>= 1)", check=AT_LEAST_1)
+
     # -- Mixture of Experts (model/moe/; Megatron-LM's --num-experts and --moe-* flags) ----------
     num_experts: int | None = flag("--num-experts", None, "experts per MoE layer (>= 2); none: a dense model",
                                    type=int, check=AT_LEAST_1)
@@ -284,13 +298,22 @@ class GPTConfig:
         """Rotary position embeddings (plain or YaRN)."""
         return self.position_embedding_type in ("rope", "yarn")
 
+    @property
+    def mla_yarn(self) -> bool:
+        """MLA with YaRN RoPE: Megatron-LM's --rope-type, whose default for MLA is yarn (its
+        MLATransformerConfig); at --rotary-scaling-factor 1 YaRN is plain RoPE."""
+        return self.multi_latent_attention and (self.rope_type or "yarn") == "yarn"
+
     def yarn(self) -> dict | None:
-        """YaRN's parameters for RotaryEmbedding, None without --position-embedding-type yarn."""
-        if self.position_embedding_type != "yarn":
+        """YaRN's parameters for RotaryEmbedding, None without --position-embedding-type yarn (or MLA's
+        --rope-type yarn)."""
+        if self.position_embedding_type != "yarn" and not self.mla_yarn:
             return None
+        original = (self.yarn_original_max_position_embeddings or self.max_position_embeddings
+                    or self.seq_length)  # unused at factor 1
         return dict(factor=self.rotary_scaling_factor,
-                    original_max_position_embeddings=self.yarn_original_max_position_embeddings,
-                    beta_fast=self.yarn_beta_fast, beta_slow=self.yarn_beta_slow, mscale=self.mscale,
+                    original_max_position_embeddings=original, beta_fast=self.yarn_beta_fast,
+                    beta_slow=self.yarn_beta_slow, mscale=self.mscale,
                     mscale_all_dim=self.mscale_all_dim, round_to_int=self.yarn_correction_range_round_to_int)
 
     def to_dict(self) -> dict:

@@ -21,6 +21,12 @@ class _GatherKV(torch.autograd.Function):
         return comm.reduce_scatter(grad.contiguous(), ctx.group, dim=0), None
 
 
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[s/c, b, ...] -> [s, b, ...] in gathered key order (backward reduce-scatters): MLA's keys and
+    values, whose head sizes differ, gathered as one tensor."""
+    return _GatherKV.apply(x, group)
+
+
 def gather_kv(k: torch.Tensor, v: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the whole sequence ([s, b, g, hn], gathered key order) from this
     rank's [s/c, b, g, hn]. One collective for both (concatenated on the head dimension)."""

@@ -200,7 +200,7 @@ class CoreAttention(nn.Module):
             if self.use_flash and attention_mask is None:
                 out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                       dropout_p=p, causal=True)  # [b, s, n, hn]
-                return out.transpose(0, 1).reshape(s, b, n * hn)
+                return out.transpose(0, 1).reshape(s, b, -1)
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
             if self.backend == "local" or self.softmax_type != "vanilla":
                 out = local_attention(qb, kb, vb, attention_mask, p, self.softmax_in_fp32, self._sinks(qb))
@@ -209,7 +209,7 @@ class CoreAttention(nn.Module):
                     out = F.scaled_dot_product_attention(
                         qb, kb, vb, attn_mask=attention_mask, dropout_p=p, is_causal=attention_mask is None,
                         enable_gqa=kb.size(1) != qb.size(1))
-        return out.permute(2, 0, 1, 3).reshape(s, b, n * hn)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # v's head size (MLA's may differ from q's)
 
 
     def _sinks(self, q):

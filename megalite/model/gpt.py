@@ -166,6 +166,8 @@ class GPTModel(nn.Module):
 
     def _rotary(self, device):
         c = self.config
+        if c.multi_latent_attention:  # RoPE on the decoupled qk_pos_emb_head_dim channels (model/mla.py)
+            return RotaryEmbedding(c.qk_pos_emb_head_dim, 1.0, c.rotary_base, None, None, device, c.yarn())
         return (RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base, c.rope_scaling(),
                                 c.rotary_seq_len_interpolation_factor, device, c.yarn())
                 if c.uses_rope else None)

@@ -14,6 +14,7 @@ from torch import nn
 from ..recompute import recompute
 from .attention import SelfAttention
 from .config import ExecutionConfig, GPTConfig
+from .mla import MLASelfAttention
 from .mlp import MLP
 from .moe import MoELayer
 from .norm import Norm
@@ -28,7 +29,8 @@ class TransformerLayer(nn.Module):
         self.sequence_parallel = execution.sequence_parallel
         self.rng_tracker = rng_tracker
         self.input_layernorm = Norm(config, execution, device)
-        self.self_attention = SelfAttention(config, execution, tp_group, rng_tracker, device, cp_group,
+        attention = MLASelfAttention if config.multi_latent_attention else SelfAttention
+        self.self_attention = attention(config, execution, tp_group, rng_tracker, device, cp_group,
                                             layer_number)
         self.pre_mlp_layernorm = Norm(config, execution, device)
         self.mlp = (MoELayer(config, execution, tp_group, ep_group, token_group, device)

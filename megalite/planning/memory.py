@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 
 from ..config.sharding import ShardingStrategy
+from .mla import mla_activation_coefficients, mla_params
 from .moe import (chunk_layers, expert_params, local_expert_params, moe_layer_params, moe_mlp_activation_bytes,
                   moe_pattern)
 
@@ -72,6 +73,9 @@ def layer_params(c, moe: bool = False) -> tuple[int, int]:
     replicated = 2 * norm + (h if bias else 0)  # two norms; the projection's row-parallel bias is whole
     if c.model.qk_layernorm:  # the q and k norms, kv_channels wide, whole on every TP rank
         replicated += 2 * norm // h * c.model.kv_channels
+    if c.model.multi_latent_attention:  # its own projections and latent norms (planning/mla.py)
+        sharded, replicated = mla_params(c)
+        replicated += 2 * norm
     if moe:
         mlp_sharded, mlp_replicated = moe_layer_params(c)
     else:
@@ -154,6 +158,9 @@ def layer_activation_bytes(c, moe: bool = False) -> tuple[float, float]:
     attention = 4 + 4 * c.model.num_query_groups / a * (1 + cp if cp > 1 else 1)
     if c.model.uses_rope:  # the rotated Q and K are new tensors, kept beside QKV's output
         attention += 2 + 2 * c.model.num_query_groups / a
+    latents = 0.0
+    if c.model.multi_latent_attention:  # planning/mla.py: per-head tensors, and the latents
+        attention, latents = mla_activation_coefficients(c)
     # GeLU keeps fc1's output and GeLU's (4f/h in 16-bit); megalite's SwiGLU keeps fc1's [gate; up],
     # silu(gate) and their product (4f/h + 2f/h + 2f/h): twice GeLU's for the same f
     mlp = 4 * c.model.ffn_hidden_size / h * (2.0 if c.model.gated_linear_unit else 1.0)
@@ -165,7 +172,8 @@ def layer_activation_bytes(c, moe: bool = False) -> tuple[float, float]:
     replicated = 8 + (2 if c.model.hidden_dropout > 0 else 0)
     if moe:  # no dense fc1 (its input and activations): the MoE MLP's own, in bytes
         replicated, mlp = replicated - 2, 0.0
-    coeff = (replicated + attention + mlp + scores) / t if sp else replicated + (attention + mlp + scores) / t
+    coeff = (replicated + latents + attention + mlp + scores) / t if sp else \
+        replicated + latents + (attention + mlp + scores) / t
     scale = 1.0 if (c.optimizer.bf16 or c.optimizer.fp16) else 2.0  # the formula is for 16-bit
     return s * b * h * coeff * scale + (moe_mlp_activation_bytes(c) if moe else 0.0), \
         2 * s * b * h / (t if sp else 1) * scale

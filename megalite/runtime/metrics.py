@@ -25,7 +25,8 @@ def num_floating_point_operations(c, batch_size: int) -> float:
     active parameters only): its top-k experts (k·f_e·n, f_e = --moe-ffn-hidden-size), the shared
     expert (f_s·n), and the router (E) and shared-expert gate (1), which Megatron-LM's formula
     leaves out (6·B·s·h·E per MoE layer: 0.1% of Mixtral 8x7B's). MFU counts these FLOPs, so a
-    sparse model's MFU is that of the work its tokens do, not of its parameter count.
+    sparse model's MFU is that of the work its tokens do, not of its parameter count. With
+    multi-latent attention the attention part is 6·B·s·L·(its weights per token + s·a·(d + dr + dv)).
     """
     s, L, h = c.seq_length, c.num_layers, c.hidden_size
     a, g, d = c.num_attention_heads, c.num_query_groups, c.kv_channels
@@ -38,8 +39,21 @@ def num_floating_point_operations(c, batch_size: int) -> float:
                 + (1 if shared and c.moe_shared_expert_gate else 0)
         else:
             mlp += c.ffn_hidden_size * n
+    if getattr(c, "multi_latent_attention", False):  # MLA's projections and head sizes (model/mla.py)
+        attention = 6.0 * batch_size * s * L * (mla_weights_per_token(c) + s * a * (
+            c.qk_head_dim + c.qk_pos_emb_head_dim + c.v_head_dim))
+        return attention + 6.0 * batch_size * s * h * (mlp + c.padded_vocab_size)
     return 12.0 * batch_size * s * L * h * h * ((1 + g / a + s / h) * (a * d / h) + c.padded_vocab_size / (2 * L * h)) \
         + 6.0 * batch_size * s * h * mlp
+
+
+def mla_weights_per_token(c) -> int:
+    """The attention weights one token multiplies by in an MLA layer: the query projection (or
+    its down- and up-projections), the key/value down- and up-projections, the output projection."""
+    a, h, q_head = c.num_attention_heads, c.hidden_size, c.qk_head_dim + c.qk_pos_emb_head_dim
+    query = a * q_head * h if c.q_lora_rank is None else c.q_lora_rank * (h + a * q_head)
+    return query + (c.kv_lora_rank + c.qk_pos_emb_head_dim) * h + c.kv_lora_rank * a * (c.qk_head_dim + c.v_head_dim) \
+        + a * c.v_head_dim * h
 
 
 def peak_tflops(flag: float | None, dtype: torch.dtype) -> float | None:

@@ -1,0 +1,313 @@
+"""DeepSeek-V3 <-> Hugging Face `DeepseekV3ForCausalLM`: multi-latent attention (model/mla.py) with
+DeepSeek-V3's MoE (sigmoid routing with an expert bias, group-limited top-k, a scaling factor, a
+shared expert, the first layers dense).
+
+    megalite                               DeepseekV3ForCausalLM (model.layers.{i}.)
+    self_attention.linear_q_proj           self_attn.q_proj                (no --q-lora-rank)
+    self_attention.linear_q_down_proj      self_attn.q_a_proj
+    self_attention.q_layernorm             self_attn.q_a_layernorm
+    self_attention.linear_q_up_proj        self_attn.q_b_proj
+    self_attention.linear_kv_down_proj     self_attn.kv_a_proj_with_mqa
+    self_attention.kv_layernorm            self_attn.kv_a_layernorm
+    self_attention.linear_kv_up_proj       self_attn.kv_b_proj
+    self_attention.linear_proj             self_attn.o_proj
+    mlp.router.weight / .expert_bias       mlp.gate.weight / .e_score_correction_bias
+    mlp.experts.local_experts.{e}.*        mlp.experts.{e}.gate_proj ; up_proj ; down_proj
+    mlp.shared_experts.linear_fc1 / fc2    mlp.shared_experts.gate_proj ; up_proj ; down_proj
+
+Settings: first_k_dense_replace k is --moe-layer-freq [0]*k+[1]*(L-k); n_group / topk_group are
+--moe-router-num-groups / --moe-router-group-topk (transformers scores a group by its top 2
+experts, Megatron-LM by its top k / group_topk: the two agree when k / group_topk = 2, which is
+checked); routed_scaling_factor is --moe-router-topk-scaling-factor; norm_topk_prob is megalite's
+sigmoid normalisation (over the k chosen when k > 1); n_shared_experts x moe_intermediate_size is
+--moe-shared-expert-intermediate-size. The latent norms always exist there: --qk-layernorm, with
+their epsilon fixed at 1e-6 (--norm-epsilon 1e-6).
+
+RoPE: DeepSeek lays each head's rotary channels out in interleaved pairs (rope_interleave true,
+the default, and what the export writes); megalite rotates halves, so the rotary rows of q_proj /
+q_b_proj and kv_a_proj_with_mqa are permuted (evens first, then odds) on the way in and back out.
+YaRN: transformers' rope_type "yarn" with mscale / mscale_all_dim, whose mscale_all_dim also scales
+the softmax (m² / √(d + dr)); MLA's --rope-type yarn.
+
+Not mapped here: multi-token prediction (DeepSeek-V3's `num_nextn_predict_layers` modules); the
+export writes num_nextn_predict_layers 0, and an import refuses weights beyond the last layer.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config.moe import moe_layer_pattern
+
+DEEPSEEK_CLASS = "DeepseekV3ForCausalLM"
+LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default, which q_a_layernorm / kv_a_layernorm keep
+
+
+def _mla_names(cfg: dict) -> list[tuple[str, str]]:
+    """(megalite, Hugging Face) names of one layer's MLA weights, under self_attention. / self_attn."""
+    q = ([("linear_q_proj.weight", "q_proj.weight")] if cfg.get("q_lora_rank") is None else
+         [("linear_q_down_proj.weight", "q_a_proj.weight"), ("q_layernorm.weight", "q_a_layernorm.weight"),
+          ("linear_q_up_proj.weight", "q_b_proj.weight")])
+    return q + [("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
+                ("kv_layernorm.weight", "kv_a_layernorm.weight"), ("linear_kv_up_proj.weight", "kv_b_proj.weight"),
+                ("linear_proj.weight", "o_proj.weight")]
+
+
+def _rope_rows(cfg: dict, hf_name: str, w: torch.Tensor, to_hf: bool) -> torch.Tensor:
+    """The rotary rows of a query or kv_a weight between megalite's rotate-half order and
+    DeepSeek's interleaved pairs (to_hf: halves -> pairs)."""
+    dr = cfg["qk_pos_emb_head_dim"]
+    halves = torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)])  # megalite row j = interleaved row halves[j]
+    order = torch.argsort(halves) if to_hf else halves
+    if hf_name.startswith("kv_a_proj"):  # [kv_lora_rank + dr, h]: the rotary rows last
+        r = cfg["kv_lora_rank"]
+        return torch.cat([w[:r], w[r:][order]])
+    if hf_name in ("q_proj.weight", "q_b_proj.weight"):  # [n·(d + dr), in], each head [d ; dr]
+        heads = w.view(cfg["num_attention_heads"], cfg["qk_head_dim"] + dr, -1)
+        d = cfg["qk_head_dim"]
+        return torch.cat([heads[:, :d], heads[:, d:][:, order]], dim=1).reshape(w.shape)
+    return w
+
+
+def _moe_names(cfg: dict) -> list[tuple[str, str]]:
+    names = [("router.weight", "gate.weight"), ("router.expert_bias", "gate.e_score_correction_bias")]
+    for e in range(cfg["num_experts"]):
+        names.append((f"experts.local_experts.{e}.linear_fc2.weight", f"experts.{e}.down_proj.weight"))
+    return names + [("shared_experts.linear_fc2.weight", "shared_experts.down_proj.weight")]
+
+
+def deepseek_tensors(cfg: dict, state: dict) -> dict:
+    """DeepseekV3ForCausalLM's tensors of megalite's `state`, popping what they use."""
+    out = {"model.embed_tokens.weight": state.pop("embedding.word_embeddings.weight"),
+           "model.norm.weight": state.pop("decoder.final_layernorm.weight")}
+    if cfg["untie_embeddings_and_output_weights"]:
+        out["lm_head.weight"] = state.pop("output_layer.weight")
+    pattern = moe_layer_pattern(cfg.get("moe_layer_freq", "1"), cfg["num_layers"]) if cfg.get("num_experts") \
+        else [False] * cfg["num_layers"]
+    for i, moe in enumerate(pattern):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[h + "input_layernorm.weight"] = state.pop(m + "input_layernorm.weight")
+        out[h + "post_attention_layernorm.weight"] = state.pop(m + "pre_mlp_layernorm.weight")
+        for ours, theirs in _mla_names(cfg):
+            out[h + "self_attn." + theirs] = _rope_rows(cfg, theirs, state.pop(m + "self_attention." + ours), True)
+        if not moe:
+            _split_fc1(out, h + "mlp.", state.pop(m + "mlp.linear_fc1.weight"))
+            out[h + "mlp.down_proj.weight"] = state.pop(m + "mlp.linear_fc2.weight")
+            continue
+        bias = m + "mlp.router.expert_bias"
+        if bias not in state:  # no --moe-router-enable-expert-bias: transformers' buffer is zeros
+            state[bias] = torch.zeros(cfg["num_experts"])
+        for ours, theirs in _moe_names(cfg):
+            out[h + "mlp." + theirs] = state.pop(m + "mlp." + ours)
+        for e in range(cfg["num_experts"]):
+            _split_fc1(out, f"{h}mlp.experts.{e}.", state.pop(f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"))
+        _split_fc1(out, h + "mlp.shared_experts.", state.pop(m + "mlp.shared_experts.linear_fc1.weight"))
+    return out
+
+
+def _split_fc1(out: dict, prefix: str, fc1: torch.Tensor) -> None:
+    out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = fc1.chunk(2)
+
+
+def deepseek_state(cfg: dict, hf: dict) -> dict:
+    """megalite tensors of DeepseekV3's `hf` ("model." stripped), popping what they use; KeyError
+    names a missing tensor."""
+    out = {"embedding.word_embeddings.weight": hf.pop("embed_tokens.weight"),
+           "decoder.final_layernorm.weight": hf.pop("norm.weight")}
+    pattern = moe_layer_pattern(cfg.get("moe_layer_freq", "1"), cfg["num_layers"]) if cfg.get("num_experts") \
+        else [False] * cfg["num_layers"]
+    for i, moe in enumerate(pattern):
+        m, h = f"decoder.layers.{i}.", f"layers.{i}."
+        out[m + "input_layernorm.weight"] = hf.pop(h + "input_layernorm.weight")
+        out[m + "pre_mlp_layernorm.weight"] = hf.pop(h + "post_attention_layernorm.weight")
+        for ours, theirs in _mla_names(cfg):
+            out[m + "self_attention." + ours] = _rope_rows(cfg, theirs, hf.pop(h + "self_attn." + theirs), False)
+        theirs = h + "mlp."
+        if not moe:
+            out[m + "mlp.linear_fc1.weight"] = _fuse_fc1(hf, theirs)
+            out[m + "mlp.linear_fc2.weight"] = hf.pop(theirs + "down_proj.weight")
+            continue
+        if theirs + "experts.gate_up_proj" in hf:  # transformers 5's fused experts, in memory
+            fc1, fc2 = hf.pop(theirs + "experts.gate_up_proj"), hf.pop(theirs + "experts.down_proj")
+            for e in range(cfg["num_experts"]):
+                hf[f"{theirs}experts.{e}.down_proj.weight"] = fc2[e]
+                hf[f"{theirs}experts.{e}.gate_proj.weight"], hf[f"{theirs}experts.{e}.up_proj.weight"] = fc1[e].chunk(2)
+        for ours, name in _moe_names(cfg):
+            out[m + "mlp." + ours] = hf.pop(theirs + name)
+        for e in range(cfg["num_experts"]):
+            out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = _fuse_fc1(hf, f"{theirs}experts.{e}.")
+        out[m + "mlp.shared_experts.linear_fc1.weight"] = _fuse_fc1(hf, theirs + "shared_experts.")
+    return out
+
+
+def _fuse_fc1(hf: dict, prefix: str) -> torch.Tensor:
+    return torch.cat([hf.pop(prefix + "gate_proj.weight"), hf.pop(prefix + "up_proj.weight")])
+
+
+# -- configs ----------------------------------------------------------------------------------------
+def _dense_prefix(cfg: dict) -> int:
+    """first_k_dense_replace of megalite's MoE layer pattern, or -1 when it is not k dense then all MoE."""
+    if not cfg.get("num_experts"):
+        return cfg["num_layers"]
+    pattern = moe_layer_pattern(cfg.get("moe_layer_freq", "1"), cfg["num_layers"])
+    k = pattern.index(True) if any(pattern) else len(pattern)
+    return k if all(pattern[k:]) else -1
+
+
+def deepseek_architecture(cfg: dict, refuse) -> str:
+    """"deepseek_v3" for a model with --multi-latent-attention that DeepseekV3ForCausalLM computes;
+    `refuse(setting, target)` raises naming what it cannot express."""
+    target = DEEPSEEK_CLASS
+    if cfg["normalization"] != "RMSNorm" or not cfg["swiglu"]:
+        refuse("--multi-latent-attention without --normalization RMSNorm and --swiglu", target)
+    if cfg["add_bias_linear"]:
+        refuse("--multi-latent-attention without --disable-bias-linear (DeepSeek-V3 has no biases)", target)
+    if not cfg.get("qk_layernorm"):
+        refuse("--multi-latent-attention without --qk-layernorm (its q_a_layernorm / kv_a_layernorm always exist)",
+               target)
+    if cfg["norm_epsilon"] != LATENT_NORM_EPS:
+        refuse(f"--norm-epsilon {cfg['norm_epsilon']} (its latent norms' epsilon is fixed at 1e-6)", target)
+    if cfg.get("apply_layernorm_1p"):
+        refuse("--apply-layernorm-1p", target)
+    if not cfg.get("num_experts"):
+        return "deepseek_v3"
+    k, groups, group_topk = cfg["moe_router_topk"], cfg.get("moe_router_num_groups"), cfg.get("moe_router_group_topk")
+    expert_ffn = cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]
+    shared = cfg.get("moe_shared_expert_intermediate_size")
+    for what, bad in ((f"--moe-router-score-function {cfg.get('moe_router_score_function')} (its router is "
+                       "sigmoid)", cfg.get("moe_router_score_function") != "sigmoid"),
+                      ("--moe-expert-capacity-factor (its MoE is dropless)", cfg.get("moe_expert_capacity_factor")),
+                      ("no --moe-shared-expert-intermediate-size (it always has shared experts)", not shared),
+                      (f"--moe-shared-expert-intermediate-size {shared} not a multiple of the experts' "
+                       f"{expert_ffn}", shared and shared % expert_ffn),
+                      ("--moe-shared-expert-gate", cfg.get("moe_shared_expert_gate")),
+                      (f"--moe-layer-freq {cfg.get('moe_layer_freq')} (its dense layers are the first "
+                       "first_k_dense_replace only)", _dense_prefix(cfg) < 0),
+                      (f"--moe-router-topk {k} / --moe-router-group-topk {group_topk} != 2 (it scores a group "
+                       "by its top 2 experts)", group_topk and groups and groups > 1 and k // group_topk != 2),
+                      (f"--num-experts {cfg['num_experts']} < 2 per group", cfg["num_experts"] // (groups or 1) < 2)):
+        if bad:
+            refuse(what, target)
+    return "deepseek_v3"
+
+
+def deepseek_hf_config(cfg: dict, common: dict, rope_parameters: dict, transformers_class):
+    """The DeepseekV3Config of an MLA model_config; `common`: vocabulary, tokens, init, tying."""
+    experts = cfg.get("num_experts") or 0
+    expert_ffn = cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]
+    k = cfg.get("moe_router_topk", 1) if experts else 1
+    groups = (cfg.get("moe_router_num_groups") or 1) if cfg.get("moe_router_group_topk") else 1
+    return transformers_class("DeepseekV3Config", DEEPSEEK_CLASS)(
+        hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_layers"], intermediate_size=cfg["ffn_hidden_size"],
+        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_attention_heads"],
+        q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_head_dim"],
+        qk_rope_head_dim=cfg["qk_pos_emb_head_dim"], v_head_dim=cfg["v_head_dim"], rope_interleave=True,
+        moe_intermediate_size=expert_ffn, n_routed_experts=experts or 1, num_experts_per_tok=k,
+        n_shared_experts=(cfg.get("moe_shared_expert_intermediate_size") or expert_ffn) // expert_ffn,
+        first_k_dense_replace=_dense_prefix(cfg), n_group=groups,
+        topk_group=cfg.get("moe_router_group_topk") if groups > 1 else 1, norm_topk_prob=k > 1,
+        routed_scaling_factor=float(cfg.get("moe_router_topk_scaling_factor") or 1.0), hidden_act="silu",
+        max_position_embeddings=cfg["max_position_embeddings"], rms_norm_eps=cfg["norm_epsilon"],
+        rope_parameters=rope_parameters, attention_bias=False, attention_dropout=cfg.get("attention_dropout", 0.0),
+        num_mtp_layers=0, architectures=[DEEPSEEK_CLASS], **common)
+
+
+def deepseek_yarn(cfg: dict) -> bool:
+    """MLA with YaRN that changes the function (factor > 1): written as transformers' rope_type yarn."""
+    return bool(cfg.get("multi_latent_attention")) and (cfg.get("rope_type") or "yarn") == "yarn" \
+        and float(cfg.get("rotary_scaling_factor", 1.0)) > 1
+
+
+def deepseek_config_from_hf(c, raw: dict, rope: dict, refuse) -> dict:
+    """megalite's settings of a DeepseekV3Config (`rope`: rope_from_hf's reading of its RoPE)."""
+    if c.hidden_act != "silu":
+        refuse(f"hidden_act {c.hidden_act!r} (megalite's SwiGLU uses silu)")
+    if c.attention_bias:
+        refuse("attention_bias true (megalite's MLA projections have no biases)")
+    if c.rms_norm_eps != LATENT_NORM_EPS:
+        refuse(f"rms_norm_eps {c.rms_norm_eps} (its latent norms keep 1e-6; megalite has one --norm-epsilon)")
+    out = dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+               num_query_groups=c.num_attention_heads, kv_channels=c.qk_nope_head_dim + c.qk_rope_head_dim,
+               seq_length=c.max_position_embeddings, max_position_embeddings=c.max_position_embeddings,
+               normalization="RMSNorm", norm_epsilon=c.rms_norm_eps, swiglu=True, hidden_dropout=0.0,
+               attention_dropout=float(c.attention_dropout or 0.0), ffn_hidden_size=c.intermediate_size,
+               add_bias_linear=False, qk_layernorm=True, multi_latent_attention=True, q_lora_rank=c.q_lora_rank,
+               kv_lora_rank=c.kv_lora_rank, qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim,
+               v_head_dim=c.v_head_dim, rotary_percent=1.0, **_mla_rope(raw, rope, refuse))
+    dense = min(c.first_k_dense_replace or 0, c.num_hidden_layers)
+    if dense < c.num_hidden_layers:
+        out.update(_deepseek_moe(c, dense, refuse))
+    return out
+
+
+def _mla_rope(raw: dict, rope: dict, refuse) -> dict:
+    """MLA's --rope-type and YaRN flags: rope_from_hf's YaRN reading, with --mscale-all-dim set as
+    transformers scales the softmax (by mscale_all_dim's m², when it is non-zero) and --mscale then
+    solved for its cos/sin attention factor."""
+    if rope.get("use_rope_scaling") or rope.get("rotary_seq_len_interpolation_factor"):
+        refuse("rope_type llama3 / linear (MLA's RoPE is --rope-type rope or yarn)")
+    out = dict(rope, position_embedding_type="rope", rope_type="rope")
+    if rope["position_embedding_type"] != "yarn":
+        return out
+    d = raw.get("rope_parameters") or raw.get("rope_scaling")
+    factor, all_dim = float(d["factor"]), float(d.get("mscale_all_dim") or 0.0)
+    out["rope_type"] = "yarn"
+    if all_dim and factor > 1:
+        def m(a):
+            return 0.1 * a * math.log(factor) + 1.0
+        mscale = d.get("mscale")
+        wanted = d.get("attention_factor") or (m(mscale) / m(all_dim) if mscale else m(1.0))
+        out.update(mscale_all_dim=all_dim, mscale=(wanted * m(all_dim) - 1.0) / (0.1 * math.log(factor)))
+    return out
+
+
+def _deepseek_moe(c, dense: int, refuse) -> dict:
+    k, groups = c.num_experts_per_tok, c.n_group or 1
+    if c.n_routed_experts % groups:
+        refuse(f"n_routed_experts {c.n_routed_experts} not divisible by n_group {groups}")
+    if groups > 1 and c.topk_group < groups and k // c.topk_group != 2:
+        refuse(f"num_experts_per_tok {k} / topk_group {c.topk_group} != 2 (megalite scores a group by its top "
+               "num_experts_per_tok / topk_group experts, transformers by its top 2)")
+    if bool(c.norm_topk_prob) != (k > 1):
+        refuse(f"norm_topk_prob {c.norm_topk_prob} with num_experts_per_tok {k} (megalite's sigmoid router "
+               "normalises over the chosen experts exactly when there are more than one)")
+    if not c.n_shared_experts:
+        refuse("n_shared_experts 0 (megalite's shared expert needs a size >= 1)")
+    layers = c.num_hidden_layers
+    return dict(num_experts=c.n_routed_experts, moe_router_topk=k, moe_ffn_hidden_size=c.moe_intermediate_size,
+                moe_layer_freq="1" if dense == 0 else f"[{','.join(['0'] * dense + ['1'] * (layers - dense))}]",
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_num_groups=groups if groups > 1 and c.topk_group < groups else None,
+                moe_router_group_topk=c.topk_group if groups > 1 and c.topk_group < groups else None,
+                moe_router_topk_scaling_factor=float(c.routed_scaling_factor),
+                moe_shared_expert_intermediate_size=c.moe_intermediate_size * c.n_shared_experts)
+
+
+def deepseek_flags(cfg: dict) -> list:
+    """pretrain_gpt.py flags of MLA and DeepSeek-V3's routing (beside hf_moe.moe_flags')."""
+    if not cfg.get("multi_latent_attention"):
+        return []
+    flags = ["--multi-latent-attention", "--kv-lora-rank", cfg["kv_lora_rank"], "--qk-head-dim", cfg["qk_head_dim"],
+             "--qk-pos-emb-head-dim", cfg["qk_pos_emb_head_dim"], "--v-head-dim", cfg["v_head_dim"],
+             "--rope-type", cfg.get("rope_type") or "yarn"]
+    if cfg.get("q_lora_rank"):
+        flags += ["--q-lora-rank", cfg["q_lora_rank"]]
+    if (cfg.get("rope_type") or "yarn") == "yarn":
+        flags += ["--rotary-scaling-factor", cfg["rotary_scaling_factor"], "--mscale", cfg["mscale"],
+                  "--mscale-all-dim", cfg["mscale_all_dim"], "--yarn-beta-fast", cfg["yarn_beta_fast"],
+                  "--yarn-beta-slow", cfg["yarn_beta_slow"]]
+        if cfg.get("yarn_original_max_position_embeddings"):
+            flags += ["--yarn-original-max-position-embeddings", cfg["yarn_original_max_position_embeddings"]]
+        if not cfg.get("yarn_correction_range_round_to_int", True):
+            flags.append("--no-yarn-correction-range-round-to-int")
+    if cfg.get("num_experts"):
+        flags += ["--moe-router-score-function", cfg["moe_router_score_function"]]
+        if cfg.get("moe_router_enable_expert_bias"):
+            flags.append("--moe-router-enable-expert-bias")
+        if cfg.get("moe_router_group_topk"):
+            flags += ["--moe-router-num-groups", cfg["moe_router_num_groups"], "--moe-router-group-topk",
+                      cfg["moe_router_group_topk"]]
+        if cfg.get("moe_router_topk_scaling_factor"):
+            flags += ["--moe-router-topk-scaling-factor", cfg["moe_router_topk_scaling_factor"]]
+    return flags

@@ -1,0 +1,195 @@
+"""DeepSeek-V3 (multi-latent attention, sigmoid routing with an expert bias in groups, a shared
+expert, dense first layers, YaRN) to and from Hugging Face's DeepseekV3ForCausalLM.
+
+A random transformers model imports with the same logits (fp32, 1e-5) and exports back to the
+same tensors; a random megalite MLA model exports to a model transformers computes the same with,
+and imports back to the same tensors; MLA's cached generation equals recomputation token for
+token and caches kv_lora_rank + qk_pos_emb_head_dim values per token and layer.
+"""
+import importlib.util
+import os
+import shlex
+
+import pytest
+import torch
+
+from dist_helpers import ROOT
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV3ForCausalLM"):
+    pytest.skip("transformers without DeepseekV3ForCausalLM", allow_module_level=True)
+from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+
+from megalite.checkpoint.hf_config import ConversionError, hf_architecture  # noqa: E402
+from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict  # noqa: E402
+from megalite.config import RunConfig  # noqa: E402
+from megalite.generation import generate, kv_cache, load_model, next_token_logits  # noqa: E402
+from megalite.model import GPTConfig, GPTModel  # noqa: E402
+
+spec = importlib.util.spec_from_file_location("megalite_convert_ds", os.path.join(ROOT, "tools/checkpoint/convert.py"))
+convert = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(convert)
+
+VOCAB = 96
+BASE = dict(num_hidden_layers=3, hidden_size=48, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, vocab_size=VOCAB,
+            intermediate_size=56, moe_intermediate_size=24, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=6,
+            v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, rms_norm_eps=1e-6)
+YARN = {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0}
+HF_CASES = {
+    # query compression, YaRN, one dense layer, 2 groups with group top-1, scaled routing, untied
+    "q-lora-yarn-groups": dict(q_lora_rank=16, rope_parameters=YARN, first_k_dense_replace=1, n_group=2, topk_group=1,
+                               routed_scaling_factor=2.5, tie_word_embeddings=False),
+    # no query compression, plain RoPE, every layer MoE, no groups, top-1 (not normalised), tied
+    "no-q-lora-rope-top1": dict(q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                                first_k_dense_replace=0, n_group=1, topk_group=1, num_experts_per_tok=1,
+                                norm_topk_prob=False, routed_scaling_factor=1.0, tie_word_embeddings=True),
+}
+
+
+def _hf_model(path, **kw):
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**dict(BASE, **kw)))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if name.endswith("norm.weight")
+                    else torch.randn(p.shape, generator=g) * 0.25)
+        for name, b in model.named_buffers():  # the expert bias moves the choice: make it matter
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    model.eval().save_pretrained(path)
+    return model
+
+
+def _convert(loader, saver, src, dst, *extra):
+    assert convert.main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(src),
+                         "--save-dir", str(dst), *extra]) == 0
+    return str(dst)
+
+
+def _ids(seed=0, seq=40):
+    return torch.randint(0, VOCAB, (3, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _logit_diff(ck, hf_model, ids):
+    with torch.no_grad():
+        theirs = hf_model(ids).logits.float()
+    ours = next_token_logits(load_model(ck)[0], ids)
+    return (ours - theirs).abs().max().item()
+
+
+def _safetensors(d):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(d, "model.safetensors"))
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_deepseek_imports_with_equal_logits_and_exports_back(case, tmp_path, capsys):
+    reference = _hf_model(tmp_path / "hf", **HF_CASES[case])
+    ck = _convert("hf", "megalite", tmp_path / "hf", tmp_path / "ck")
+    printed = capsys.readouterr().out
+    diff = _logit_diff(ck, reference, _ids())
+    print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e}")
+    assert diff < 1e-5, diff
+    cfg = load_model(ck)[1]["model_config"]
+    # the printed flags build this very model
+    from megalite.arguments import parse_config
+    flags = shlex.split(printed.split("pretrain_gpt.py ")[1].splitlines()[0].removesuffix(" ..."))
+    run = parse_config(flags + ["--mock-data", "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1",
+                                "--lr", "1e-3"], 1, check_files=False)
+    for key in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                "v_head_dim", "rope_type", "mscale", "mscale_all_dim", "rotary_scaling_factor", "num_experts",
+                "moe_router_topk", "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+                "moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias", "qk_layernorm"):
+        assert getattr(run.model, key) == cfg[key], key
+    assert run.model.yarn() == GPTConfig.from_dict(cfg).yarn()
+    # and back: the same tensors under the same names
+    back = _convert("megalite", "hf", ck, tmp_path / "back", "--no-tokenizer")
+    original, exported = _safetensors(tmp_path / "hf"), _safetensors(back)
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    loaded = AutoModelForCausalLM.from_pretrained(back, local_files_only=True).eval()
+    with torch.no_grad():
+        assert (loaded(_ids(1)).logits - reference(_ids(1)).logits).abs().max() < 1e-5
+
+
+def _megalite_mla(root, **kw):
+    base = dict(num_layers=3, hidden_size=48, num_attention_heads=4, vocab_size=VOCAB, padded_vocab_size=128,
+                seq_length=64, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                init_method_std=0.25, position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=1e-6,
+                swiglu=True, add_bias_linear=False, ffn_hidden_size=56, rotary_base=5000.0, qk_layernorm=True,
+                multi_latent_attention=True, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=6, v_head_dim=10,
+                untie_embeddings_and_output_weights=True)
+    config = GPTConfig(**dict(base, **kw))
+    model = GPTModel(config)
+    model.initialize(11)
+    state = {n: p.detach().clone() for n, p in model.global_named_parameters()}
+    g = torch.Generator().manual_seed(5)  # norms away from their init of ones: a swapped norm shows
+    state = {n: torch.rand(p.shape, generator=g) + 0.5 if n.endswith("layernorm.weight") else p
+             for n, p in state.items()}
+    state.update({n: torch.randn(b.shape, generator=g) * 0.3 for n, b in model.global_named_buffers()})
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in state:
+            state[name] = state[name][:VOCAB]
+    save_full_state_dict(str(root), state, config.to_dict(), RunConfig().to_dict())
+    return str(root)
+
+
+DEEPSEEK_MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_layer_freq="[0,1,1]",
+                    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=2,
+                    moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5,
+                    moe_shared_expert_intermediate_size=48)
+MEGALITE_CASES = {
+    "q-lora-yarn-moe": dict(DEEPSEEK_MOE, q_lora_rank=16, rope_type="yarn", rotary_scaling_factor=4.0,
+                            yarn_original_max_position_embeddings=16, mscale=0.7, mscale_all_dim=0.9),
+    "dense-rope-tied": dict(rope_type="rope", untie_embeddings_and_output_weights=False),
+}
+
+
+@pytest.mark.parametrize("case", list(MEGALITE_CASES))
+def test_megalite_mla_exports_with_equal_logits_and_imports_back(case, tmp_path):
+    ck = _megalite_mla(tmp_path / "ck", **MEGALITE_CASES[case])
+    hf_dir = _convert("megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    diff = _logit_diff(ck, hf, _ids())
+    print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e}")
+    assert diff < 1e-5, diff
+    back = _convert("hf", "megalite", hf_dir, tmp_path / "back", "--target-tensor-parallel-size", "2")
+    (_, a), (_, b) = load_full_state_dict(ck), load_full_state_dict(back)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_mla_generation_caches_the_latent(tmp_path):
+    """Greedy decoding with MLA's latent cache equals recomputing every step, token for token; the
+    cache holds kv_lora_rank + qk_pos_emb_head_dim values per token and layer."""
+    ck = _megalite_mla(tmp_path / "ck", **MEGALITE_CASES["q-lora-yarn-moe"])
+    model, meta = load_model(ck)
+    cfg = meta["model_config"]
+    prompt = [5, 17, 3, 88, 41, 9]
+    cached = generate(model, prompt, 20, greedy=True)
+    assert cached == generate(model, prompt, 20, greedy=True, use_cache=False)
+    assert len(set(cached)) > 4, cached  # not one repeated token: the comparison proves something
+    with kv_cache(model, 32) as layers:
+        next_token_logits(model, torch.tensor([prompt]))
+        per_layer = [sum(t[:c.length].numel() for t in (c.k, c.v)) for c in (a.inference_cache for a in layers)]
+    assert len(layers) == cfg["num_layers"]
+    assert per_layer == [len(prompt) * (cfg["kv_lora_rank"] + cfg["qk_pos_emb_head_dim"])] * cfg["num_layers"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(qk_layernorm=False), "--qk-layernorm"),
+    (dict(DEEPSEEK_MOE, moe_router_score_function="softmax"), "--moe-router-score-function softmax"),
+    (dict(DEEPSEEK_MOE, moe_router_topk=3, num_experts=6), "!= 2"),
+    (dict(DEEPSEEK_MOE, moe_layer_freq="[1,0,1]"), "--moe-layer-freq [1,0,1]"),
+    (dict(DEEPSEEK_MOE, moe_shared_expert_intermediate_size=None), "--moe-shared-expert-intermediate-size"),
+    (dict(norm_epsilon=1e-5), "--norm-epsilon 1e-05"),
+])
+def test_deepseek_export_refuses_what_it_cannot_express(kw, message):
+    cfg = GPTConfig(**dict(dict(num_layers=3, hidden_size=48, num_attention_heads=4, seq_length=64,
+                                position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=1e-6,
+                                swiglu=True, add_bias_linear=False, qk_layernorm=True, multi_latent_attention=True),
+                           **kw)).to_dict()
+    with pytest.raises(ConversionError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        hf_architecture(cfg)
+
