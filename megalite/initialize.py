@@ -101,7 +101,8 @@ def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None, mo
     ps = parallel_state.initialize(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                    cfg.virtual_pipeline_model_parallel_size, cfg.rank_order,
                                    timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size,
-                                   ep=cfg.expert_model_parallel_size, moe=moe)
+                                   ep=cfg.expert_model_parallel_size, moe=moe,
+                                   etp=cfg.expert_tensor_parallel_size)
     if closing is not None and not created:
         closing.callback(ps.destroy)
     return ps, device
@@ -133,7 +134,7 @@ def build_model(config: GPTConfig, ps, seed: int, device: torch.device, on_meta:
         chunk = GPTModel(config, ps.tp_group, rng_tracker, pre_process=ps.is_first_stage and c == 0,
                          post_process=ps.is_last_stage and c == ps.vpp - 1, layer_offset=offset, num_layers=n,
                          device="meta" if on_meta else device, cp_group=ps.cp_group, execution=execution,
-                         ep_group=ps.ep_group, token_group=ps.tp_cp_group)
+                         ep_group=ps.ep_group, token_group=ps.tp_cp_group, etp_group=ps.etp_group)
         if not on_meta:
             chunk.initialize(seed)
         chunks.append(chunk)

@@ -15,14 +15,19 @@ gradients are reduced (and ZeRO-1 shards the optimizer) over the data-parallel x
 context-parallel group, `dp_cp_group` (Megatron's get_data_parallel_group(with_context_parallel=
 True)); the data sampler still splits samples over `dp_group` only.
 
-Expert parallelism (MoE) cuts the DP x CP ranks of each (tp, pp) again, as Megatron-LM's expert
-grid "tp-ep-dp-pp" with expert TP = TP: with k = cp + CP·dp the rank's place among them,
+Mixture-of-Experts layers have a grid of their own over the same ranks, Megatron-LM's expert
+RankGenerator "tp-ep-dp-pp": expert tensor parallelism ETP (--expert-tensor-parallel-size, by
+default TP) fastest, then expert parallelism EP, then the expert-data-parallel ranks, then PP:
 
-    ep = k mod EP,   expert-dp = k div EP
+    rank = etp + ETP·ep + ETP·EP·edp + ETP·EP·EDP·pp,   EDP = world / (ETP·EP·PP)
 
-so an EP group is EP consecutive DP x CP ranks (each holding other experts of every MoE layer,
-tokens exchanged by all-to-all), and an expert's replicas, over which its gradients are reduced
-and its optimizer state sharded, form the expert-data-parallel group of DP x CP / EP ranks.
+PP is the slowest dimension of both grids, so a pipeline stage holds the same ranks in each.
+With ETP = TP the expert grid cuts each (tp, pp)'s DP x CP ranks, k = cp + CP·dp, into
+ep = k mod EP and edp = k div EP; with ETP < TP (ETP 1: experts whole while dense layers are
+split) the EP and expert-DP groups take TP ranks too. An ETP group splits each expert's MLP as
+TP splits the dense one; an EP group holds other experts of every MoE layer (tokens exchanged);
+an expert's replicas, over which its gradients are reduced and its optimizer state sharded, form
+the expert-data-parallel group (world / (ETP·EP·PP) ranks).
 
 The grid itself is pure arithmetic (`RankGrid`), testable without torch.distributed;
 `ParallelState` adds the process groups for one rank. There is no hidden global: the trainer
@@ -51,7 +56,8 @@ class RankGrid:
     pp: int = 1
     order: str = "tp-cp-dp-pp"
     cp: int = 1
-    ep: int = 1  # expert parallelism: a divisor of DP x CP
+    ep: int = 1  # expert parallelism (MoE)
+    etp: int | None = None  # expert tensor parallelism (MoE); None: TP
 
     def __post_init__(self):
         if self.order in LEGACY_ORDERS:
@@ -63,25 +69,48 @@ class RankGrid:
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
                 f"({self.tp}) x --pipeline-model-parallel-size ({self.pp}) x --context-parallel-size ({self.cp})")
 
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"--expert-model-parallel-size ({self.ep}) does not divide DP x CP ({self.dp * self.cp})")
-        if self.ep > 1 and self.order != "tp-cp-dp-pp":
-            raise ValueError("expert parallelism needs the rank order tp-cp-dp-pp")
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        if self.etp < 1 or self.ep < 1 or (self.tp * self.dp * self.cp) % (self.etp * self.ep):
+            raise ValueError(f"--expert-tensor-parallel-size ({self.etp}) x --expert-model-parallel-size ({self.ep}) "
+                             f"does not divide TP x DP x CP ({self.tp * self.dp * self.cp})")
+        if self.separate_expert_grid and self.order != "tp-cp-dp-pp":
+            raise ValueError("expert parallelism (EP > 1 or ETP != TP) needs the rank order tp-cp-dp-pp")
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp * self.cp)
 
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: world / (ETP x EP x PP)."""
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    @property
+    def separate_expert_grid(self) -> bool:
+        """Whether the expert grid's groups differ from the dense grid's (EP > 1 or ETP != TP)."""
+        return self.ep > 1 or self.etp != self.tp
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """(etp, ep, edp, pp) coordinates of `rank` in the expert grid (order tp-ep-dp-pp)."""
+        out = {}
+        for dim, size in (("etp", self.etp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp)):
+            out[dim], rank = rank % size, rank // size
+        return out
+
+    def expert_grid_groups(self, *dims: str) -> list[list[int]]:
+        """The groups of ranks that vary along `dims` (of etp, ep, edp, pp) of the expert grid and
+        agree on the others: ("etp",) the expert-TP groups, ("ep",) the EP groups, ("edp",) the
+        expert-data-parallel groups, ("etp", "ep") Megatron-LM's expert tensor-and-model group."""
+        by_key: dict[tuple, list[int]] = {}
+        for r in range(self.world_size):
+            c = self.expert_coords(r)
+            by_key.setdefault(tuple(v for d, v in c.items() if d not in dims), []).append(r)
+        return sorted(by_key.values())
+
     def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
-        """(EP groups, expert-data-parallel groups): each (tp, pp)'s DP x CP ranks, k = cp + CP·dp,
-        cut into EP-sized runs of consecutive k (EP groups) and the ranks k apart by EP
-        (expert-DP groups)."""
-        ep_groups, edp_groups = [], []
-        for g in self.groups("dp", "cp"):
-            by_k = sorted(g, key=lambda r: (self.coords(r)["dp"], self.coords(r)["cp"]))
-            ep_groups += [sorted(by_k[i:i + self.ep]) for i in range(0, len(by_k), self.ep)]
-            edp_groups += [sorted(by_k[i::self.ep]) for i in range(self.ep)]
-        return sorted(ep_groups), sorted(edp_groups)
+        """(EP groups, expert-data-parallel groups)."""
+        return self.expert_grid_groups("ep"), self.expert_grid_groups("edp")
 
     def _dims(self) -> list[str]:
         return self.order.split("-")
@@ -144,6 +173,7 @@ class ParallelState:
     mp_group: object = None
     embedding_group: object = None
     ep_group: object = None  # expert parallelism: other experts, tokens exchanged
+    etp_group: object = None  # expert tensor parallelism: one expert's MLP split (the TP group when ETP = TP)
     expert_dp_group: object = None  # an expert's replicas: its gradient reduction, ZeRO sharding
     tp_dp_cp_group: object = None  # MoE: every rank of this pipeline stage (expert-bias token counts)
     tp_cp_group: object = None  # MoE: the ranks holding one micro-batch's tokens (TP under SP, x CP)
@@ -156,6 +186,7 @@ class ParallelState:
     embedding_ranks: list[int] = field(default_factory=lambda: [0])
     ep_ranks: list[int] = field(default_factory=lambda: [0])
     expert_dp_ranks: list[int] = field(default_factory=lambda: [0])
+    etp_ranks: list[int] = field(default_factory=lambda: [0])
 
     # -- sizes and ranks ------------------------------------------------------------------------
     @property
@@ -187,8 +218,22 @@ class ParallelState:
         return self.grid.ep
 
     @property
+    def etp_size(self) -> int:
+        return self.grid.etp
+
+    @property
+    def etp_rank(self) -> int:
+        return self.grid.expert_coords(self.rank)["etp"]
+
+    @property
     def expert_dp_size(self) -> int:
-        return self.dp_cp_size // self.grid.ep
+        return self.grid.edp
+
+    @property
+    def separate_expert_grid(self) -> bool:
+        """Whether experts have groups of their own (EP > 1 or ETP != TP): their weights are then
+        replicated over the expert-DP group, not DP x CP."""
+        return self.grid.separate_expert_grid
 
     @property
     def ep_rank(self) -> int:
@@ -201,11 +246,11 @@ class ParallelState:
     def replica_group(self, expert: bool):
         """The ranks holding the same copy of a weight: DP x CP, or for an MoE expert's weight
         (`expert`) its expert-data-parallel group."""
-        return self.expert_dp_group if expert and self.ep_size > 1 else self.dp_cp_group
+        return self.expert_dp_group if expert and self.separate_expert_grid else self.dp_cp_group
 
     def replica_rank(self, expert: bool) -> int:
         """This rank's place in `replica_group(expert)`."""
-        return self.expert_dp_rank if expert and self.ep_size > 1 else self.dp_cp_rank
+        return self.expert_dp_rank if expert and self.separate_expert_grid else self.dp_cp_rank
 
     @property
     def cp_rank(self) -> int:
@@ -262,7 +307,8 @@ class ParallelState:
 
     def describe(self) -> str:
         cp = f" x CP {self.cp_size}" if self.cp_size > 1 else ""
-        ep = f", EP {self.ep_size} x expert-DP {self.expert_dp_size}" if self.ep_size > 1 else ""
+        etp = f"ETP {self.etp_size} x " if self.etp_size != self.tp_size else ""
+        ep = f", {etp}EP {self.ep_size} x expert-DP {self.expert_dp_size}" if self.separate_expert_grid else ""
         return (f"world {self.world_size} = TP {self.tp_size}{cp} x PP {self.pp_size} x DP {self.dp_size}{ep}"
                 f" (order {self.grid.order}" + (f", {self.vpp} virtual stages" if self.vpp > 1 else "")
                 + ")")
@@ -284,15 +330,16 @@ def single_process_state() -> ParallelState:
 
 
 def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp",
-               timeout_minutes: float | None = None, cp: int = 1, ep: int = 1, moe: bool = False) -> ParallelState:
+               timeout_minutes: float | None = None, cp: int = 1, ep: int = 1, moe: bool = False,
+               etp: int | None = None) -> ParallelState:
     """Create every process group of the grid; torch.distributed must already be initialised
     (or the world must be a single process). `timeout_minutes` bounds each group's collectives
     (new groups do not inherit the default group's timeout: torch gives them its own default)."""
     if not dist.is_initialized():
-        grid = RankGrid(1, tp, pp, order, cp, ep)
+        grid = RankGrid(1, tp, pp, order, cp, ep, etp)
         return ParallelState(grid=grid, vpp=vpp)
     world, rank = dist.get_world_size(), dist.get_rank()
-    grid = RankGrid(world, tp, pp, order, cp, ep)
+    grid = RankGrid(world, tp, pp, order, cp, ep, etp)
     ps = ParallelState(grid=grid, rank=rank, vpp=vpp)
 
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes is not None else None
@@ -320,10 +367,12 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp
     # MoE's groups only for an MoE model, and only those that differ from one above: each group
     # costs a rendezvous at start-up (and, with NCCL, a communicator's memory)
     ps.expert_dp_group, ps.expert_dp_ranks = ps.dp_cp_group, ps.dp_cp_ranks
-    if ep > 1:
-        ep_groups, edp_groups = grid.expert_groups()
-        ps.ep_group, ps.ep_ranks = make(ep_groups)
-        ps.expert_dp_group, ps.expert_dp_ranks = make(edp_groups)
+    ps.etp_group, ps.etp_ranks = ps.tp_group, ps.tp_ranks
+    if grid.separate_expert_grid:
+        ps.ep_group, ps.ep_ranks = make(grid.expert_grid_groups("ep"))
+        ps.expert_dp_group, ps.expert_dp_ranks = make(grid.expert_grid_groups("edp"))
+        if grid.etp != tp:
+            ps.etp_group, ps.etp_ranks = make(grid.expert_grid_groups("etp"))
     if moe:
         ps.tp_cp_group = ps.tp_group if cp == 1 else ps.cp_group if tp == 1 else make(grid.groups("tp", "cp"))[0]
         ps.tp_dp_cp_group = make(grid.groups("tp", "dp", "cp"))[0]

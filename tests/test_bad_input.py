@@ -301,6 +301,11 @@ CASES = [
                                                          "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                          "--world-size", "4"],
      "--context-parallel-size 2 needs --seq-length (20) divisible by 2 x CP x --tensor-model-parallel-size"),
+    ("plan-etp-ep-not-dividing", "tools/plan.py", TINY + ["--num-experts", "4", "--disable-bias-linear",
+                                                          "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                          "--expert-tensor-parallel-size", "1",
+                                                          "--expert-model-parallel-size", "4", "--world-size", "2"],
+     "--expert-tensor-parallel-size (1) x --expert-model-parallel-size (4) must divide TP x DP x CP"),
     ("plan-heads-not-divisible", "tools/plan.py", TINY + ["--tensor-model-parallel-size", "3", "--world-size", "3"],
      "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
 ]

@@ -54,6 +54,10 @@ LAYOUTS = {  # id: (world size, flags)
         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2", "--bf16",
         "--swiglu", "--moe-shared-expert-intermediate-size", "256", "--moe-shared-expert-gate", "--moe-z-loss-coeff",
         "1e-3"]),
+    # --expert-tensor-parallel-size 1 under TP2: whole experts, each rank's own tokens dispatched
+    "moe-tp2-sp-etp1-ep2-alltoall": (4, SELECTIVE + MOE + [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+        "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall", "--swiglu"]),
     "moe-pp2-dp2-ep2-allgather-every-2nd": (4, SELECTIVE + MOE + [
         "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--moe-layer-freq", "2",
         "--moe-ffn-hidden-size", "512"]),

@@ -8,7 +8,9 @@ last step, read back whole from the --save checkpoint (experts by their global n
 EP 2 and 4 (both token dispatchers), EP x TP with sequence parallelism (grouped GEMM), EP x PP
 (1F1B and interleaved), EP x CP, and EP2 x TP2 x PP2 with ZeRO-1, ZeRO-2 and ZeRO-3 (8 ranks).
 A checkpoint written at EP2 x TP2 x DP4 (expert-DP 2, ZeRO-1, sigmoid routing with expert bias)
-resumes at EP4 (no_shard) and at EP1 (ZeRO-3) with the uninterrupted run's losses.
+resumes at EP4 (no_shard) and at EP1 (ZeRO-3) with the uninterrupted run's losses. Expert tensor
+parallelism: TP2 + SP with ETP 1 and EP 2 matches one process, and its checkpoint resumes at TP2
+with ETP 2 (the default) and at one process.
 """
 import os
 
@@ -71,6 +73,31 @@ def test_moe_layout_matches_single_process(reference, corpus, tmp_path, layout):
     assert_losses_close(grad_norms(ref_records), grad_norms(records), rtol=1e-4)
     assert_params_close(ref_params, load_params(str(tmp_path / "ckpt")), atol=1e-5)
     assert "EP " in proc.stdout and "experts over expert-DP" in proc.stdout
+
+
+def test_etp1_under_tp2_matches_single_process_and_resumes_elsewhere(reference, corpus, tmp_path):
+    """--expert-tensor-parallel-size 1 on TP2 + SP with EP2 (4 ranks: experts whole, each TP rank's
+    tokens sent to their experts over the EP group, which is the TP pair): the 8 iterations, the
+    router's losses and the final weights as one process. Its iteration-4 checkpoint (experts
+    saved whole) resumes at TP2 with ETP 2 and EP 1 (experts cut over ETP on load) and at one
+    process: iterations 5-8 as the uninterrupted run."""
+    ref_records, ref_params = reference
+    save = tmp_path / "ckpt"
+    etp1 = ["--expert-tensor-parallel-size", "1"]
+    records, proc = run_pretrain(4, corpus + MODEL + EP2 + TP2_SP + A2A + etp1 + [
+        "--save", str(save), "--save-interval", "4"], tmp_path, "etp1")
+    assert "ETP 1 x EP 2 x expert-DP 2" in proc.stdout
+    assert_losses_close(train_losses(ref_records), train_losses(records), rtol=1e-5)
+    for key in ("load_balancing_loss", "z_loss"):
+        assert_losses_close(moe_values(ref_records, key), moe_values(records, key), rtol=1e-5)
+    assert_losses_close(grad_norms(ref_records), grad_norms(records), rtol=1e-4)
+    assert_params_close(ref_params, load_params(str(save)), atol=1e-5)
+    with open(save / "latest_checkpointed_iteration.txt", "w") as f:
+        f.write("4")  # resume from the middle of the run
+    for name, nproc, flags in (("tp2-etp2", 2, TP2_SP), ("one", 1, [])):
+        resumed, proc = run_pretrain(nproc, corpus + MODEL + flags + ["--load", str(save)], tmp_path, name)
+        assert "> loaded checkpoint" in proc.stdout, proc.stdout[-2000:]
+        assert_losses_close(train_losses(ref_records)[4:], train_losses(resumed), rtol=1e-5)
 
 
 BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",

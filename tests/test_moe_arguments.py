@@ -25,6 +25,8 @@ MOE = ["--num-experts", "4", "--disable-bias-linear"]
     (MOE + ["--expert-model-parallel-size", "4"], 2, r"--expert-model-parallel-size \(4\) must divide DP x CP"),
     (MOE + ["--expert-model-parallel-size", "2", "--use-tp-pp-dp-mapping"], 2, r"--use-tp-pp-dp-mapping"),
     (MOE + ["--tensor-model-parallel-size", "2"], 2, r"needs --sequence-parallel"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+      "--expert-tensor-parallel-size", "2"], 4, r"--expert-tensor-parallel-size 2 with biased experts"),
     (MOE + ["--moe-router-enable-expert-bias"], 1, r"--moe-router-enable-expert-bias needs "
                                                   r"--moe-router-score-function sigmoid"),
     (MOE + ["--moe-shared-expert-gate"], 1, r"--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"),
@@ -44,6 +46,16 @@ MOE = ["--num-experts", "4", "--disable-bias-linear"]
     (MOE + ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-topk", "3"], 1,
      r"--moe-router-topk / --moe-router-group-topk \(3 / 1\) exceeds the 2 experts"),
     (MOE + ["--moe-router-topk-scaling-factor", "0"], 1, r"--moe-router-topk-scaling-factor must be a number > 0"),
+    (["--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
+     r"--expert-tensor-parallel-size needs --num-experts"),
+    (MOE + ["--expert-tensor-parallel-size", "0"], 1, r"--expert-tensor-parallel-size must be an integer >= 1"),
+    (MOE + ["--expert-tensor-parallel-size", "3"], 3, r"--ffn-hidden-size \(256\) is not divisible by "
+                                                     r"--expert-tensor-parallel-size \(3\)"),
+    (MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+            "--expert-model-parallel-size", "4"], 2,
+     r"--expert-tensor-parallel-size \(1\) x --expert-model-parallel-size \(4\) must divide TP x DP x CP"),
+    (MOE + ["--expert-tensor-parallel-size", "2", "--use-tp-pp-dp-mapping"], 2,
+     r"--expert-tensor-parallel-size != TP with --use-tp-pp-dp-mapping"),
 ])
 def test_bad_moe_flags(extra, world, pattern):
     with pytest.raises(ArgumentError, match=pattern):
@@ -81,6 +93,17 @@ def test_kernel_only_choices_get_one_notice_each(extra, notices):
 def test_expert_data_parallel_size_is_derived():
     c = validate_args(parse_args(OK + MOE + ["--expert-model-parallel-size", "2", "--global-batch-size", "16"]), 8)
     assert (c.parallel.data_parallel_size, c.parallel.expert_data_parallel_size) == (8, 4)
+
+
+def test_expert_tensor_parallel_size_defaults_to_tp_and_sizes_the_expert_grid():
+    """Megatron-LM: ETP unset means TP; expert-DP = world / (ETP x EP x PP)."""
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "16"]
+    c = validate_args(parse_args(OK + MOE + tp2), 8)
+    assert (c.parallel.expert_tensor_parallel_size, c.parallel.expert_data_parallel_size) == (2, 4)
+    c = validate_args(parse_args(OK + MOE + tp2 + ["--expert-tensor-parallel-size", "1",
+                                                   "--expert-model-parallel-size", "4"]), 8)
+    assert (c.parallel.expert_tensor_parallel_size, c.parallel.expert_data_parallel_size) == (1, 2)
+    assert validate_args(parse_args(OK), 2).parallel.expert_tensor_parallel_size == 1
 
 
 def test_moe_layer_freq_forms():

@@ -255,7 +255,8 @@ def built_params(c, tp_rank: int, ep_rank: int, pp_rank: int) -> tuple[int, int]
         chunk = GPTModel(config, OfflineGroup(p.tensor_model_parallel_size, tp_rank), None,
                          pre_process=pp_rank == 0 and k == 0, post_process=pp_rank == pp - 1 and k == v - 1,
                          layer_offset=offset, num_layers=layers, device="meta", execution=execution,
-                         ep_group=OfflineGroup(p.expert_model_parallel_size, ep_rank))
+                         ep_group=OfflineGroup(p.expert_model_parallel_size, ep_rank),
+                         etp_group=OfflineGroup(p.expert_tensor_parallel_size, tp_rank % p.expert_tensor_parallel_size))
         for name, param in chunk.named_parameters():
             if ".mlp.experts.local_experts." in name:
                 experts += param.numel()
@@ -265,21 +266,23 @@ def built_params(c, tp_rank: int, ep_rank: int, pp_rank: int) -> tuple[int, int]
 
 
 @pytest.mark.parametrize("variant", list(MOE_VARIANTS))
-@pytest.mark.parametrize("tp,pp,ep,vpp_layers", [(1, 1, 1, None), (1, 2, 2, None), (2, 1, 4, None), (2, 2, 2, 1)],
-                         ids=["tp1-pp1-ep1", "pp2-ep2", "tp2-ep4", "tp2-pp2-vpp-ep2"])
-def test_moe_params_per_rank_match_built_model(variant, tp, pp, ep, vpp_layers):
+@pytest.mark.parametrize("tp,pp,ep,vpp_layers,etp", [(1, 1, 1, None, 1), (1, 2, 2, None, 1), (2, 1, 4, None, 2),
+                                                     (2, 2, 2, 1, 2), (2, 1, 4, None, 1)],
+                         ids=["tp1-pp1-ep1", "pp2-ep2", "tp2-ep4", "tp2-pp2-vpp-ep2", "tp2-etp1-ep4"])
+def test_moe_params_per_rank_match_built_model(variant, tp, pp, ep, vpp_layers, etp):
     from megalite.planning.memory import stage_param_split
     from megalite.planning.moe import moe_pattern
     world = tp * pp * 4  # DP 4: EP taken from it
     argv = SMALL + MOE + MOE_VARIANTS[variant] + [
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-        "--expert-model-parallel-size", str(ep), "--world-size", str(world)] + (["--sequence-parallel"] if tp > 1 else [])
+        "--expert-model-parallel-size", str(ep), "--world-size", str(world),
+        "--expert-tensor-parallel-size", str(etp)] + (["--sequence-parallel"] if tp > 1 else [])
     if vpp_layers:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers), "--global-batch-size", "16"]
     c, _ = plan.parse(argv)
-    h, f, t = 64, 48, tp
+    h, f, t = 64, 48, etp  # experts are cut over ETP
     gated, bias = "--swiglu" in argv or "--quick-geglu" in argv, "--disable-bias-linear" not in argv
-    # fc1 [f or 2f, h] and fc2 [h, f]; with biases fc1's (split over TP) and fc2's (whole on every TP rank)
+    # fc1 [f or 2f, h] and fc2 [h, f]; with biases fc1's (split over ETP) and fc2's (whole on every ETP rank)
     split, whole = f * h * (3 if gated else 2) + (f * (2 if gated else 1) if bias else 0), h if bias else 0
     expert = split + whole
     pattern = moe_pattern(c)

@@ -15,9 +15,12 @@ def check_moe(c: RunConfig) -> None:
              "is what each expert's input is padded to)")
     if not m.num_experts:
         given = sorted(k for k in c.explicit if k.startswith("model.moe_"))
-        if given or ep > 1:
-            name = "--expert-model-parallel-size" if ep > 1 else "--" + given[0][len("model."):].replace("_", "-")
+        etp_given = p.expert_tensor_parallel_size not in (None, tp)
+        if given or ep > 1 or etp_given:
+            name = "--expert-model-parallel-size" if ep > 1 else "--expert-tensor-parallel-size" if etp_given \
+                else "--" + given[0][len("model."):].replace("_", "-")
             fail(f"{name} needs --num-experts (an MoE model)")
+        p.expert_tensor_parallel_size = tp
         p.expert_data_parallel_size = dp_cp
         return
     e, k = m.num_experts, m.moe_router_topk
@@ -35,23 +38,46 @@ def check_moe(c: RunConfig) -> None:
         fail("--moe-router-pre-softmax applies to --moe-router-score-function softmax")
     if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
         fail("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
-    ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
-    for name, size in (("--moe-ffn-hidden-size", ffn),
-                       ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size)):
-        if size and size % tp:
-            fail(f"{name} ({size}) is not divisible by --tensor-model-parallel-size ({tp})")
     if tp > 1 and not p.sequence_parallel:
         fail("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron-LM: "
              "each TP rank routes its own slice of the tokens)")
     if e % ep:
         fail(f"--num-experts ({e}) is not divisible by --expert-model-parallel-size ({ep})")
-    if dp_cp % ep:
+    check_expert_grid(c)
+
+
+def check_expert_grid(c: RunConfig) -> None:
+    """Megatron-LM's expert grid ETP x EP x expert-DP x PP over the same world as TP x CP x DP x
+    PP (parallel_state.py): ETP defaults to TP; ETP x EP divides TP x DP x CP (the ranks of a
+    pipeline stage); each expert's ffn divides by ETP, the shared expert's (a dense MLP) by TP."""
+    m, p = c.model, c.parallel
+    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    etp = p.expert_tensor_parallel_size = p.expert_tensor_parallel_size or tp
+    dp_cp = p.data_parallel_size * p.context_parallel_size
+    ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    if ffn % etp:
+        name, by = ("--moe-ffn-hidden-size" if m.moe_ffn_hidden_size else "--ffn-hidden-size",
+                    "--tensor-model-parallel-size" if etp == tp else "--expert-tensor-parallel-size")
+        fail(f"{name} ({ffn}) is not divisible by {by} ({etp})")
+    shared = m.moe_shared_expert_intermediate_size
+    if shared and shared % tp:
+        fail(f"--moe-shared-expert-intermediate-size ({shared}) is not divisible by --tensor-model-parallel-size ({tp})")
+    if etp == tp and dp_cp % ep:
         fail(f"--expert-model-parallel-size ({ep}) must divide DP x CP ({p.data_parallel_size} x "
              f"{p.context_parallel_size}): expert-parallel ranks are taken from the data- and context-parallel ones")
-    if ep > 1 and p.use_tp_pp_dp_mapping:
-        fail("--expert-model-parallel-size > 1 with --use-tp-pp-dp-mapping is not supported: the expert grid "
+    if (tp * dp_cp) % (etp * ep):
+        fail(f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) must divide TP x DP x CP "
+             f"({tp} x {p.data_parallel_size} x {p.context_parallel_size}): the expert grid ETP x EP x expert-DP "
+             "takes the ranks of a pipeline stage")
+    if m.add_bias_linear and 1 < etp != tp:
+        fail(f"--expert-tensor-parallel-size {etp} with biased experts (no --disable-bias-linear) needs ETP 1 or "
+             f"ETP = --tensor-model-parallel-size ({tp}): fc2's bias, whole on each ETP rank, has its gradient "
+             f"summed over the TP group")
+    if (ep > 1 or etp != tp) and p.use_tp_pp_dp_mapping:
+        flag_name = "--expert-model-parallel-size > 1" if ep > 1 else "--expert-tensor-parallel-size != TP"
+        fail(f"{flag_name} with --use-tp-pp-dp-mapping is not supported: the expert grid "
              "(TP-EP-DP-PP) must keep the dense grid's pipeline groups, which the TP-CP-PP-DP order does not")
-    p.expert_data_parallel_size = dp_cp // ep
+    p.expert_data_parallel_size = tp * dp_cp // (etp * ep)
 
 
 def check_group_routing(e: int, k: int, groups: int | None, group_topk: int | None) -> None:

@@ -156,7 +156,8 @@ class _OwnedReader:
         return found is not None and any(pc.kind == kind for pc in found[1])
 
     def read(self, p, kind: str, lo: int, hi: int) -> torch.Tensor:
-        return read_region(self.index, self.names[id(p)], kind, target_layout(p, self.ps.tp_size), self.ps.tp_rank,
+        tp_rank = param_info(p).tp_place(self.ps.tp_rank, self.ps.tp_size)[0]  # an MoE expert's: its ETP rank
+        return read_region(self.index, self.names[id(p)], kind, target_layout(p, self.ps.tp_size), tp_rank,
                            lo, hi, tied=param_info(p).tied_copy)
 
 

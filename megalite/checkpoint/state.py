@@ -178,6 +178,7 @@ def moe_differences(saved: dict, current: dict) -> list[tuple[str, object, objec
 def shard_layout(p: torch.nn.Parameter, tp_rank: int, tp_size: int, vocab_size: int) -> dict:
     info = param_info(p)
     is_tp = info.tensor_parallel
+    tp_rank, tp_size = info.tp_place(tp_rank, tp_size)  # an MoE expert's: over ETP
     return {"tp": is_tp, "dim": info.partition_dim, "stride": info.partition_stride,
             "tp_rank": tp_rank if is_tp else 0, "tp_size": tp_size if is_tp else 1,
             "local_shape": list(p.shape), "rows": vocab_size if info.init_rows is not None else None}
@@ -196,6 +197,7 @@ def local_shard(full: torch.Tensor, p: torch.nn.Parameter, tp_rank: int, tp_size
 def target_layout(p: torch.nn.Parameter, tp_size: int) -> ShardLayout:
     """How this run cut `p`'s shard from the whole tensor (vocabulary padded as this run pads it)."""
     info = param_info(p)
+    tp_size = info.tp_place(0, tp_size)[1]  # an MoE expert's: over ETP
     if not info.tensor_parallel or tp_size == 1:
         return ShardLayout(global_shape(p, tp_size if info.tensor_parallel else 1))
     return ShardLayout(global_shape(p, tp_size), info.partition_dim, info.partition_stride, tp_size)
@@ -245,7 +247,7 @@ def owned_pieces(train_state: TrainState) -> list[tuple]:
         # CP ranks are replicas like DP ranks: whole tensors spread over DP x CP, each written
         # once; under expert parallelism an expert's over its expert-DP group
         groups = [(pieces, ps.dp_cp_size, ps.dp_cp_rank)]
-        if ps.ep_size > 1:
+        if ps.separate_expert_grid:
             groups = [([pc for pc in pieces if param_info(pc[0]).expert_parallel == expert],
                        comm.group_size(ps.replica_group(expert)), ps.replica_rank(expert)) for expert in (False, True)]
         pieces = [pc for group, size, rank in groups

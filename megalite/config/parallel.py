@@ -27,6 +27,12 @@ class ParallelConfig:
         "--expert-model-parallel-size", 1, "EP (>= 1): each MoE layer's experts split over this many ranks, taken "
         "from the DP x CP ranks (which must divide by it); expert weights are data-parallel over the remaining "
         "DP x CP / EP ranks", check=AT_LEAST_1)
+    expert_tensor_parallel_size: int | None = flag(
+        "--expert-tensor-parallel-size", None, "ETP (>= 1): each MoE expert's MLP split over this many ranks, as TP "
+        "splits the dense layers (default: TP). ETP 1 keeps experts whole while attention and dense MLPs are split "
+        "over TP: no expert-TP all-gather or reduce-scatter, each TP rank's tokens go to their experts on their own, "
+        "and the freed ranks can serve EP (Megatron-LM's expert grid: ETP x EP x expert-DP x PP = world)",
+        type=int, check=AT_LEAST_1)
     moe_token_dispatcher_type: str = flag(
         "--moe-token-dispatcher-type", "allgather", "how tokens reach their experts across EP ranks: allgather "
         "(every rank sees the EP group's tokens) or alltoall (each token sent to its experts' ranks only); flex "
@@ -55,7 +61,7 @@ class ParallelConfig:
         "of a large layout built and stepped on one CPU)", action="store_true")
     world_size: int = derived(1, "WORLD_SIZE at validation")
     data_parallel_size: int = derived(1, "world / (TP x PP x CP)")
-    expert_data_parallel_size: int = derived(1, "DP x CP / EP: the replicas of each expert")
+    expert_data_parallel_size: int = derived(1, "world / (ETP x EP x PP): the replicas of each expert")
     virtual_pipeline_model_parallel_size: int = derived(1, "layers / (PP x --num-layers-per-virtual-pipeline-stage)")
     rank_order: str = derived("tp-cp-dp-pp", "from --use-tp-pp-dp-mapping")
 

@@ -1,7 +1,8 @@
 """The data-parallel side of an expert-parallel MoE model: two DataParallel domains, one face.
 
 Under expert parallelism an expert's weights live on one EP rank and are replicated only over
-its expert-data-parallel group (DP x CP / EP ranks), while every other weight is replicated over
+its expert-data-parallel group (world / (ETP x EP x PP) ranks: with --expert-tensor-parallel-size
+below TP it takes TP ranks too, whose tokens each reach the expert), while every other weight is replicated over
 DP x CP (parallel_state.py). So the expert weights get a DataParallel of their own over the
 expert-DP group (its buckets, reductions, ZeRO shards and gathers), the rest the usual one over
 DP x CP (Megatron-LM's expert-parallel buffers in its DDP). The optimizer, the loop and
@@ -17,8 +18,9 @@ from .data_parallel import DataParallel
 
 def build_data_parallel(model: list[nn.Module], params: list[nn.Parameter], ps, config, num_microbatches: int,
                         **kwargs):
-    """A DataParallel, or an ExpertDataParallel when experts are split over EP ranks."""
-    if ps.ep_size > 1 and any(param_info(p).expert_parallel for p in params):
+    """A DataParallel, or an ExpertDataParallel when experts have a grid of their own (EP > 1 or
+    ETP != TP: their replicas are the expert-DP group, not DP x CP)."""
+    if ps.separate_expert_grid and any(param_info(p).expert_parallel for p in params):
         return ExpertDataParallel(model, params, ps, config, num_microbatches, **kwargs)
     return DataParallel(model, params, ps, config, num_microbatches, **kwargs)
 

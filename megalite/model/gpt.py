@@ -74,10 +74,11 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, pre_process: bool = True,
                  post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None,
                  device=None, cp_group=None, execution: ExecutionConfig | None = None, ep_group=None,
-                 token_group=None):
+                 token_group=None, etp_group="tp"):
         """`ep_group`: the expert-parallel ranks of MoE layers; `token_group`: the ranks that hold
         the rest of each micro-batch's tokens (TP under sequence parallelism, x CP), over which
-        MoE routers sum their load statistics."""
+        MoE routers sum their load statistics; `etp_group`: the ranks splitting each expert
+        (--expert-tensor-parallel-size; "tp": `tp_group`; None, as any group: one rank)."""
         super().__init__()
         execution = ExecutionConfig() if execution is None else execution
         self.config, self.execution, self.tp_group, self.cp_group = config, execution, tp_group, cp_group
@@ -96,7 +97,7 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(config, execution, tp_group, rng_tracker, device)
         self.rotary = self._rotary(device)
         self.decoder = TransformerBlock(config, execution, tp_group, rng_tracker, layer_offset, num_layers,
-                                        post_process, device, cp_group, ep_group, token_group)
+                                        post_process, device, cp_group, ep_group, token_group, etp_group)
         self.output_layer = None
         # ZeRO-3 sets it (distributed/zero3.py TiedOutputGather) when the output layer is the word
         # embedding of this chunk: the projection then gathers the embedding for itself

@@ -22,9 +22,10 @@ def name_seed(seed: int, name: str) -> int:
 
 
 def global_shape(param: nn.Parameter, tp_size: int) -> tuple[int, ...]:
+    """The whole tensor's shape, given TP's size (an MoE expert's weight: its ETP group's)."""
     shape, info = list(param.shape), param_info(param)
     if info.tensor_parallel:
-        shape[info.partition_dim] *= tp_size
+        shape[info.partition_dim] *= info.tp_place(0, tp_size)[1]
     return tuple(shape)
 
 
@@ -50,7 +51,9 @@ def full_tensor(param: nn.Parameter, name: str, seed: int, shape: tuple[int, ...
 
 
 def shard(full: torch.Tensor, info: ParamInfo, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's slice of `full`, following the partition dimension and stride."""
+    """This rank's slice of `full`, following the partition dimension and stride (given the TP
+    group's rank and size; an MoE expert's weight is cut by its ETP group's, `ParamInfo.split`)."""
+    tp_rank, tp_size = info.tp_place(tp_rank, tp_size)
     if not info.tensor_parallel or tp_size == 1:
         return full
     dim, stride = info.partition_dim, info.partition_stride

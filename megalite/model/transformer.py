@@ -22,7 +22,7 @@ from .norm import Norm
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, rng_tracker=None, layer_number: int = 0,
-                 device=None, cp_group=None, ep_group=None, token_group=None):
+                 device=None, cp_group=None, ep_group=None, token_group=None, etp_group="tp"):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init depend on it
         self.hidden_dropout = config.hidden_dropout
@@ -33,7 +33,7 @@ class TransformerLayer(nn.Module):
         self.self_attention = attention(config, execution, tp_group, rng_tracker, device, cp_group,
                                             layer_number)
         self.pre_mlp_layernorm = Norm(config, execution, device)
-        self.mlp = (MoELayer(config, execution, tp_group, ep_group, token_group, device)
+        self.mlp = (MoELayer(config, execution, tp_group, ep_group, token_group, device, etp_group)
                     if config.is_moe_layer(layer_number) else MLP(config, execution, tp_group, device))
 
     def _dropout(self, x):
@@ -56,7 +56,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, rng_tracker=None, layer_offset: int = 0,
                  num_layers: int | None = None, post_process: bool = True, device=None, cp_group=None, ep_group=None,
-                 token_group=None):
+                 token_group=None, etp_group="tp"):
         super().__init__()
         n = config.num_layers if num_layers is None else num_layers
         self.layer_offset, self.rng_tracker = layer_offset, rng_tracker
@@ -64,7 +64,7 @@ class TransformerBlock(nn.Module):
         self.recompute_method, self.recompute_num_layers = execution.recompute_method, execution.recompute_num_layers
         self.layers = nn.ModuleList(
             TransformerLayer(config, execution, tp_group, rng_tracker, layer_offset + i, device, cp_group, ep_group,
-                             token_group) for i in range(n))
+                             token_group, etp_group) for i in range(n))
         if self.recompute_granularity == "selective":
             for layer in self.layers:
                 layer.self_attention.recompute_core_attention = True

@@ -126,9 +126,10 @@ class MixedPrecisionOptimizer:
         self.master_ndims = [p.ndim for p in self.params]
         self.main_grads = [self.dp.main_grad(p) for p in self.params]
         self.counted = [param_info(p).is_owner(self.ps.tp_rank) for p in self.params]
-        if self.ps.ep_size > 1:
-            # expert weights differ across EP ranks: each replica group (DP x CP for dense
-            # weights, expert-DP for experts) counts once, and the stats are summed over DP x CP
+        if self.ps.separate_expert_grid:
+            # expert weights differ across EP ranks (or are cut over ETP, not TP): each replica
+            # group (DP x CP for dense weights, expert-DP for experts) counts once, and the stats
+            # are summed over DP x CP
             self.counted = [c and self.ps.replica_rank(param_info(p).expert_parallel) == 0
                             for c, p in zip(self.counted, self.params)]
 
@@ -142,7 +143,8 @@ class MixedPrecisionOptimizer:
         group's first rank counted)."""
         comm.all_reduce(stats, self.ps.mp_group)
         comm.all_reduce(stats, self.ps.dp_cp_group,
-                        op=torch.distributed.ReduceOp.SUM if self.ps.ep_size > 1 else torch.distributed.ReduceOp.MAX)
+                        op=torch.distributed.ReduceOp.SUM if self.ps.separate_expert_grid
+                        else torch.distributed.ReduceOp.MAX)
 
     def _attach_grads(self, grads: list[torch.Tensor]) -> None:
         """Give each master its (unscaled, clipped) gradient for the inner optimizer."""

@@ -52,8 +52,8 @@ import math
 
 from ..config.sharding import ShardingStrategy
 from .mla import mla_activation_coefficients, mla_params
-from .moe import (chunk_layers, expert_params, local_expert_params, moe_layer_params, moe_mlp_activation_bytes,
-                  moe_pattern)
+from .moe import (chunk_layers, expert_params, expert_tp, local_expert_params, moe_layer_params,
+                  moe_mlp_activation_bytes, moe_pattern)
 
 # -- parameters --------------------------------------------------------------------------------
 def layer_params(c, moe: bool = False) -> tuple[int, int]:
@@ -290,7 +290,8 @@ def strategy_bytes(c, pp_rank: int, strategy: ShardingStrategy) -> dict:
     d = c.parallel.data_parallel_size * c.parallel.context_parallel_size
     s_opt, s_grads, s_params = strategy.shards_optimizer, strategy.shards_grads, strategy.shards_params
     dense, experts = stage_param_split(c, pp_rank)
-    n, d_expert = dense + experts, d // c.parallel.expert_model_parallel_size
+    p = c.parallel
+    n, d_expert = dense + experts, p.tensor_model_parallel_size * d // (expert_tp(c) * p.expert_model_parallel_size)
 
     def per_rank(nbytes: float, shard: bool) -> float:  # `nbytes` per parameter, sharded or not
         return dense * nbytes / d + experts * nbytes / d_expert if shard else n * nbytes

@@ -3,16 +3,19 @@ expert parameters one GPU holds, the parameters a token is routed through (activ
 layer's activations, and the token traffic of expert parallelism in one iteration.
 
 Placement (megalite/model/moe/, parallel_state.py): each MoE layer's E experts are split over the
-EP ranks (E/EP each), each expert over TP like the dense MLP; the router ([E, h]) and the shared
-expert's gate ([1, h]) are replicated, the shared expert is a dense MLP. EP ranks are taken from
-the DP x CP ranks, so an expert has DP x CP / EP replicas (the expert-data-parallel group): its
-gradients are reduced, and ZeRO shards its state, over those, dense weights over DP x CP.
+EP ranks (E/EP each), each expert over the ETP ranks (--expert-tensor-parallel-size, by default
+TP) as the dense MLP over TP; the router ([E, h]) and the shared expert's gate ([1, h]) are
+replicated, the shared expert is a dense MLP. The expert grid ETP x EP x expert-DP takes a
+pipeline stage's TP x DP x CP ranks, so an expert has TP·DP·CP / (ETP·EP) replicas (the
+expert-data-parallel group): its gradients are reduced, and ZeRO shards its state, over those,
+dense weights over DP x CP.
 
 Routing is taken as balanced (each expert gets T·k/E of the T·k routed copies of T tokens), as
 the dry run's meta device assumes: dropless routing moves memory and traffic towards the experts
 that receive more (up to all T·EP·k copies of the EP group on one rank), a capacity factor caps
-them. Traffic per rank, per MoE layer and micro-batch (T = s·b/CP tokens of the TP group: under
-TP each rank gathers them and sends every routed copy, to compute its slice of each expert):
+them. Traffic per rank, per MoE layer and micro-batch (T = the ETP group's tokens, s·b/CP·ETP/TP
+under sequence parallelism: each ETP rank gathers them and sends every routed copy, to compute
+its slice of each expert; with ETP 1 a rank sends only its own s·b/(CP·TP)):
   alltoall   4 all-to-alls (dispatch and combine, forward and backward) of the T·k routed rows
              of h values; (EP-1)/EP of them leave the rank
   allgather  the EP group's tokens all-gathered and the outputs reduce-scattered, forward and
@@ -53,11 +56,25 @@ def expert_params(c) -> int:
 
 
 def local_expert_params(c) -> int:
-    """Expert elements one GPU holds per MoE layer: E/EP experts, each sharded over TP (fc2's
+    """Expert elements one GPU holds per MoE layer: E/EP experts, each sharded over ETP (fc2's
     bias whole)."""
     m, p = c.model, c.parallel
     split, whole = _expert_parts(c, m.expert_ffn_hidden_size)
-    return m.num_experts // p.expert_model_parallel_size * (split // p.tensor_model_parallel_size + whole)
+    return m.num_experts // p.expert_model_parallel_size * (split // expert_tp(c) + whole)
+
+
+def expert_tp(c) -> int:
+    """ETP: --expert-tensor-parallel-size, TP where unset."""
+    return c.parallel.expert_tensor_parallel_size or c.parallel.tensor_model_parallel_size
+
+
+def expert_tokens(c) -> int:
+    """Tokens of a micro-batch one rank's experts see per MoE layer, before routing: its own
+    (s·b/CP, over TP under sequence parallelism) gathered over its ETP group."""
+    m, p, t = c.model, c.parallel, c.parallel.tensor_model_parallel_size
+    tokens = m.seq_length // p.context_parallel_size * c.training.micro_batch_size
+    own = tokens // t if (p.sequence_parallel and t > 1) else tokens
+    return own * expert_tp(c)
 
 
 def moe_layer_params(c) -> tuple[int, int]:
@@ -89,7 +106,7 @@ def moe_mlp_activation_bytes(c) -> float:
     (fp32; what the combine keeps), and the int64 indices that sort and unsort the rows; the
     shared expert as a dense MLP."""
     m, p = c.model, c.parallel
-    t, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
+    t, ep, etp = p.tensor_model_parallel_size, p.expert_model_parallel_size, expert_tp(c)
     a = 2 if (c.optimizer.bf16 or c.optimizer.fp16) else 4  # bytes of an activation
     h, E, k = m.hidden_size, m.num_experts, m.moe_router_topk
     tokens = m.seq_length // p.context_parallel_size * c.training.micro_batch_size  # the TP group's
@@ -101,9 +118,9 @@ def moe_mlp_activation_bytes(c) -> float:
         router += own * 4 * E  # the scores
     if m.moe_z_loss_coeff:
         router += own * (4 * E + 4)  # logsumexp keeps the logits and its result
-    rows = tokens * k  # balanced routing: as many rows arrive as leave
+    rows = expert_tokens(c) * k  # balanced routing: as many rows arrive as leave
     indices = 5 if (p.moe_token_dispatcher_type == "alltoall" and ep > 1) else 3  # int64 vectors of rows
-    experts = rows * (2 * a * h + a * glu * m.expert_ffn_hidden_size / t + 4 + 8 * indices)
+    experts = rows * (2 * a * h + a * glu * m.expert_ffn_hidden_size / etp + 4 + 8 * indices)
     shared = 0.0
     if m.moe_shared_expert_intermediate_size:  # fc1's (sequence-sharded) input, its activations
         shared = own * a * h + tokens * a * glu * m.moe_shared_expert_intermediate_size / t
@@ -124,7 +141,7 @@ def stage_dispatch_bytes(c, pp_rank: int) -> float:
     collectives = 4 * len(layers)
     if c.recompute.recompute_granularity == "full":
         collectives += 2 * len(recomputed(c, pp_rank, layers))
-    tokens = m.seq_length // p.context_parallel_size * c.training.micro_batch_size
+    tokens = expert_tokens(c)
     a = 2 if (c.optimizer.bf16 or c.optimizer.fp16) else 4
     if p.moe_token_dispatcher_type == "alltoall":
         per = tokens * m.moe_router_topk * (ep - 1) / ep

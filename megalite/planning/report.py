@@ -7,7 +7,7 @@ from ..runtime.metrics import num_floating_point_operations
 from ..config.sharding import STRATEGIES
 from .memory import (in_flight_chunks, recompute_setting, stage_activation_bytes,
                      stage_param_split, strategy_bytes, total_params)
-from .moe import active_params, local_expert_params, moe_pattern, stage_dispatch_bytes
+from .moe import active_params, expert_tp, local_expert_params, moe_pattern, stage_dispatch_bytes
 
 GIB = 2**30
 
@@ -100,7 +100,8 @@ def moe_plan(c: RunConfig, stages: list[dict]) -> dict | None:
     return {"num_experts": m.num_experts, "topk": m.moe_router_topk, "ffn_hidden_size": m.expert_ffn_hidden_size,
             "shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
             "num_moe_layers": sum(moe_pattern(c)), "ep": p.expert_model_parallel_size,
-            "expert_dp": p.data_parallel_size * p.context_parallel_size // p.expert_model_parallel_size,
+            "etp": expert_tp(c), "expert_dp": p.tensor_model_parallel_size * p.data_parallel_size
+            * p.context_parallel_size // (expert_tp(c) * p.expert_model_parallel_size),
             "experts_per_gpu": m.num_experts // p.expert_model_parallel_size,
             "expert_params_per_layer_per_gpu": local_expert_params(c),
             "expert_params_per_gpu": most["num_expert_params"], "expert_params_pp_rank": most["pp_rank"],
@@ -118,11 +119,14 @@ def format_moe(plan: dict) -> list[str]:
     capacity = (f"capacity factor {moe['capacity_factor']:g} (tokens over it dropped)" if moe["capacity_factor"]
                 else "dropless")
     n = moe["experts_per_gpu"]
+    same = moe["etp"] == lay["tp"]
+    etp = "" if same else f"ETP {moe['etp']} x "
+    grid = "EP from the DP x CP ranks" if same else "the expert grid over TP x DP x CP"
     lines = [f"experts {moe['num_experts']} per MoE layer in {moe['num_moe_layers']} of {plan['model']['num_layers']} "
              f"layers, top-{moe['topk']}, ffn {moe['ffn_hidden_size']}{shared}, {capacity}; "
              f"{plan['num_params_active'] / 1e9:.3f}B of {plan['num_params_total'] / 1e9:.3f}B parameters active per "
              "token",
-             f"        EP {moe['ep']} x expert-DP {moe['expert_dp']} (EP from the DP x CP ranks): {n} "
+             f"        {etp}EP {moe['ep']} x expert-DP {moe['expert_dp']} ({grid}): {n} "
              f"expert{'s' if n > 1 else ''} per GPU and MoE layer, {moe['expert_params_per_gpu'] / 1e6:.1f}M expert "
              f"parameters on a GPU (stage {moe['expert_params_pp_rank']}); expert gradients and ZeRO state over "
              f"expert-DP {moe['expert_dp']}, the rest over DP x CP {lay['dp'] * lay['cp']}"]

@@ -87,7 +87,10 @@ class CommMonitor:
                  (ps.dp_group, "data-parallel", ps.dp_ranks), (ps.embedding_group, "embedding", ps.embedding_ranks),
                  (ps.mp_group, "model-parallel", None),
                  (getattr(ps, "cp_group", None), "context-parallel", getattr(ps, "cp_ranks", None)),
-                 (getattr(ps, "dp_cp_group", None), "data-parallel x context-parallel", getattr(ps, "dp_cp_ranks", None))]
+                 (getattr(ps, "dp_cp_group", None), "data-parallel x context-parallel", getattr(ps, "dp_cp_ranks", None)),
+                 (getattr(ps, "ep_group", None), "expert-parallel", getattr(ps, "ep_ranks", None)),
+                 (getattr(ps, "etp_group", None), "expert-tensor-parallel", getattr(ps, "etp_ranks", None)),
+                 (getattr(ps, "expert_dp_group", None), "expert-data-parallel", getattr(ps, "expert_dp_ranks", None))]
         for g, label, ranks in named:
             if g is not None and group is g:
                 if ranks is None:

@@ -34,11 +34,19 @@ class ParamInfo:
     # an MoE expert's weight: held by one expert-parallel rank, replicated over the
     # expert-data-parallel group only (its gradient reduced, its state sharded there)
     expert_parallel: bool = False
+    # (rank, size) in the group a tensor-parallel weight is split over when that is not the TP
+    # group: an MoE expert's place in its expert-tensor-parallel group (--expert-tensor-parallel-
+    # size); None: the TP group's. Initialisation and checkpoints cut and reshard by it.
+    split: tuple[int, int] | None = None
     # initialisation: "normal" (with std), "zeros" or "ones"; `init_rows` limits the random rows
     # of a padded vocabulary table (the padding stays zero)
     init: str | None = None
     init_std: float = 0.0
     init_rows: int | None = None
+
+    def tp_place(self, tp_rank: int, tp_size: int) -> tuple[int, int]:
+        """(rank, size) of the group this weight is split over, given the TP group's."""
+        return self.split if self.split is not None else (tp_rank, tp_size)
 
     def is_owner(self, tp_rank: int) -> bool:
         """Whether this rank's copy is the one that counts once: saved, and summed into norms.

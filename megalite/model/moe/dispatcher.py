@@ -1,10 +1,13 @@
 """Token dispatch and combine: each routed token to its experts' rank and back, weighted by its
 routing probability (Lepikhin et al. 2021, GShard, Sec. 2.2; Megatron-LM's token dispatchers).
 
-Tensor parallelism first: under sequence parallelism each TP rank routed its own s/tp tokens;
-the TP group's tokens and routing are all-gathered, every TP rank computes its slice of each
-expert's MLP on all of them, and the partial outputs, once combined, are reduce-scattered back
-(the pattern of a sequence-parallel MLP). Then expert parallelism, two ways:
+Expert tensor parallelism first: every rank routed its own tokens (under sequence parallelism
+its s/tp of them); the expert-TP group's tokens and routing are all-gathered, every ETP rank
+computes its slice of each expert's MLP on all of them, and the partial outputs, once combined,
+are reduce-scattered back (the pattern of a sequence-parallel MLP). The ETP group is the TP group
+by default; with --expert-tensor-parallel-size 1 it is the rank alone (experts whole, nothing
+gathered) and the TP ranks' tokens go their own ways through EP, as Megatron-LM's dispatchers
+exchange tokens over the ETP x EP ranks. Then expert parallelism, two ways:
 
   alltoall   tokens sorted by expert, each EP rank sent exactly the rows for its experts
              (all_to_all with uneven splits, after an all_to_all of the counts), computed there
@@ -110,14 +113,15 @@ class TokenDispatcher:
     `combine` turns the experts' outputs for those rows into this rank's tokens' weighted sums.
 
     A new dispatcher is a subclass and one entry in DISPATCHERS (the choices of
-    --moe-token-dispatcher-type). Tensor parallelism is common to every dispatcher: under
-    sequence parallelism the TP group's tokens and routing are all-gathered first (`_gather_tp`),
-    and the partial sums reduce-scattered back at the end (`_scatter_tp`)."""
+    --moe-token-dispatcher-type). Expert tensor parallelism is common to every dispatcher: the
+    ETP group's tokens and routing are all-gathered first (`_gather_tp`), and the partial sums
+    reduce-scattered back at the end (`_scatter_tp`)."""
 
-    def __init__(self, num_experts: int, first: int, num_local: int, tp_group, ep_group):
-        """Experts [first, first + num_local) of `num_experts` are this rank's."""
+    def __init__(self, num_experts: int, first: int, num_local: int, etp_group, ep_group):
+        """Experts [first, first + num_local) of `num_experts` are this rank's; `etp_group` splits
+        each expert's MLP (the TP group unless --expert-tensor-parallel-size differs)."""
         self.num_experts, self.first, self.num_local = num_experts, first, num_local
-        self.tp_group, self.ep_group = tp_group, ep_group
+        self.tp_group, self.ep_group = etp_group, ep_group
         self.ep = comm.group_size(ep_group)
 
     def dispatch(self, x: torch.Tensor, routing: Routing):

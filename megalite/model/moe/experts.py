@@ -1,7 +1,10 @@
-"""The experts one rank holds: E/EP SwiGLU or GeLU MLPs, each split over TP like the dense MLP
-(fc1 column-parallel, [gate; up] with stride 2 for SwiGLU; fc2 row-parallel), but without the
-collectives of the tensor-parallel linears: the dispatcher has already gathered the TP group's
-tokens, and the partial fc2 outputs are summed by its reduce-scatter.
+"""The experts one rank holds: E/EP SwiGLU or GeLU MLPs, each split over the expert-tensor-
+parallel group (ETP ranks, --expert-tensor-parallel-size; by default the TP group) like the
+dense MLP over TP (fc1 column-parallel, [gate; up] with stride 2 for SwiGLU; fc2 row-parallel),
+but without the collectives of the tensor-parallel linears: the dispatcher has already gathered
+the ETP group's tokens, and the partial fc2 outputs are summed by its reduce-scatter. Each
+weight records its (ETP rank, ETP) as `ParamInfo.split`, so initialisation and checkpoints cut
+and reshard it over ETP, not TP.
 
 Each expert's weights are parameters of their own, named by the global expert index
 (`experts.local_experts.{e}.linear_fc1.weight`, Megatron-LM's SequentialMLP names), so
@@ -82,15 +85,20 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 class LocalExperts(nn.Module):
-    def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, ep_group, device=None):
+    def __init__(self, config: GPTConfig, execution: ExecutionConfig, etp_group, ep_group, device=None):
         super().__init__()
-        ep, ep_rank, tp = comm.group_size(ep_group), comm.group_rank(ep_group), comm.group_size(tp_group)
-        self.add_fc2_bias = comm.group_rank(tp_group) == 0  # fc2's bias once per TP sum (Expert)
+        ep, ep_rank, tp = comm.group_size(ep_group), comm.group_rank(ep_group), comm.group_size(etp_group)
+        self.add_fc2_bias = comm.group_rank(etp_group) == 0  # fc2's bias once per ETP sum (Expert)
         self.num_local = config.num_experts // ep
         self.first = ep_rank * self.num_local  # global index of the first local expert
         self._activation = activation(config)  # the dense MLP's: SwiGLU, quick-GeGLU or GeLU
         self.local_experts = nn.ModuleDict(
             {str(self.first + i): Expert(config, execution, tp, device) for i in range(self.num_local)})
+        split = (comm.group_rank(etp_group), tp)
+        for p in self.local_experts.parameters():  # cut over ETP, not TP; with ETP 1 each rank's whole
+            info = param_info(p)
+            if info.tensor_parallel or tp == 1:
+                info.tensor_parallel, info.split = True, split
         ffn = config.expert_ffn_hidden_size // tp
         self.grouped = execution.moe_grouped_gemm and grouped_mm_fits(config.hidden_size, ffn,
                                                                       execution.params_dtype)

@@ -42,16 +42,20 @@ class _AttachLoss(torch.autograd.Function):
 
 class MoELayer(nn.Module):
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, ep_group=None, token_group=None,
-                 device=None):
+                 device=None, etp_group="tp"):
         """`ep_group`: the expert-parallel ranks (each holds num_experts / EP experts);
         `token_group`: the ranks holding the rest of each micro-batch's tokens (TP under sequence
-        parallelism, x CP), over which the router's load statistics are summed."""
+        parallelism, x CP), over which the router's load statistics are summed; `etp_group`: the
+        expert-tensor-parallel ranks splitting each expert (--expert-tensor-parallel-size;
+        "tp": `tp_group`, ETP = TP; None is a group of one rank, as everywhere). The shared expert
+        is a dense MLP: split over TP."""
         super().__init__()
         self.token_group = token_group
         self.router = TopKRouter(config, execution, device)
-        self.experts = LocalExperts(config, execution, tp_group, ep_group, device)
+        etp_group = tp_group if isinstance(etp_group, str) and etp_group == "tp" else etp_group
+        self.experts = LocalExperts(config, execution, etp_group, ep_group, device)
         self.dispatcher = DISPATCHERS[execution.moe_token_dispatcher_type](
-            config.num_experts, self.experts.first, self.experts.num_local, tp_group, ep_group)
+            config.num_experts, self.experts.first, self.experts.num_local, etp_group, ep_group)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
