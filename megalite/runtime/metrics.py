@@ -100,6 +100,10 @@ def console_line(r: dict, train_iters: int, memory: str, eta_s: float, throughpu
         parts.append(f"loss scale: {r['loss_scale']:.1f}")
     if r.get("grad_norm") is not None:  # None on a step skipped for fp16 overflow
         parts.append(f"grad norm: {r['grad_norm']:.3f}")
+    k = 1
+    while r.get(f"mtp_{k}_loss") is not None:  # MTP, as Megatron-LM names them: "mtp_1 loss", ...
+        parts.append(f"mtp_{k} loss: {r[f'mtp_{k}_loss']:.6E}")
+        k += 1
     for key, label in (("load_balancing_loss", "load balancing loss"), ("z_loss", "z loss")):
         if r.get(key) is not None:  # MoE, as Megatron-LM names them
             parts.append(f"{label}: {r[key]:.6E}")
