@@ -198,3 +198,41 @@ def test_mtp_layout_matches_single_process(mtp_reference, corpus, tmp_path, layo
     assert_losses_close(grad_norms(ref_records), grad_norms(records), rtol=1e-5)
     assert_losses_close(eval_losses(ref_records), eval_losses(records), rtol=1e-5)
     assert_params_close(ref_params, load_params(str(tmp_path / "ckpt")), atol=1e-5)
+
+
+# -- the planner (tools/plan.py) counts MTP and uses the layout's stages ----------------------------------
+PLAN_SMALL = ["--vocab-size", "1000", "--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
+              "--seq-length", "32", "--micro-batch-size", "2", "--mtp-num-layers", "2"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-layer-freq", "[0,1,1]"]
+
+
+@pytest.mark.parametrize("options", [[], ["--untie-embeddings-and-output-weights"], MOE],
+                         ids=["tied-learned", "untied", "moe-last"])
+@pytest.mark.parametrize("pp,layout", [(1, None), (2, "Et|ttmmL"), (2, "Et|t|t|mmL")],
+                         ids=["pp1", "pp2-layout", "pp2-vpp-layout"])
+def test_planner_params_match_the_built_model(options, pp, layout):
+    import os
+    import sys
+
+    from dist_helpers import ROOT
+    from megalite.parallel_state import stage_layers
+    from megalite.planning.memory import stage_params, total_params
+    from megalite.tensor_parallel.param_info import param_info
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import plan
+    argv = PLAN_SMALL + options + ["--pipeline-model-parallel-size", str(pp), "--world-size", str(pp),
+                                   "--global-batch-size", "4"]
+    argv += ["--pipeline-model-parallel-layout", layout] if layout else []
+    c, _ = plan.parse(argv)
+    config, v = c.model, c.parallel.virtual_pipeline_model_parallel_size
+    built, once = [], 0
+    for r in range(pp):
+        n = 0
+        for k, (offset, layers) in enumerate(stage_layers(config.num_layers, pp, v, r, layout)):
+            chunk = GPTModel(config, None, None, pre_process=r == 0 and k == 0, post_process=r == pp - 1 and k == v - 1,
+                             layer_offset=offset, num_layers=layers, device="meta")
+            n += sum(p.numel() for p in chunk.parameters())
+            once += sum(p.numel() for p in chunk.parameters() if not param_info(p).tied_copy)
+        built.append(n)
+    assert [stage_params(c, r) for r in range(pp)] == built
+    assert total_params(c) == once

@@ -26,20 +26,25 @@ def num_floating_point_operations(c, batch_size: int) -> float:
     expert (f_s·n), and the router (E) and shared-expert gate (1), which Megatron-LM's formula
     leaves out (6·B·s·h·E per MoE layer: 0.1% of Mixtral 8x7B's). MFU counts these FLOPs, so a
     sparse model's MFU is that of the work its tokens do, not of its parameter count.
+
+    D MTP modules (--mtp-num-layers; Megatron-LM counts them alike) add D transformer layers (MoE
+    as the last decoder layer), D output-layer products (V/(2·L·h) becomes (1 + D)·V/(2·L·h)) and
+    their [h, 2h] eh_proj: 6·B·s·D·2h².
     """
     s, L, h = c.seq_length, c.num_layers, c.hidden_size
     a, g, d = c.num_attention_heads, c.num_query_groups, c.kv_channels
+    D = getattr(c, "mtp_num_layers", None) or 0
     n = 3 if (c.swiglu or getattr(c, "quick_geglu", False)) else 2  # a gated fc1 is two matrices
     mlp = 0.0
-    for layer in range(L):
+    for layer in list(range(L)) + [L - 1] * D:  # an MTP layer is built as the last decoder layer
         if getattr(c, "num_experts", None) and c.is_moe_layer(layer):
             shared = c.moe_shared_expert_intermediate_size or 0
             mlp += (c.moe_router_topk * c.expert_ffn_hidden_size + shared) * n + c.num_experts \
                 + (1 if shared and c.moe_shared_expert_gate else 0)
         else:
             mlp += c.ffn_hidden_size * n
-    return 12.0 * batch_size * s * L * h * h * ((1 + g / a + s / h) * (a * d / h) + c.padded_vocab_size / (2 * L * h)) \
-        + 6.0 * batch_size * s * h * mlp
+    return 12.0 * batch_size * s * (L + D) * h * h * (1 + g / a + s / h) * (a * d / h) \
+        + 6.0 * batch_size * s * h * (c.padded_vocab_size * (1 + D) + mlp + D * 2 * h)
 
 
 def peak_tflops(flag: float | None, dtype: torch.dtype) -> float | None:
