@@ -236,3 +236,23 @@ def test_planner_params_match_the_built_model(options, pp, layout):
         built.append(n)
     assert [stage_params(c, r) for r in range(pp)] == built
     assert total_params(c) == once
+
+
+# an MoE MTP layer (the last decoder layer is MoE): its router's load-balancing loss counts (and is
+# logged) as every MoE layer's; EP 2 with the all-to-all dispatcher against one process
+MOE_MTP = MTP_MODEL + ["--train-iters", "3", "--eval-iters", "0", "--num-experts", "4", "--moe-router-topk", "2",
+                       "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0,0,1]", "--moe-aux-loss-coeff", "1e-2",
+                       "--disable-bias-linear"]
+
+
+def test_moe_mtp_layer_under_expert_parallelism(corpus, tmp_path):
+    from dist_helpers import assert_losses_close, grad_norms, run_pretrain, train_losses
+    ref, _ = run_pretrain(1, corpus + MOE_MTP, tmp_path, "reference")
+    ep, _ = run_pretrain(2, corpus + MOE_MTP + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                                "alltoall"], tmp_path, "ep2")
+    moe = [r for r in ref if r.get("event") == "moe"]
+    assert [layer["layer"] for layer in moe[0]["layers"]] == [2, 3]  # the decoder's last layer and MTP's
+    for key in ("lm_loss", "mtp_1_loss", "load_balancing_loss", "grad_norm"):
+        values = [[r[key] for r in rs if "consumed_samples" in r] for rs in (ref, ep)]
+        assert_losses_close(values[0], values[1], rtol=1e-5)
+    assert train_losses(ref)[-1] < train_losses(ref)[0] and min(grad_norms(ref)) > 0

@@ -54,6 +54,8 @@ FORCED = (
     "model.qk_layernorm", "model.window_size", "model.window_attn_skip_freq", "model.softmax_type",
     # gpt-oss's MLP: another function of the same fc1 / fc2 weights
     "model.quick_geglu", "model.glu_linear_offset", "model.activation_func_clamp_value",
+    # multi-token prediction: the MTP modules' weights
+    "model.mtp_num_layers",
 )
 # The tokenizer file and its type: forced by default (Megatron-LM's
 # use_tokenizer_model_from_checkpoint_args). --no-use-tokenizer-model-from-checkpoint-args keeps

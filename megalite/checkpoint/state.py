@@ -33,6 +33,7 @@ MODEL_FLAGS = {
     "window_size": "--window-size", "window_attn_skip_freq": "--window-attn-skip-freq",
     "softmax_type": "--softmax-type", "quick_geglu": "--quick-geglu", "glu_linear_offset": "--glu-linear-offset",
     "activation_func_clamp_value": "--activation-func-clamp-value",
+    "mtp_num_layers": "--mtp-num-layers",  # the MTP modules' weights
 }
 # Mixture of Experts: the weights' shapes (which layers, how many experts, their sizes, the
 # shared expert, the expert bias) and the routing

@@ -21,7 +21,7 @@ class ParallelConfig:
     pipeline_model_parallel_layout: str | None = flag(
         "--pipeline-model-parallel-layout", None, "the layers of each pipeline stage as Megatron-LM's string: E "
         "(embedding), t (transformer layer), m (MTP layer), L (loss), '|' between stages, X*N and (...)*N repeat; "
-        "PP x v stages give v virtual stages per rank (stage k: virtual stage k // PP of rank k % PP), e.g. "
+        "PP x v stages give v virtual stages per rank (stage k: virtual stage k // PP of rank k mod PP), e.g. "
         "'Ettt|ttmL' or 'E(t|)*7tL' (docs/parallelism.md)", type=str)
     context_parallel_size: int = flag(
         "--context-parallel-size", 1,
