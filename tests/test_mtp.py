@@ -125,12 +125,13 @@ def test_layout_parses_megatron_strings_into_stage_layers():
     ("Et|mtL", ["--mtp-num-layers", "1"], "the MTP layers (m) sit on the last stage"),
     ("Ex|tL", [], "unknown symbol(s) x"),
     ("Et|tL", ["--num-layers-per-virtual-pipeline-stage", "1"], "conflicts with --num-layers-per-virtual"),
+    ("Et|tL", ["--pipeline-model-parallel-size", "1"], "virtual stages need --pipeline-model-parallel-size >= 2"),
 ])
 def test_layout_refusals_name_the_flag_in_one_line(layout, extra, message, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    pp = ["--pipeline-model-parallel-size", "2"] if "--pipeline-model-parallel-size" not in extra else []
     with pytest.raises(ArgumentError) as e:
-        validate_args(parse_args(tiny() + mock() + ["--pipeline-model-parallel-size", "2",
-                                                    "--pipeline-model-parallel-layout", layout] + extra))
+        validate_args(parse_args(tiny() + mock() + pp + ["--pipeline-model-parallel-layout", layout] + extra))
     text = str(e.value)
     assert message in text and "--pipeline-model-parallel-layout" in text and "\n" not in text, text
 

@@ -151,6 +151,9 @@ def _check_stage_layout(c: RunConfig) -> int:
                               c.model.mtp_num_layers)
     except LayoutError as e:
         fail(str(e))
+    if layout.vpp > 1 and p.pipeline_model_parallel_size == 1:  # as --num-layers-per-virtual-pipeline-stage
+        fail(f"--pipeline-model-parallel-layout {p.pipeline_model_parallel_layout!r} has {len(layout.stages)} stages: "
+             f"virtual stages need --pipeline-model-parallel-size >= 2 (with PP 1 give one stage, e.g. 'EttL')")
     return layout.vpp
 
 
