@@ -184,14 +184,14 @@ def mtp_reference(corpus, tmp_path_factory):
     assert min(grad_norms(records)) > 0.25  # clipping acts on every iteration
     params = load_params(str(tmp / "ckpt"))
     assert "mtp.layers.0.eh_proj.weight" in params
-    return records, params
+    return records, params, str(tmp / "ckpt")
 
 
 @pytest.mark.parametrize("layout", list(MTP_LAYOUTS))
 def test_mtp_layout_matches_single_process(mtp_reference, corpus, tmp_path, layout):
     from dist_helpers import (assert_losses_close, assert_params_close, eval_losses, grad_norms, load_params,
                               run_pretrain, train_losses)
-    ref_records, ref_params = mtp_reference
+    ref_records, ref_params, _ = mtp_reference
     nproc, flags = MTP_LAYOUTS[layout]
     records, _ = run_pretrain(nproc, corpus + MTP_MODEL + flags + ["--save", str(tmp_path / "ckpt")], tmp_path)
     assert_losses_close(train_losses(ref_records), train_losses(records), rtol=1e-5)
@@ -257,3 +257,16 @@ def test_moe_mtp_layer_under_expert_parallelism(corpus, tmp_path):
         values = [[r[key] for r in rs if "consumed_samples" in r] for rs in (ref, ep)]
         assert_losses_close(values[0], values[1], rtol=1e-5)
     assert train_losses(ref)[-1] < train_losses(ref)[0] and min(grad_norms(ref)) > 0
+
+
+def test_mtp_checkpoint_loads_on_a_pipeline_layout(mtp_reference, corpus, tmp_path):
+    """The one-process checkpoint, loaded on PP 2 with MTP (and the tied output layer) on the last
+    stage: its copy of the embedding arrives from the first stage; the final evaluation equals the
+    reference's (nothing left to train)."""
+    from dist_helpers import assert_losses_close, run_pretrain
+    ref_records, _, ckpt = mtp_reference
+    records, _ = run_pretrain(2, corpus + MTP_MODEL + MTP_LAYOUTS["pp2-layout"][1] + ["--load", ckpt], tmp_path)
+    final = {(r["split"], r["iteration"]): r["lm_loss"] for r in ref_records if "split" in r}
+    loaded = [(r["split"], r["iteration"], r["lm_loss"]) for r in records if "split" in r]
+    assert loaded and all(it == 6 for _, it, _ in loaded), loaded
+    assert_losses_close([final[(split, it)] for split, it, _ in loaded], [loss for _, _, loss in loaded], rtol=1e-5)
