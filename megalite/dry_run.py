@@ -182,7 +182,8 @@ def _dry_run(cfg: RunConfig, rank: int | None) -> DryRunReport:
     t = cfg.training
     model_config, eod = resolve_vocab(cfg)
     execution = ExecutionConfig.from_configs(cfg.optimizer, cfg.parallel, cfg.recompute, cfg.kernels)
-    model, _ = build_model(model_config, ps, t.seed, torch.device("cpu"), on_meta=True, execution=execution)
+    model, _ = build_model(model_config, ps, t.seed, torch.device("cpu"), on_meta=True, execution=execution,
+                           layout=cfg.parallel.pipeline_model_parallel_layout)
     named = [(n, p) for m in model for n, p in m.global_named_parameters()]
     dp = build_data_parallel(model, [p for _, p in named], ps, cfg.ddp, t.num_microbatches, device=META,
                              init_fn=lambda p: torch.empty(p.shape, dtype=p.dtype, device=META))

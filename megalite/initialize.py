@@ -123,13 +123,14 @@ def resolve_vocab(cfg: RunConfig) -> tuple[GPTConfig, int | None]:
 
 
 def build_model(config: GPTConfig, ps, seed: int, device: torch.device, on_meta: bool = False,
-                execution: ExecutionConfig | None = None):
+                execution: ExecutionConfig | None = None, layout: str | None = None):
     """This rank's model chunks (one per virtual pipeline stage), initialised layout-invariantly,
     and the TP RNG tracker their dropout uses. `on_meta` (ZeRO-3): parameters without storage,
-    which DataParallel materialises straight into this rank's slices."""
+    which DataParallel materialises straight into this rank's slices. `layout`:
+    --pipeline-model-parallel-layout (None: the even split)."""
     rng_tracker = seed_everything(seed, ps.tp_rank, ps.pp_rank, device)
     chunks = []
-    layers = parallel_state.stage_layers(config.num_layers, ps.pp_size, ps.vpp, ps.pp_rank)
+    layers = parallel_state.stage_layers(config.num_layers, ps.pp_size, ps.vpp, ps.pp_rank, layout)
     for c, (offset, n) in enumerate(layers):
         chunk = GPTModel(config, ps.tp_group, rng_tracker, pre_process=ps.is_first_stage and c == 0,
                          post_process=ps.is_last_stage and c == ps.vpp - 1, layer_offset=offset, num_layers=n,
@@ -186,12 +187,17 @@ def _bf16_matmul_in_fp32(closing: contextlib.ExitStack) -> None:
     matmul.allow_bf16_reduced_precision_reduction = False
 
 
-def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
+def _process_switches(cfg: RunConfig, closing: contextlib.ExitStack) -> None:
+    """Process-wide torch switches the run sets, each put back when it closes."""
     if cfg.training.deterministic_mode:
         closing.callback(torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled())
         torch.use_deterministic_algorithms(True)
     if cfg.kernels.disable_bf16_reduced_precision_matmul:
         _bf16_matmul_in_fp32(closing)
+
+
+def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
+    _process_switches(cfg, closing)
     ps, device = initialize_distributed(cfg.parallel, moe=bool(cfg.model.num_experts), closing=closing)
     # a sharded strategy is chosen for memory: return freed host memory at once (it costs
     # page faults, ~10% of a small model's step on CPU, so not for every run)
@@ -208,7 +214,8 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     model_config, eod = resolve_vocab(cfg)
     zero3 = get_strategy(cfg.ddp.data_parallel_sharding_strategy).shards_params
     execution = ExecutionConfig.from_configs(cfg.optimizer, cfg.parallel, cfg.recompute, cfg.kernels)
-    model, rng_tracker = build_model(model_config, ps, cfg.training.seed, device, on_meta=zero3, execution=execution)
+    model, rng_tracker = build_model(model_config, ps, cfg.training.seed, device, on_meta=zero3, execution=execution,
+                                     layout=cfg.parallel.pipeline_model_parallel_layout)
     if zero3:  # DataParallel materialises the parameters; the buffers are made here
         for chunk in model:
             chunk.materialize_buffers(device)

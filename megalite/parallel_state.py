@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from .config.pipeline_layout import layout_of
+
 ORDERS = ("tp-cp-dp-pp", "tp-cp-pp-dp")
 # the orders' names before CP existed: the same grids with CP right after TP
 LEGACY_ORDERS = {"tp-dp-pp": "tp-cp-dp-pp", "tp-pp-dp": "tp-cp-pp-dp"}
@@ -314,12 +316,14 @@ class ParallelState:
                 + ")")
 
 
-def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int) -> list[tuple[int, int]]:
+def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, layout: str | None = None) -> list[tuple[int, int]]:
     """(first layer, number of layers) of each model chunk on pipeline rank `pp_rank`.
 
     Megatron-LM's interleaved assignment: with v chunks per rank, chunk c of rank r holds the
     layers starting at c·L/v + r·L/(p·v); with v = 1 that is L/p contiguous layers per stage.
     """
+    if layout is not None:  # --pipeline-model-parallel-layout: the stages as it lists them
+        return layout_of(layout, pp).chunk_layers(pp_rank)
     per_chunk = num_layers // (pp * vpp)
     return [(c * num_layers // vpp + pp_rank * per_chunk, per_chunk) for c in range(vpp)]
 

@@ -34,7 +34,7 @@ class NonFiniteError(UserError):
 
 
 def global_loss(run: Run, stats, grads: list | None = None, per_rank: bool = False) -> tuple[float, float, list, list,
-                                                                                            list]:
+                                                                                            list, list | None]:
     """(sum of token losses, number of loss tokens) over the global batch: only the last
     stage's TP rank 0 of each DP replica contributes (each CP rank of it its own chunks' tokens),
     so every token counts once. Summed on
@@ -44,13 +44,14 @@ def global_loss(run: Run, stats, grads: list | None = None, per_rank: bool = Fal
     rank, whether its own loss sum is finite and the largest magnitude in its reduced gradients
     (each rank writes its own slot, the rest are zeros): every rank learns which ranks hold a
     NaN/Inf without another collective. Returns those two lists too (empty without `grads`), and
-    with `per_rank` (the spike guard) each rank's own mean loss (0 where it has none)."""
+    with `per_rank` (the spike guard) each rank's own mean loss (0 where it has none); last, with
+    MTP in training, each depth's mean MTP loss (None otherwise)."""
     ps = run.state.ps
     world = ps.world_size if grads is not None else 0
     ranks = ps.world_size if per_rank else 0
     t = torch.zeros(2 + 2 * world + ranks, dtype=torch.float64, device=run.state.device)
     if ps.is_last_stage and ps.tp_rank == 0 and stats:
-        mine = torch.stack([torch.stack([s.double(), n.double()]) for s, n in stats]).sum(0)
+        mine = torch.stack([torch.stack([s[0].double(), s[1].double()]) for s in stats]).sum(0)
         t[:2] += mine
         if grads is not None:
             t[2 + ps.rank] = (~torch.isfinite(mine[0])).double()
@@ -58,9 +59,26 @@ def global_loss(run: Run, stats, grads: list | None = None, per_rank: bool = Fal
             t[2 + 2 * world + ps.rank] = mine[0] / mine[1].clamp(min=1)
     if grads:  # max |g| (NaN wins, as torch.max propagates it)
         t[2 + world + ps.rank] = max_abs(grads)
+    t = torch.cat([t, _mtp_sums(run, stats)])
     comm.all_reduce(t, comm.world_group())
     values = t.tolist()
-    return values[0], values[1], values[2:2 + world], values[2 + world:2 + 2 * world], values[2 + 2 * world:]
+    n = 2 + 2 * world + ranks
+    # MTP: each depth's mean over the global batch's tokens (None without MTP, or in evaluation)
+    mtp = [s / k for s, k in zip(values[n::2], values[n + 1::2])] if any(values[n + 1::2]) else None
+    return values[0], values[1], values[2:2 + world], values[2 + world:2 + 2 * world], values[2 + 2 * world:n], mtp
+
+
+def _mtp_sums(run: Run, stats) -> torch.Tensor:
+    """[2·D]: this rank's (MTP loss sum, tokens) per depth over its micro-batches (training
+    stats carry them; the last stage's TP rank 0 counts), for global_loss's all-reduce."""
+    depth = run.state.model_config.mtp_num_layers or 0
+    t = torch.zeros(2 * depth, dtype=torch.float64, device=run.state.device)
+    ps = run.state.ps
+    if depth and ps.is_last_stage and ps.tp_rank == 0:
+        for s in stats:
+            if len(s) > 2:
+                t += s[2].reshape(-1).to(t.device)
+    return t
 
 
 def check_finite(run: Run, loss_sum: float, bad_loss: list, grad_max: list, grad_scale: float) -> None:
@@ -166,7 +184,7 @@ def train_step(run: Run) -> dict:
         moe_balance.start_iteration(run.model, optimizer.loss_scale / (num_microbatches * state.ps.dp_size))
     stats = forward_backward(run, num_microbatches, backward_scale)
     check, guard = t.check_for_nan_in_loss_and_grad, run.spike_guard
-    loss_sum, num_tokens, bad_loss, grad_max, rank_losses = global_loss(
+    loss_sum, num_tokens, bad_loss, grad_max, rank_losses, mtp_losses = global_loss(
         run, stats, optimizer.main_grads if check else None, per_rank=guard is not None)
     if num_tokens == 0:
         raise RuntimeError(f"iteration {state.iteration + 1}: the global batch has no token with loss "
@@ -211,7 +229,7 @@ def train_step(run: Run) -> dict:
             moe_balance.update_expert_bias(run.model, state.ps.tp_dp_cp_group,
                                            state.model_config.moe_router_bias_update_rate)
     empty_unused_memory(run, 2)
-    return {"lm_loss": loss, "lr": lr, "decoupled_lr": decoupled_lr,
+    return {"lm_loss": loss, "lr": lr, "decoupled_lr": decoupled_lr, "mtp_losses": mtp_losses,
             "global_batch_size": global_batch, **update}
 
 
@@ -221,7 +239,9 @@ def moe_metrics(run: Run, global_batch: int) -> dict:
     which stay until the next step starts; one collective on every rank, at log iterations only."""
     c = run.state.model_config
     microbatches = global_batch // run.cfg.training.micro_batch_size  # over every DP rank
-    return moe_balance.iteration_metrics(run.model, c.num_layers, c.num_experts, microbatches,
+    # MTP's MoE layers are numbered after the decoder's (model/mtp.py)
+    layers = c.num_layers + (c.mtp_num_layers or 0)
+    return moe_balance.iteration_metrics(run.model, layers, c.num_experts, microbatches,
                                          (c.moe_aux_loss_coeff, c.moe_z_loss_coeff), run.state.device)
 
 
@@ -243,7 +263,7 @@ def evaluate(run: Run, split: str) -> dict | None:
         stats = run.forward_backward(batches=batches, model=run.model, num_microbatches=t.num_microbatches,
                                      comm=run.pipe_comm, backward_scale=0.0, forward_only=True)
         empty_unused_memory(run, 1)
-        loss_sum, num_tokens, _, _, _ = global_loss(run, stats)
+        loss_sum, num_tokens, _, _, _, _ = global_loss(run, stats)
         totals[0] += loss_sum
         totals[1] += num_tokens
     loss = totals[0] / max(totals[1], 1.0)
@@ -320,11 +340,16 @@ def train(run: Run) -> None:
     train_loop(run)
 
 
+def new_window() -> dict:
+    """What the log averages over its interval."""
+    return {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0, "samples": 0, "mtp": {}}
+
+
 def train_loop(run: Run) -> None:
     t, state = run.cfg.training, run.state
     timer = Timer(state.device)
     timer.reset()
-    window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0, "samples": 0}
+    window = new_window()
     start_time, first_iteration = time.time(), state.iteration
     reason = None
     while state.iteration < t.train_iters and reason is None:
@@ -352,9 +377,11 @@ def train_loop(run: Run) -> None:
         else:
             window["lm_loss"] += out["lm_loss"]
             window["loss_iters"] += 1
+            for k, v in enumerate(out.get("mtp_losses") or ()):  # MTP: per depth, averaged like the LM loss
+                window["mtp"][k] = window["mtp"].get(k, 0.0) + v
         if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
             report(run, out, window, timer.elapsed())
-            window = {"lm_loss": 0.0, "iters": 0, "loss_iters": 0, "skipped": 0, "samples": 0}
+            window = new_window()
             timer.reset()
         if state.iteration % t.eval_interval == 0 and state.iteration != t.train_iters:
             evaluate(run, "valid")
@@ -409,6 +436,8 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
     }
     if out.get("decoupled_lr") is not None:
         record["decoupled_lr"] = out["decoupled_lr"]
+    for k, v in window["mtp"].items():  # Megatron-LM's "mtp_1 loss", ...: the unweighted mean cross entropy
+        record[f"mtp_{k + 1}_loss"] = v / window["loss_iters"]
     if state.model_config.num_experts:  # MoE: the logged iteration's
         moe = moe_metrics(run, out["global_batch_size"])
         record.update({k: moe[k] for k in ("load_balancing_loss", "z_loss") if k in moe})

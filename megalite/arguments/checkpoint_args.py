@@ -57,6 +57,8 @@ FORCED = (
     # multi-latent attention: its weights' shapes and its RoPE
     "model.multi_latent_attention", "model.q_lora_rank", "model.kv_lora_rank", "model.qk_head_dim",
     "model.qk_pos_emb_head_dim", "model.v_head_dim", "model.rope_type",
+    # multi-token prediction: the MTP modules' weights
+    "model.mtp_num_layers",
 )
 # The tokenizer file and its type: forced by default (Megatron-LM's
 # use_tokenizer_model_from_checkpoint_args). --no-use-tokenizer-model-from-checkpoint-args keeps

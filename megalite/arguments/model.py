@@ -177,6 +177,9 @@ def check_recompute(c: RunConfig) -> None:
         r.recompute_granularity = "selective"
     if r.recompute_granularity == "full":
         per_chunk = c.model.num_layers // (pp * p.virtual_pipeline_model_parallel_size)
+        if p.pipeline_model_parallel_layout is not None:  # uneven stages: the largest
+            from ..config.pipeline_layout import layout_of
+            per_chunk = layout_of(p.pipeline_model_parallel_layout, pp).max_chunk_layers()
         if r.recompute_method is None:
             fail("--recompute-granularity full needs --recompute-method uniform or block")
         if r.recompute_num_layers is None or not 1 <= r.recompute_num_layers <= per_chunk:

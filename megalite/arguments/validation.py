@@ -141,23 +141,45 @@ def _check_layout(c: RunConfig) -> list[int]:
     cp_text = f" x CP {cp}" if cp > 1 else ""
     batch_sizes = check_batch_schedule(c, f"data-parallel size ({dp} = world {world} / (TP {tp} x PP {pp}{cp_text}))")
     layers = c.model.num_layers
-    if layers % pp:
-        fail(f"--num-layers ({layers}) is not divisible by --pipeline-model-parallel-size ({pp})")
     p.virtual_pipeline_model_parallel_size = 1
     k = p.num_layers_per_virtual_pipeline_stage
-    if k is not None:
+    if p.pipeline_model_parallel_layout is not None:
+        p.virtual_pipeline_model_parallel_size = _check_stage_layout(c)
+    elif layers % pp:
+        fail(f"--num-layers ({layers}) is not divisible by --pipeline-model-parallel-size ({pp})")
+    elif k is not None:
         if pp < 2:
             fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
         if (layers // pp) % k:
             fail(f"--num-layers ({layers}) / --pipeline-model-parallel-size ({pp}) = {layers // pp} layers per "
                  f"stage is not divisible by --num-layers-per-virtual-pipeline-stage ({k})")
         p.virtual_pipeline_model_parallel_size = layers // (pp * k)
-        for g in batch_sizes if p.virtual_pipeline_model_parallel_size > 1 else ():
+    if p.virtual_pipeline_model_parallel_size > 1:
+        for g in batch_sizes:
             m = g // (t.micro_batch_size * dp)
             if m % pp:
                 fail(f"the interleaved schedule needs the number of micro-batches (global batch {g} / "
                      f"(--micro-batch-size x DP) = {m}) to be a multiple of --pipeline-model-parallel-size ({pp})")
     return batch_sizes
+
+
+def _check_stage_layout(c: RunConfig) -> int:
+    """--pipeline-model-parallel-layout: parsed against PP, --num-layers and --mtp-num-layers; returns
+    the virtual stages per rank it implies."""
+    from ..config.pipeline_layout import LayoutError, parse_layout
+    p = c.parallel
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        fail("--pipeline-model-parallel-layout conflicts with --num-layers-per-virtual-pipeline-stage: the layout "
+             "already says how many virtual stages each rank has (stages / PP); give one of the two")
+    try:
+        layout = parse_layout(p.pipeline_model_parallel_layout, p.pipeline_model_parallel_size, c.model.num_layers,
+                              c.model.mtp_num_layers)
+    except LayoutError as e:
+        fail(str(e))
+    if layout.vpp > 1 and p.pipeline_model_parallel_size == 1:  # as --num-layers-per-virtual-pipeline-stage
+        fail(f"--pipeline-model-parallel-layout {p.pipeline_model_parallel_layout!r} has {len(layout.stages)} stages: "
+             f"virtual stages need --pipeline-model-parallel-size >= 2 (with PP 1 give one stage, e.g. 'EttL')")
+    return layout.vpp
 
 
 def _check_pipeline_schedule(c: RunConfig) -> None:

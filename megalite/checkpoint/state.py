@@ -34,6 +34,7 @@ MODEL_FLAGS = {
     "softmax_type": "--softmax-type", "quick_geglu": "--quick-geglu", "glu_linear_offset": "--glu-linear-offset",
     "activation_func_clamp_value": "--activation-func-clamp-value",
     "multi_latent_attention": "--multi-latent-attention",
+    "mtp_num_layers": "--mtp-num-layers",  # the MTP modules' weights
 }
 # Mixture of Experts: the weights' shapes (which layers, how many experts, their sizes, the
 # shared expert, the expert bias) and the routing

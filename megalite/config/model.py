@@ -191,6 +191,15 @@ class GPTConfig:
     qk_pos_emb_head_dim: int = flag("--qk-pos-emb-head-dim", 64, "MLA: per-head query/key channels with RoPE "
                                     "(the decoupled key; even, >= 2)", check=AT_LEAST_1)
     v_head_dim: int = flag("--v-head-dim", 128, "MLA: per-head value channels (>= 1)", check=AT_LEAST_1)
+    # -- multi-token prediction (DeepSeek-V3 Sec. 2.2; Megatron-LM's MultiTokenPredictionBlock) ---
+    mtp_num_layers: int | None = flag(
+        "--mtp-num-layers", None, "multi-token prediction: this many sequential MTP modules (>= 1) on the last "
+        "pipeline stage, module k predicting token i+k+1 from the main model's (or module k-1's) output at i and "
+        "the embedding of token i+k; they share the word embedding and the output layer; none: no MTP",
+        type=int, check=AT_LEAST_1)
+    mtp_loss_scaling_factor: float = flag(
+        "--mtp-loss-scaling-factor", 0.1, "weight of the MTP loss: the mean of the MTP modules' losses times this "
+        "is added to the LM loss (>= 0)", check=NON_NEGATIVE)
 
     # -- Mixture of Experts (model/moe/; Megatron-LM's --num-experts and --moe-* flags) ----------
     num_experts: int | None = flag("--num-experts", None, "experts per MoE layer (>= 2); none: a dense model",
@@ -266,6 +275,11 @@ class GPTConfig:
         """Whether (0-based, global) layer `layer_number` has an MoE MLP."""
         return bool(self.num_experts) and moe_layer_pattern(self.moe_layer_freq, self.num_layers)[layer_number]
 
+    def is_moe_mtp_layer(self) -> bool:
+        """An MTP module's transformer layer is built as the last decoder layer is (Megatron-LM's
+        get_gpt_mtp_block_spec takes the decoder's last layer spec): MoE when that layer is."""
+        return self.is_moe_layer(self.num_layers - 1)
+
     @property
     def expert_ffn_hidden_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
@@ -278,6 +292,9 @@ class GPTConfig:
         left, _ = parse_window_size(self.window_size)
         if left < 0:
             return None
+        # an MTP layer (numbered num_layers + d here) counts from the first layer again, as Megatron-LM's
+        # MTP layers number theirs from 1
+        layer_number = layer_number % self.num_layers
         return left if window_layer_pattern(self.window_attn_skip_freq, self.num_layers)[layer_number] else None
 
     def rope_scaling(self) -> dict | None:

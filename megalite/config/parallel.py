@@ -18,6 +18,11 @@ class ParallelConfig:
         "--num-layers-per-virtual-pipeline-stage", None,
         "layers per model chunk (>= 1): v = layers / (PP x this) chunks per rank (interleaved 1F1B)", type=int,
         check=AT_LEAST_1)
+    pipeline_model_parallel_layout: str | None = flag(
+        "--pipeline-model-parallel-layout", None, "the layers of each pipeline stage as Megatron-LM's string: E "
+        "(embedding), t (transformer layer), m (MTP layer), L (loss), '|' between stages, X*N and (...)*N repeat; "
+        "PP x v stages give v virtual stages per rank (stage k: virtual stage k // PP of rank k mod PP), e.g. "
+        "'Ettt|ttmL' or 'E(t|)*7tL' (docs/parallelism.md)", type=str)
     context_parallel_size: int = flag(
         "--context-parallel-size", 1,
         "CP (>= 1): each sequence split over this many ranks (2·CP chunks, rank r keeps chunks r and 2·CP-1-r); "

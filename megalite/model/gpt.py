@@ -28,6 +28,7 @@ from .config import ExecutionConfig, GPTConfig
 from ..context_parallel.sharding import causal_mask, chunk_positions
 from .init import initialize_parameters
 from .moe import MoELayer
+from .mtp import MultiTokenPredictionBlock, mtp_objective
 from .transformer import TransformerBlock
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -93,7 +94,12 @@ class GPTModel(nn.Module):
             # dropout on TP-sharded heads or sequence-sharded tokens must differ per TP rank
             raise ValueError("a tensor-parallel GPTModel with dropout needs rng_tracker "
                              "(megalite.tensor_parallel.seed_everything)")
-        if pre_process:
+        # multi-token prediction (model/mtp.py) sits with the loss; it needs the embedding there too
+        self.mtp = (MultiTokenPredictionBlock(config, execution, tp_group, rng_tracker, device, cp_group, ep_group,
+                                              token_group, etp_group) if post_process and config.mtp_num_layers else None)
+        self.mtp_results = None  # the last forward's per depth (masked loss sum, tokens here, whole-sequence tokens)
+        self.embedding = None
+        if pre_process or self.mtp is not None:
             self.embedding = Embedding(config, execution, tp_group, rng_tracker, device)
         self.rotary = self._rotary(device)
         self.decoder = TransformerBlock(config, execution, tp_group, rng_tracker, layer_offset, num_layers,
@@ -102,7 +108,7 @@ class GPTModel(nn.Module):
         # ZeRO-3 sets it (distributed/zero3.py TiedOutputGather) when the output layer is the word
         # embedding of this chunk: the projection then gathers the embedding for itself
         self.output_weight_gather = None
-        if post_process and (config.untie_embeddings_and_output_weights or not pre_process):
+        if post_process and (config.untie_embeddings_and_output_weights or self.embedding is None):
             tp = comm.group_size(tp_group)
             weight = torch.empty(config.padded_vocab_size // tp, config.hidden_size, dtype=execution.params_dtype,
                                  device=device)
@@ -113,17 +119,26 @@ class GPTModel(nn.Module):
             # a tied copy on the last stage: same name as the first stage's word embedding for
             # init and checkpoints, gradient summed with it over the embedding group
             param_info(self.output_layer.weight).tied_copy = not config.untie_embeddings_and_output_weights
-        # tied embedding split over pipeline stages: both copies' gradients are summed over the
-        # embedding group (first and last stage) before the DP reduction
-        if pre_process:
+        self._mark_shared(config)
+
+    def _mark_shared(self, config: GPTConfig) -> None:
+        """Tied embedding, or MTP's embedding, split over pipeline stages: both copies' gradients
+        are summed over the embedding group (first and last stage) before the DP reduction; the
+        last stage's copies are not saved (their names are the first stage's)."""
+        if self.embedding is not None:
             param_info(self.embedding.word_embeddings.weight).embedding_or_output = True
         if self.output_layer is not None:
             param_info(self.output_layer.weight).embedding_or_output = True
         tied = not config.untie_embeddings_and_output_weights
-        if tied and pre_process and not post_process:
-            param_info(self.embedding.word_embeddings.weight).embedding_group_sync = True
-        if tied and post_process and not pre_process:
-            param_info(self.output_layer.weight).embedding_group_sync = True
+        if self.pre_process and not self.post_process and (tied or config.mtp_num_layers):
+            for p in self.embedding.parameters() if config.mtp_num_layers else [self.embedding.word_embeddings.weight]:
+                param_info(p).embedding_group_sync = True
+        if self.post_process and not self.pre_process:
+            if self.embedding is not None:  # MTP's copy of the embedding (the tied output layer too)
+                for p in self.embedding.parameters():
+                    param_info(p).embedding_group_sync = param_info(p).tied_copy = True
+            elif tied:
+                param_info(self.output_layer.weight).embedding_group_sync = True
 
     # -- names -------------------------------------------------------------------------------
     def global_name(self, local_name: str) -> str:
@@ -150,11 +165,19 @@ class GPTModel(nn.Module):
         in forward order (distributed/zero3.py). The rest (final norm, an untied output layer) is
         gathered for the chunk's. When the word embedding is also this chunk's output layer, the
         output projection gathers it again for itself (`output_weight_gather`)."""
-        return ([self.embedding] if self.pre_process else []) + list(self.decoder.layers)
+        mtp = list(self.mtp.layers) if self.mtp is not None else []
+        if self.embedding is not None and not self.pre_process:  # MTP's copy: looked up after the decoder
+            return list(self.decoder.layers) + [self.embedding] + mtp
+        return ([self.embedding] if self.pre_process else []) + list(self.decoder.layers) + mtp
+
+    def transformer_layers(self) -> list[nn.Module]:
+        """The decoder's layers, then the MTP modules' transformer layers."""
+        mtp = [m.transformer_layer for m in self.mtp.layers] if self.mtp is not None else []
+        return list(self.decoder.layers) + mtp
 
     def moe_layers(self) -> list[tuple[int, nn.Module]]:
-        """(global layer number, MoELayer) of this chunk's MoE layers."""
-        return [(layer.layer_number, layer.mlp) for layer in self.decoder.layers if isinstance(layer.mlp, MoELayer)]
+        """(global layer number, MoELayer) of this chunk's MoE layers (MTP's numbered after the decoder's)."""
+        return [(layer.layer_number, layer.mlp) for layer in self.transformer_layers() if isinstance(layer.mlp, MoELayer)]
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The routed experts' weights on this rank (reduced and ZeRO-sharded over the
@@ -162,8 +185,10 @@ class GPTModel(nn.Module):
         return [p for _, layer in self.moe_layers() for p in layer.experts.parameters()]
 
     def output_weight_is_tied_here(self) -> bool:
-        """The word embedding is this chunk's output layer too (one pipeline stage, tied)."""
-        return self.pre_process and self.post_process and not self.config.untie_embeddings_and_output_weights
+        """The word embedding is this chunk's output layer too (tied, and the embedding here: one
+        pipeline stage, or MTP's copy on the last)."""
+        return (self.embedding is not None and self.post_process
+                and not self.config.untie_embeddings_and_output_weights)
 
     def _rotary(self, device):
         c = self.config
@@ -194,12 +219,48 @@ class GPTModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.output_layer.weight if self.output_layer is not None else self.embedding.word_embeddings.weight
 
-    def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
-        """input_ids, position_ids, labels: [b, s]. Returns the per-token loss [b, s] when labels
-        are given on the last stage, logits [s, b, v/tp] without them, and the hidden states
+    def forward(self, input_ids, position_ids, attention_mask=None, labels=None, loss_mask=None):
+        """input_ids, position_ids, labels, loss_mask: [b, s]. Returns the per-token loss [b, s] when
+        labels are given on the last stage, logits [s, b, v/tp] without them, and the hidden states
         [s, b, h] on other stages. Under context parallelism s is this rank's s/c tokens
-        (context_parallel/sharding.slice_batch) and position_ids their global positions."""
-        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
+        (context_parallel/sharding.slice_batch) and position_ids their global positions. With MTP
+        (in training, with labels) `mtp_results` holds its per-depth losses (model/mtp.py)."""
+        self.mtp_results = None
+        shifted = mtp_embedded = None
+        if self.mtp is not None and labels is not None and self.training:
+            if loss_mask is None:
+                loss_mask = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
+            shifted = self.mtp.shifted(input_ids, position_ids, labels, loss_mask)
+        if self.pre_process:
+            x = self._embed(input_ids, position_ids, shifted)
+            if shifted is not None:  # one lookup of the ids and their shifts (one ZeRO-3 gather)
+                x, *mtp_embedded = x.chunk(1 + len(shifted), dim=1)
+        else:
+            x = self.input_tensor
+        rotary, attention_mask = self._rotary_and_mask(x, position_ids, attention_mask)
+        x = self.decoder(x, rotary, attention_mask)
+        if not self.post_process:
+            return x
+        if shifted is not None:
+            if mtp_embedded is None:  # MTP's copy of the embedding (last stage)
+                mtp_embedded = self._embed(None, None, shifted).chunk(len(shifted), dim=1)
+            self.mtp_results = self._mtp_losses(x, mtp_embedded, shifted, rotary, attention_mask)
+        logits = self._logits(x)
+        if labels is None:
+            return logits
+        return self._loss(logits, labels)
+
+    def _embed(self, input_ids, position_ids, shifted):
+        """Embeddings [s, b', h] of `input_ids` and, with MTP, of each depth's shifted ids, along b."""
+        ids = [] if input_ids is None else [input_ids]
+        pos = [] if input_ids is None else [position_ids]
+        if shifted is not None:
+            ids += [t[0] for t, _ in shifted]
+            pos += [t[1] for t, _ in shifted]
+        positions = None if any(p is None for p in pos) else torch.cat(pos, dim=0)
+        return self.embedding(torch.cat(ids, dim=0), positions)
+
+    def _rotary_and_mask(self, x, position_ids, attention_mask):
         rotary = None
         cp, cp_rank = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)
         s = x.size(0) * (comm.group_size(self.tp_group) if self.execution.sequence_parallel else 1)  # local tokens
@@ -216,22 +277,42 @@ class GPTModel(nn.Module):
             allowed = causal_mask(s, cp, cp_rank, x.device)
             attention_mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(
                 ~allowed, float("-inf"))
-        x = self.decoder(x, rotary, attention_mask)
-        if not self.post_process:
-            return x
+        return rotary, attention_mask
+
+    def _mtp_losses(self, x, embedded, shifted, rotary, attention_mask) -> list:
+        """Per depth k: (sum of mask_k x CE_k here, with its graph; mask_k's tokens here; mask_k's tokens in
+        the whole sequence), each module fed the previous one's output (model/mtp.py)."""
+        results = []
+        for layer, emb, ((_, _, labels, mask), whole_tokens) in zip(self.mtp.layers, embedded, shifted):
+            x = layer(x, emb, rotary, attention_mask)
+            loss = self._loss(self._logits(x), labels)  # [b, s]
+            results.append(((loss.float() * mask).sum(), mask.sum(), whole_tokens))
+        return results
+
+    def _logits(self, x):
+        """The output layer: [s, b, h] ([s/tp, b, h] under SP) -> logits [s, b, v/tp]."""
         sp_group = self.tp_group if self.execution.sequence_parallel else None
         if self.output_weight_gather is not None:  # ZeRO-3, tied: the embedding gathered for this product only
-            logits = self.output_weight_gather.linear(x if sp_group else copy_to_tp(x, self.tp_group),
-                                                      sp_group)  # [s, b, v/tp]
-        elif sp_group is not None:  # the [s, b, h] gathered input is not kept for backward
-            logits = linear_with_sp_gather(x, self.output_weight(), None, self.tp_group)  # [s, b, v/tp]
-        else:
-            logits = F.linear(copy_to_tp(x, self.tp_group), self.output_weight())  # [s, b, v/tp]
-        if labels is None:
-            return logits
+            return self.output_weight_gather.linear(x if sp_group else copy_to_tp(x, self.tp_group), sp_group)
+        if sp_group is not None:  # the [s, b, h] gathered input is not kept for backward
+            return linear_with_sp_gather(x, self.output_weight(), None, self.tp_group)
+        return F.linear(copy_to_tp(x, self.tp_group), self.output_weight())
+
+    def _loss(self, logits, labels):
+        """Per-token cross entropy [b, s] of logits [s, b, v/tp] against labels [b, s]."""
         cross_entropy = (fused_vocab_parallel_cross_entropy if self.execution.cross_entropy_loss_fusion
                          else vocab_parallel_cross_entropy)
         # the logits are read no more: fp32 ones become their softmax in place
         loss = cross_entropy(logits, labels.transpose(0, 1), self.tp_group, self.config.vocab_size,
                              overwrite_logits=True)
         return loss.transpose(0, 1)  # [b, s]
+
+    def mtp_loss(self, main_tokens, microbatch_mean: bool):
+        """After a training forward with MTP: (the micro-batch's MTP objective term, in the LM loss's
+        normalisation, and [D, 2] of its per-depth (loss sum, tokens) here for the log); None otherwise."""
+        if not self.mtp_results:
+            return None
+        term = mtp_objective(self.mtp_results, main_tokens, microbatch_mean, self.mtp.scale)
+        stats = torch.stack([torch.stack([s.detach().double(), n.double()]) for s, n, _ in self.mtp_results])
+        self.mtp_results = None
+        return term, stats

@@ -22,7 +22,8 @@ from .norm import Norm
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, rng_tracker=None, layer_number: int = 0,
-                 device=None, cp_group=None, ep_group=None, token_group=None, etp_group="tp"):
+                 device=None, cp_group=None, ep_group=None, token_group=None, etp_group="tp", moe: bool | None = None):
+        """`moe`: an MoE MLP or a dense one; default: as --moe-layer-freq says of `layer_number`."""
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init depend on it
         self.hidden_dropout = config.hidden_dropout
@@ -34,7 +35,8 @@ class TransformerLayer(nn.Module):
                                             layer_number)
         self.pre_mlp_layernorm = Norm(config, execution, device)
         self.mlp = (MoELayer(config, execution, tp_group, ep_group, token_group, device, etp_group)
-                    if config.is_moe_layer(layer_number) else MLP(config, execution, tp_group, device))
+                    if (config.is_moe_layer(layer_number) if moe is None else moe)
+                    else MLP(config, execution, tp_group, device))
 
     def _dropout(self, x):
         if not self.training or self.hidden_dropout == 0:

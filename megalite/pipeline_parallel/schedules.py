@@ -46,18 +46,23 @@ class _Step:
         chunk.set_input_tensor(input_tensor)
         batch = next(self.batches[chunk_id])
         with torch.set_grad_enabled(not self.forward_only):
-            out = chunk(batch["input_ids"], batch["position_ids"], batch["attention_mask"], batch["labels"])
+            # MTP (model/mtp.py) rolls the loss mask with the labels: the chunk that holds it gets it
+            mtp = {"loss_mask": batch["loss_mask"]} if getattr(chunk, "mtp", None) is not None else {}
+            out = chunk(batch["input_ids"], batch["position_ids"], batch["attention_mask"], batch["labels"], **mtp)
             if not chunk.post_process:
                 return out  # activations for the next stage
             mask = batch["loss_mask"]
             loss_sum = (out.float() * mask).sum()  # [b, s] per-token losses -> the micro-batch's sum
         num_tokens = mask.sum()
-        self.stats.append((loss_sum.detach(), num_tokens))
+        # under context parallelism, the whole sequence's count: the CP ranks' partial sums (summed
+        # with the gradients over DP x CP) then make the micro-batch's mean
+        denominator = batch.get("num_tokens_sequence", num_tokens)
+        mtp = chunk.mtp_loss(denominator, self.microbatch_mean) if mtp else None
+        self.stats.append((loss_sum.detach(), num_tokens) + ((mtp[1],) if mtp is not None else ()))
         if self.microbatch_mean:  # a micro-batch without loss tokens adds 0 (Megatron-LM's would be NaN)
-            # under context parallelism, the whole sequence's count: the CP ranks' partial sums
-            # (summed with the gradients over DP x CP) then make the micro-batch's mean
-            denominator = batch.get("num_tokens_sequence", num_tokens)
             loss_sum = loss_sum / denominator.clamp(min=1)
+        if mtp is not None:  # the MTP loss, weighed by --mtp-loss-scaling-factor / D, in the same normalisation
+            loss_sum = loss_sum + mtp[0]
         return loss_sum * self.backward_scale
 
     @staticmethod

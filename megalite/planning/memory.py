@@ -85,6 +85,19 @@ def layer_params(c, moe: bool = False) -> tuple[int, int]:
     return sharded + mlp_sharded, replicated + mlp_replicated
 
 
+def mtp_params(c) -> tuple[int, int, int]:
+    """(elements sharded over TP on one TP rank, replicated, local expert elements) of the D MTP
+    modules (model/mtp.py): each a transformer layer built as the last decoder layer, its [h, 2h]
+    eh_proj (column-parallel) and three norms (enorm, hnorm, final_layernorm)."""
+    depth = c.model.mtp_num_layers or 0
+    h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
+    moe = moe_pattern(c)[-1]
+    sharded, replicated = layer_params(c, moe)
+    norm = h * (2 if c.model.normalization == "LayerNorm" else 1)
+    experts = local_expert_params(c) if moe else 0
+    return depth * (sharded + 2 * h * h // t), depth * (replicated + 3 * norm), depth * experts
+
+
 def stage_layer_params(c, pp_rank: int) -> tuple[int, int]:
     """(dense elements, expert elements) of the transformer layers on one GPU of stage `pp_rank`:
     expert weights are reduced and sharded over the expert-data-parallel group, the rest over
@@ -111,8 +124,15 @@ def stage_param_split(c, pp_rank: int) -> tuple[int, int]:
                 n += c.model.max_position_embeddings * h
         if post:
             n += h * (2 if c.model.normalization == "LayerNorm" else 1)  # final norm
+            mtp = bool(c.model.mtp_num_layers)
             if c.model.untie_embeddings_and_output_weights or not pre:
                 n += word  # output layer, or the tied embedding's copy on the last stage
+            if mtp and not pre:  # MTP's copy of the embedding (with a tied one, the counted copy above)
+                n += word if c.model.untie_embeddings_and_output_weights else 0
+                if c.model.position_embedding_type == "learned_absolute":
+                    n += c.model.max_position_embeddings * h
+            sharded, replicated, local_experts = mtp_params(c)
+            n, experts = n + sharded + replicated, experts + local_experts
     return n, experts
 
 
@@ -130,6 +150,9 @@ def total_params(c) -> int:
     for moe in pattern:
         sharded, replicated = layer_params(c, moe)
         n += sharded * t + replicated + (c.model.num_experts * expert_params(c) if moe else 0)
+    sharded, replicated, _ = mtp_params(c)
+    depth, moe = c.model.mtp_num_layers or 0, moe_pattern(c)[-1]
+    n += sharded * t + replicated + (depth * c.model.num_experts * expert_params(c) if moe else 0)
     n += c.model.padded_vocab_size * h * (2 if c.model.untie_embeddings_and_output_weights else 1)
     if c.model.position_embedding_type == "learned_absolute":
         n += c.model.max_position_embeddings * h
@@ -229,7 +252,12 @@ def stage_activation_bytes(c, pp_rank: int, rebuilt: bool = True) -> float:
         total += chunks / v * s * b * h / (t if sp else 1)
     if pp_rank == p - 1:  # final norm output, output-layer input, fp32 logits (one micro-batch)
         # (one logits-sized tensor in the logits' dtype: tensor_parallel/cross_entropy.py)
-        total += 4 * s * b * h / t * (1 + c.model.padded_vocab_size / (2 * h)) * scale
+        logits = 4 * s * b * h / t * (1 + c.model.padded_vocab_size / (2 * h)) * scale
+        total += logits
+        if c.model.mtp_num_layers:  # MTP, per depth and micro-batch in flight on the last chunk: its layer,
+            # the enorm / hnorm inputs and the [s, b, 2h] eh_proj input (8·s·b·h), and its own logits
+            per_depth = layer_activation_bytes(c, moe_pattern(c)[-1])[0] + 8 * s * b * h / (t if sp else 1) * scale
+            total += c.model.mtp_num_layers * (max(1, chunks // v) * per_depth + logits)
     return total
 
 
@@ -251,11 +279,16 @@ def unit_params(c, pp_rank: int) -> tuple[int, list[int]]:
                      for chunk in chunk_layers(c, pp_rank) for n in chunk]
     for chunk in range(v):
         pre, post = pp_rank == 0 and chunk == 0, pp_rank == p - 1 and chunk == v - 1
+        mtp = post and bool(c.model.mtp_num_layers)
         n = 0
         if post:
-            n += h * (2 if c.model.normalization == "LayerNorm" else 1) + (word if (not tied or not pre) else 0)
-        if pre:
+            n += h * (2 if c.model.normalization == "LayerNorm" else 1)
+            n += word if (not tied or not (pre or mtp)) else 0  # an untied output layer, a tied copy without MTP
+        if pre or mtp:  # the embedding (MTP's copy on the last stage: a unit of its own)
             units.append(word + pos)
+        if mtp:  # each MTP module is a unit
+            sharded, replicated, experts = mtp_params(c)
+            units += [(sharded + replicated + experts) // c.model.mtp_num_layers] * c.model.mtp_num_layers
         own = max(own, n)
     return own, units
 
@@ -270,7 +303,9 @@ def bucket_sizes(c, pp_rank: int, strategy: ShardingStrategy) -> list[int]:
     tables = 0  # word embedding and output layer tables on this stage
     for chunk in range(v):
         pre, post = pp_rank == 0 and chunk == 0, pp_rank == p - 1 and chunk == v - 1
-        tables += int(pre) + int(post and (c.model.untie_embeddings_and_output_weights or not pre))
+        mtp = post and not pre and bool(c.model.mtp_num_layers)  # MTP's copy of the embedding
+        tables += int(pre) + int(post and (c.model.untie_embeddings_and_output_weights or not pre)) \
+            + int(mtp and c.model.untie_embeddings_and_output_weights)
     tables = tables if word >= bs else 0
     own, units = unit_params(c, pp_rank)
     parts = units + [own] if strategy.shards_params else [stage_params(c, pp_rank)]

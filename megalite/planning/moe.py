@@ -37,7 +37,8 @@ def moe_pattern(c) -> list[bool]:
 def chunk_layers(c, pp_rank: int) -> list[list[int]]:
     """The global layer numbers of each model chunk of pipeline rank `pp_rank`."""
     p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
-    return [list(range(first, first + n)) for first, n in stage_layers(c.model.num_layers, p, v, pp_rank)]
+    return [list(range(first, first + n))
+            for first, n in stage_layers(c.model.num_layers, p, v, pp_rank, c.parallel.pipeline_model_parallel_layout)]
 
 
 def _expert_parts(c, ffn: int) -> tuple[int, int]:

@@ -25,14 +25,21 @@ def num_floating_point_operations(c, batch_size: int) -> float:
     active parameters only): its top-k experts (k·f_e·n, f_e = --moe-ffn-hidden-size), the shared
     expert (f_s·n), and the router (E) and shared-expert gate (1), which Megatron-LM's formula
     leaves out (6·B·s·h·E per MoE layer: 0.1% of Mixtral 8x7B's). MFU counts these FLOPs, so a
-    sparse model's MFU is that of the work its tokens do, not of its parameter count. With
-    multi-latent attention the attention part is 6·B·s·L·(its weights per token + s·a·(d + dr + dv)).
+    sparse model's MFU is that of the work its tokens do, not of its parameter count.
+
+    D MTP modules (--mtp-num-layers; Megatron-LM counts them alike) add D transformer layers (MoE
+    as the last decoder layer), D output-layer products (V/(2·L·h) becomes (1 + D)·V/(2·L·h)) and
+    their [h, 2h] eh_proj: 6·B·s·D·2h².
+
+    With multi-latent attention the attention part is 6·B·s·(L + D)·(its weights per token +
+    s·a·(d + dr + dv)).
     """
     s, L, h = c.seq_length, c.num_layers, c.hidden_size
     a, g, d = c.num_attention_heads, c.num_query_groups, c.kv_channels
+    D = getattr(c, "mtp_num_layers", None) or 0
     n = 3 if (c.swiglu or getattr(c, "quick_geglu", False)) else 2  # a gated fc1 is two matrices
     mlp = 0.0
-    for layer in range(L):
+    for layer in list(range(L)) + [L - 1] * D:  # an MTP layer is built as the last decoder layer
         if getattr(c, "num_experts", None) and c.is_moe_layer(layer):
             shared = c.moe_shared_expert_intermediate_size or 0
             mlp += (c.moe_router_topk * c.expert_ffn_hidden_size + shared) * n + c.num_experts \
@@ -40,11 +47,11 @@ def num_floating_point_operations(c, batch_size: int) -> float:
         else:
             mlp += c.ffn_hidden_size * n
     if getattr(c, "multi_latent_attention", False):  # MLA's projections and head sizes (model/mla.py)
-        attention = 6.0 * batch_size * s * L * (mla_weights_per_token(c) + s * a * (
+        attention = 6.0 * batch_size * s * (L + D) * (mla_weights_per_token(c) + s * a * (
             c.qk_head_dim + c.qk_pos_emb_head_dim + c.v_head_dim))
-        return attention + 6.0 * batch_size * s * h * (mlp + c.padded_vocab_size)
-    return 12.0 * batch_size * s * L * h * h * ((1 + g / a + s / h) * (a * d / h) + c.padded_vocab_size / (2 * L * h)) \
-        + 6.0 * batch_size * s * h * mlp
+    else:
+        attention = 12.0 * batch_size * s * (L + D) * h * h * (1 + g / a + s / h) * (a * d / h)
+    return attention + 6.0 * batch_size * s * h * (c.padded_vocab_size * (1 + D) + mlp + D * 2 * h)
 
 
 def mla_weights_per_token(c) -> int:
@@ -114,6 +121,10 @@ def console_line(r: dict, train_iters: int, memory: str, eta_s: float, throughpu
         parts.append(f"loss scale: {r['loss_scale']:.1f}")
     if r.get("grad_norm") is not None:  # None on a step skipped for fp16 overflow
         parts.append(f"grad norm: {r['grad_norm']:.3f}")
+    k = 1
+    while r.get(f"mtp_{k}_loss") is not None:  # MTP, as Megatron-LM names them: "mtp_1 loss", ...
+        parts.append(f"mtp_{k} loss: {r[f'mtp_{k}_loss']:.6E}")
+        k += 1
     for key, label in (("load_balancing_loss", "load balancing loss"), ("z_loss", "z loss")):
         if r.get(key) is not None:  # MoE, as Megatron-LM names them
             parts.append(f"{label}: {r[key]:.6E}")
