@@ -92,6 +92,8 @@ def test_deepseek_imports_with_equal_logits_and_exports_back(case, tmp_path, cap
     print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e}")
     assert diff < 1e-5, diff
     cfg = load_model(ck)[1]["model_config"]
+    # transformers writes num_nextn_predict_layers 1 (its default) but no MTP weights: none imported
+    assert reference.config.num_mtp_layers == 1 and cfg.get("mtp_num_layers") is None
     # the printed flags build this very model
     from megalite.arguments import parse_config
     flags = shlex.split(printed.split("pretrain_gpt.py ")[1].splitlines()[0].removesuffix(" ..."))
@@ -124,10 +126,13 @@ def _megalite_mla(root, **kw):
     model = GPTModel(config)
     model.initialize(11)
     state = {n: p.detach().clone() for n, p in model.global_named_parameters()}
-    g = torch.Generator().manual_seed(5)  # norms away from their init of ones: a swapped norm shows
-    state = {n: torch.rand(p.shape, generator=g) + 0.5 if n.endswith("layernorm.weight") else p
-             for n, p in state.items()}
-    state.update({n: torch.randn(b.shape, generator=g) * 0.3 for n, b in model.global_named_buffers()})
+    # norms away from their init of ones: a swapped norm shows. The MTP modules draw from their own
+    # generator: the main model is the same with and without them
+    main, mtp = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
+    state = {n: torch.rand(p.shape, generator=mtp if n.startswith("mtp.") else main) + 0.5
+             if n.endswith("norm.weight") else p for n, p in state.items()}
+    state.update({n: torch.randn(b.shape, generator=mtp if n.startswith("mtp.") else main) * 0.3
+                  for n, b in model.global_named_buffers()})
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if name in state:
             state[name] = state[name][:VOCAB]
@@ -146,18 +151,94 @@ MEGALITE_CASES = {
 }
 
 
+# MTP module 0 of a 3-layer model: megalite's names and DeepSeek-V3's (the released checkpoint's
+# model.layers.{num_hidden_layers + k}.*; vLLM's deepseek_mtp.py reads the same), for the tensors
+# that travel unchanged (the rotary rows of q_b_proj / kv_a_proj_with_mqa are permuted)
+MTP_SAME = [("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
+            ("final_layernorm.weight", "shared_head.norm.weight"),
+            ("transformer_layer.input_layernorm.weight", "input_layernorm.weight"),
+            ("transformer_layer.pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+            ("transformer_layer.self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
+            ("transformer_layer.self_attention.linear_proj.weight", "self_attn.o_proj.weight")]
+MTP_MOE = [("transformer_layer.mlp.router.weight", "mlp.gate.weight"),
+           ("transformer_layer.mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"),
+           ("transformer_layer.mlp.experts.local_experts.1.linear_fc2.weight", "mlp.experts.1.down_proj.weight")]
+
+
+def _mtp_loss(model, tokens):
+    """Module 1's mean cross entropy (training forward, the loss falling on every position that has a
+    target two tokens on) and its hidden states [s, b, h]."""
+    b, s = tokens.size(0), tokens.size(1) - 1
+    model.train()
+    captured = []
+    handle = model.mtp.layers[0].register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
+    with torch.no_grad():
+        model(tokens[:, :-1], torch.arange(s).expand(b, s), labels=tokens[:, 1:], loss_mask=torch.ones(b, s))
+    handle.remove()
+    (loss_sum, count, _), = model.mtp_results
+    assert count == b * (s - 1)
+    return (loss_sum / count).item(), captured[0]
+
+
+def _transformers_mtp(hf_dir, hf, tokens):
+    """The same through transformers' own MTP module (modeling_layers.MtpModel, which speculative
+    decoding loads from the checkpoint's layers past the last): loss and hidden states [b, s-1, h]."""
+    from transformers.modeling_layers import MtpModel
+    # DeepseekV3ForCausalLM ignores (and MtpModel finds) model.layers.61.*: DeepSeek-V3's depth
+    hf._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{hf.config.num_hidden_layers}\..*"]
+    mtp = MtpModel.from_pretrained(hf).eval()
+    b, s = tokens.size(0), tokens.size(1) - 1
+    with torch.no_grad():
+        h = hf.model(tokens[:, :-1]).last_hidden_state  # the final-normed h_0
+        out = mtp.forward_layer(0, h[:, :-1], torch.arange(1, s).expand(b, s - 1), None, input_ids=tokens[:, 1:-1])
+        logits = hf.lm_head(out)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 2:].flatten())
+    return loss.item(), out
+
+
 @pytest.mark.parametrize("case", list(MEGALITE_CASES))
-def test_megalite_mla_exports_with_equal_logits_and_imports_back(case, tmp_path):
-    ck = _megalite_mla(tmp_path / "ck", **MEGALITE_CASES[case])
+def test_megalite_mla_exports_with_equal_logits_and_imports_back(case, tmp_path, capsys):
+    """With an MTP module: DeepSeek-V3's layer num_layers (which DeepseekV3ForCausalLM skips), whose
+    loss transformers' MtpModel computes the same, and which imports back exactly."""
+    ck = _megalite_mla(tmp_path / "ck", mtp_num_layers=1, **MEGALITE_CASES[case])
     hf_dir = _convert("megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"
     diff = _logit_diff(ck, hf, _ids())
-    print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e}")
+    with capsys.disabled():
+        print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e}")
     assert diff < 1e-5, diff
+    # the MTP module under DeepSeek-V3's names, with copies of the embedding and the output layer
+    (meta, a), exported = load_full_state_dict(ck), _safetensors(hf_dir)
+    assert hf.config.num_mtp_layers == 1 and hf.config.to_dict()["num_nextn_predict_layers"] == 1
+    moe = bool(meta["model_config"].get("num_experts"))
+    for ours, theirs in MTP_SAME + (MTP_MOE if moe else []):
+        assert torch.equal(exported["model.layers.3." + theirs], a["mtp.layers.0." + ours]), theirs
+    head = a.get("output_layer.weight", a["embedding.word_embeddings.weight"])
+    assert torch.equal(exported["model.layers.3.embed_tokens.weight"], a["embedding.word_embeddings.weight"])
+    assert torch.equal(exported["model.layers.3.shared_head.head.weight"], head)
+    tokens = _ids(2, 41)
+    ours, ours_h = _mtp_loss(load_model(ck)[0], tokens)
+    if moe:  # MtpModel builds an MTP layer as MoE always (DeepSeek-V3's is)
+        theirs, theirs_h = _transformers_mtp(hf_dir, hf, tokens)
+        h_diff = (ours_h.transpose(0, 1)[:, :-1] - theirs_h).abs().max().item()
+        with capsys.disabled():
+            print(f"{case}: MTP loss megalite {ours:.7f} transformers {theirs:.7f}; max |h_1 difference| {h_diff:.3e}")
+        assert abs(ours - theirs) < 1e-5 * ours and h_diff < 1e-5
+    capsys.readouterr()
     back = _convert("hf", "megalite", hf_dir, tmp_path / "back", "--target-tensor-parallel-size", "2")
-    (_, a), (_, b) = load_full_state_dict(ck), load_full_state_dict(back)
+    assert "--mtp-num-layers 1" in capsys.readouterr().out
+    meta_b, b = load_full_state_dict(back)
+    assert meta_b["model_config"]["mtp_num_layers"] == 1
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+    assert _mtp_loss(load_model(back)[0], tokens)[0] == ours
+    if moe:  # an MTP module whose copy of the embedding is not the embedding: refused, not dropped
+        exported["model.layers.3.embed_tokens.weight"] = exported["model.layers.3.embed_tokens.weight"] + 1
+        from safetensors.torch import save_file
+        save_file(exported, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+        assert convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir", hf_dir,
+                             "--save-dir", str(tmp_path / "bad")]) == 2
+        assert "model.layers.3.embed_tokens.weight differs" in capsys.readouterr().err
 
 
 def test_mla_generation_caches_the_latent(tmp_path):
@@ -184,6 +265,7 @@ def test_mla_generation_caches_the_latent(tmp_path):
     (dict(DEEPSEEK_MOE, moe_layer_freq="[1,0,1]"), "--moe-layer-freq [1,0,1]"),
     (dict(DEEPSEEK_MOE, moe_shared_expert_intermediate_size=None), "--moe-shared-expert-intermediate-size"),
     (dict(norm_epsilon=1e-5), "--norm-epsilon 1e-05"),
+    (dict(multi_latent_attention=False, mtp_num_layers=1), "--mtp-num-layers 1 without --multi-latent-attention"),
 ])
 def test_deepseek_export_refuses_what_it_cannot_express(kw, message):
     cfg = GPTConfig(**dict(dict(num_layers=3, hidden_size=48, num_attention_heads=4, seq_length=64,

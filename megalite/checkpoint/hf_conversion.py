@@ -48,7 +48,7 @@ import torch
 from ..model import pad_vocab_size
 from .hf_config import (HF_CLASSES, ConversionError, config_from_hf, hf_architecture, hf_config, hf_rope, rope_from_hf,
                         update_json)
-from .hf_deepseek import deepseek_state, deepseek_tensors
+from .hf_deepseek import deepseek_mtp_depth, deepseek_state, deepseek_tensors
 from .hf_moe import moe_mlp_state, moe_mlp_tensors, moe_pattern
 from .hf_tokenizer import export_tokenizer, has_tokenizer_files, special_ids
 
@@ -274,6 +274,10 @@ def _llama_state(cfg: dict, hf: dict, arch: str = "llama") -> dict:
     return out
 
 
+def _refuse_import(in_dir: str, what: str):
+    raise ConversionError(f"--load-dir {in_dir}: {what}, which megalite cannot import")
+
+
 def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     """(model_config, run config record, state) of a local Hugging Face directory of one of HF_CLASSES:
     everything save_full_state_dict needs. The args name the directory as the tokenizer
@@ -302,11 +306,15 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     prefix = "transformer." if cfg["position_embedding_type"] == "learned_absolute" else "model."
     lm_head = hf.pop("lm_head.weight", None)
     hf = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in hf.items() if not _HF_BUFFERS.search(k)}
+    if hf_cfg.model_type == "deepseek_v3":  # its MTP modules, stored as layers past the last
+        cfg["mtp_num_layers"] = deepseek_mtp_depth(hf_cfg, hf, lambda what: _refuse_import(in_dir, what))
     try:
-        state = (_gpt2_state(cfg, hf) if prefix == "transformer." else deepseek_state(cfg, hf)
+        state = (_gpt2_state(cfg, hf) if prefix == "transformer." else deepseek_state(cfg, hf, lm_head)
                  if hf_cfg.model_type == "deepseek_v3" else _llama_state(cfg, hf, hf_cfg.model_type))
     except KeyError as e:
         raise ConversionError(f"--load-dir {in_dir}: weight {prefix}{e.args[0]} is missing") from None
+    except ValueError as e:
+        raise ConversionError(f"--load-dir {in_dir}: {e}") from None
     if hf:
         raise ConversionError(f"--load-dir {in_dir}: weights the mapping does not place: {', '.join(sorted(hf)[:5])}")
     if cfg["untie_embeddings_and_output_weights"]:

@@ -29,8 +29,17 @@ q_b_proj and kv_a_proj_with_mqa are permuted (evens first, then odds) on the way
 YaRN: transformers' rope_type "yarn" with mscale / mscale_all_dim, whose mscale_all_dim also scales
 the softmax (m² / √(d + dr)); MLA's --rope-type yarn.
 
-Not mapped here: multi-token prediction (DeepSeek-V3's `num_nextn_predict_layers` modules); the
-export writes num_nextn_predict_layers 0, and an import refuses weights beyond the last layer.
+Multi-token prediction (model/mtp.py): num_nextn_predict_layers D is --mtp-num-layers, and module
+k is stored as DeepSeek-V3's checkpoint stores it (vLLM's deepseek_mtp.py and transformers'
+MtpModel read it; DeepseekV3ForCausalLM skips it), as one more decoder layer:
+
+    mtp.layers.{k}.enorm / hnorm / eh_proj   model.layers.{L + k}.enorm / hnorm / eh_proj
+    mtp.layers.{k}.transformer_layer.*       model.layers.{L + k}.self_attn.* / mlp.* / *_layernorm
+    mtp.layers.{k}.final_layernorm           model.layers.{L + k}.shared_head.norm
+    (shared with the main model)             model.layers.{L + k}.embed_tokens / shared_head.head
+
+eh_proj's input is [enorm(emb); hnorm(h)] on both sides. The copies of the embedding and output
+layer are written on export and, on import, must equal the main model's when present.
 """
 from __future__ import annotations
 
@@ -42,6 +51,9 @@ from ..config.moe import moe_layer_pattern
 
 DEEPSEEK_CLASS = "DeepseekV3ForCausalLM"
 LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default, which q_a_layernorm / kv_a_layernorm keep
+# an MTP module's own weights: (megalite under mtp.layers.{k}., DeepSeek-V3 under model.layers.{L + k}.)
+MTP_NAMES = (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
+             ("final_layernorm.weight", "shared_head.norm.weight"))
 
 
 def _mla_names(cfg: dict) -> list[tuple[str, str]]:
@@ -77,68 +89,124 @@ def _moe_names(cfg: dict) -> list[tuple[str, str]]:
     return names + [("shared_experts.linear_fc2.weight", "shared_experts.down_proj.weight")]
 
 
+def _pattern(cfg: dict) -> list[bool]:
+    """Whether each decoder layer is MoE, then each MTP module's layer (MoE as the last layer is)."""
+    layers = cfg["num_layers"]
+    pattern = moe_layer_pattern(cfg.get("moe_layer_freq", "1"), layers) if cfg.get("num_experts") else [False] * layers
+    return pattern + [pattern[-1]] * (cfg.get("mtp_num_layers") or 0)
+
+
 def deepseek_tensors(cfg: dict, state: dict) -> dict:
-    """DeepseekV3ForCausalLM's tensors of megalite's `state`, popping what they use."""
+    """DeepseekV3ForCausalLM's tensors of megalite's `state`, popping what they use; MTP module k
+    as DeepSeek-V3 stores it: model.layers.{num_layers + k}.*, with copies of the embedding and
+    the output layer (module docstring)."""
     out = {"model.embed_tokens.weight": state.pop("embedding.word_embeddings.weight"),
            "model.norm.weight": state.pop("decoder.final_layernorm.weight")}
     if cfg["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = state.pop("output_layer.weight")
-    pattern = moe_layer_pattern(cfg.get("moe_layer_freq", "1"), cfg["num_layers"]) if cfg.get("num_experts") \
-        else [False] * cfg["num_layers"]
-    for i, moe in enumerate(pattern):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out[h + "input_layernorm.weight"] = state.pop(m + "input_layernorm.weight")
-        out[h + "post_attention_layernorm.weight"] = state.pop(m + "pre_mlp_layernorm.weight")
-        for ours, theirs in _mla_names(cfg):
-            out[h + "self_attn." + theirs] = _rope_rows(cfg, theirs, state.pop(m + "self_attention." + ours), True)
-        if not moe:
-            _split_fc1(out, h + "mlp.", state.pop(m + "mlp.linear_fc1.weight"))
-            out[h + "mlp.down_proj.weight"] = state.pop(m + "mlp.linear_fc2.weight")
+    layers = cfg["num_layers"]
+    for i, moe in enumerate(_pattern(cfg)):
+        m, h = (f"decoder.layers.{i}.", f"model.layers.{i}.") if i < layers else \
+            (f"mtp.layers.{i - layers}.transformer_layer.", f"model.layers.{i}.")
+        _layer_tensors(cfg, state, out, m, h, moe)
+        if i < layers:
             continue
-        bias = m + "mlp.router.expert_bias"
-        if bias not in state:  # no --moe-router-enable-expert-bias: transformers' buffer is zeros
-            state[bias] = torch.zeros(cfg["num_experts"])
-        for ours, theirs in _moe_names(cfg):
-            out[h + "mlp." + theirs] = state.pop(m + "mlp." + ours)
-        for e in range(cfg["num_experts"]):
-            _split_fc1(out, f"{h}mlp.experts.{e}.", state.pop(f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"))
-        _split_fc1(out, h + "mlp.shared_experts.", state.pop(m + "mlp.shared_experts.linear_fc1.weight"))
+        for ours, theirs in MTP_NAMES:
+            out[h + theirs] = state.pop(f"mtp.layers.{i - layers}.{ours}")
+        out[h + "embed_tokens.weight"] = out["model.embed_tokens.weight"]
+        out[h + "shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"])
     return out
+
+
+def _layer_tensors(cfg: dict, state: dict, out: dict, m: str, h: str, moe: bool) -> None:
+    """One decoder layer's tensors (megalite prefix m, DeepSeek's h) into `out`."""
+    out[h + "input_layernorm.weight"] = state.pop(m + "input_layernorm.weight")
+    out[h + "post_attention_layernorm.weight"] = state.pop(m + "pre_mlp_layernorm.weight")
+    for ours, theirs in _mla_names(cfg):
+        out[h + "self_attn." + theirs] = _rope_rows(cfg, theirs, state.pop(m + "self_attention." + ours), True)
+    if not moe:
+        _split_fc1(out, h + "mlp.", state.pop(m + "mlp.linear_fc1.weight"))
+        out[h + "mlp.down_proj.weight"] = state.pop(m + "mlp.linear_fc2.weight")
+        return
+    bias = m + "mlp.router.expert_bias"
+    if bias not in state:  # no --moe-router-enable-expert-bias: transformers' buffer is zeros
+        state[bias] = torch.zeros(cfg["num_experts"])
+    for ours, theirs in _moe_names(cfg):
+        out[h + "mlp." + theirs] = state.pop(m + "mlp." + ours)
+    for e in range(cfg["num_experts"]):
+        _split_fc1(out, f"{h}mlp.experts.{e}.", state.pop(f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"))
+    _split_fc1(out, h + "mlp.shared_experts.", state.pop(m + "mlp.shared_experts.linear_fc1.weight"))
 
 
 def _split_fc1(out: dict, prefix: str, fc1: torch.Tensor) -> None:
     out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = fc1.chunk(2)
 
 
-def deepseek_state(cfg: dict, hf: dict) -> dict:
-    """megalite tensors of DeepseekV3's `hf` ("model." stripped), popping what they use; KeyError
-    names a missing tensor."""
+def deepseek_mtp_depth(c, hf: dict, refuse) -> int | None:
+    """--mtp-num-layers of a DeepseekV3 checkpoint (`hf`: its tensors, "model." stripped): its
+    num_nextn_predict_layers when those modules' weights are there; none when none are (a model
+    transformers saved: DeepseekV3ForCausalLM neither loads nor writes them, while its config
+    defaults to 1)."""
+    depth = getattr(c, "num_mtp_layers", None) or getattr(c, "num_nextn_predict_layers", 0) or 0
+    layers = c.num_hidden_layers
+    present = [k for k in range(depth) if f"layers.{layers + k}.eh_proj.weight" in hf]
+    if not present:
+        return None
+    if len(present) != depth:
+        refuse(f"num_nextn_predict_layers {depth} but the weights of MTP modules {present} only")
+    last_moe = bool(c.n_routed_experts) and min(c.first_k_dense_replace or 0, layers) < layers
+    for k in present:  # megalite builds an MTP layer as the last decoder layer (config.is_moe_mtp_layer)
+        if (f"layers.{layers + k}.mlp.gate.weight" in hf) != last_moe:
+            refuse(f"MTP module {k} (model.layers.{layers + k}) {'with' if not last_moe else 'without'} experts, "
+                   f"unlike the last decoder layer (megalite's MTP layer is MoE exactly when that layer is)")
+    return depth
+
+
+def deepseek_state(cfg: dict, hf: dict, lm_head: torch.Tensor | None = None) -> dict:
+    """megalite tensors of DeepseekV3's `hf` ("model." stripped; `lm_head` its lm_head.weight),
+    popping what they use; KeyError names a missing tensor, ValueError an MTP module's copy of
+    the embedding or output layer that differs from the one megalite's MTP shares."""
     out = {"embedding.word_embeddings.weight": hf.pop("embed_tokens.weight"),
            "decoder.final_layernorm.weight": hf.pop("norm.weight")}
-    pattern = moe_layer_pattern(cfg.get("moe_layer_freq", "1"), cfg["num_layers"]) if cfg.get("num_experts") \
-        else [False] * cfg["num_layers"]
-    for i, moe in enumerate(pattern):
-        m, h = f"decoder.layers.{i}.", f"layers.{i}."
-        out[m + "input_layernorm.weight"] = hf.pop(h + "input_layernorm.weight")
-        out[m + "pre_mlp_layernorm.weight"] = hf.pop(h + "post_attention_layernorm.weight")
-        for ours, theirs in _mla_names(cfg):
-            out[m + "self_attention." + ours] = _rope_rows(cfg, theirs, hf.pop(h + "self_attn." + theirs), False)
-        theirs = h + "mlp."
-        if not moe:
-            out[m + "mlp.linear_fc1.weight"] = _fuse_fc1(hf, theirs)
-            out[m + "mlp.linear_fc2.weight"] = hf.pop(theirs + "down_proj.weight")
-            continue
-        if theirs + "experts.gate_up_proj" in hf:  # transformers 5's fused experts, in memory
-            fc1, fc2 = hf.pop(theirs + "experts.gate_up_proj"), hf.pop(theirs + "experts.down_proj")
-            for e in range(cfg["num_experts"]):
-                hf[f"{theirs}experts.{e}.down_proj.weight"] = fc2[e]
-                hf[f"{theirs}experts.{e}.gate_proj.weight"], hf[f"{theirs}experts.{e}.up_proj.weight"] = fc1[e].chunk(2)
-        for ours, name in _moe_names(cfg):
-            out[m + "mlp." + ours] = hf.pop(theirs + name)
-        for e in range(cfg["num_experts"]):
-            out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = _fuse_fc1(hf, f"{theirs}experts.{e}.")
-        out[m + "mlp.shared_experts.linear_fc1.weight"] = _fuse_fc1(hf, theirs + "shared_experts.")
+    layers = cfg["num_layers"]
+    shared = {"embed_tokens.weight": out["embedding.word_embeddings.weight"],
+              "shared_head.head.weight": out["embedding.word_embeddings.weight"] if lm_head is None else lm_head}
+    for i, moe in enumerate(_pattern(cfg)):
+        m, h = (f"decoder.layers.{i}.", f"layers.{i}.") if i < layers else \
+            (f"mtp.layers.{i - layers}.transformer_layer.", f"layers.{i}.")
+        if i >= layers:
+            for ours, theirs in MTP_NAMES:
+                out[f"mtp.layers.{i - layers}.{ours}"] = hf.pop(h + theirs)
+            for name, kept in shared.items():  # the copies DeepSeek-V3 stores (vLLM reads them); optional
+                copy = hf.pop(h + name, None)
+                if copy is not None and not torch.equal(copy, kept):
+                    raise ValueError(f"model.{h}{name} differs from the main model's (megalite's MTP module shares "
+                                     "the embedding and the output layer)")
+        _layer_state(cfg, hf, out, m, h, moe)
     return out
+
+
+def _layer_state(cfg: dict, hf: dict, out: dict, m: str, h: str, moe: bool) -> None:
+    """One decoder layer's megalite tensors (prefix m) from DeepSeek's (h) into `out`."""
+    out[m + "input_layernorm.weight"] = hf.pop(h + "input_layernorm.weight")
+    out[m + "pre_mlp_layernorm.weight"] = hf.pop(h + "post_attention_layernorm.weight")
+    for ours, theirs in _mla_names(cfg):
+        out[m + "self_attention." + ours] = _rope_rows(cfg, theirs, hf.pop(h + "self_attn." + theirs), False)
+    theirs = h + "mlp."
+    if not moe:
+        out[m + "mlp.linear_fc1.weight"] = _fuse_fc1(hf, theirs)
+        out[m + "mlp.linear_fc2.weight"] = hf.pop(theirs + "down_proj.weight")
+        return
+    if theirs + "experts.gate_up_proj" in hf:  # transformers 5's fused experts, in memory
+        fc1, fc2 = hf.pop(theirs + "experts.gate_up_proj"), hf.pop(theirs + "experts.down_proj")
+        for e in range(cfg["num_experts"]):
+            hf[f"{theirs}experts.{e}.down_proj.weight"] = fc2[e]
+            hf[f"{theirs}experts.{e}.gate_proj.weight"], hf[f"{theirs}experts.{e}.up_proj.weight"] = fc1[e].chunk(2)
+    for ours, name in _moe_names(cfg):
+        out[m + "mlp." + ours] = hf.pop(theirs + name)
+    for e in range(cfg["num_experts"]):
+        out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = _fuse_fc1(hf, f"{theirs}experts.{e}.")
+    out[m + "mlp.shared_experts.linear_fc1.weight"] = _fuse_fc1(hf, theirs + "shared_experts.")
 
 
 def _fuse_fc1(hf: dict, prefix: str) -> torch.Tensor:
@@ -205,12 +273,13 @@ def deepseek_hf_config(cfg: dict, common: dict, rope_parameters: dict, transform
         qk_rope_head_dim=cfg["qk_pos_emb_head_dim"], v_head_dim=cfg["v_head_dim"], rope_interleave=True,
         moe_intermediate_size=expert_ffn, n_routed_experts=experts or 1, num_experts_per_tok=k,
         n_shared_experts=(cfg.get("moe_shared_expert_intermediate_size") or expert_ffn) // expert_ffn,
-        first_k_dense_replace=_dense_prefix(cfg), n_group=groups,
+        # a dense model's MTP layers dense too: DeepSeek's layer i is MoE from first_k_dense_replace on
+        first_k_dense_replace=_dense_prefix(cfg) + (0 if experts else cfg.get("mtp_num_layers") or 0), n_group=groups,
         topk_group=cfg.get("moe_router_group_topk") if groups > 1 else 1, norm_topk_prob=k > 1,
         routed_scaling_factor=float(cfg.get("moe_router_topk_scaling_factor") or 1.0), hidden_act="silu",
         max_position_embeddings=cfg["max_position_embeddings"], rms_norm_eps=cfg["norm_epsilon"],
         rope_parameters=rope_parameters, attention_bias=False, attention_dropout=cfg.get("attention_dropout", 0.0),
-        num_mtp_layers=0, architectures=[DEEPSEEK_CLASS], **common)
+        num_mtp_layers=cfg.get("mtp_num_layers") or 0, architectures=[DEEPSEEK_CLASS], **common)
 
 
 def deepseek_yarn(cfg: dict) -> bool:
@@ -291,6 +360,8 @@ def deepseek_flags(cfg: dict) -> list:
     flags = ["--multi-latent-attention", "--kv-lora-rank", cfg["kv_lora_rank"], "--qk-head-dim", cfg["qk_head_dim"],
              "--qk-pos-emb-head-dim", cfg["qk_pos_emb_head_dim"], "--v-head-dim", cfg["v_head_dim"],
              "--rope-type", cfg.get("rope_type") or "yarn"]
+    if cfg.get("mtp_num_layers"):
+        flags += ["--mtp-num-layers", cfg["mtp_num_layers"]]
     if cfg.get("q_lora_rank"):
         flags += ["--q-lora-rank", cfg["q_lora_rank"]]
     if (cfg.get("rope_type") or "yarn") == "yarn":
