@@ -191,6 +191,9 @@ def test_deepseek_v3_script_flags_validate():
     assert (m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk) == (4, 1, 2)
     assert [m.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     assert c.parallel.expert_model_parallel_size == 2 and m.moe_shared_expert_intermediate_size == 32
+    assert (m.mtp_num_layers, m.mtp_loss_scaling_factor) == (1, 0.3)  # DeepSeek-V3's MTP depth and weight
+    proc = _deepseek_script({"DRY_RUN": "1", "MTP_NUM_LAYERS": ""})
+    assert proc.returncode == 0 and "--mtp" not in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

@@ -4,14 +4,16 @@
 # key/value compression and QK-norm on the latents (--multi-latent-attention, docs/models.md), the
 # first layer dense and the rest MoE, 8 routed SwiGLU experts with sigmoid scores, top-2 chosen
 # within the best of 4 groups (node-limited routing), aux-loss-free balancing by an expert bias,
-# the routing weights scaled by 2.5, one shared expert, and DeepSeek-V3's small sequence-wise
-# balance loss. 2 gloo processes: DP 2 with the experts split over EP 2 (each rank holds 4 of the 8
+# the routing weights scaled by 2.5, one shared expert, DeepSeek-V3's small sequence-wise balance
+# loss, and one multi-token-prediction module (MTP depth 1, its loss weighted 0.3; DeepSeek-V3
+# Sec. 2.2). 2 gloo processes: DP 2 with the experts split over EP 2 (each rank holds 4 of the 8
 # experts of every MoE layer). The same launch path as the GPT-3 scripts (examples/common.sh).
 # Builds the bundled data first when it is missing (bash data/prepare.sh, ~2 s).
 #
 #   bash examples/deepseek_v3/deepseek_v3_cpu.sh
 #   EP=1 bash examples/deepseek_v3/deepseek_v3_cpu.sh            # every expert on every rank
 #   Q_LORA_RANK= bash examples/deepseek_v3/deepseek_v3_cpu.sh    # no query compression (DeepSeek-V2-Lite's)
+#   MTP_NUM_LAYERS= bash examples/deepseek_v3/deepseek_v3_cpu.sh # no multi-token prediction
 #   DRY_RUN=1 bash examples/deepseek_v3/deepseek_v3_cpu.sh       # print the command (for tools/plan.py)
 #   OUTPUT_DIR=/tmp/ds bash examples/deepseek_v3/deepseek_v3_cpu.sh   # data and log under /tmp/ds
 # Output: OUTPUT_DIR [runs/deepseek_v3_cpu, from the current directory] holds the run's log (and
@@ -19,8 +21,10 @@
 # $OUTPUT_DIR/data too (DATA_BUILD_DIR), so nothing is written into the checkout.
 # Every size, path and switch can be set from the environment (examples/common.sh lists the
 # shared ones; the MLA ranks and head sizes, NUM_EXPERTS, TOPK, ROUTER_GROUPS, GROUP_TOPK, EP,
-# MOE_FFN_HIDDEN_SIZE and SHARED_EXPERT_SIZE are this script's). A checkpoint converts to
-# Hugging Face's DeepseekV3ForCausalLM with tools/checkpoint/convert.py (--saver hf).
+# MOE_FFN_HIDDEN_SIZE, SHARED_EXPERT_SIZE, MTP_NUM_LAYERS and MTP_LOSS_SCALING_FACTOR are this
+# script's). A checkpoint without MTP (MTP_NUM_LAYERS=) converts to Hugging Face's
+# DeepseekV3ForCausalLM with tools/checkpoint/convert.py (--saver hf); the MTP modules are not
+# mapped to transformers' layout (docs/models.md), so the export refuses a checkpoint with them.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
@@ -62,6 +66,11 @@ QK_POS_EMB_HEAD_DIM=${QK_POS_EMB_HEAD_DIM:-8}
 V_HEAD_DIM=${V_HEAD_DIM:-16}
 ROPE_TYPE=${ROPE_TYPE:-rope}         # rope | yarn (with --rotary-scaling-factor and the --yarn-* flags)
 
+# multi-token prediction: DeepSeek-V3's depth 1, its loss weighted 0.3 (0.1 for its last 4.8T tokens);
+# empty: none
+MTP_NUM_LAYERS=${MTP_NUM_LAYERS-1}
+MTP_LOSS_SCALING_FACTOR=${MTP_LOSS_SCALING_FACTOR:-0.3}
+
 # experts: 8 routed (DeepSeek-V3: 256) of 32 each, top-2 (8) within the best 1 (4) of 4 (8) groups,
 # sigmoid scores, expert bias, weights x 2.5, one shared expert; layer 0 dense
 NUM_EXPERTS=${NUM_EXPERTS:-8}
@@ -102,6 +111,10 @@ source "$ROOT/examples/common.sh"
 
 Q_ARGS=()
 if [ -n "$Q_LORA_RANK" ]; then Q_ARGS=(--q-lora-rank "$Q_LORA_RANK"); fi
+MTP_ARGS=()
+if [ -n "$MTP_NUM_LAYERS" ]; then
+    MTP_ARGS=(--mtp-num-layers "$MTP_NUM_LAYERS" --mtp-loss-scaling-factor "$MTP_LOSS_SCALING_FACTOR")
+fi
 DEEPSEEK_ARGS=(
     --position-embedding-type rope
     --normalization RMSNorm
@@ -117,6 +130,7 @@ DEEPSEEK_ARGS=(
     --v-head-dim "$V_HEAD_DIM"
     --rope-type "$ROPE_TYPE"
     --qk-layernorm
+    "${MTP_ARGS[@]}"
     --num-experts "$NUM_EXPERTS"
     --moe-router-topk "$TOPK"
     --moe-ffn-hidden-size "$MOE_FFN_HIDDEN_SIZE"
