@@ -22,9 +22,9 @@
 # Every size, path and switch can be set from the environment (examples/common.sh lists the
 # shared ones; the MLA ranks and head sizes, NUM_EXPERTS, TOPK, ROUTER_GROUPS, GROUP_TOPK, EP,
 # MOE_FFN_HIDDEN_SIZE, SHARED_EXPERT_SIZE, MTP_NUM_LAYERS and MTP_LOSS_SCALING_FACTOR are this
-# script's). A checkpoint without MTP (MTP_NUM_LAYERS=) converts to Hugging Face's
-# DeepseekV3ForCausalLM with tools/checkpoint/convert.py (--saver hf); the MTP modules are not
-# mapped to transformers' layout (docs/models.md), so the export refuses a checkpoint with them.
+# script's). Its checkpoints convert to Hugging Face's DeepseekV3ForCausalLM with
+# tools/checkpoint/convert.py (--saver hf), the MTP modules as DeepSeek-V3 stores them
+# (model.layers.{num_layers + k}.*, num_nextn_predict_layers; docs/models.md).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
