@@ -106,11 +106,15 @@ def _mark_launches(items):
 # (--no-loadscope-reorder: xdist's own order, most tests first, put the one-test torchrun files
 # last, where one of them kept a worker busy while the other had nothing left). Longest first
 # (LPT scheduling) leaves the many cheap files for the end, so both workers finish together.
-# A file's weight: for files whose few tests are long runs, its CPU seconds (test_compile,
-# test_megatron_examples and test_restart measured alone on 2 cores, the others estimated from
-# their runs); otherwise an estimate from its tests (a launching test ~3 s, another ~0.05 s).
-FILE_SECONDS = {"test_compile.py": 150, "test_megatron_examples.py": 85, "test_spikes.py": 60,
-                "test_restart.py": 37, "test_lifecycle.py": 30, "test_straggler.py": 25, "test_timeout.py": 25}
+# A file's weight: for files whose few tests are long runs, its seconds (test_compile,
+# test_megatron_examples and test_restart: CPU seconds measured alone on 2 cores; the gpt-oss,
+# MTP and Megatron-LM script files: as their commits report them; the others estimated from their
+# runs); otherwise an estimate from its tests (a launching test ~3 s, another ~0.05 s). A name
+# listed here for a file that is not there is ignored.
+FILE_SECONDS = {"test_compile.py": 150, "test_layouts_gpt_oss.py": 125, "test_megatron_examples.py": 85,
+                "test_megatron_moe_examples.py": 70, "test_spikes.py": 60, "test_megatron_mixtral_example.py": 50,
+                "test_qwen3_examples.py": 50, "test_mtp.py": 50, "test_restart.py": 37, "test_lifecycle.py": 30,
+                "test_straggler.py": 25, "test_timeout.py": 25}
 
 
 def _heaviest_files_first(items):
