@@ -1,9 +1,10 @@
 """Megatron-LM's own launch scripts run on megalite: the flag sets of
 examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh (its
 real-data and mock-data branches), as examples/megatron/run_cpu.sh passes them (only sizes shrunk;
-the other differences follow Megatron-LM's validation or the device), train under torchrun with
-TP=2; the scripts as written are refused with the reasons; batch ramp-ups and step schedules
-resume exactly; the per-token loss changes training when tokens are masked."""
+the other differences follow Megatron-LM's validation or the device), train with TP=2 (the
+commands run_cpu.sh passes to torchrun, on 2 ranks of the test pool); the scripts as written are
+refused with the reasons; batch ramp-ups and step schedules resume exactly; the per-token loss
+changes training when tokens are masked."""
 import json
 import math
 import os
