@@ -22,14 +22,18 @@ DEMO_DIR := $(if $(OUTPUT_DIR),$(OUTPUT_DIR),runs/demo)
 
 .PHONY: setup demo test test-fast gpu-check data clean
 
-# Byte-compiled on both cores after the install (pip compiles one file at a time: 103 s for the
-# install against 48 + 34 s): with PYTHONDONTWRITEBYTECODE set, as on these machines, nothing is
-# compiled on import, and a process that imports uncompiled torch takes seconds longer to start
+# Bytecode: written by the first process that imports a module (PYTHONDONTWRITEBYTECODE, set on
+# these machines, is not passed on to this Makefile's commands), so what the tests and the demo
+# import is compiled once and the rest of the venv never: a training process imports ~2,400 of the
+# venv's 12,700 modules (10 s of CPU to compile them), where compiling the whole venv took 60 s of
+# CPU (34 s on 2 cores) and pip's own compilation, one file at a time, 55 s more of the install.
+# Without bytecode a process that imports torch takes seconds longer to start, each time.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile $(TORCH_SPEC)
 	$(PY) -m pip install -q --no-compile -e ".[test,hf]"
-	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true  # (some packages ship files that do not compile)
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -50,11 +54,13 @@ demo: data
 # the repository's own modules byte-compiled first (1 s of every test process's start-up otherwise).
 # Two pytest workers (pytest-xdist), each test file on one of them (module fixtures are built once):
 # the suite keeps both cores busy where one worker waited on a process's start-up or a single
-# rank (840 s -> 670 s on 2 cores); TEST_WORKERS=0 runs it in one process
+# rank (840 s -> 670 s on 2 cores); TEST_WORKERS=0 runs it in one process. Files go to the workers
+# heaviest first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order), so the
+# cheap ones fill the end and both workers finish together
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m compileall -q -j 0 megalite tools tests benchmarks pretrain_gpt.py > /dev/null
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 test-fast: $(STAMP)
 	$(PY) -m compileall -q -j 0 megalite tools tests benchmarks pretrain_gpt.py > /dev/null

@@ -85,6 +85,11 @@ def _launches(fn, depth: int = 3) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    _mark_launches(items)
+    _heaviest_files_first(items)
+
+
+def _mark_launches(items):
     for item in items:
         if item.get_closest_marker("launches"):
             continue
@@ -94,6 +99,34 @@ def pytest_collection_modifyitems(config, items):
         if (set(names) & LAUNCHING_FIXTURES or _launches(getattr(item, "function", None))
                 or any(_launches(f) for f in fixture_fns if getattr(f, "__module__", "").startswith("test_"))):
             item.add_marker(pytest.mark.launches)
+
+
+# -- order: the heaviest test files first ----------------------------------------------------------
+# `make test` hands whole files to two xdist workers (--dist loadfile) in collection order
+# (--no-loadscope-reorder: xdist's own order, most tests first, put the one-test torchrun files
+# last, where one of them kept a worker busy while the other had nothing left). Longest first
+# (LPT scheduling) leaves the many cheap files for the end, so both workers finish together.
+# A file's weight: for files whose few tests are long runs, its seconds (test_compile,
+# test_megatron_examples and test_restart: CPU seconds measured alone on 2 cores; the gpt-oss,
+# MTP and Megatron-LM script files: as their commits report them; the others estimated from their
+# runs); otherwise an estimate from its tests (a launching test ~3 s, another ~0.05 s). A name
+# listed here for a file that is not there is ignored.
+FILE_SECONDS = {"test_compile.py": 150, "test_layouts_gpt_oss.py": 125, "test_megatron_examples.py": 85,
+                "test_megatron_moe_examples.py": 70, "test_spikes.py": 60, "test_megatron_mixtral_example.py": 50,
+                "test_qwen3_examples.py": 50, "test_mtp.py": 50, "test_restart.py": 37, "test_lifecycle.py": 30,
+                "test_straggler.py": 25, "test_timeout.py": 25}
+
+
+def _heaviest_files_first(items):
+    weight = {}
+    for item in items:
+        name = item.path.name
+        weight[name] = weight.get(name, 0.0) + (3.0 if item.get_closest_marker("launches") else 0.05)
+    weight.update((name, seconds) for name, seconds in FILE_SECONDS.items() if name in weight)
+    first = {}  # each file's first position: files keep their own test order
+    for i, item in enumerate(items):
+        first.setdefault(item.path.name, i)
+    items.sort(key=lambda item: (-weight[item.path.name], first[item.path.name]))
 
 
 def _is_python_launch(args) -> bool:

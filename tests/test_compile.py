@@ -22,6 +22,17 @@ BASE = mock(1000) + tiny(global_batch_size=4, log_interval=1, eval_iters=0) + [
         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7"]
 
 
+@pytest.fixture(autouse=True)
+def _compile_in_process(monkeypatch):
+    """Inductor compiles in the process that traces (TORCHINDUCTOR_COMPILE_THREADS=1): its default
+    on 2 cores is a pool of compile workers per rank, each a Python process importing torch, which
+    took 12 s more CPU per compiled TP2 run (79 s against 91 s) and compiles nothing faster here."""
+    import torch._inductor.config as inductor_config
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # the runs' own processes
+    with inductor_config.patch(compile_threads=1):  # this one's
+        yield
+
+
 def test_flag():
     assert validate_args(parse_args(BASE + ["--compile"]), 1).training.compile
     assert not validate_args(parse_args(BASE), 1).training.compile

@@ -1,9 +1,10 @@
 """Megatron-LM's own launch scripts run on megalite: the flag sets of
 examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh (its
 real-data and mock-data branches), as examples/megatron/run_cpu.sh passes them (only sizes shrunk;
-the other differences follow Megatron-LM's validation or the device), train under torchrun with
-TP=2; the scripts as written are refused with the reasons; batch ramp-ups and step schedules
-resume exactly; the per-token loss changes training when tokens are masked."""
+the other differences follow Megatron-LM's validation or the device), train with TP=2 (the
+commands run_cpu.sh passes to torchrun, on 2 ranks of the test pool); the scripts as written are
+refused with the reasons; batch ramp-ups and step schedules resume exactly; the per-token loss
+changes training when tokens are masked."""
 import json
 import math
 import os
@@ -99,8 +100,15 @@ def commands(tmp_path) -> list[dict]:
     return [flags_of(c[next(i for i, a in enumerate(c) if a.endswith("pretrain_gpt.py")) + 1:]) for c in cmds]
 
 
-def test_flag_sets_are_megatron_lms_with_sizes_shrunk(tmp_path):
-    gpt3, llama, llama_mock = commands(tmp_path)
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    """(work directory, the script's three commands there): one dry run for the tests below."""
+    work = tmp_path_factory.mktemp("megatron")
+    return work, commands(work)
+
+
+def test_flag_sets_are_megatron_lms_with_sizes_shrunk(script):
+    gpt3, llama, llama_mock = script[1]
     have = known_flags()
     # GPT-3 175B: --global-batch-size dropped (Megatron-LM refuses it beside the schedule), a tokenizer named
     assert set(gpt3) == set(GPT3_175B) - {"--global-batch-size"} | {"--tokenizer-type", "--log-jsonl"}
@@ -169,11 +177,35 @@ def records(path):
     return rs[0]["ranks"], [r for r in rs[1:] if "split" not in r], [r for r in rs[1:] if "split" in r]
 
 
-@pytest.mark.slow
-def test_both_flag_sets_train_on_cpu_with_tp2(tmp_path):
-    env = dict(os.environ, PYTHON=PY, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+def prepare_data(work) -> None:
+    """The script's own data section (ONLY=none: no training command runs): the tokenizers and
+    datasets the three commands read, under work/data."""
+    env = dict(os.environ, PYTHON=PY, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", ONLY="none")
+    proc = subprocess.run(["bash", SCRIPT, str(work)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert os.path.isfile(os.path.join(str(work), "data", "hf_text_document.idx"))
+
+
+def run_command(flags: dict, nproc: int = 2) -> str:
+    """One of the script's commands (as commands() reads it) trained on `nproc` ranks of the
+    test pool: pretrain_gpt.main with the command's own argv, in the directory it writes its
+    --log-jsonl to; its stdout."""
+    log = flags["--log-jsonl"]
+    argv = argv_of(flags, **{"--log-jsonl": None})
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    _, proc = run_pretrain(nproc, argv, os.path.dirname(log), os.path.basename(log)[:-len(".jsonl")])
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_both_flag_sets_train_on_cpu_with_tp2(script):
+    """The script's three commands as it prints them (DRY_RUN=1: torchrun --nproc_per_node 2,
+    checked by commands()), each trained on 2 ranks of the test pool (pretrain_gpt.main with
+    that argv: torchrun's own launching is tested by test_restart.py and test_straggler.py),
+    on the data the script itself prepares."""
+    tmp_path, cmds = script
+    prepare_data(tmp_path)
+    stdout = "".join(run_command(flags) for flags in cmds)
 
     # GPT-3 175B: the step schedule 0:2 256:4 768:6 in tokens of 64 (samples 0, 4, 12) over consumed
     # samples, 18 iterations (--train-iters), fp16 skipping while the scale falls
@@ -199,8 +231,8 @@ def test_both_flag_sets_train_on_cpu_with_tp2(tmp_path):
             config["parallel"]["sequence_parallel"]) == (True, True, True)
     traces = [f for f in os.listdir(tmp_path / "llama" / "tensorboard") if f.endswith(".pt.trace.json")]
     assert len(traces) == 1 and traces[0].startswith("rank0.")  # --profile on rank 0 only, as Megatron-LM
-    assert "throughput per GPU (TFLOP/s/GPU)" in proc.stdout  # --log-throughput
-    assert "--empty-unused-memory-level 1: a no-op on CPU" in proc.stdout
+    assert "throughput per GPU (TFLOP/s/GPU)" in stdout  # --log-throughput
+    assert "--empty-unused-memory-level 1: a no-op on CPU" in stdout
     assert {r["split"] for r in evals} == {"valid"}  # --split '99,1,0': no test split
 
     # Llama-3 8B's mock-data branch: trains on mock data; the flags that act on nothing there get a notice
@@ -208,7 +240,7 @@ def test_both_flag_sets_train_on_cpu_with_tp2(tmp_path):
     assert [r["iteration"] for r in train] == [1, 2, 3, 4] and all(math.isfinite(r["lm_loss"]) for r in train)
     assert os.path.isfile(tmp_path / "llama-mock" / "checkpoints" / "iter_0000004" / "metadata.json")
     for flag in ("--tiktoken-pattern", "--split", "--data-cache-path", "--no-mmap-bin-files"):
-        assert f"> note: {flag} has no effect with" in proc.stdout, flag
+        assert f"> note: {flag} has no effect with" in stdout, flag
 
 
 MOCK = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
