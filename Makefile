@@ -60,7 +60,7 @@ demo: data
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m compileall -q -j 0 megalite tools tests benchmarks pretrain_gpt.py > /dev/null
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40 tests
 
 test-fast: $(STAMP)
 	$(PY) -m compileall -q -j 0 megalite tools tests benchmarks pretrain_gpt.py > /dev/null
