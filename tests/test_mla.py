@@ -196,17 +196,25 @@ def test_deepseek_v3_script_flags_validate():
     assert proc.returncode == 0 and "--mtp" not in proc.stdout, proc.stdout + proc.stderr
 
 
-@pytest.mark.slow
-def test_deepseek_v3_script_trains(tmp_path):
-    """Three iterations on the bundled corpus, 2 gloo processes, EP 2."""
-    import json
+@pytest.mark.launches
+def test_deepseek_v3_script_trains(corpus, tmp_path):
+    """The script's command line (DRY_RUN=1), three iterations on the bundled corpus's text on 2
+    ranks of the test pool (EP 2; the script's torchrun launch is the other example scripts' too):
+    finite losses, the MTP loss logged beside the LM loss."""
     import math
-    proc = _deepseek_script(dict(TRAIN_ITERS="3", LOG_INTERVAL="1", EVAL_ITERS="1", OUTPUT_DIR=str(tmp_path)),
-                            timeout=300, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    import shlex
+
+    from dist_helpers import run_pretrain
+    data, tokenizer = corpus[corpus.index("--data-path") + 1], corpus[corpus.index("--tokenizer-model") + 1]
+    proc = _deepseek_script(dict(DRY_RUN="1", DATA_PATH=data, TOKENIZER_MODEL=tokenizer, TRAIN_ITERS="3",
+                                 LOG_INTERVAL="1", EVAL_ITERS="1", OUTPUT_DIR=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr
+    cmd = shlex.split(proc.stdout.strip())
+    flags = cmd[next(i for i, a in enumerate(cmd) if a.endswith("pretrain_gpt.py")) + 1:]
+    records, _ = run_pretrain(2, flags, tmp_path)
     train = [r for r in records if "lm_loss" in r and "consumed_samples" in r]
-    assert [r["iteration"] for r in train] == [1, 2, 3] and all(math.isfinite(r["lm_loss"]) for r in train)
+    assert [r["iteration"] for r in train] == [1, 2, 3]
+    assert all(math.isfinite(r["lm_loss"]) and math.isfinite(r["mtp_1_loss"]) for r in train)
 
 
 def test_mla_flops_count_its_weights():
