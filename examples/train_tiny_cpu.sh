@@ -14,26 +14,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
-if [ -z "${PYTHON:-}" ]; then
-    if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
-fi
-TORCHRUN=${TORCHRUN:-$PYTHON -m torch.distributed.run}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-
-# data: the bundled corpus and its SentencePiece tokenizer, built into DATA_BUILD_DIR [with
-# OUTPUT_DIR set: $OUTPUT_DIR/data, so that the run writes nothing outside OUTPUT_DIR; else the
-# checkout's data/build]
-if [ -n "${OUTPUT_DIR:-}" ]; then DATA_BUILD_DIR=${DATA_BUILD_DIR:-$OUTPUT_DIR/data}; fi
-DATA_BUILD_DIR=${DATA_BUILD_DIR:-$ROOT/data/build}
-DATA_PATH=${DATA_PATH:-$DATA_BUILD_DIR/corpus_text_document}
-TOKENIZER_TYPE=${TOKENIZER_TYPE:-SentencePieceTokenizer}
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-$DATA_BUILD_DIR/tokenizer.model}
-SPLIT=${SPLIT:-98,2,0}
-NUM_WORKERS=${NUM_WORKERS:-0}
-if [ "$DATA_PATH" = "$DATA_BUILD_DIR/corpus_text_document" ] && [ ! -f "$DATA_PATH.idx" ] &&
-    [ "${DRY_RUN:-0}" != 1 ]; then
-    DATA_BUILD_DIR="$DATA_BUILD_DIR" PYTHON="$PYTHON" bash "$ROOT/data/prepare.sh"
-fi
+# Python, torchrun, threads and the bundled data (DATA_BUILD_DIR, built when missing)
+source "$ROOT/examples/cpu_setup.sh"
 
 # model: 4 layers, hidden 128, 4 heads, 128 tokens
 NUM_LAYERS=${NUM_LAYERS:-4}
