@@ -7,6 +7,11 @@
 # set: $OUTPUT_DIR/data, so that the run writes nothing outside OUTPUT_DIR; else the checkout's
 # data/build] when missing (not with DRY_RUN=1). DATA_PATH, TOKENIZER_TYPE, TOKENIZER_MODEL,
 # SPLIT [98,2,0] and NUM_WORKERS [0] may be set from the environment instead.
+#
+# Then the CPU runs' defaults (examples/common.sh's knobs): gloo, fp32, no ZeRO, no overlap, no
+# recompute, no dropout; output JSONL only unless asked (TENSORBOARD_DIR=..., WANDB_PROJECT=...,
+# CHECKPOINT_PATH=...), a log line every 10 iterations, 5 validation batches every 100. The script
+# sets its own process count (GPUS_PER_NODE), sizes and schedule.
 
 if [ -z "${PYTHON:-}" ]; then
     if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
@@ -25,3 +30,16 @@ if [ "$DATA_PATH" = "$DATA_BUILD_DIR/corpus_text_document" ] && [ ! -f "$DATA_PA
     [ "${DRY_RUN:-0}" != 1 ]; then
     DATA_BUILD_DIR="$DATA_BUILD_DIR" PYTHON="$PYTHON" bash "$ROOT/data/prepare.sh"
 fi
+
+HIDDEN_DROPOUT=${HIDDEN_DROPOUT:-0}
+ATTENTION_DROPOUT=${ATTENTION_DROPOUT:-0}
+DISTRIBUTED_BACKEND=${DISTRIBUTED_BACKEND:-gloo}
+PRECISION=${PRECISION:-fp32}
+USE_DISTRIBUTED_OPTIMIZER=${USE_DISTRIBUTED_OPTIMIZER:-0}
+OVERLAP_COMM=${OVERLAP_COMM:-0}
+RECOMPUTE=${RECOMPUTE:-none}
+TENSORBOARD_DIR=${TENSORBOARD_DIR:-}
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-}
+LOG_INTERVAL=${LOG_INTERVAL:-10}
+EVAL_INTERVAL=${EVAL_INTERVAL:-100}
+EVAL_ITERS=${EVAL_ITERS:-5}
