@@ -330,6 +330,22 @@ def exchange(ops: list) -> None:
         _blocking(f"send/recv with rank(s) {peers}", None, lambda: [w.wait() for w in works])
 
 
+def isend(tensor: torch.Tensor, dst: int, tag: int):
+    """Start sending `tensor` to global rank `dst` under `tag` (a stream of messages matched in
+    order); returns the work, or None on the fake backend. `tensor` must stay unchanged until
+    the work completes."""
+    if dist.get_backend() == "fake":
+        return None
+    return dist.isend(tensor, dst, tag=tag)
+
+
+def recv(tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+    """Receive into `tensor` from global rank `src` the next message under `tag`, blocking."""
+    if dist.get_backend() != "fake":
+        _blocking(f"recv from rank {src}", None, dist.recv, tensor, src, tag=tag)
+    return tensor
+
+
 def launcher_store(timeout_s: float):
     """A client of the launcher's key-value store (torchrun's agent store at MASTER_ADDR:MASTER_PORT):
     lets ranks exchange a few bytes without a process group, e.g. to report one error once."""

@@ -46,6 +46,7 @@ from .optimizer import build_optimizer
 from .pipeline_parallel import get_schedule
 from .pipeline_parallel.p2p import PipeComm
 from .runtime.metrics import JsonlWriter
+from .tensor_parallel.wgrad import WgradStore, attach as wgrad_attach
 
 META = torch.device("meta")
 
@@ -188,6 +189,8 @@ def _dry_run(cfg: RunConfig, rank: int | None) -> DryRunReport:
     dp = build_data_parallel(model, [p for _, p in named], ps, cfg.ddp, t.num_microbatches, device=META,
                              init_fn=lambda p: torch.empty(p.shape, dtype=p.dtype, device=META))
     optimizer = build_optimizer(named, cfg.optimizer, dp, ps)
+    store = WgradStore() if cfg.parallel.delay_wgrad_compute else None  # zb_h1 / zbv: the split backward
+    wgrad_attach(model, store)
     built = time.perf_counter()
     # activations between stages: this rank's s/c tokens (CP), split over TP under sequence parallelism
     s = cfg.data.seq_length // ps.cp_size // (ps.tp_size if execution.sequence_parallel else 1)
@@ -201,7 +204,8 @@ def _dry_run(cfg: RunConfig, rank: int | None) -> DryRunReport:
         dp.zero_grad()
         get_schedule(cfg.parallel.pipeline_schedule)(
             batches=[_micro_batches(cfg, ps, eod) for _ in model], model=model, num_microbatches=t.num_microbatches,
-            comm=pipe, backward_scale=1.0 / (t.num_microbatches * ps.dp_size), microbatch_mean=True)
+            comm=pipe, backward_scale=1.0 / (t.num_microbatches * ps.dp_size), microbatch_mean=True,
+            wgrad_store=store)
         dp.finish_grad_sync()
         optimizer.step(cfg.optimizer.lr)
         dp.start_param_sync()

@@ -26,6 +26,8 @@ from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_mi
 from .optimizer import build_lr_scheduler, build_optimizer
 from .pipeline_parallel import get_schedule
 from .pipeline_parallel.p2p import PipeComm
+from .pipeline_parallel.schedules import v_shape
+from .pipeline_parallel.timeline import Timeline
 from .runtime.cpu import lean_malloc
 from .runtime.metrics import JsonlWriter, peak_tflops
 from .runtime.monitor import CommMonitor
@@ -36,6 +38,7 @@ from .runtime.timers import Timers
 from .runtime.tracking import Tracker
 from .tensor_parallel import seed_everything
 from .tensor_parallel.param_info import param_info
+from .tensor_parallel.wgrad import WgradStore, attach as wgrad_attach
 
 
 @dataclass
@@ -59,6 +62,8 @@ class Run:
     monitor: CommMonitor
     timers: Timers  # --timing-log-level: the per-phase timers (no-ops at level 0)
     straggler: StragglerDetector | None = None  # --log-straggler
+    wgrad_store: WgradStore | None = None  # zb_h1 / zbv (--delay-wgrad-compute): the deferred weight gradients
+    timeline: Timeline | None = None  # --log-pipeline-timeline
     signal_received: list = field(default_factory=lambda: [False])
     spike_guard: SpikeGuard | None = None  # --check-for-spiky-loss / --check-for-large-grads
     # with the guard: the checkpoint due after an iteration, written once the next loss is no spike
@@ -103,6 +108,8 @@ def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None, mo
                                    timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size,
                                    ep=cfg.expert_model_parallel_size, moe=moe,
                                    etp=cfg.expert_tensor_parallel_size)
+    # zbv: chunk 1 of rank r is virtual stage 2p-1-r, the loss on pipeline rank 0
+    ps.v_shape = cfg.pipeline_schedule is not None and v_shape(cfg.pipeline_schedule)
     if closing is not None and not created:
         closing.callback(ps.destroy)
     return ps, device
@@ -130,16 +137,27 @@ def build_model(config: GPTConfig, ps, seed: int, device: torch.device, on_meta:
     --pipeline-model-parallel-layout (None: the even split)."""
     rng_tracker = seed_everything(seed, ps.tp_rank, ps.pp_rank, device)
     chunks = []
-    layers = parallel_state.stage_layers(config.num_layers, ps.pp_size, ps.vpp, ps.pp_rank, layout)
+    layers = parallel_state.stage_layers(config.num_layers, ps.pp_size, ps.vpp, ps.pp_rank, layout, ps.v_shape)
     for c, (offset, n) in enumerate(layers):
         chunk = GPTModel(config, ps.tp_group, rng_tracker, pre_process=ps.is_first_stage and c == 0,
-                         post_process=ps.is_last_stage and c == ps.vpp - 1, layer_offset=offset, num_layers=n,
+                         post_process=ps.is_loss_stage and c == ps.vpp - 1, layer_offset=offset, num_layers=n,
                          device="meta" if on_meta else device, cp_group=ps.cp_group, execution=execution,
                          ep_group=ps.ep_group, token_group=ps.tp_cp_group, etp_group=ps.etp_group)
         if not on_meta:
             chunk.initialize(seed)
         chunks.append(chunk)
     return chunks, rng_tracker
+
+
+def _wgrad_store(cfg: RunConfig, model: list, closing) -> WgradStore | None:
+    """--delay-wgrad-compute (zb_h1, zbv): the store the model's deferred weight gradients wait in.
+    Attached after DataParallel, which decides ZeRO-3's tied output gather (wgrad.attach)."""
+    if not cfg.parallel.delay_wgrad_compute:
+        return None
+    store = WgradStore()
+    wgrad_attach(model, store)
+    closing.callback(wgrad_attach, model, None)
+    return store
 
 
 def build_datasets(cfg: RunConfig, model_vocab_size: int | None = None) -> list:
@@ -231,6 +249,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
                              device=device, init_fn=lambda p: initial_value(p, names[p], cfg.training.seed, ps.tp_group),
                              timers=timers)
     closing.callback(dp.close)
+    wgrad_store = _wgrad_store(cfg, model, closing)
     optimizer = build_optimizer(named_params, cfg.optimizer, dp, ps)
     state = TrainState(ps, model_config, named_params, optimizer, build_lr_scheduler(cfg.optimizer), rng_tracker,
                        device, dataclasses.replace(cfg, model=model_config).to_dict(),
@@ -261,6 +280,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
               profiler=Profiler(cfg.training, ps.rank, device),
               peak=peak_tflops(cfg.training.peak_tflops, execution.params_dtype), monitor=monitor, timers=timers,
               straggler=straggler, spike_guard=state.spike_guard, last_saved=state.iteration,
+              wgrad_store=wgrad_store, timeline=Timeline(device) if t.log_pipeline_timeline else None,
               closing=closing)
     for opened in (run.jsonl, run.tracker, run.saver):
         if opened is not None:

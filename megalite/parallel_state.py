@@ -167,6 +167,7 @@ class ParallelState:
     grid: RankGrid
     rank: int = 0
     vpp: int = 1  # virtual pipeline chunks per rank (interleaved schedule)
+    v_shape: bool = False  # zbv: chunk 1 of rank r is virtual stage 2p-1-r; rank 0 holds the loss
     tp_group: object = None
     pp_group: object = None
     dp_group: object = None
@@ -284,6 +285,11 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
     @property
+    def is_loss_stage(self) -> bool:
+        """The pipeline rank whose last chunk computes the loss: the last, or rank 0 in a V (zbv)."""
+        return self.pp_rank == (0 if self.v_shape else self.pp_size - 1)
+
+    @property
     def next_pp_rank(self) -> int:
         return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
 
@@ -298,7 +304,7 @@ class ParallelState:
 
     @property
     def logging_rank(self) -> int:
-        return self.grid.rank_of(tp=0, pp=self.pp_size - 1, dp=0, cp=0)
+        return self.grid.rank_of(tp=0, pp=0 if self.v_shape else self.pp_size - 1, dp=0, cp=0)
 
     def destroy(self) -> None:
         """Destroy the groups `initialize` made (the default group is its creator's to destroy)."""
@@ -316,15 +322,20 @@ class ParallelState:
                 + ")")
 
 
-def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, layout: str | None = None) -> list[tuple[int, int]]:
+def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, layout: str | None = None,
+                 v_shape: bool = False) -> list[tuple[int, int]]:
     """(first layer, number of layers) of each model chunk on pipeline rank `pp_rank`.
 
     Megatron-LM's interleaved assignment: with v chunks per rank, chunk c of rank r holds the
     layers starting at c·L/v + r·L/(p·v); with v = 1 that is L/p contiguous layers per stage.
+    `v_shape` (zbv, 2 chunks): chunk 1 of rank r is virtual stage 2p-1-r, so rank 0 holds the
+    first and the last L/(2p) layers.
     """
     if layout is not None:  # --pipeline-model-parallel-layout: the stages as it lists them
         return layout_of(layout, pp).chunk_layers(pp_rank)
     per_chunk = num_layers // (pp * vpp)
+    if v_shape:
+        return [(pp_rank * per_chunk, per_chunk), ((2 * pp - 1 - pp_rank) * per_chunk, per_chunk)]
     return [(c * num_layers // vpp + pp_rank * per_chunk, per_chunk) for c in range(vpp)]
 
 

@@ -23,6 +23,7 @@ from .errors import UserError
 from .initialize import Run, batch_iterators, setup
 from .model.moe import balance as moe_balance
 from .optimizer.clip_grads import max_abs
+from .pipeline_parallel.timeline import report as report_timeline
 from .runtime.metrics import Timer, console_line, memory_record, memory_string, num_floating_point_operations, perplexity
 from .runtime.timers import INTERVAL_TIMERS, timers_text
 from .tensor_parallel.param_info import param_info
@@ -50,7 +51,7 @@ def global_loss(run: Run, stats, grads: list | None = None, per_rank: bool = Fal
     world = ps.world_size if grads is not None else 0
     ranks = ps.world_size if per_rank else 0
     t = torch.zeros(2 + 2 * world + ranks, dtype=torch.float64, device=run.state.device)
-    if ps.is_last_stage and ps.tp_rank == 0 and stats:
+    if ps.is_loss_stage and ps.tp_rank == 0 and stats:
         mine = torch.stack([torch.stack([s[0].double(), s[1].double()]) for s in stats]).sum(0)
         t[:2] += mine
         if grads is not None:
@@ -74,7 +75,7 @@ def _mtp_sums(run: Run, stats) -> torch.Tensor:
     depth = run.state.model_config.mtp_num_layers or 0
     t = torch.zeros(2 * depth, dtype=torch.float64, device=run.state.device)
     ps = run.state.ps
-    if depth and ps.is_last_stage and ps.tp_rank == 0:
+    if depth and ps.is_loss_stage and ps.tp_rank == 0:
         for s in stats:
             if len(s) > 2:
                 t += s[2].reshape(-1).to(t.device)
@@ -155,10 +156,13 @@ def save_pending(run: Run) -> None:
 def forward_backward(run: Run, num_microbatches: int, backward_scale: float) -> list:
     """The schedule over the iteration's micro-batches, then every gradient reduction: the
     forward-backward timer holds both, as Megatron-LM's (whose schedule ends with the reduction)."""
+    if run.timeline is not None:
+        run.timeline.take()  # --log-pipeline-timeline: this iteration's passes only
     with run.timers("forward-backward"):
         stats = run.forward_backward(batches=run.train_batches, model=run.model, num_microbatches=num_microbatches,
                                      comm=run.pipe_comm, backward_scale=backward_scale,
-                                     microbatch_mean=not run.cfg.training.calculate_per_token_loss)
+                                     microbatch_mean=not run.cfg.training.calculate_per_token_loss,
+                                     wgrad_store=run.wgrad_store, timeline=run.timeline)
         empty_unused_memory(run, 1)
         with run.timers("all-grads-sync"):
             run.dp.finish_grad_sync()
@@ -462,6 +466,8 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
         run.jsonl.write(straggler_record)
         line += f" {text} |"
     run.log(f"[{datetime.datetime.now():%Y-%m-%d %H:%M:%S}]" + line)
+    if run.timeline is not None:  # a collective: every rank reports at the same iterations
+        report_timeline(run.timeline, state.ps, state.iteration, run.jsonl.write, run.log)
     log_timers(run, INTERVAL_TIMERS, window["iters"], {"iteration-time": record["elapsed_ms"]})
 
 

@@ -7,19 +7,23 @@ import torch
 
 from megalite.pipeline_parallel.schedules import (SCHEDULES, check_schedule, default_schedule_name,
                                                   forward_backward_1f1b, forward_backward_interleaved,
-                                                  forward_backward_no_pipelining, get_schedule)
+                                                  forward_backward_no_pipelining, forward_backward_zb_h1,
+                                                  forward_backward_zbv, get_schedule)
 
 
 def test_names():
-    assert list(SCHEDULES) == ["no_pipelining", "1f1b", "interleaved_1f1b"]
+    assert list(SCHEDULES) == ["no_pipelining", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"]
     assert get_schedule("no_pipelining") is forward_backward_no_pipelining
+    assert get_schedule("zb_h1") is forward_backward_zb_h1 and get_schedule("zbv") is forward_backward_zbv
+    with pytest.raises(ValueError, match="--pipeline-schedule dualpipev is not built"):
+        get_schedule("dualpipev")
     assert get_schedule("1f1b") is forward_backward_1f1b
     assert get_schedule("interleaved_1f1b") is forward_backward_interleaved
 
 
 def test_unknown_name_lists_the_schedules():
     with pytest.raises(ValueError, match=r"--pipeline-schedule 'gpipe' is not a schedule; "
-                                         r"choose from no_pipelining, 1f1b, interleaved_1f1b"):
+                                         r"choose from no_pipelining, 1f1b, interleaved_1f1b, zb_h1, zbv, dualpipev"):
         get_schedule("gpipe")
     assert "choose from no_pipelining, 1f1b, interleaved_1f1b" in check_schedule("gpipe", 2, 1)
 
@@ -35,6 +39,11 @@ def test_default_is_valid_for_its_layout(pp, vpp, name):
     ("no_pipelining", 2, 1, r"--pipeline-schedule no_pipelining needs --pipeline-model-parallel-size 1 \(got 2\)"),
     ("1f1b", 2, 2, r"--pipeline-schedule 1f1b runs one model chunk per pipeline rank, not 2"),
     ("interleaved_1f1b", 2, 1, r"--pipeline-schedule interleaved_1f1b needs --num-layers-per-virtual-pipeline-stage"),
+    ("zb_h1", 1, 1, r"--pipeline-schedule zb_h1 needs --pipeline-model-parallel-size 2 or more \(got 1\)"),
+    ("zb_h1", 2, 2, r"--pipeline-schedule zb_h1 runs one model chunk per pipeline rank, not 2"),
+    ("zbv", 2, 3, r"--pipeline-schedule zbv runs exactly 2 model chunks per pipeline rank in a V, not 3: set "
+                  r"--num-layers-per-virtual-pipeline-stage"),
+    ("dualpipev", 2, 2, r"--pipeline-schedule dualpipev is not built"),
 ])
 def test_layout_a_schedule_cannot_run(name, pp, vpp, pattern):
     assert re.match(pattern, check_schedule(name, pp, vpp))

@@ -192,6 +192,33 @@ def _check_pipeline_schedule(c: RunConfig) -> None:
     why = check_schedule(p.pipeline_schedule, pp, vpp)  # the message names the flags
     if why:
         fail(why)
+    _check_zero_bubble(c)
+
+
+def _check_zero_bubble(c: RunConfig) -> None:
+    """zb_h1 / zbv: the split backward (--delay-wgrad-compute, switched on) and what it cannot run with."""
+    from ..pipeline_parallel.schedules import splits_backward, v_shape
+    p, name = c.parallel, c.parallel.pipeline_schedule
+    if not splits_backward(name):
+        if p.delay_wgrad_compute:
+            fail(f"--delay-wgrad-compute defers weight gradients for a zero-bubble schedule to place: use "
+                 f"--pipeline-schedule zb_h1 or zbv (got {name}; Megatron-LM's other use, "
+                 f"--overlap-moe-expert-parallel-comm, is not built)")
+        return
+    p.delay_wgrad_compute = True
+    if c.training.compile:
+        fail(f"--pipeline-schedule {name} cannot run with --compile: its deferred weight-gradient functions "
+             f"(--delay-wgrad-compute) are not traced by torch.compile")
+    if v_shape(name):
+        m = c.model
+        if not m.untie_embeddings_and_output_weights:
+            fail(f"--pipeline-schedule {name} needs --untie-embeddings-and-output-weights: the embedding and the "
+                 f"output layer sit in rank 0's two chunks")
+        if m.mtp_num_layers:
+            fail(f"--pipeline-schedule {name} cannot run --mtp-num-layers (MTP sits with the loss, in rank 0's "
+                 f"second chunk, which this layout does not build)")
+        if p.pipeline_model_parallel_layout is not None:
+            fail(f"--pipeline-schedule {name} places even chunks in a V: drop --pipeline-model-parallel-layout")
 
 
 def _check_operations(c: RunConfig) -> None:

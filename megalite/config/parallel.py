@@ -45,8 +45,16 @@ class ParallelConfig:
     # a name of pipeline_parallel/schedules.py's SCHEDULES (checked by validation; torch-free here)
     pipeline_schedule: str | None = flag(
         "--pipeline-schedule", None, "the pipeline schedule by name: no_pipelining (PP 1), 1f1b (one model chunk "
-        "per rank), interleaved_1f1b (--num-layers-per-virtual-pipeline-stage); default: the one the layout "
-        "implies", type=str)
+        "per rank), interleaved_1f1b (--num-layers-per-virtual-pipeline-stage), zb_h1 (zero bubble ZB-H1: 1F1B's "
+        "memory, weight gradients fill the bubble), zbv (ZB-V: 2 chunks per rank in a V, rank 0 holding the first "
+        "and the last; untied embeddings); both split each backward (--delay-wgrad-compute); default: the one the "
+        "layout implies", type=str)
+    delay_wgrad_compute: bool = flag(
+        "--delay-wgrad-compute", False, "split each backward into the input gradient (B) and the weight gradient "
+        "(W), computed later from the kept input and output gradient, for a schedule to place W where the pipeline "
+        "would idle: on with --pipeline-schedule zb_h1 or zbv (which need it); without them refused (Megatron-LM "
+        "uses it to overlap --overlap-moe-expert-parallel-comm's all-to-alls, which megalite has not)",
+        action="store_true")
     use_tp_pp_dp_mapping: bool = flag("--use-tp-pp-dp-mapping", False,
                                       "rank order TP-CP-PP-DP instead of Megatron's default TP-CP-DP-PP",
                                       action="store_true")

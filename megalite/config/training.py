@@ -124,6 +124,11 @@ class TrainingConfig:
         "--log-straggler", False, "add each rank's compute time (step time minus time blocked in collectives) and "
         "data-wait time, min and max with their ranks, to every log line, and a 'straggler' JSONL record with every "
         "rank's; on CUDA also GPU power, temperature and clock (needs pynvml)", action="store_true")
+    log_pipeline_timeline: bool = flag(
+        "--log-pipeline-timeline", False, "at each log interval, a 'pipeline_timeline' record to --log-jsonl with "
+        "every rank's F, B and W (BW: a whole backward) start and end per micro-batch of the logged iteration, and "
+        "each rank's idle fraction, also printed (one gather per logged iteration); tools/plot_metrics.py draws it",
+        action="store_true")
     manual_gc: bool = flag(
         "--manual-gc", False, "disable Python's automatic garbage collector; collect at the same iterations on every "
         "rank (--manual-gc-interval) and around each evaluation, so no rank stalls the others at random",

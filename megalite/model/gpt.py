@@ -23,6 +23,7 @@ from ..tensor_parallel import (VocabParallelEmbedding, copy_to_tp, linear_with_s
 from ..tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import set_tp_attributes
 from ..tensor_parallel.param_info import param_info
+from ..tensor_parallel.wgrad import linear as wgrad_linear
 from .attention import RotaryEmbedding
 from .config import ExecutionConfig, GPTConfig
 from ..context_parallel.sharding import causal_mask, chunk_positions
@@ -72,6 +73,8 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
+    wgrad_store = None  # --delay-wgrad-compute: the output layer's weight gradient waits for W
+
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, pre_process: bool = True,
                  post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None,
                  device=None, cp_group=None, execution: ExecutionConfig | None = None, ep_group=None,
@@ -295,8 +298,8 @@ class GPTModel(nn.Module):
         if self.output_weight_gather is not None:  # ZeRO-3, tied: the embedding gathered for this product only
             return self.output_weight_gather.linear(x if sp_group else copy_to_tp(x, self.tp_group), sp_group)
         if sp_group is not None:  # the [s, b, h] gathered input is not kept for backward
-            return linear_with_sp_gather(x, self.output_weight(), None, self.tp_group)
-        return F.linear(copy_to_tp(x, self.tp_group), self.output_weight())
+            return linear_with_sp_gather(x, self.output_weight(), None, self.tp_group, self.wgrad_store)
+        return wgrad_linear(copy_to_tp(x, self.tp_group), self.output_weight(), None, self.wgrad_store)
 
     def _loss(self, logits, labels):
         """Per-token cross entropy [b, s] of logits [s, b, v/tp] against labels [b, s]."""

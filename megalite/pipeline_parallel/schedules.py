@@ -12,12 +12,15 @@ number of micro-batches in the global batch: the mean of the micro-batches' toke
 schedule returns the per-micro-batch (loss_sum, num_tokens), as device tensors, on the last
 stage and [] elsewhere.
 
-Schedules (Narayanan et al. 2021, Sec. 2.2):
+Schedules (Narayanan et al. 2021, Sec. 2.2; zero-bubble: Qi et al. 2024, zero_bubble.py):
 - no pipelining: gradient accumulation on one stage;
 - 1F1B (PipeDream-Flush): min(p - rank - 1, m) warm-up forwards, then one forward / one
   backward, then cool-down backwards; at most p micro-batches' activations live at once;
-- interleaved 1F1B: v model chunks per rank, bubble (p-1)/(v·m) instead of (p-1)/m.
-SCHEDULES names them ("no_pipelining", "1f1b", "interleaved_1f1b"); default_schedule_name
+- interleaved 1F1B: v model chunks per rank, bubble (p-1)/(v·m) instead of (p-1)/m;
+- zb_h1: 1F1B's order and memory with each backward split into B and W, W filling the bubble;
+- zbv: two chunks per rank in a V (rank 0 holds the first and the last), B and W split.
+SCHEDULES names them ("no_pipelining", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"; "dualpipev"
+is refused: not built); default_schedule_name
 gives the one used when none is named, check_schedule what a named one needs of the layout.
 """
 from __future__ import annotations
@@ -26,70 +29,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable
 
-import torch
-from torch.autograd import Variable
-
 from .p2p import PipeComm
-
-
-class _Step:
-    """Forward and backward of one micro-batch on one chunk, shared by every schedule."""
-
-    def __init__(self, batches, model, backward_scale, forward_only, microbatch_mean=False):
-        self.batches, self.model = batches, model
-        self.backward_scale, self.forward_only = backward_scale, forward_only
-        self.microbatch_mean = microbatch_mean
-        self.stats = []
-
-    def forward(self, chunk_id: int, input_tensor):
-        chunk = self.model[chunk_id]
-        chunk.set_input_tensor(input_tensor)
-        batch = next(self.batches[chunk_id])
-        with torch.set_grad_enabled(not self.forward_only):
-            # MTP (model/mtp.py) rolls the loss mask with the labels: the chunk that holds it gets it
-            mtp = {"loss_mask": batch["loss_mask"]} if getattr(chunk, "mtp", None) is not None else {}
-            out = chunk(batch["input_ids"], batch["position_ids"], batch["attention_mask"], batch["labels"], **mtp)
-            if not chunk.post_process:
-                return out  # activations for the next stage
-            mask = batch["loss_mask"]
-            loss_sum = (out.float() * mask).sum()  # [b, s] per-token losses -> the micro-batch's sum
-        num_tokens = mask.sum()
-        # under context parallelism, the whole sequence's count: the CP ranks' partial sums (summed
-        # with the gradients over DP x CP) then make the micro-batch's mean
-        denominator = batch.get("num_tokens_sequence", num_tokens)
-        mtp = chunk.mtp_loss(denominator, self.microbatch_mean) if mtp else None
-        self.stats.append((loss_sum.detach(), num_tokens) + ((mtp[1],) if mtp is not None else ()))
-        if self.microbatch_mean:  # a micro-batch without loss tokens adds 0 (Megatron-LM's would be NaN)
-            loss_sum = loss_sum / denominator.clamp(min=1)
-        if mtp is not None:  # the MTP loss, weighed by --mtp-loss-scaling-factor / D, in the same normalisation
-            loss_sum = loss_sum + mtp[0]
-        return loss_sum * self.backward_scale
-
-    @staticmethod
-    def backward(input_tensor, output_tensor, output_grad):
-        """Backward through one chunk; returns the gradient of its input activations."""
-        if output_grad is None:  # the loss
-            torch.autograd.backward(output_tensor)
-        else:
-            # the output's storage was released after sending (see release): only its autograd
-            # node is needed, which torch.autograd.backward's shape check would not allow
-            Variable._execution_engine.run_backward(
-                tensors=(output_tensor,), grad_tensors=(output_grad,), keep_graph=False, create_graph=False,
-                inputs=(), allow_unreachable=True, accumulate_grad=True)
-        return input_tensor.grad if input_tensor is not None else None
-
-
-def release(t: torch.Tensor | None) -> None:
-    """Free a sent activation's storage; its autograd graph stays (Megatron's
-    deallocate_output_tensor). The receiver holds its own copy."""
-    if t is not None and t._base is None and t.requires_grad:
-        t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+from .step import Step as _Step, release
+from .zero_bubble import forward_backward_zb_h1, forward_backward_zbv
 
 
 def forward_backward_no_pipelining(batches, model, num_microbatches: int, backward_scale: float,
-                                   forward_only: bool = False, microbatch_mean: bool = False, **_):
+                                   forward_only: bool = False, microbatch_mean: bool = False, timeline=None, **_):
     """Gradient accumulation on one stage: forward and backward each micro-batch in turn."""
-    step = _Step(batches, model, backward_scale, forward_only, microbatch_mean)
+    step = _Step(batches, model, backward_scale, forward_only, microbatch_mean, timeline)
     for _ in range(num_microbatches):
         loss = step.forward(0, None)
         if not forward_only:
@@ -98,9 +46,10 @@ def forward_backward_no_pipelining(batches, model, num_microbatches: int, backwa
 
 
 def forward_backward_1f1b(batches, model, num_microbatches: int, backward_scale: float,
-                          forward_only: bool = False, comm: PipeComm = None, microbatch_mean: bool = False, **_):
+                          forward_only: bool = False, comm: PipeComm = None, microbatch_mean: bool = False,
+                          timeline=None, **_):
     ps = comm.ps
-    step = _Step(batches, model, backward_scale, forward_only, microbatch_mean)
+    step = _Step(batches, model, backward_scale, forward_only, microbatch_mean, timeline)
     first, last = ps.is_first_stage, ps.is_last_stage
     m = num_microbatches
     num_warmup = m if forward_only else min(ps.pp_size - ps.pp_rank - 1, m)
@@ -187,7 +136,7 @@ class _Interleaved:
         c = self.chunk_of(k, False)
         if self.is_last_virtual(c) and not self.output_grads[c]:
             self.output_grads[c].append(None)
-        return self.step.backward(self.inputs[c].pop(0), self.outputs[c].pop(0), self.output_grads[c].pop(0))
+        return self.step.backward(self.inputs[c].pop(0), self.outputs[c].pop(0), self.output_grads[c].pop(0), c)
 
     def warmup(self):
         """Forwards only."""
@@ -266,11 +215,11 @@ class _Interleaved:
 
 def forward_backward_interleaved(batches, model, num_microbatches: int, backward_scale: float,
                                  forward_only: bool = False, comm: PipeComm = None, microbatch_mean: bool = False,
-                                 **_):
+                                 timeline=None, **_):
     """Interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2.2), following Megatron-LM's
     forward_backward_pipelining_with_interleaving. Virtual micro-batch k runs on chunk
     (k // p) % v (reversed for backward); chunk c of rank p-1 feeds chunk c+1 of rank 0."""
-    step = _Step(batches, model, backward_scale, forward_only, microbatch_mean)
+    step = _Step(batches, model, backward_scale, forward_only, microbatch_mean, timeline)
     run = _Interleaved(step, comm, len(model), num_microbatches, forward_only)
     run.warmup()
     run.steady()
@@ -293,10 +242,30 @@ def _virtual_chunks(pp: int, vpp: int) -> str | None:
                                  "(more than one model chunk per pipeline rank)")
 
 
+def _zb_one_chunk(pp: int, vpp: int) -> str | None:
+    if pp < 2:
+        return f"needs --pipeline-model-parallel-size 2 or more (got {pp}): it fills a pipeline's bubble"
+    return _one_chunk(pp, vpp)
+
+
+def _two_chunks_in_a_v(pp: int, vpp: int) -> str | None:
+    if pp < 2:
+        return f"needs --pipeline-model-parallel-size 2 or more (got {pp}): it fills a pipeline's bubble"
+    return None if vpp == 2 else (f"runs exactly 2 model chunks per pipeline rank in a V, not {vpp}: set "
+                                  f"--num-layers-per-virtual-pipeline-stage to num-layers / (2·PP)")
+
+
+def _not_built(pp: int, vpp: int) -> str | None:
+    return ("is not built: DualPipeV overlaps one micro-batch's forward with another's backward on two "
+            "streams, which this runtime (one pass at a time per rank) has no counterpart for; use zbv")
+
+
 @dataclass(frozen=True)
 class Schedule:
     run: Callable  # forward_backward(batches, model, num_microbatches, backward_scale, forward_only, comm, ...)
     layout_problem: Callable[[int, int], str | None]  # (pp, vpp) -> what it needs of the layout, or None
+    splits_backward: bool = False  # B and W apart: needs --delay-wgrad-compute's deferred weight gradients
+    v_shape: bool = False  # chunk 1 of rank r is virtual stage 2·PP-1-r; rank 0 holds the loss
 
 
 # The schedules by the name --pipeline-schedule takes: a new one is its function plus one entry.
@@ -304,6 +273,9 @@ SCHEDULES = MappingProxyType({
     "no_pipelining": Schedule(forward_backward_no_pipelining, _one_stage),
     "1f1b": Schedule(forward_backward_1f1b, _one_chunk),
     "interleaved_1f1b": Schedule(forward_backward_interleaved, _virtual_chunks),
+    "zb_h1": Schedule(forward_backward_zb_h1, _zb_one_chunk, splits_backward=True),
+    "zbv": Schedule(forward_backward_zbv, _two_chunks_in_a_v, splits_backward=True, v_shape=True),
+    "dualpipev": Schedule(None, _not_built),
 })
 
 
@@ -332,5 +304,17 @@ def get_schedule(name: str):
     """The forward-backward function of the schedule `name`."""
     if name not in SCHEDULES:
         raise ValueError(_unknown(name))
+    if SCHEDULES[name].run is None:
+        raise ValueError(check_schedule(name, 2, 2))
     return SCHEDULES[name].run
+
+
+def splits_backward(name: str) -> bool:
+    """Whether the schedule runs B and W apart (a WgradStore on the model: --delay-wgrad-compute)."""
+    return SCHEDULES[name].splits_backward
+
+
+def v_shape(name: str) -> bool:
+    """Whether the schedule places chunks in a V (zbv): the loss on pipeline rank 0."""
+    return name in SCHEDULES and SCHEDULES[name].v_shape
 

@@ -19,6 +19,7 @@ from .. import comm
 from .mappings import (copy_to_tp, gather_from_tp, linear_with_sp_gather, reduce_from_tp,
                        reduce_scatter_to_sp, scatter_to_tp)
 from .param_info import param_info
+from .wgrad import embedding as wgrad_embedding, linear as wgrad_linear
 
 
 def set_tp_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
@@ -48,6 +49,8 @@ def _divide(n: int, d: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """Y = X·A + b with A's output dimension split across TP: [*, in] -> [*, out/tp]."""
 
+    wgrad_store = None  # --delay-wgrad-compute: weight gradients wait for W (tensor_parallel/wgrad.py)
+
     def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
                  gather_output: bool = False, init_std: float = 0.02, stride: int = 1,
                  sequence_parallel: bool = False, dtype=torch.float32, device=None):
@@ -68,9 +71,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:  # [s/tp, b, h] gathered to [s, b, h], kept for backward as [s/tp, b, h]
-            y = linear_with_sp_gather(x, weight, self.bias, self.tp_group)
+            y = linear_with_sp_gather(x, weight, self.bias, self.tp_group, self.wgrad_store)
         else:
-            y = F.linear(copy_to_tp(x, self.tp_group), weight, self.bias)
+            y = wgrad_linear(copy_to_tp(x, self.tp_group), weight, self.bias, self.wgrad_store)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 
@@ -78,6 +81,8 @@ class RowParallelLinear(nn.Module):
     """Y = X·A + b with A's input dimension split across TP: [*, in/tp] -> [*, out], outputs
     summed over TP (or reduce-scattered along s under sequence parallelism). The bias is added
     once, after the reduction."""
+
+    wgrad_store = None  # --delay-wgrad-compute (the bias's gradient stays in B: a sum over tokens)
 
     def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
                  input_is_parallel: bool = True, init_std: float = 0.02,
@@ -100,7 +105,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = wgrad_linear(x, self.weight, None, self.wgrad_store)
         y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
         return y + self.bias if self.bias is not None else y
 
@@ -111,6 +116,8 @@ class VocabParallelEmbedding(nn.Module):
     Each rank looks up the ids in its row range, zeroes the rest, and the partial results are
     summed over TP (Megatron-LM paper, Sec. 3, "input embedding").
     """
+
+    wgrad_store = None  # --delay-wgrad-compute: the rows' scatter-add waits for W
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group, init_std: float = 0.02,
                  init_rows: int | None = None, dtype=torch.float32, device=None):
@@ -126,8 +133,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if comm.group_size(self.tp_group) == 1:
-            return F.embedding(ids, self.weight)
+            return wgrad_embedding(ids, self.weight, self.wgrad_store)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = wgrad_embedding(local, self.weight, self.wgrad_store).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.tp_group)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from .wgrad import defer_or_fail, deferrable, linear as wgrad_linear
 
 
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
@@ -126,9 +127,10 @@ class _LinearWithSPGather(torch.autograd.Function):
     partial sum over the tensor-parallel region)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, store=None, params=None):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
+        ctx.store, ctx.params = store, params
         return torch.nn.functional.linear(comm.all_gather(x, group, dim=0), weight, bias)
 
     @staticmethod
@@ -136,17 +138,29 @@ class _LinearWithSPGather(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         total = comm.all_gather(x, ctx.group, dim=0)  # [s, b, in]
         grad_x = comm.reduce_scatter(grad.matmul(weight), ctx.group, dim=0)
-        grad_2d = grad.reshape(-1, grad.size(-1))  # [s·b, out]
-        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None
+        has_bias = ctx.has_bias
+
+        def wgrad():
+            grad_2d = grad.reshape(-1, grad.size(-1))  # [s·b, out]
+            grad_weight = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))
+            return grad_weight, (grad_2d.sum(0) if has_bias else None)
+        if ctx.store is None:
+            return (grad_x, *wgrad(), None, None, None)
+        # --delay-wgrad-compute: the gathered input stays until W (tensor_parallel/wgrad.py)
+        params = ctx.params
+        defer_or_fail(ctx.store, lambda: [(p, g) for p, g in zip(params, wgrad()) if p is not None])
+        return grad_x, None, None, None, None, None
 
 
-def linear_with_sp_gather(x, weight, bias, group):
-    """F.linear(gather_from_sp(x), weight, bias) without keeping the gathered input for backward."""
+def linear_with_sp_gather(x, weight, bias, group, store=None):
+    """F.linear(gather_from_sp(x), weight, bias) without keeping the gathered input for backward;
+    with a WgradStore (--delay-wgrad-compute) the weight gradient waits for its W."""
     if comm.group_size(group) == 1:
-        return torch.nn.functional.linear(x, weight, bias)
-    return _LinearWithSPGather.apply(x, weight, bias, group)
+        return wgrad_linear(x, weight, bias, store)
+    if not deferrable(store, weight, bias):
+        return _LinearWithSPGather.apply(x, weight, bias, group)
+    return _LinearWithSPGather.apply(x, weight.detach(), None if bias is None else bias.detach(), group, store,
+                                     (weight, bias))
 
 
 def copy_to_tp(x, group):

@@ -32,6 +32,7 @@ from ... import comm
 from ...tensor_parallel import set_init
 from ...tensor_parallel.layers import set_tp_attributes
 from ...tensor_parallel.param_info import param_info
+from ...tensor_parallel.wgrad import linear
 from ..config import ExecutionConfig, GPTConfig
 from ..mlp import activation
 
@@ -85,6 +86,8 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 class LocalExperts(nn.Module):
+    wgrad_store = None  # the loop's weight gradients deferred (tensor_parallel/wgrad.py); grouped: in B
+
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, etp_group, ep_group, device=None):
         super().__init__()
         ep, ep_rank, tp = comm.group_size(ep_group), comm.group_rank(ep_group), comm.group_size(etp_group)
@@ -114,8 +117,9 @@ class LocalExperts(nn.Module):
             y = self._add_biases(_grouped_mm(x, w1, offs), [e.linear_fc1.bias for e in experts], counts)
             y = _grouped_mm(self._activation(y), w2, offs)
             return self._add_biases(y, [e.linear_fc2.bias for e in experts], counts) if self.add_fc2_bias else y
-        outs = [F.linear(self._activation(F.linear(part, e.linear_fc1.weight, e.linear_fc1.bias)),
-                         e.linear_fc2.weight, e.linear_fc2.bias if self.add_fc2_bias else None)
+        store = self.wgrad_store  # --delay-wgrad-compute: each expert's weight gradients wait for W
+        outs = [linear(self._activation(linear(part, e.linear_fc1.weight, e.linear_fc1.bias, store)),
+                       e.linear_fc2.weight, e.linear_fc2.bias if self.add_fc2_bias else None, store)
                 for part, e in zip(x.split(counts), experts)]
         return torch.cat(outs) if outs else x[:0]
 
