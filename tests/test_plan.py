@@ -118,6 +118,25 @@ def test_bubble_fraction():
     assert plan.make_plan(SMALL)["bubble_fraction"] == 0.0
 
 
+def test_zero_bubble_bubble_and_held_micro_batches():
+    """zb_h1 and zbv: the bubble of their order on unit costs (a third of 1F1B's at p = 2, ZB-H1's
+    (p-1)(F+B-W) / (3m + p - 1)), the micro-batches each rank holds (1F1B's p - r, one more for W's
+    inputs), and zbv's loss on rank 0."""
+    base = SMALL + ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--world-size", "2",
+                    "--global-batch-size", "8", "--untie-embeddings-and-output-weights"]  # m = 4
+    f1b = plan.make_plan(base)
+    h1 = plan.make_plan(base + ["--pipeline-schedule", "zb_h1"])
+    zbv = plan.make_plan(base + ["--pipeline-schedule", "zbv", "--num-layers-per-virtual-pipeline-stage", "2"])
+    assert f1b["bubble_fraction"] == pytest.approx(bubble(2, 4))  # 1/5
+    assert h1["bubble_fraction"] == pytest.approx(1 / 13) and h1["pipeline_schedule"] == "zb_h1"
+    assert zbv["bubble_fraction"] < h1["bubble_fraction"]
+    assert [st["in_flight_micro_batches"] for st in f1b["stages"]] == [2, 1]
+    assert [st["in_flight_micro_batches"] for st in h1["stages"]] == [3, 2]
+    # zbv: rank 0 holds the embedding and the output layer (untied: vocab x h more parameters there)
+    assert zbv["stages"][0]["num_params"] > zbv["stages"][1]["num_params"]
+    assert zbv["stages"][0]["activation_bytes"] > zbv["stages"][1]["activation_bytes"]
+
+
 def test_activation_formula_korthikanti_table2():
     s, b, h, a, L, t = 2048, 1, 4096, 32, 4, 8
     model = ["--num-layers", str(L), "--hidden-size", str(h), "--num-attention-heads", str(a), "--seq-length", str(s),

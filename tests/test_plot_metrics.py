@@ -91,3 +91,31 @@ def test_existing_output_is_refused_and_kept(tmp_path, capsys):
     with pytest.raises(plot_metrics.InputError, match="already exists"):  # appeared after main's check
         plot_metrics.plot([log], str(out))
     assert out.read_bytes() == b"an earlier picture"
+
+
+def test_timeline_draws_one_row_per_rank_with_idle_gaps(tmp_path, capsys):
+    """--timeline: a pipeline_timeline record (two ranks, rank 1 idle for its first half) becomes one
+    row per rank, each pass a bar in its kind's colour, idle time blank, idle fractions printed."""
+    import matplotlib.image
+    import numpy as np
+    events0 = [["F", 0, 0, 0.0, 1.0], ["F", 0, 1, 1.0, 2.0], ["B", 0, 0, 3.0, 4.0], ["W", 0, 0, 4.0, 5.0]]
+    events1 = [["F", 0, 0, 2.5, 3.5], ["B", 0, 0, 3.5, 4.5], ["W", 0, 0, 4.5, 5.0]]
+    record = {"event": "pipeline_timeline", "iteration": 3, "ranks": [
+        {"rank": 0, "pp_rank": 0, "idle_fraction": 0.2, "events": events0},
+        {"rank": 1, "pp_rank": 1, "idle_fraction": 0.5, "events": events1}]}
+    log = tmp_path / "run.jsonl"
+    log.write_text(json.dumps({"iteration": 3, "lm_loss": 1.0}) + "\n" + json.dumps(record) + "\n")
+    out = tmp_path / "timeline.png"
+    assert plot_metrics.main([str(log), "--timeline", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "rank 0 (pp 0): idle 20.0%" in printed and "rank 1 (pp 1): idle 50.0%" in printed
+    img = matplotlib.image.imread(str(out))[..., :3]
+
+    def rows_with(hex_colour):
+        rgb = np.array([int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)]) / 255.0
+        return np.where((np.abs(img - rgb).max(axis=-1) < 0.03).sum(axis=1) > 20)[0]
+    f_rows, w_rows = rows_with(plot_metrics.TIMELINE_COLOURS["F"]), rows_with(plot_metrics.TIMELINE_COLOURS["W"])
+    assert len(f_rows) and len(w_rows)
+    assert f_rows.max() - f_rows.min() > 30  # F bars on both rows
+    assert plot_metrics.main([str(log), "--timeline", "--iteration", "9", "--output", str(tmp_path / "x.png")]) == 2
+    assert "no pipeline_timeline record for iteration 9" in capsys.readouterr().err

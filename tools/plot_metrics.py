@@ -5,6 +5,13 @@
 
 Three panels against iterations: training loss, validation loss, throughput (tokens/s); one
 line per run, labelled by its file name (by as much of its path as tells the runs apart).
+
+    python tools/plot_metrics.py run.jsonl --timeline --output timeline.png   [--iteration N]
+
+draws instead a run's pipeline timeline (--log-pipeline-timeline: its last `pipeline_timeline`
+record, or iteration N's): one row per rank, a bar per pass (F forward, B input gradient,
+W weight gradient, BW a whole backward) labelled with its micro-batch, idle time left blank,
+each rank's idle fraction beside its row.
 Needs matplotlib (pip install matplotlib); draws off-screen (Agg), no display needed. An
 --output that exists is refused (nothing is overwritten).
 """
@@ -65,19 +72,7 @@ PANELS = [("train_loss", "training loss (lm loss)", True), ("valid_loss", "valid
 
 def plot(paths: list[str], output: str, title: str | None = None) -> dict:
     """Draw the runs into `output`; returns {label: series} as plotted."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise MissingPackage("tools/plot_metrics.py needs matplotlib, which is not installed: pip install matplotlib")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    ext = os.path.splitext(output)[1].lstrip(".").lower()
-    if ext not in FigureCanvasBase.get_supported_filetypes():
-        raise InputError(f"--output {output}: unknown image format {ext!r}; use one of "
-                         f"{', '.join(sorted(FigureCanvasBase.get_supported_filetypes()))}")
-
+    plt, ext = _pyplot(output)
     runs = {label: load_run(p) for label, p in zip(labels_for(paths), paths)}
     if not any(s for run in runs.values() for s in run.values()):
         raise InputError(f"no training or validation records in {', '.join(paths)}")
@@ -107,6 +102,76 @@ def plot(paths: list[str], output: str, title: str | None = None) -> dict:
             ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes, color="gray")
     if title:
         fig.suptitle(title)
+    _save(plt, fig, output, ext)
+    return runs
+
+
+def load_timeline(path: str, iteration: int | None = None) -> dict:
+    """The `pipeline_timeline` record of `iteration` (default: the last) in a JSONL log."""
+    found = None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(r, dict) and r.get("event") == "pipeline_timeline" and \
+                    (iteration is None or r.get("iteration") == iteration):
+                found = r
+    if found is None:
+        which = f"for iteration {iteration} " if iteration is not None else ""
+        raise InputError(f"no pipeline_timeline record {which}in {path} (train with --log-pipeline-timeline)")
+    return found
+
+
+TIMELINE_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52"}
+
+
+def plot_timeline(path: str, output: str, iteration: int | None = None, title: str | None = None) -> dict:
+    """Draw one iteration's pipeline timeline into `output`; returns the record drawn."""
+    plt, ext = _pyplot(output)
+    record = load_timeline(path, iteration)
+    ranks = record["ranks"]
+    fig, ax = plt.subplots(figsize=(12, 0.7 * len(ranks) + 1.5))
+    end = max((e[4] for r in ranks for e in r["events"]), default=1.0)
+    for row, r in enumerate(ranks):
+        y = len(ranks) - 1 - row
+        for kind, chunk, mb, t0, t1 in r["events"]:
+            ax.broken_barh([(t0, t1 - t0)], (y - 0.4, 0.8), facecolors=TIMELINE_COLOURS.get(kind, "gray"),
+                           edgecolor="white", linewidth=0.5)
+            if t1 - t0 > end / 80:
+                ax.text((t0 + t1) / 2, y, f"{mb}" + ("'" if chunk else ""), ha="center", va="center", fontsize=6,
+                        color="white")
+        ax.text(end * 1.01, y, f"idle {100 * r['idle_fraction']:.0f}%", va="center", fontsize=8)
+    ax.set_yticks(range(len(ranks)), [f"rank {r['rank']} (pp {r['pp_rank']})" for r in reversed(ranks)])
+    ax.set_xlim(0, end * 1.12)
+    ax.set_xlabel("seconds from the iteration's first pass (bars: micro-batch; N' on chunk 1)")
+    from matplotlib.patches import Patch
+    kinds = sorted({e[0] for r in ranks for e in r["events"]}, key=list(TIMELINE_COLOURS).index)
+    ax.legend(handles=[Patch(color=TIMELINE_COLOURS[k], label=k) for k in kinds], loc="upper left", fontsize=8,
+              ncol=len(kinds))
+    ax.set_title(title or f"pipeline timeline, iteration {record['iteration']} ({os.path.basename(path)})")
+    _save(plt, fig, output, ext)
+    return record
+
+
+def _pyplot(output: str):
+    """matplotlib.pyplot off-screen, and the image format of `output`."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingPackage("tools/plot_metrics.py needs matplotlib, which is not installed: pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
+    ext = os.path.splitext(output)[1].lstrip(".").lower()
+    if ext not in FigureCanvasBase.get_supported_filetypes():
+        raise InputError(f"--output {output}: unknown image format {ext!r}; use one of "
+                         f"{', '.join(sorted(FigureCanvasBase.get_supported_filetypes()))}")
+    return plt, ext
+
+
+def _save(plt, fig, output: str, ext: str) -> None:
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     try:
@@ -120,7 +185,6 @@ def plot(paths: list[str], output: str, title: str | None = None) -> dict:
         raise InputError(_exists(output)) from None
     finally:
         plt.close(fig)
-    return runs
 
 
 def _exists(output: str) -> str:
@@ -133,12 +197,25 @@ def main(argv=None) -> int:
     p.add_argument("runs", nargs="+", metavar="RUN.jsonl", help="JSONL logs written by --log-jsonl")
     p.add_argument("--output", "-o", required=True, help="image to write (.png, .svg, .pdf); must not exist")
     p.add_argument("--title", help="figure title")
+    p.add_argument("--timeline", action="store_true",
+                   help="draw one run's pipeline timeline (--log-pipeline-timeline) instead of the curves")
+    p.add_argument("--iteration", type=int, help="with --timeline: the iteration to draw (default: the last logged)")
     args = p.parse_args(argv)
     for path in args.runs:
         if not os.path.isfile(path):
             p.error(f"no such file: {path}")
     if os.path.lexists(args.output):  # before reading the logs (one of which it may be)
         p.error(_exists(args.output))
+    if args.timeline:
+        if len(args.runs) != 1:
+            p.error("--timeline draws one run: give one RUN.jsonl")
+        record = plot_timeline(args.runs[0], args.output, args.iteration, args.title)
+        for r in record["ranks"]:
+            print(f"rank {r['rank']} (pp {r['pp_rank']}): idle {100 * r['idle_fraction']:.1f}%")
+        print(f"wrote {args.output}")
+        return 0
+    if args.iteration is not None:
+        p.error("--iteration needs --timeline")
     runs = plot(args.runs, args.output, args.title)
     for label, run in runs.items():
         last = run["train_loss"][-1] if run["train_loss"] else None

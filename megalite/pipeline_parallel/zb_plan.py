@@ -154,3 +154,16 @@ def bubble_fraction(p: int, m: int, v_shape: bool, costs=(1.0, 1.0, 1.0)) -> flo
     span = max(end for run in runs for _, _, end in run)
     busy = sum(end - start for run in runs for _, start, end in run)
     return 1.0 - busy / (span * p)
+
+
+def peak_held(p: int, m: int, v_shape: bool) -> list[int]:
+    """Per rank, the most chunk micro-batches whose activations (F done, B not) or W inputs (B
+    done, W not) it holds at once in its order: the activation memory tools/plan.py counts."""
+    peaks = []
+    for run in simulate(p, m, v_shape):
+        held = peak = 0
+        for a, _, _ in run:
+            held += {"F": 1, "B": 0, "W": -1}[a.kind]
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks

@@ -52,6 +52,7 @@ import math
 
 from ..config.sharding import ShardingStrategy
 from .mla import mla_activation_coefficients, mla_params
+from .schedule import is_post_process, loss_rank, zero_bubble_in_flight
 from .moe import (chunk_layers, expert_params, expert_tp, local_expert_params, moe_layer_params,
                   moe_mlp_activation_bytes, moe_pattern)
 
@@ -117,7 +118,7 @@ def stage_param_split(c, pp_rank: int) -> tuple[int, int]:
     n, experts = stage_layer_params(c, pp_rank)
     word = c.model.padded_vocab_size // t * h
     for chunk in range(v):
-        pre, post = pp_rank == 0 and chunk == 0, pp_rank == p - 1 and chunk == v - 1
+        pre, post = pp_rank == 0 and chunk == 0, is_post_process(c, pp_rank, chunk)
         if pre:
             n += word
             if c.model.position_embedding_type == "learned_absolute":
@@ -208,6 +209,9 @@ def in_flight_chunks(c, pp_rank: int) -> int:
     p, v, m = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size, c.training.num_microbatches
     if p == 1:
         return 1
+    zero_bubble = zero_bubble_in_flight(c, pp_rank)  # zb_h1 / zbv: their order's peak
+    if zero_bubble is not None:
+        return zero_bubble
     warmup = (p - pp_rank - 1) * 2 + (v - 1) * p if v > 1 else p - pp_rank - 1
     return min(warmup + 1, m * v)
 
@@ -250,7 +254,7 @@ def stage_activation_bytes(c, pp_rank: int, rebuilt: bool = True) -> float:
     scale = 1.0 if (c.optimizer.bf16 or c.optimizer.fp16) else 2.0
     if pp_rank == 0 and c.model.hidden_dropout > 0:  # embedding dropout mask per micro-batch in flight
         total += chunks / v * s * b * h / (t if sp else 1)
-    if pp_rank == p - 1:  # final norm output, output-layer input, fp32 logits (one micro-batch)
+    if pp_rank == loss_rank(c):  # final norm output, output-layer input, fp32 logits (one micro-batch)
         # (one logits-sized tensor in the logits' dtype: tensor_parallel/cross_entropy.py)
         logits = 4 * s * b * h / t * (1 + c.model.padded_vocab_size / (2 * h)) * scale
         total += logits
@@ -278,7 +282,7 @@ def unit_params(c, pp_rank: int) -> tuple[int, list[int]]:
     own, units = 0, [sum(layer_params(c, pattern[n])) + (local_expert_params(c) if pattern[n] else 0)
                      for chunk in chunk_layers(c, pp_rank) for n in chunk]
     for chunk in range(v):
-        pre, post = pp_rank == 0 and chunk == 0, pp_rank == p - 1 and chunk == v - 1
+        pre, post = pp_rank == 0 and chunk == 0, is_post_process(c, pp_rank, chunk)
         mtp = post and bool(c.model.mtp_num_layers)
         n = 0
         if post:
@@ -302,7 +306,7 @@ def bucket_sizes(c, pp_rank: int, strategy: ShardingStrategy) -> list[int]:
     p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
     tables = 0  # word embedding and output layer tables on this stage
     for chunk in range(v):
-        pre, post = pp_rank == 0 and chunk == 0, pp_rank == p - 1 and chunk == v - 1
+        pre, post = pp_rank == 0 and chunk == 0, is_post_process(c, pp_rank, chunk)
         mtp = post and not pre and bool(c.model.mtp_num_layers)  # MTP's copy of the embedding
         tables += int(pre) + int(post and (c.model.untie_embeddings_and_output_weights or not pre)) \
             + int(mtp and c.model.untie_embeddings_and_output_weights)

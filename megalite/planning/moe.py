@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from ..config.moe import moe_layer_pattern
 from ..parallel_state import stage_layers
+from .schedule import v_shaped
 
 
 def moe_pattern(c) -> list[bool]:
@@ -38,7 +39,8 @@ def chunk_layers(c, pp_rank: int) -> list[list[int]]:
     """The global layer numbers of each model chunk of pipeline rank `pp_rank`."""
     p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
     return [list(range(first, first + n))
-            for first, n in stage_layers(c.model.num_layers, p, v, pp_rank, c.parallel.pipeline_model_parallel_layout)]
+            for first, n in stage_layers(c.model.num_layers, p, v, pp_rank, c.parallel.pipeline_model_parallel_layout,
+                                         v_shaped(c))]
 
 
 def _expert_parts(c, ffn: int) -> tuple[int, int]:

@@ -7,6 +7,7 @@ from ..runtime.metrics import num_floating_point_operations
 from ..config.sharding import STRATEGIES
 from .memory import (in_flight_chunks, recompute_setting, stage_activation_bytes,
                      stage_param_split, strategy_bytes, total_params)
+from .schedule import bubble, schedule_name
 from .moe import active_params, expert_tp, local_expert_params, moe_pattern, stage_dispatch_bytes
 
 GIB = 2**30
@@ -82,7 +83,7 @@ def make_plan(c: RunConfig, gpu_memory_gb: float = 80.0) -> dict:
         "memory_gb_by_strategy": by_strategy_gb,
         "worst_pp_rank": worst["pp_rank"],
         "stages": stages,
-        "bubble_fraction": (p - 1) / (v * m + p - 1),
+        "bubble_fraction": bubble(c)[0], "bubble_formula": bubble(c)[1], "pipeline_schedule": schedule_name(c),
         "flops_per_iteration": num_floating_point_operations(c.model, c.training.global_batch_size),
         "tokens_per_iteration": c.training.global_batch_size * c.model.seq_length,
         "gpu_memory_gb": gpu_memory_gb,
@@ -190,8 +191,8 @@ def format_plan(plan: dict) -> str:
                                                   for st in plan["stages"]))
     lines += [
         "",
-        f"pipeline bubble  {100 * plan['bubble_fraction']:.1f}% of an iteration "
-        f"((p-1)/(v*m+p-1) = {lay['pp'] - 1}/({lay['vpp']}*{lay['num_microbatches']}+{lay['pp'] - 1}))",
+        f"pipeline bubble  {100 * plan['bubble_fraction']:.1f}% of an iteration, {plan['pipeline_schedule']} "
+        f"({plan['bubble_formula']})",
         f"FLOPs/iteration  {plan['flops_per_iteration']:.3e}" + (" (active: top-k experts)" if plan["moe"] else "")
         + " "
         f"({plan['flops_per_iteration'] / lay['world_size'] / 1e12:.1f} TFLOP per GPU; "
