@@ -22,9 +22,9 @@ from .zb_plan import Action, Geometry, actions
 
 
 class _Runner:
-    def __init__(self, step: Step, pipe: PipeComm, geometry: Geometry, store, forward_only: bool, m: int):
+    def __init__(self, step: Step, pipe: PipeComm, geometry: Geometry, store, forward_only: bool):
         self.step, self.pipe, self.g, self.store = step, pipe, geometry, store
-        self.forward_only, self.m = forward_only, m
+        self.forward_only = forward_only
         ps = pipe.ps
         self.rank, self.peers = ps.pp_rank, ps.pp_ranks
         self.inputs: dict = {}  # (chunk, mb) -> the input activation (None on the first stage)
@@ -119,7 +119,7 @@ def _forward_backward_zb(v_shape: bool, batches, model, num_microbatches: int, b
     if wgrad_store is None and not forward_only:
         raise ValueError("the zero-bubble schedules need a WgradStore attached to the model (--delay-wgrad-compute)")
     step = Step(batches, model, backward_scale, forward_only, microbatch_mean, timeline)
-    runner = _Runner(step, comm, g, wgrad_store, forward_only, num_microbatches)
+    runner = _Runner(step, comm, g, wgrad_store, forward_only)
     if forward_only:  # evaluation: each micro-batch through this rank's chunks in pipeline order
         order = [Action("F", c, mb) for mb in range(num_microbatches) for c in range(g.chunks)]
     else:

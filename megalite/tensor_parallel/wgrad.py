@@ -66,10 +66,6 @@ class WgradStore:
         if sums:
             torch.autograd.backward(list(sums), list(sums.values()))
 
-    def clear(self) -> None:
-        self._pending.clear()
-        self._open = None
-
 
 def _leaf(t) -> bool:
     """Whether t's gradient can be handed over later: a leaf (a parameter). A computed weight
@@ -165,15 +161,15 @@ def embedding(ids, weight, store: WgradStore | None = None):
 def attach(chunks, store: WgradStore | None) -> int:
     """Give every module of `chunks` that can defer its weight gradient (a class attribute
     `wgrad_store`) the store; returns how many. A chunk whose tied output layer ZeRO-3 gathers for
-    itself (TiedOutputGather, which hands its gradient over in B) keeps its embedding's in B too:
-    one parameter's gradient arrives once per micro-batch."""
+    itself (TiedOutputGather, which hands its gradient over in B) keeps its word embedding's in B
+    too: one parameter's gradient arrives once per micro-batch."""
     n = 0
     for chunk in chunks:
-        tied_gather = getattr(chunk, "output_weight_gather", None) is not None
+        keep = set()
+        if getattr(chunk, "output_weight_gather", None) is not None and chunk.embedding is not None:
+            keep.add(id(chunk.embedding.word_embeddings))
         for module in chunk.modules():
-            if hasattr(type(module), "wgrad_store"):
-                if tied_gather and type(module).__name__ == "VocabParallelEmbedding":
-                    continue
+            if hasattr(type(module), "wgrad_store") and id(module) not in keep:
                 module.wgrad_store = store
                 n += 1
     return n
