@@ -63,7 +63,7 @@ def test_zero_bubble_layout_matches_single_process(reference, corpus, tmp_path, 
         assert all(ends[("B", c, mb)] <= t0 for k, c, mb, t0, _ in events if k == "W")
 
 
-@pytest.mark.parametrize("p,m,v", [(2, 1, False), (2, 4, False), (4, 8, False), (2, 3, True), (4, 8, True)])
+@pytest.mark.parametrize("p,m,v", [(2, 1, False), (2, 4, False), (4, 3, False), (4, 8, False), (2, 3, True), (4, 8, True)])
 def test_orders_run_every_pass_once_after_its_inputs(p, m, v):
     runs = zb_plan.simulate(p, m, v)
     g = zb_plan.Geometry(p, v)
@@ -82,11 +82,17 @@ def test_orders_run_every_pass_once_after_its_inputs(p, m, v):
                 assert when[("B", s + 1, mb)][1] <= t0
         if kind == "W":
             assert when[("B", s, mb)][1] <= t0
-    # on unit costs with m >= p: 1F1B's bubble is 3(p - 1); ZB-H1's (p - 1)(T_F + T_B - T_W) = p - 1, which the
-    # order reaches at p = 2 (the list scheduler leaves 5 at p = 4); ZB-V less than ZB-H1's
+    # on unit costs with m >= p: 1F1B's bubble is 3(p - 1), ZB-H1's (p - 1)(T_F + T_B - T_W) = p - 1; ZB-V's less
     span = max(t1 for run in runs for *_, t1 in run) - 3 * m
     if m >= p:
-        assert span == {(2, False): 1, (4, False): 5, (2, True): 0.5, (4, True): 2}[(p, v)]
+        assert span == {(2, False): 1, (4, False): 3, (2, True): 0.5, (4, True): 2}[(p, v)]
+    if not v:  # ZB-H1: 1F1B's p - r micro-batches between F and B on rank r, at most r + 1 waiting for W
+        for r, run in enumerate(runs):
+            between = waiting = 0
+            for a, *_ in run:
+                between += {"F": 1, "B": -1, "W": 0}[a.kind]
+                waiting += {"F": 0, "B": 1, "W": -1}[a.kind]
+                assert between <= p - r and waiting <= r + 1
 
 
 ARGS = ["--mock-data", "--vocab-size", "1000"] + tiny(num_layers=4) + ["--pipeline-model-parallel-size", "2"]

@@ -2,25 +2,26 @@
 
 Zero-bubble pipelining (Qi et al. 2024, arXiv 2401.10241) splits each backward into B (the input
 gradient, which the previous stage waits for) and W (the weight gradient, which nothing waits for
-until the optimizer step), and places the W passes where 1F1B leaves the pipeline idle. The
-orders here come from a list scheduler run on unit costs (F = B = W = 1 per stage, no
-communication time): every rank, whenever it is free, starts the first ready pass by priority
-B > F > W, within a memory limit per rank; the run is a valid execution of the iteration's
-dependency graph, so its per-rank orders cannot deadlock whatever the real costs are (a rank
-only ever waits for a pass that some rank's order puts before its own).
+until the optimizer step), and places the W passes where 1F1B leaves the pipeline idle.
 
-- zb_h1 (ZB-H1, Sec. 3.1, one chunk per rank): at most p - r micro-batches between F and B on
-  rank r, 1F1B's activation limit, and at most p - r + 1 holding anything (F done, W not: the
-  one extra holds only W's inputs). At p = 2 that is ZB-H1's bubble (p - 1)(T_F + T_B - T_W), a
-  third of 1F1B's (p - 1)(T_F + T_B + T_W) at equal costs; at larger p this greedy order under
-  that memory limit leaves more than the paper's hand-made one (unit costs, p = 4: 5 units
-  against ZB-H1's 3 and 1F1B's 9; p = 8: 13, 7 and 21).
+- zb_h1 (ZB-H1, Sec. 3.1, one chunk per rank), written out: rank r runs p - r forwards, then for
+  each micro-batch k its B, the next F, and a W once more than r of them wait; the last r W passes
+  close the iteration. Rank r holds at most p - r micro-batches between F and B, 1F1B's activation
+  limit, and the inputs of at most r + 1 pending W passes (the linears' inputs and output
+  gradients). With m >= p its bubble is ZB-H1's (p - 1)(T_F + T_B - T_W), a third of 1F1B's
+  (p - 1)(T_F + T_B + T_W) at equal costs (tests/test_zero_bubble.py checks 3m + p - 1 on unit
+  costs for p = 2 and 4).
 - zbv (ZB-V, Sec. 4): two chunks per rank in a V: virtual stage s < p on rank s (chunk 0),
   s >= p on rank 2p - 1 - s (chunk 1), so rank 0 holds the first and the last chunk and the
-  loss. At most 2p chunk micro-batches held per rank (each half a stage: 1F1B's p micro-batches
-  of a whole stage), chunk 0 at most 2p - 1 so that chunk 1 always has room.
+  loss. Its order comes from a list scheduler run on unit costs (F = B = W = 1 per stage, a chunk
+  half that, no communication time): every rank, whenever it is free, starts the first ready
+  pass by priority B > F (the deeper chunk first) > W, holding at most 2p chunk micro-batches
+  (each half a stage: 1F1B's p micro-batches of a whole stage), chunk 0 at most 2p - 1 so that
+  chunk 1 always has room.
 
-`simulate` also gives the bubble fraction tools/plan.py reports.
+Either way the orders are a valid execution of the iteration's dependency graph, so they cannot
+deadlock whatever the real costs are (a rank only ever waits for a pass that some rank's order
+puts before its own). `simulate` times them on given costs: tools/plan.py's bubble.
 """
 from __future__ import annotations
 
@@ -66,16 +67,9 @@ class _Rank:
     free_at: float = 0.0
 
 
-def _limits(g: Geometry, r: int) -> tuple[int, int]:
-    """(micro-batches between F and B, micro-batches held until W) on rank r."""
-    if g.v_shape:
-        return 2 * g.p, 2 * g.p
-    return g.p - r, g.p - r + 1
-
-
 def _ready(g: Geometry, st: _Rank, r: int, m: int, done: dict):
     """The passes rank r could start next, as (earliest start, priority, kind, chunk)."""
-    lim_fb, lim_held = _limits(g, r)
+    lim_fb = lim_held = 2 * g.p
     options = []
     for c in range(g.chunks):
         s = g.stage(r, c)
@@ -95,10 +89,59 @@ def _ready(g: Geometry, st: _Rank, r: int, m: int, done: dict):
     return options
 
 
+def zb_h1_order(p: int, m: int, r: int) -> list[Action]:
+    """ZB-H1 on rank r: p - r forwards; per micro-batch B, the next F, a W once more than r wait."""
+    warmup = min(p - r, m)
+    order = [Action("F", 0, k) for k in range(warmup)]
+    next_f, pending = warmup, []
+    for k in range(m):
+        order.append(Action("B", 0, k))
+        pending.append(k)
+        if next_f < m:
+            order.append(Action("F", 0, next_f))
+            next_f += 1
+        if len(pending) > r:
+            order.append(Action("W", 0, pending.pop(0)))
+    return order + [Action("W", 0, k) for k in pending]
+
+
+def _time_orders(g: Geometry, orders: list[list[Action]], cost: dict):
+    """Each pass of fixed per-rank orders at its earliest start: per rank, [(Action, start, end)]."""
+    done: dict = {}
+    out = [[] for _ in orders]
+    pos = [0] * len(orders)
+    free = [0.0] * len(orders)
+    while any(pos[r] < len(o) for r, o in enumerate(orders)):
+        progressed = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                a = order[pos[r]]
+                s = g.stage(r, a.chunk)
+                if a.kind == "F":
+                    ready = 0.0 if s == 0 else done.get(("F", s - 1, a.microbatch))
+                elif a.kind == "B":
+                    ready = done.get(("F", s, a.microbatch) if s == g.num_stages - 1 else ("B", s + 1, a.microbatch))
+                else:
+                    ready = done.get(("B", s, a.microbatch))
+                if ready is None:
+                    break
+                start = max(free[r], ready)
+                free[r] = done[(a.kind, s, a.microbatch)] = start + cost[a.kind]
+                out[r].append((a, start, free[r]))
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"zero-bubble orders deadlock (p={g.p})")
+    return out
+
+
 def simulate(p: int, m: int, v_shape: bool, costs=(1.0, 1.0, 1.0)):
     """Per rank: the list of (Action, start, end) of one iteration, run on `costs` (T_F, T_B, T_W
     of one whole stage; a V chunk costs half)."""
     g = Geometry(p, v_shape)
+    if not v_shape:
+        return _time_orders(g, [zb_h1_order(p, m, r) for r in range(p)],
+                            {"F": costs[0], "B": costs[1], "W": costs[2]})
     scale = 0.5 if v_shape else 1.0
     cost = {"F": costs[0] * scale, "B": costs[1] * scale, "W": costs[2] * scale}
     ranks = [_Rank([0] * g.chunks, [0] * g.chunks, []) for _ in range(p)]
@@ -145,6 +188,8 @@ def _apply(g: Geometry, st: _Rank, r: int, kind: str, c: int, start: float, cost
 
 def actions(p: int, m: int, v_shape: bool, rank: int) -> list[Action]:
     """The order of passes on pipeline rank `rank`."""
+    if not v_shape:
+        return zb_h1_order(p, m, rank)
     return [a for a, _, _ in simulate(p, m, v_shape)[rank]]
 
 

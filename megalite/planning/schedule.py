@@ -2,11 +2,12 @@
 rank computes the loss.
 
 1F1B and interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2): bubble (p - 1) / (v·m + p - 1). The
-zero-bubble schedules (zb_h1, zbv: pipeline_parallel/zb_plan.py) have no closed form for the order
-the runtime follows; the plan runs the same list scheduler on unit costs (T_F = T_B = T_W, the
-paper's setting) and reports its idle share, and counts as held the most chunk micro-batches a
-rank keeps between F and W in that order (B frees most of a micro-batch's activations; the rest,
-the linears' inputs for W, are counted whole: an upper bound).
+zero-bubble schedules (zb_h1, zbv: pipeline_parallel/zb_plan.py): the plan times the orders the
+runtime follows on unit costs (T_F = T_B = T_W, the paper's setting; ZB-H1 with m >= p gives
+(p - 1) / (3m + p - 1)) and reports their idle share, and counts as held the most chunk
+micro-batches a rank keeps between F and W in that order (B frees most of a micro-batch's
+activations; the rest, the linears' inputs and output gradients for W, are counted whole: an
+upper bound).
 """
 from __future__ import annotations
 
