@@ -108,6 +108,8 @@ def test_zero_bubble_schedules_switch_on_the_split_backward():
     assert _config(["--pipeline-schedule", "zb_h1"]).parallel.delay_wgrad_compute
     assert _config(["--pipeline-schedule", "zbv"] + VPP).parallel.delay_wgrad_compute
     assert not _config([]).parallel.delay_wgrad_compute
+    # zbv runs any number of micro-batches (interleaved 1F1B needs a multiple of PP): 3 here
+    assert _config(["--pipeline-schedule", "zbv", "--global-batch-size", "6"] + VPP).training.num_microbatches == 3
 
 
 @pytest.mark.parametrize("extra, pattern", [

@@ -154,7 +154,8 @@ def _check_layout(c: RunConfig) -> list[int]:
             fail(f"--num-layers ({layers}) / --pipeline-model-parallel-size ({pp}) = {layers // pp} layers per "
                  f"stage is not divisible by --num-layers-per-virtual-pipeline-stage ({k})")
         p.virtual_pipeline_model_parallel_size = layers // (pp * k)
-    if p.virtual_pipeline_model_parallel_size > 1:
+    # (zbv's order, a list scheduler's, runs any number of micro-batches)
+    if p.virtual_pipeline_model_parallel_size > 1 and p.pipeline_schedule in (None, "interleaved_1f1b"):
         for g in batch_sizes:
             m = g // (t.micro_batch_size * dp)
             if m % pp:
