@@ -125,3 +125,14 @@ def test_layouts_a_zero_bubble_schedule_cannot_run_are_refused(extra, pattern):
     from megalite.arguments import ArgumentError
     with pytest.raises(ArgumentError, match=pattern):
         _config(extra)
+
+
+def test_zero_bubble_schedules_refuse_nccl(monkeypatch):
+    """NCCL ignores tags and runs a pair's sends and receives in order: the runtime's sends posted
+    ahead of the peer's receives could deadlock there, so the schedules say so at start-up."""
+    import torch
+    from megalite.arguments import ArgumentError, parse_args, validate_args
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ArgumentError, match=r"--pipeline-schedule zb_h1 runs on --distributed-backend gloo only"):
+        validate_args(parse_args(ARGS + ["--pipeline-schedule", "zb_h1", "--distributed-backend", "nccl"]), 2,
+                      check_files=False)

@@ -338,9 +338,10 @@ def _check_with_torch(c: RunConfig, check_files: bool) -> None:
         p.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if p.distributed_backend == "nccl" and not torch.cuda.is_available():
         fail("--distributed-backend nccl needs CUDA; use gloo on CPU")
-    if p.distributed_backend == "nccl" and p.pipeline_schedule == "zbv":
-        fail("--pipeline-schedule zbv runs on --distributed-backend gloo only: it sends two streams one way between "
-             "a pair of ranks (chunk 0's activations, chunk 1's gradients), told apart by tag, which NCCL ignores")
+    if p.distributed_backend == "nccl" and p.pipeline_schedule in ("zb_h1", "zbv"):
+        fail(f"--pipeline-schedule {p.pipeline_schedule} runs on --distributed-backend gloo only: its runtime posts "
+             f"sends at once and receives when its order needs them, streams told apart by tag; NCCL ignores tags "
+             f"and runs a pair's sends and receives in order on one stream, which that can deadlock")
     if p.distributed_backend == "gloo" and "ddp.ddp_bucket_size" not in c.explicit and not t.dry_run:
         c.ddp.ddp_bucket_size = GLOO_BUCKET_SIZE  # (a dry run stands for the job's machine, NCCL's)
     if check_files:  # a probe on this machine's device; tools/plan.py plans for another one
