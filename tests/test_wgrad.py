@@ -5,12 +5,14 @@ the plain backward's gradients bit for bit (torch.equal), on one process:
   gradient a previous pipeline stage needs; W fills them; the post-accumulate-grad hooks (which
   the gradient buffers and their reduction overlap hang on) fire at W, once per parameter;
 - over a dense model (tied and untied output layer, LayerNorm-1p / RMSNorm, biases, SwiGLU, two
-  micro-batches accumulated) and a MoE model (loop experts, router, shared expert).
+  micro-batches accumulated) and MoE models (loop experts, router, shared expert; grouped GEMM,
+  run on the CPU where the module would use it on CUDA).
 """
 import pytest
 import torch
 
 from megalite.data.batch import build_batch
+import megalite.model.moe.experts as experts_module
 from megalite.model import GPTModel, model_configs
 from megalite.tensor_parallel import wgrad
 
@@ -20,6 +22,9 @@ VARIANTS = {
                                     add_bias_linear=False, position_embedding_type="rope"),
     "moe": dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
                 untie_embeddings_and_output_weights=True),
+    # torch._grouped_mm (a CUDA kernel; on the CPU a loop of GEMMs, which the test runs: see below)
+    "moe-grouped": dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, untie_embeddings_and_output_weights=True,
+                        moe_grouped_gemm=True, swiglu=True),
 }
 
 
@@ -59,8 +64,10 @@ def _run(model, store=None, stage_input=None):
 
 
 @pytest.mark.parametrize("variant,first_stage", [("dense-tied", True), ("dense-untied-rms-swiglu", False),
-                                                 ("moe", True)])
-def test_split_backward_matches_plain_backward_bit_for_bit(variant, first_stage):
+                                                 ("moe", True), ("moe-grouped", False)])
+def test_split_backward_matches_plain_backward_bit_for_bit(variant, first_stage, monkeypatch):
+    if variant == "moe-grouped":  # the grouped path where it would run on CUDA, here on the CPU
+        monkeypatch.setattr(experts_module, "GROUPED_MM_DEVICES", frozenset({"cpu"}))
     stage_input = None if first_stage else (lambda seed: torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(seed)))
     plain = _model(variant, first_stage)
     *_, plain_dx = _run(plain, None, stage_input)
@@ -76,8 +83,9 @@ def test_split_backward_matches_plain_backward_bit_for_bit(variant, first_stage)
     expected = {"output_layer.weight", "decoder.layers.0.self_attention.linear_qkv.weight"}
     if first_stage:
         expected.add("embedding.word_embeddings.weight")
-    if variant == "moe":
+    if variant.startswith("moe"):
         expected.add("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight")
+        expected.add("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight")
     if variant == "dense-tied" and first_stage:  # tied: the word embedding is the output layer
         expected.discard("output_layer.weight")
     assert expected <= deferred, expected - deferred

@@ -7,8 +7,8 @@ where the pipeline would idle. For Y = X·Wᵀ + b ([*, in] -> [*, out]): B is d
 dW = dYᵀ·X and db = Σ dY; for the embedding lookup W is the scatter-add of dY into the rows.
 
 The layers whose weight gradient is a GEMM or a scatter (column- and row-parallel linears with
-and without sequence parallelism, the output layer, the experts' per-expert loop, the word
-embedding) take a `wgrad_store` (`attach`, for the zero-bubble schedules). Their backward (the schedule's
+and without sequence parallelism, the output layer, the experts' per-expert loop and grouped GEMM,
+the word embedding) take a `wgrad_store` (`attach`, for the zero-bubble schedules). Their backward (the schedule's
 B, while the store captures) returns the input gradient and queues (X, dY) with the product that
 makes the weight gradient; the schedule's W (`WgradStore.pop`) computes them, sums the ones of one parameter (a
 weight used twice, as autograd's input buffer would), and hands them to autograd's own
@@ -16,9 +16,8 @@ accumulation of each parameter (`torch.autograd.backward` on the leaf): `.grad`,
 buffers' post-accumulate hooks and the gradient-reduction overlap they start run at W, not B, and
 the gradients are those of the plain backward, bit for bit (tests/test_wgrad.py). Outside a
 capture the same functions return every gradient at once. Small parameters (norms, biases of
-row-parallel linears, the router, position embeddings) and the grouped-GEMM experts keep their
-gradient in B: their W is cheap next to the queue's bookkeeping (the grouped kernel's weight
-gradient is the kernel's own).
+row-parallel linears and of the experts, the router, position embeddings) keep their gradient in
+B: their W is cheap next to the queue's bookkeeping.
 """
 from __future__ import annotations
 
@@ -156,6 +155,38 @@ def embedding(ids, weight, store: WgradStore | None = None):
     if not deferrable(store, weight):
         return F.embedding(ids, weight)
     return _DeferredEmbedding.apply(ids, weight.detach(), store, (weight,), _anchor(ids))
+
+
+class _DeferredGroupedMM(torch.autograd.Function):
+    """Y = torch._grouped_mm(X, W, offs) (rows of X grouped by expert, W [E, in, out] the stacked
+    transposes of `params`, each [out, in]) with the weights' gradient at `store`'s W: dX =
+    grouped_mm(dY, Wᵀ) and dW_e = (X_eᵀ·dY_e)ᵀ, one grouped product over the groups' rows, the
+    products the kernel's own backward computes (bit for bit, tests/test_wgrad.py)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, store, params):
+        ctx.save_for_backward(x, w, offs)
+        ctx.store, ctx.params = store, params
+        return torch._grouped_mm(x, w, offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        dy = dy.contiguous()  # the kernel refuses a broadcast (stride-0) gradient
+        dx = torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs)
+        params = ctx.params
+        defer_or_fail(ctx.store, lambda: [(p, g.t()) for p, g in
+                                          zip(params, torch._grouped_mm(x.t(), dy, offs=offs).unbind(0))])
+        return dx, None, None, None, None
+
+
+def grouped_mm(x, weights: list, offs, store: WgradStore | None):
+    """torch._grouped_mm(x, stack(wᵀ for w in weights), offs) with the weights' gradient deferred to
+    `store`'s W; None when it cannot defer (the caller runs the plain product)."""
+    if not deferrable(store, *weights):
+        return None
+    w = torch.stack([p.detach().t() for p in weights])
+    return _DeferredGroupedMM.apply(x, w, offs, store, tuple(weights))
 
 
 def attach(chunks, store: WgradStore | None) -> int:

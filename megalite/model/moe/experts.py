@@ -32,7 +32,7 @@ from ... import comm
 from ...tensor_parallel import set_init
 from ...tensor_parallel.layers import set_tp_attributes
 from ...tensor_parallel.param_info import param_info
-from ...tensor_parallel.wgrad import linear
+from ...tensor_parallel.wgrad import grouped_mm, linear
 from ..config import ExecutionConfig, GPTConfig
 from ..mlp import activation
 
@@ -86,7 +86,7 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 class LocalExperts(nn.Module):
-    wgrad_store = None  # the loop's weight gradients deferred (tensor_parallel/wgrad.py); grouped: in B
+    wgrad_store = None  # --delay-wgrad-compute: the weight gradients wait for W (tensor_parallel/wgrad.py)
 
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, etp_group, ep_group, device=None):
         super().__init__()
@@ -112,16 +112,22 @@ class LocalExperts(nn.Module):
         experts = list(self.local_experts.values())
         if self.grouped and x.device.type in GROUPED_MM_DEVICES:
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            w1 = torch.stack([e.linear_fc1.weight.t() for e in experts])  # [E_local, h, fc1_out]
-            w2 = torch.stack([e.linear_fc2.weight.t() for e in experts])  # [E_local, ffn, h]
-            y = self._add_biases(_grouped_mm(x, w1, offs), [e.linear_fc1.bias for e in experts], counts)
-            y = _grouped_mm(self._activation(y), w2, offs)
+            # [E_local, h, fc1_out] and [E_local, ffn, h]
+            y = self._add_biases(self._grouped(x, [e.linear_fc1.weight for e in experts], offs),
+                                 [e.linear_fc1.bias for e in experts], counts)
+            y = self._grouped(self._activation(y), [e.linear_fc2.weight for e in experts], offs)
             return self._add_biases(y, [e.linear_fc2.bias for e in experts], counts) if self.add_fc2_bias else y
         store = self.wgrad_store  # --delay-wgrad-compute: each expert's weight gradients wait for W
         outs = [linear(self._activation(linear(part, e.linear_fc1.weight, e.linear_fc1.bias, store)),
                        e.linear_fc2.weight, e.linear_fc2.bias if self.add_fc2_bias else None, store)
                 for part, e in zip(x.split(counts), experts)]
         return torch.cat(outs) if outs else x[:0]
+
+    def _grouped(self, x: torch.Tensor, weights: list, offs: torch.Tensor) -> torch.Tensor:
+        """One grouped product of x's expert groups with each expert's weight (transposed), its
+        weight gradients deferred under --delay-wgrad-compute."""
+        y = grouped_mm(x, weights, offs, self.wgrad_store)
+        return y if y is not None else _grouped_mm(x, torch.stack([w.t() for w in weights]), offs)
 
     @staticmethod
     def _add_biases(y: torch.Tensor, biases: list, counts: list[int]) -> torch.Tensor:
