@@ -87,6 +87,33 @@ class OptimizerConfig:
         "--inject-overflow-at-iteration", None, "testing only: put an inf into one rank's gradients at iteration N "
         "(>= 1), as an fp16 overflow", type=int, metavar="N", check=AT_LEAST_1)
     params_dtype: str = derived("float32", "float32, bfloat16 (--bf16) or float16 (--fp16)")
+    # Megatron-LM's precision-aware optimizer: where the optimizer's tensors are stored (their
+    # bytes per parameter), never how it computes (fp32; optimizer/precision_adam.py)
+    use_precision_aware_optimizer: bool = flag(
+        "--use-precision-aware-optimizer", False, "store the master weights, the gradients the optimizer reads and "
+        "Adam's moments in the dtypes of --main-params-dtype, --main-grads-dtype, --exp-avg-dtype and "
+        "--exp-avg-sq-dtype; the update is computed in fp32", action="store_true")
+    main_grads_dtype: str = flag("--main-grads-dtype", "fp32", "with --use-precision-aware-optimizer: dtype of the "
+                                 "gradients the optimizer reads (bf16 needs --grad-reduce-in-bf16)",
+                                 choices=["fp32", "bf16"])
+    main_params_dtype: str = flag("--main-params-dtype", "fp32", "with --use-precision-aware-optimizer: dtype of the "
+                                  "master weights of 16-bit parameters", choices=["fp32", "fp16"])
+    exp_avg_dtype: str = flag("--exp-avg-dtype", "fp32", "with --use-precision-aware-optimizer: dtype of Adam's "
+                              "first moment (Muon's momentum)", choices=["fp32", "fp16", "bf16", "fp8"])
+    exp_avg_sq_dtype: str = flag("--exp-avg-sq-dtype", "fp32", "with --use-precision-aware-optimizer: dtype of "
+                                 "Adam's second moment", choices=["fp32", "fp16", "bf16", "fp8"])
+    # QK-clip (Kimi K2, arXiv 2507.20534, Sec. 2.1; Megatron-LM's megatron/core/optimizer/qk_clip.py):
+    # after each step, the query and key projections of heads whose largest logit passed the threshold
+    # are scaled back to it
+    qk_clip: bool = flag("--qk-clip", False, "after each optimizer step, rescale the query and key projection rows "
+                         "of every head (query group) whose largest pre-softmax attention logit in the step passed "
+                         "--qk-clip-threshold, so that it would have been the threshold; logs the largest logit",
+                         action="store_true")
+    qk_clip_alpha: float = flag("--qk-clip-alpha", 0.5, "with --qk-clip: the query takes eta^alpha, the key "
+                                "eta^(1-alpha) of the factor eta = threshold / max logit, in (0, 1)",
+                                check=(lambda v: 0.0 < v < 1.0, "in (0, 1)"))
+    qk_clip_threshold: float = flag("--qk-clip-threshold", 100.0, "with --qk-clip: the largest attention logit "
+                                    "allowed (> 0)", check=POSITIVE)
 
 
 __all__ = ["OptimizerConfig"]

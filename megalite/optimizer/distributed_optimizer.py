@@ -64,10 +64,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     n_host += (z - a) if host else 0
         n_device = 0 if self.fp32_params else sum(hi - lo for (_, _, lo, hi, _), h in zip(pieces, on_host) if not h)
         pin = torch.cuda.is_available()
-        self.master_data = torch.empty(n_device, dtype=torch.float32, device=self.device) if n_device else None
+        self.master_data = torch.empty(n_device, dtype=self.master_dtype, device=self.device) if n_device else None
         self.host_master_data = self.host_grad_data = None
         if n_host:
-            self.host_master_data = torch.empty(n_host, dtype=torch.float32, pin_memory=pin)
+            # an fp32 parameter's host master stays fp32 (it is the parameter's only stepped copy)
+            master_dtype = torch.float32 if self.fp32_params else self.master_dtype
+            self.host_master_data = torch.empty(n_host, dtype=master_dtype, pin_memory=pin)
             self.host_grad_data = torch.empty(n_host, dtype=torch.float32, pin_memory=pin)
         # the norm, the overflow check, unscaling and clipping run over the uncut pieces, so the
         # numbers do not depend on where the offload boundary falls
@@ -122,10 +124,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for m, g, hg in zip(self.masters, self._step_grads, self._host_grads):
             if hg is not None:
                 hg.copy_(g, non_blocking=True)
-                m.grad, copied = hg, True
+                self._set_grad(m, hg)
+                copied = True
             else:
-                # --grad-reduce-in-bf16: the reduced bf16 slice is widened for the fp32 update
-                m.grad = g if g.dtype == m.dtype else g.to(m.dtype)
+                self._set_grad(m, g)
         if copied and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the host step reads the copies
 

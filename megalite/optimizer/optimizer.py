@@ -31,6 +31,7 @@ from ..config import OptimizerConfig
 from ..tensor_parallel.param_info import param_info
 from .clip_grads import clip_by_norm, local_grad_stats
 from .grad_scaler import build_grad_scaler
+from .precision_adam import STORAGE_DTYPES, PrecisionAwareAdamW
 
 
 def _param_groups(named_masters, weight_decay: float):
@@ -59,6 +60,13 @@ def _torch_fused_supported(device: torch.device) -> bool:
 def build_inner_optimizer(groups, config: OptimizerConfig, device: torch.device, fused: bool | None = None):
     """(torch optimizer over `groups`, description). `fused` defaults to config.fused_optimizer."""
     fused = config.fused_optimizer if fused is None else fused
+    if config.use_precision_aware_optimizer:
+        opt = PrecisionAwareAdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                  eps=config.adam_eps, weight_decay=config.weight_decay,
+                                  exp_avg_dtype=STORAGE_DTYPES[config.exp_avg_dtype],
+                                  exp_avg_sq_dtype=STORAGE_DTYPES[config.exp_avg_sq_dtype])
+        return opt, (f"adam (precision-aware: exp_avg {config.exp_avg_dtype}, exp_avg_sq {config.exp_avg_sq_dtype}, "
+                     "computed in fp32)")
     if config.optimizer == "adam":
         betas = (config.adam_beta1, config.adam_beta2)
         use_fused = fused and _torch_fused_supported(device)
@@ -72,6 +80,9 @@ def build_inner_optimizer(groups, config: OptimizerConfig, device: torch.device,
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Allocate the state a first step would allocate, now (zeros, step 0)."""
+    if isinstance(optimizer, PrecisionAwareAdamW):
+        optimizer.init_state()
+        return
     is_torch = type(optimizer) in (torch.optim.AdamW, torch.optim.SGD)
     for group in optimizer.param_groups:
         for m in group["params"]:
@@ -109,6 +120,10 @@ class MixedPrecisionOptimizer:
         self.params = [p for _, p in named_params]
         self.device = self.params[0].device
         self.fp32_params = all(p.dtype == torch.float32 for p in self.params)
+        # --main-params-dtype: the masters' storage (16-bit parameters only; validation's rule)
+        self.master_dtype = STORAGE_DTYPES[config.main_params_dtype]
+        # the precision-aware update reads each gradient as it is (decoupled_grad), widening it itself
+        self.decoupled_grads = config.use_precision_aware_optimizer
         self.scaler = build_grad_scaler(config)
         self.inject_overflow_at = config.inject_overflow_at_iteration
         self.skipped_iterations = 0  # steps skipped for overflow since the start of this run
@@ -122,7 +137,7 @@ class MixedPrecisionOptimizer:
     def _build_masters(self) -> None:
         """One master per parameter: the parameter itself in fp32, else an fp32 copy."""
         self.masters = (self.params if self.fp32_params
-                        else [p.detach().float().clone() for p in self.params])
+                        else [p.detach().to(self.master_dtype, copy=True) for p in self.params])
         self.master_ndims = [p.ndim for p in self.params]
         self.main_grads = [self.dp.main_grad(p) for p in self.params]
         self.counted = [param_info(p).is_owner(self.ps.tp_rank) for p in self.params]
@@ -149,8 +164,13 @@ class MixedPrecisionOptimizer:
     def _attach_grads(self, grads: list[torch.Tensor]) -> None:
         """Give each master its (unscaled, clipped) gradient for the inner optimizer."""
         for m, g in zip(self.masters, grads):
-            # --grad-reduce-in-bf16: the reduced bf16 gradient is widened for the fp32 update
-            m.grad = g.view_as(m) if g.dtype == m.dtype else g.view_as(m).to(m.dtype)
+            self._set_grad(m, g.view_as(m))
+
+    def _set_grad(self, master: torch.Tensor, g: torch.Tensor) -> None:
+        if self.decoupled_grads:
+            master.decoupled_grad = g
+        else:  # --grad-reduce-in-bf16: the reduced bf16 gradient is widened for the fp32 update
+            master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
 
     def _update_params(self) -> None:
         if not self.fp32_params:
@@ -166,7 +186,8 @@ class MixedPrecisionOptimizer:
     def describe(self) -> str:
         """One line for the start-up log."""
         dtype = str(self.params[0].dtype).replace("torch.", "")
-        parts = [self.impl, f"{dtype} params" + ("" if self.fp32_params else ", fp32 master weights")]
+        master = str(self.master_dtype).replace("torch.float", "fp")
+        parts = [self.impl, f"{dtype} params" + ("" if self.fp32_params else f", {master} master weights")]
         parts += self.dp.describe()
         if self.scaler is not None:
             parts.append(self.scaler.describe())
@@ -191,14 +212,15 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0, iteration: int | None = None,
-             decoupled_lr: float | None = None, reject_grad_norm=None) -> dict:
+             decoupled_lr: float | None = None, reject_grad_norm=None, after_update=None) -> dict:
         """Multiply the reduced gradients by `grad_scale` (1 / loss scale, token renormalisation),
         skip the step if they overflowed (with loss scaling), clip them by the global norm,
         update at `lr` (`decoupled_lr` for the --decoupled-lr groups). `iteration` (1-based) only
         serves --inject-overflow-at-iteration. `reject_grad_norm(norm)` (--check-for-large-grads)
         returns why the norm is a spike, or None: a spike skips the update. Returns grad_norm (None
         when skipped for an overflow), loss_scale (for the next iteration), skipped, and spike (the
-        reason, when skipped for one)."""
+        reason, when skipped for one). `after_update(pieces)` (--qk-clip) changes the updated
+        masters before they reach the parameters."""
         self.dp.finish_param_sync()
         grads = self.main_grads
         if grad_scale != 1.0:
@@ -227,7 +249,9 @@ class MixedPrecisionOptimizer:
         self._attach_grads(grads)
         self.optimizer.step()
         for m in self.masters:
-            m.grad = None
+            m.grad = m.decoupled_grad = None
+        if after_update is not None:
+            after_update(self.pieces())
         self._update_params()
         return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": False, **zeros}
 

@@ -7,7 +7,9 @@ Memory per GPU (Megatron-LM's accounting, bytes per parameter; d = DP size), for
   params     4 (fp32) or 2 (--bf16 / --fp16); / d under ZeRO-3 (optim_grads_params)
   grads      4: the contiguous fp32 gradient buffer, whatever the parameter dtype; / d under
              ZeRO-2 (optim_grads) and ZeRO-3
-  optimizer  Adam m and v: 8, plus an fp32 master copy (4) when parameters are 16-bit;
+  optimizer  Adam m and v: 8 (4 with bf16 / fp16 moments: --use-precision-aware-optimizer
+             --exp-avg-dtype / --exp-avg-sq-dtype), plus a master copy when parameters are
+             16-bit (4 fp32, 2 with --main-params-dtype fp16);
              / d under ZeRO-1 (optim, --use-distributed-optimizer), ZeRO-2 and ZeRO-3; with
              --optimizer-cpu-offload the fraction --optimizer-offload-fraction of it is host memory
   working set  ZeRO-2/3 only, what comes and goes during a step: gradients pass through
@@ -318,6 +320,20 @@ def bucket_sizes(c, pp_rank: int, strategy: ShardingStrategy) -> list[int]:
     return sizes
 
 
+STATE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def optimizer_bytes_per_param(o) -> int:
+    """Optimizer state per parameter, for an OptimizerConfig: Adam's two moments (4 bytes each, or
+    2 in bf16 / fp16 with --use-precision-aware-optimizer), SGD's momentum (4), and for 16-bit
+    parameters the master weight (4, or 2 with --main-params-dtype fp16)."""
+    if o.optimizer == "adam":
+        state = STATE_BYTES[o.exp_avg_dtype] + STATE_BYTES[o.exp_avg_sq_dtype]
+    else:
+        state = 4 if o.sgd_momentum else 0
+    return state + (STATE_BYTES[o.main_params_dtype] if (o.bf16 or o.fp16) else 0)
+
+
 def strategy_bytes(c, pp_rank: int, strategy: ShardingStrategy) -> dict:
     """Bytes per GPU of stage `pp_rank` under `strategy` (module docstring). ZeRO shards over
     DP x CP (context-parallel ranks hold the same parameters), expert weights over the expert-DP
@@ -332,8 +348,7 @@ def strategy_bytes(c, pp_rank: int, strategy: ShardingStrategy) -> dict:
         return dense * nbytes / d + experts * nbytes / d_expert if shard else n * nbytes
     sixteen_bit = bool(c.optimizer.bf16 or c.optimizer.fp16)
     pb = 2 if sixteen_bit else 4
-    state = 8 if c.optimizer.optimizer == "adam" else (4 if c.optimizer.sgd_momentum else 0)
-    opt_per_param = state + (4 if sixteen_bit else 0)
+    opt_per_param = optimizer_bytes_per_param(c.optimizer)
     offload = c.optimizer.optimizer_offload_fraction if c.optimizer.optimizer_cpu_offload else 0.0
     if s_opt and offload and not sixteen_bit:
         opt_per_param += 4  # an offloaded fp32 parameter gets a host master of its own
