@@ -66,7 +66,7 @@ OK = mock(100) + tiny(seq_length=16, global_batch_size=None, train_iters=1)
 
 @pytest.mark.parametrize("extra,pattern", [
     (["--exp-avg-dtype", "bf16"], r"--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
-    (["--use-precision-aware-optimizer", "--optimizer", "sgd"], r"--optimizer adam only"),
+    (["--use-precision-aware-optimizer", "--optimizer", "sgd"], r"--optimizer adam or muon"),
     (["--use-precision-aware-optimizer", "--exp-avg-sq-dtype", "fp8"], r"--exp-avg-sq-dtype fp8 is not supported"),
     (["--use-precision-aware-optimizer", "--main-params-dtype", "fp16"], r"needs --bf16 or --fp16"),
     (["--use-precision-aware-optimizer", "--bf16", "--main-grads-dtype", "bf16"], r"needs --grad-reduce-in-bf16"),
@@ -131,3 +131,22 @@ def test_bf16_moments_bytes_and_exact_resume_on_another_layout(corpus, tmp_path)
     assert_losses_close(train_losses(full)[3:], train_losses(resumed), rtol=1e-5)
     widened, _ = run_pretrain(1, corpus + MODEL + ["--load", str(save), "--exit-interval", "4"], tmp_path, "fp32")
     assert_losses_close(train_losses(full)[3:4], train_losses(widened), rtol=1e-5)
+
+
+def test_muon_bf16_momentum_resumes_exactly_on_another_layout(corpus, tmp_path):
+    """--optimizer muon with bf16 moments: Muon's momentum and the scalar Adam's moments stored in
+    bf16 (and saved so); saved at iteration 3 of 6 by one process, resumed at TP2 x DP2 with
+    ZeRO-1 (--muon-tp-mode duplicated): iterations 4-6 are the uninterrupted run's."""
+    save = tmp_path / "ckpt"
+    muon = MODEL + BF16_MOMENTS + ["--optimizer", "muon", "--muon-tp-mode", "duplicated"]
+    full, proc = run_pretrain(1, corpus + muon + ["--save", str(save), "--save-interval", "3"], tmp_path, "full")
+    assert "muon (" in proc.stdout and "precision-aware: exp_avg bf16" in proc.stdout
+    with open(save / "iter_0000003" / "index.jsonl") as f:
+        sections = [json.loads(line) for line in f][1:]
+    kinds = {piece[0]: piece[6] for section in sections for piece in section.get("pieces", [])}  # kind: dtype
+    assert kinds["momentum_buffer"] == kinds["exp_avg"] == kinds["exp_avg_sq"] == "BF16"
+    with open(save / "latest_checkpointed_iteration.txt", "w") as f:
+        f.write("3")
+    layout = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
+    resumed, _ = run_pretrain(4, corpus + muon + layout + ["--load", str(save)], tmp_path, "tp2dp2")
+    assert_losses_close(train_losses(full)[3:], train_losses(resumed), rtol=1e-5)

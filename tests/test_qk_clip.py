@@ -95,7 +95,7 @@ MODEL = tiny(num_layers=2, lr=1e-2, train_iters=ITERS, log_interval=1, eval_iter
     "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--clip-grad", "0.5", "--adam-eps", "1e-5",
     "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
     "--group-query-attention", "--num-query-groups", "2",
-    "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",  # 6 flags: MoE
     "--qk-clip", "--qk-clip-threshold", str(THRESHOLD), "--qk-clip-alpha", "0.5"]
 ZERO = ["--ddp-bucket-size", "5000", "--data-parallel-sharding-strategy"]
 LAYOUTS = {  # id: (processes, flags): TP2, PP2, CP2, EP2, recompute and DP2 under ZeRO-1, -2 and -3, in three runs
@@ -129,3 +129,18 @@ def test_qk_clip_layout_matches_single_process(reference, corpus, tmp_path, layo
     assert_losses_close(train_losses(reference), train_losses(records), rtol=1e-5)
     assert_losses_close(max_logits(reference), max_logits(records), rtol=1e-5)
     assert_losses_close(grad_norms(reference), grad_norms(records), rtol=1e-4)
+
+
+def test_muon_clip_tp2_dp2_zero1_matches_single_process(corpus, tmp_path):
+    """MuonClip (Kimi K2): Muon (--muon-tp-mode duplicated) with QK-clip on the dense GQA model,
+    TP2 + SP x DP2 under ZeRO-1 against one process, clipping active."""
+    moe = MODEL.index("--num-experts")
+    dense = MODEL[:moe] + MODEL[moe + 6:] + ["--optimizer", "muon", "--muon-tp-mode", "duplicated"]
+    one, proc = run_pretrain(1, corpus + dense, tmp_path, "one")
+    assert "muon (" in proc.stdout
+    assert sum(v > THRESHOLD for v in max_logits(one)) >= 3, max_logits(one)
+    records, _ = run_pretrain(4, corpus + dense + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+                              + ZERO + ["optim"], tmp_path, "tp2-dp2")
+    assert_losses_close(train_losses(one), train_losses(records), rtol=1e-5)
+    assert_losses_close(max_logits(one), max_logits(records), rtol=1e-5)
+    assert_losses_close(grad_norms(one), grad_norms(records), rtol=1e-4)

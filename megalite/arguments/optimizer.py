@@ -11,7 +11,8 @@ PRECISION_FLAGS = {"main_grads_dtype": "--main-grads-dtype", "main_params_dtype"
 
 def check_optimizer_precision(c: RunConfig) -> None:
     """Megatron-LM's rules (megatron/core/optimizer/optimizer_config.py): a dtype other than fp32
-    only with --use-precision-aware-optimizer, which steps Adam; its choice of fp8 moments runs
+    only with --use-precision-aware-optimizer, which steps Adam (here Muon too: its momentum takes
+    --exp-avg-dtype, its scalar Adam both moments' dtypes); its choice of fp8 moments runs
     Transformer Engine's scaled-fp8 kernels, which have no counterpart here. Unlike Megatron-LM it
     works without the distributed optimizer too (every sharding strategy stores the same dtypes)."""
     o, d = c.optimizer, c.ddp
@@ -22,8 +23,11 @@ def check_optimizer_precision(c: RunConfig) -> None:
                      "without it)")
         return
     if o.optimizer == "sgd":
-        fail("--use-precision-aware-optimizer is supported with --optimizer adam only (Megatron-LM's rule; SGD's "
-             "momentum has no dtype flag)")
+        fail("--use-precision-aware-optimizer is supported with --optimizer adam or muon (Megatron-LM: adam "
+             "only; SGD's momentum has no dtype flag)")
+    if o.optimizer == "muon" and o.muon_scalar_optimizer == "lion":
+        fail("--use-precision-aware-optimizer with --muon-scalar-optimizer lion is not supported: Lion's moment has "
+             "no dtype flag; use --muon-scalar-optimizer adam")
     for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
         if getattr(o, key) == "fp8":
             fail(f"{PRECISION_FLAGS[key]} fp8 is not supported: Megatron-LM stores fp8 moments with Transformer "

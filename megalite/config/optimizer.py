@@ -11,7 +11,9 @@ _FP16 = "--fp16: "
 @dataclass
 class OptimizerConfig:
     """optimizer, learning rate and mixed precision"""
-    optimizer: str = flag("--optimizer", "adam", choices=["adam", "sgd"])
+    optimizer: str = flag("--optimizer", "adam", "adam (AdamW), sgd, or muon (Muon for the transformer layers' "
+                          "matrices, --muon-scalar-optimizer for the rest; docs/optimizers.md)",
+                          choices=["adam", "sgd", "muon"])
     lr: float = flag("--lr", 1e-4, "peak learning rate (> 0; required)", check=POSITIVE, required=True)
     min_lr: float = flag("--min-lr", 0.0, "learning rate at the end of decay (>= 0, <= --lr)", check=NON_NEGATIVE)
     weight_decay: float = flag("--weight-decay", 0.01, "decoupled weight decay (>= 0)", check=NON_NEGATIVE)
@@ -19,6 +21,34 @@ class OptimizerConfig:
     adam_beta2: float = flag("--adam-beta2", 0.999, "in [0, 1)", check=IN_0_1)
     adam_eps: float = flag("--adam-eps", 1e-8, "> 0", check=POSITIVE)
     sgd_momentum: float = flag("--sgd-momentum", 0.9, "in [0, 1)", check=IN_0_1)
+    # Muon (Jordan et al. 2024; Liu et al. 2025, Moonlight): momentum orthogonalized by Newton-Schulz
+    muon_momentum: float = flag("--muon-momentum", 0.95, "Muon's momentum beta, in [0, 1)", check=IN_0_1)
+    muon_nesterov: bool = flag("--muon-nesterov", False, "Muon: Nesterov momentum (the update is g lerp'd toward "
+                               "the momentum by beta)", action="store_true")
+    muon_split_qkv: bool = flag("--muon-no-split-qkv", True, "Muon: orthogonalize the fused QKV weight as one "
+                                "matrix instead of Q, K and V each on their own", action="store_false")
+    muon_num_ns_steps: int = flag("--muon-num-ns-steps", 5, "Muon: Newton-Schulz iterations (>= 1)", check=AT_LEAST_1)
+    muon_scale_mode: str = flag("--muon-scale-mode", "spectral", "Muon: scale of the orthogonalized update of an "
+                                "[out, in] matrix: spectral sqrt(max(out, in)), unit_rms_norm sqrt(out/in), "
+                                "shape_scaling sqrt(max(1, out/in))",
+                                choices=["spectral", "unit_rms_norm", "shape_scaling"])
+    muon_extra_scale_factor: float = flag("--muon-extra-scale-factor", 1.0, "Muon: extra factor on the update "
+                                          "(> 0; 0.2 with spectral matches AdamW's update RMS, Moonlight)",
+                                          check=POSITIVE)
+    muon_tp_mode: str = flag("--muon-tp-mode", "blockwise", "Muon under tensor parallelism: blockwise "
+                             "orthogonalizes each TP shard (no traffic; the update depends on the TP size), "
+                             "duplicated all-gathers the matrix and every TP rank orthogonalizes it whole, "
+                             "distributed runs Newton-Schulz on the shards with an all-reduce per iteration",
+                             choices=["blockwise", "duplicated", "distributed"])
+    muon_scalar_optimizer: str = flag("--muon-scalar-optimizer", "adam", "with --optimizer muon: the optimizer of "
+                                      "embeddings, output layer, norms and biases", choices=["adam", "lion"])
+    lion_beta1: float = flag("--lion-beta1", 0.9, "Lion's interpolation beta of the update sign, in [0, 1)",
+                             check=IN_0_1)
+    lion_beta2: float = flag("--lion-beta2", 0.99, "Lion's momentum beta, in [0, 1)", check=IN_0_1)
+    # the fused QKV weight's groups, for --muon-no-split-qkv's default (Q, K, V each on their own)
+    num_attention_heads: int | None = derived(None, copy_of="model.num_attention_heads")
+    num_query_groups: int | None = derived(None, copy_of="model.num_query_groups")
+    kv_channels: int | None = derived(None, copy_of="model.kv_channels")
     log_num_zeros_in_grad: bool = flag(
         "--log-num-zeros-in-grad", False, "add the number of zero elements in the gradients each step applies (after "
         "the data-parallel reduction, each element counted once whatever the sharding) to the log line and record "

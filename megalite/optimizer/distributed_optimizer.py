@@ -32,6 +32,7 @@ import torch
 
 from .. import comm
 from ..tensor_parallel.param_info import param_info
+from .muon_matrices import ShardedMatrices, matrix_specs, settings_of
 from .optimizer import MixedPrecisionOptimizer
 
 
@@ -78,7 +79,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.main_grads.append(dp.grad_shard(b)[off:off + hi - lo])
             self.counted.append(param_info(p).is_owner(tp_rank))
         self.masters, self.master_ndims, self._step_grads = [], [], []
-        self._pieces, self._host_grads, self._copy_back = [], [], []
+        self._pieces, self._host_grads, self._copy_back, self._places = [], [], [], []
         d = h = 0
         for (b, p, lo, hi, off), host in zip(pieces, on_host):
             n = hi - lo
@@ -102,7 +103,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self._step_grads.append(grad)  # views of the same memory as main_grads
             self.master_ndims.append(p.ndim)
             self._pieces.append((p, lo, hi))
+            self._places.append((b, off))  # bucket, offset in this rank's slice of it
         self.offloaded_elements, self.total_elements = n_host, total
+
+    def _muon_matrices(self, named_params, config):
+        """--optimizer muon: each matrix orthogonalized by the one DP rank that owns it."""
+        pieces = [(m, p, b, off) for (p, _, _), m, (b, off) in zip(self._pieces, self.masters, self._places)]
+        return ShardedMatrices(self.dp, pieces, matrix_specs(named_params, self.ps, config), settings_of(config),
+                               self.device)
 
     @torch.no_grad()
     def masters_from_params(self) -> None:

@@ -31,6 +31,8 @@ from ..config import OptimizerConfig
 from ..tensor_parallel.param_info import param_info
 from .clip_grads import clip_by_norm, local_grad_stats
 from .grad_scaler import build_grad_scaler
+from .muon import ChainedOptimizer, build_muon
+from .muon_matrices import LocalMatrices, matrix_specs, settings_of
 from .precision_adam import STORAGE_DTYPES, PrecisionAwareAdamW
 
 
@@ -57,9 +59,21 @@ def _torch_fused_supported(device: torch.device) -> bool:
         return device.type == "cuda"
 
 
-def build_inner_optimizer(groups, config: OptimizerConfig, device: torch.device, fused: bool | None = None):
-    """(torch optimizer over `groups`, description). `fused` defaults to config.fused_optimizer."""
+def build_inner_optimizer(groups, config: OptimizerConfig, device: torch.device, fused: bool | None = None,
+                          matrices=None):
+    """(optimizer over `groups`, description). `fused` defaults to config.fused_optimizer.
+    --optimizer muon: `matrices` (muon_matrices.py) says which masters are Muon's and orthogonalizes them."""
     fused = config.fused_optimizer if fused is None else fused
+    use_fused = fused and _torch_fused_supported(device)
+    if config.optimizer == "muon":
+        return build_muon(groups, config, matrices, lambda rest: _adamw(rest, config, use_fused))
+    if config.optimizer == "adam":
+        return _adamw(groups, config, use_fused)
+    opt = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, fused=use_fused or None)
+    return opt, "sgd (torch SGD, fused)" if use_fused else "sgd (torch SGD, unfused)"
+
+
+def _adamw(groups, config: OptimizerConfig, use_fused: bool):
     if config.use_precision_aware_optimizer:
         opt = PrecisionAwareAdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                   eps=config.adam_eps, weight_decay=config.weight_decay,
@@ -67,20 +81,19 @@ def build_inner_optimizer(groups, config: OptimizerConfig, device: torch.device,
                                   exp_avg_sq_dtype=STORAGE_DTYPES[config.exp_avg_sq_dtype])
         return opt, (f"adam (precision-aware: exp_avg {config.exp_avg_dtype}, exp_avg_sq {config.exp_avg_sq_dtype}, "
                      "computed in fp32)")
-    if config.optimizer == "adam":
-        betas = (config.adam_beta1, config.adam_beta2)
-        use_fused = fused and _torch_fused_supported(device)
-        # decoupled weight decay (AdamW), as Megatron-LM's Adam with weight decay
-        opt = torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps, fused=use_fused or None)
-        return opt, "adam (torch AdamW, fused)" if use_fused else "adam (torch AdamW, unfused)"
-    use_fused = fused and _torch_fused_supported(device)
-    opt = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, fused=use_fused or None)
-    return opt, "sgd (torch SGD, fused)" if use_fused else "sgd (torch SGD, unfused)"
+    # decoupled weight decay (AdamW), as Megatron-LM's Adam with weight decay
+    opt = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                            fused=use_fused or None)
+    return opt, "adam (torch AdamW, fused)" if use_fused else "adam (torch AdamW, unfused)"
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Allocate the state a first step would allocate, now (zeros, step 0)."""
-    if isinstance(optimizer, PrecisionAwareAdamW):
+    if isinstance(optimizer, ChainedOptimizer):
+        for o in optimizer.optimizers:
+            init_optimizer_state(o)
+        return
+    if hasattr(optimizer, "init_state"):  # muon.py's Muon and Lion, precision_adam.py's AdamW
         optimizer.init_state()
         return
     is_torch = type(optimizer) in (torch.optim.AdamW, torch.optim.SGD)
@@ -130,7 +143,8 @@ class MixedPrecisionOptimizer:
         self._build_masters()
         decoupled = [config.decoupled_lr is not None and param_info(p).embedding_or_output for p, *_ in self.pieces()]
         groups = _param_groups(list(zip(self.masters, self.master_ndims, decoupled)), config.weight_decay)
-        self.optimizer, self.impl = build_inner_optimizer(groups, config, self.device)
+        matrices = self._muon_matrices(named_params, config) if config.optimizer == "muon" else None
+        self.optimizer, self.impl = build_inner_optimizer(groups, config, self.device, matrices=matrices)
         init_optimizer_state(self.optimizer)
 
     # -- what is stepped -------------------------------------------------------------------------
@@ -147,6 +161,10 @@ class MixedPrecisionOptimizer:
             # are summed over DP x CP
             self.counted = [c and self.ps.replica_rank(param_info(p).expert_parallel) == 0
                             for c, p in zip(self.counted, self.params)]
+
+    def _muon_matrices(self, named_params, config):
+        """--optimizer muon: every replica orthogonalizes every matrix (its pieces are whole)."""
+        return LocalMatrices(self.pieces(), matrix_specs(named_params, self.ps, config), settings_of(config))
 
     def _master_bytes(self) -> int:
         return 0 if self.fp32_params else sum(m.numel() * m.element_size() for m in self.masters)
@@ -270,8 +288,9 @@ class MixedPrecisionOptimizer:
         per_param = [state["step"] for state in self.optimizer.state.values() if "step" in state]
         for t in per_param:
             t.fill_(step)
-        if not per_param:  # per-group counters (apex-style), created if no step has run yet
-            for group in self.optimizer.param_groups:
+        for group in self.optimizer.param_groups:
+            # per-group counters (apex-style, Muon, Lion), created if no step has run yet
+            if not per_param or "step" in group:
                 group["step"] = int(step)
 
     def pieces(self) -> list[tuple]:
