@@ -5,7 +5,7 @@ tests never assert on them).
     OMP_NUM_THREADS=1 python benchmarks/bench_optimizer_precision.py loss [--train-iters 200]
 
 bytes: the demo model (`make demo`'s flags) run for one iteration with each state dtype choice
-(fp32 moments; bf16 and fp16 moments; with --bf16 parameters: fp32 masters, fp16 masters, fp16
+(fp32 moments; bf16 moments; fp16 first and bf16 second moment; with --bf16 parameters: fp32 masters, fp16 masters, fp16
 masters and bf16 moments), the optimizer bytes of its `memory_footprint` record per parameter
 beside tools/plan.py's for the same flags.
 
@@ -42,7 +42,7 @@ BF16_MOMENTS = PA + ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
 CHOICES = {  # name: flags
     "fp32 params, fp32 moments": [],
     "fp32 params, bf16 moments": BF16_MOMENTS,
-    "fp32 params, fp16 moments": PA + ["--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype", "fp16"],
+    "fp32 params, fp16 exp_avg, bf16 exp_avg_sq": PA + ["--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype", "bf16"],
     "bf16 params, fp32 masters, fp32 moments": ["--bf16"],
     "bf16 params, fp16 masters, fp32 moments": ["--bf16"] + PA + ["--main-params-dtype", "fp16"],
     "bf16 params, fp16 masters, bf16 moments": ["--bf16"] + BF16_MOMENTS + ["--main-params-dtype", "fp16"],

@@ -68,6 +68,7 @@ OK = mock(100) + tiny(seq_length=16, global_batch_size=None, train_iters=1)
     (["--exp-avg-dtype", "bf16"], r"--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
     (["--use-precision-aware-optimizer", "--optimizer", "sgd"], r"--optimizer adam or muon"),
     (["--use-precision-aware-optimizer", "--exp-avg-sq-dtype", "fp8"], r"--exp-avg-sq-dtype fp8 is not supported"),
+    (["--use-precision-aware-optimizer", "--exp-avg-sq-dtype", "fp16"], r"--exp-avg-sq-dtype fp16 is not supported"),
     (["--use-precision-aware-optimizer", "--main-params-dtype", "fp16"], r"needs --bf16 or --fp16"),
     (["--use-precision-aware-optimizer", "--bf16", "--main-grads-dtype", "bf16"], r"needs --grad-reduce-in-bf16"),
     (["--qk-clip-threshold", "5"], r"--qk-clip-threshold needs --qk-clip"),
@@ -85,7 +86,7 @@ def test_plan_bytes_per_parameter_of_each_state_dtype():
     n = plan.make_plan(base)["stages"][0]["num_params"]
     pa = ["--use-precision-aware-optimizer"]
     for flags, per_param in (([], 8), (pa + ["--exp-avg-dtype", "bf16"], 6),
-                             (pa + ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "fp16"], 4),
+                             (pa + ["--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype", "bf16"], 4),
                              (["--bf16"], 12), (["--bf16"] + pa + ["--main-params-dtype", "fp16"], 10),
                              (["--bf16"] + pa + ["--main-params-dtype", "fp16", "--exp-avg-dtype", "bf16",
                                                  "--exp-avg-sq-dtype", "bf16"], 6)):

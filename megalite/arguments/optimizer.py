@@ -13,7 +13,8 @@ def check_optimizer_precision(c: RunConfig) -> None:
     """Megatron-LM's rules (megatron/core/optimizer/optimizer_config.py): a dtype other than fp32
     only with --use-precision-aware-optimizer, which steps Adam (here Muon too: its momentum takes
     --exp-avg-dtype, its scalar Adam both moments' dtypes); its choice of fp8 moments runs
-    Transformer Engine's scaled-fp8 kernels, which have no counterpart here. Unlike Megatron-LM it
+    Transformer Engine's scaled-fp8 kernels, which have no counterpart here, and so does its fp16 second moment
+(unscaled, it underflows). Unlike Megatron-LM it
     works without the distributed optimizer too (every sharding strategy stores the same dtypes)."""
     o, d = c.optimizer, c.ddp
     if not o.use_precision_aware_optimizer:
@@ -32,6 +33,10 @@ def check_optimizer_precision(c: RunConfig) -> None:
         if getattr(o, key) == "fp8":
             fail(f"{PRECISION_FLAGS[key]} fp8 is not supported: Megatron-LM stores fp8 moments with Transformer "
                  "Engine's per-tensor-scaled kernels, which megalite does not have; use bf16 or fp16")
+    if o.exp_avg_sq_dtype == "fp16":
+        fail("--exp-avg-sq-dtype fp16 is not supported: Adam's second moment (1-beta2)*g^2 falls below fp16's "
+             "smallest number (6e-8) for small gradients and the update m/(sqrt(v)+eps) then explodes; Megatron-LM's "
+             "Transformer Engine kernel stores it scaled per tensor, which megalite does not; use bf16 (fp32's range)")
     if o.main_params_dtype == "fp16" and not (o.bf16 or o.fp16):
         fail("--main-params-dtype fp16 needs --bf16 or --fp16: fp32 parameters are their own master weights")
     if o.main_grads_dtype == "bf16" and not d.grad_reduce_in_bf16:
