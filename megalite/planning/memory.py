@@ -7,7 +7,8 @@ Memory per GPU (Megatron-LM's accounting, bytes per parameter; d = DP size), for
   params     4 (fp32) or 2 (--bf16 / --fp16); / d under ZeRO-3 (optim_grads_params)
   grads      4: the contiguous fp32 gradient buffer, whatever the parameter dtype; / d under
              ZeRO-2 (optim_grads) and ZeRO-3
-  optimizer  Adam m and v: 8, plus an fp32 master copy (4) when parameters are 16-bit;
+  optimizer  Adam m and v: 8 (--optimizer muon: 4 of momentum for each of Muon's matrices'
+             elements, the scalar optimizer's 8 or 4 for the rest), plus an fp32 master copy (4) when parameters are 16-bit;
              / d under ZeRO-1 (optim, --use-distributed-optimizer), ZeRO-2 and ZeRO-3; with
              --optimizer-cpu-offload the fraction --optimizer-offload-fraction of it is host memory
   working set  ZeRO-2/3 only, what comes and goes during a step: gradients pass through
@@ -52,6 +53,7 @@ import math
 
 from ..config.sharding import ShardingStrategy
 from .mla import mla_activation_coefficients, mla_params
+from .muon import expert_vector_params, layer_vector_params
 from .moe import (chunk_layers, expert_params, expert_tp, local_expert_params, moe_layer_params,
                   moe_mlp_activation_bytes, moe_pattern)
 
@@ -134,6 +136,23 @@ def stage_param_split(c, pp_rank: int) -> tuple[int, int]:
             sharded, replicated, local_experts = mtp_params(c)
             n, experts = n + sharded + replicated, experts + local_experts
     return n, experts
+
+
+def stage_matrix_params(c, pp_rank: int) -> tuple[int, int]:
+    """(dense, expert) elements of --optimizer muon's matrices on one GPU of stage `pp_rank`: every
+    2-D weight of the transformer (and MTP) layers; the tables, norms and biases are the rest."""
+    pattern = moe_pattern(c)
+    layers = [pattern[n] for chunk in chunk_layers(c, pp_rank) for n in chunk]
+    experts_each = local_expert_params(c) - expert_vector_params(c) if c.model.num_experts else 0
+    dense = sum(sum(layer_params(c, moe)) - layer_vector_params(c, moe) for moe in layers)
+    experts = sum(layers) * experts_each
+    depth = c.model.mtp_num_layers or 0
+    if depth and pp_rank == c.parallel.pipeline_model_parallel_size - 1:  # MTP: its layer and eh_proj
+        h, moe = c.model.hidden_size, pattern[-1]
+        dense += depth * (sum(layer_params(c, moe)) - layer_vector_params(c, moe)
+                          + 2 * h * h // c.parallel.tensor_model_parallel_size)
+        experts += depth * experts_each if moe else 0
+    return dense, experts
 
 
 def stage_params(c, pp_rank: int) -> int:
@@ -333,11 +352,16 @@ def strategy_bytes(c, pp_rank: int, strategy: ShardingStrategy) -> dict:
     sixteen_bit = bool(c.optimizer.bf16 or c.optimizer.fp16)
     pb = 2 if sixteen_bit else 4
     state = 8 if c.optimizer.optimizer == "adam" else (4 if c.optimizer.sgd_momentum else 0)
+    if c.optimizer.optimizer == "muon":  # the scalar optimizer's state; Muon's matrices take 4 (below)
+        state = 8 if c.optimizer.muon_scalar_optimizer == "adam" else 4
     opt_per_param = state + (4 if sixteen_bit else 0)
     offload = c.optimizer.optimizer_offload_fraction if c.optimizer.optimizer_cpu_offload else 0.0
     if s_opt and offload and not sixteen_bit:
         opt_per_param += 4  # an offloaded fp32 parameter gets a host master of its own
     optimizer = per_rank(opt_per_param, s_opt)
+    if c.optimizer.optimizer == "muon":  # momentum: 4 bytes per matrix element instead of `state`
+        m_dense, m_experts = stage_matrix_params(c, pp_rank)
+        optimizer -= (state - 4) * (m_dense / d + m_experts / d_expert if s_opt else m_dense + m_experts)
     own, units = unit_params(c, pp_rank)
     v = c.parallel.virtual_pipeline_model_parallel_size
     if s_params:
