@@ -42,7 +42,8 @@ def start(optimizer: str, lr: float, data_dir: str, eval_interval: int, eval_ite
     argv = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *DEMO,
             "--data-path", os.path.join(data_dir, "corpus_text_document"),
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", os.path.join(data_dir, "tokenizer.model"),
-            "--data-cache-path", os.path.join(work, f"cache-{optimizer}-{lr:g}"),  # one each: runs may overlap "--lr", str(lr), "--min-lr", str(lr / 10),
+            "--data-cache-path", os.path.join(work, f"cache-{optimizer}-{lr:g}"),  # one each: runs may overlap
+            "--lr", str(lr), "--min-lr", str(lr / 10),
             "--log-interval", "50", "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters),
             "--log-jsonl", jsonl, *(MUON if optimizer == "muon" else [])]
     env = dict(os.environ, PYTHONPATH=ROOT)
