@@ -25,9 +25,11 @@ from .newton_schulz import MatrixSpec, MuonSettings, orthogonalize
 QKV_SUFFIX = "self_attention.linear_qkv.weight"
 
 
-def is_matrix(p: torch.nn.Parameter) -> bool:
-    """Megatron-LM's rule: 2-D, and neither the word embedding nor the output layer."""
-    return p.ndim == 2 and not param_info(p).embedding_or_output
+def is_matrix(name: str, p: torch.nn.Parameter) -> bool:
+    """A weight of the transformer layers: 2-D, and not an embedding table (word or position) nor
+    the output layer (Megatron-LM's rule, with the position embeddings left out: a lookup
+    table's rows are independent, nothing there for orthogonalization to balance)."""
+    return p.ndim == 2 and not param_info(p).embedding_or_output and "position_embeddings" not in name
 
 
 def settings_of(config) -> MuonSettings:
@@ -40,7 +42,7 @@ def matrix_specs(named_params, ps, config) -> dict[int, MatrixSpec]:
     partition dimension, and the QKV split (--muon-no-split-qkv turns it off)."""
     specs = {}
     for name, p in named_params:
-        if not is_matrix(p):
+        if not is_matrix(name, p):
             continue
         info = param_info(p)
         qkv = None

@@ -14,7 +14,8 @@ offloads them to host memory (--optimizer-cpu-offload).
 
 The update itself is torch.optim's AdamW / SGD, fused where the device has fused kernels (CUDA,
 and the CPU on recent torch), unless --no-fused-optimizer; both paths compute the same update
-up to float rounding. apex's FusedAdam is not used: torch's fused AdamW gives the same on CUDA.
+up to float rounding. --optimizer muon chains Muon for the matrices with AdamW or Lion for the
+rest (muon.py); `_muon_matrices` says how each whole matrix is assembled for Newton-Schulz. apex's FusedAdam is not used: torch's fused AdamW gives the same on CUDA.
 Optimizers count steps per parameter (torch) or per group (apex-style); `step_count` and
 `set_step_count` read and restore either, so checkpoints resume Adam's bias correction exactly. Adam's state is allocated eagerly at
 construction, so the memory footprint logged before the first step is the memory the run
