@@ -141,12 +141,16 @@ def saved_dtypes(save) -> dict:
 
 def test_muon_bf16_momentum_resumes_exactly_on_another_layout(corpus, tmp_path):
     """--optimizer muon with bf16 moments: Muon's momentum and the scalar Adam's moments stored in
-    bf16 (and saved so); saved at iteration 3 of 6 by one process, resumed at TP2 x DP2 with
+    bf16 (plan.py's bytes, and saved so); saved at iteration 3 of 6 by one process, resumed at TP2 x DP2 with
     ZeRO-1 (--muon-tp-mode duplicated): iterations 4-6 are the uninterrupted run's."""
     save = tmp_path / "ckpt"
     muon = MODEL + BF16_MOMENTS + ["--optimizer", "muon", "--muon-tp-mode", "duplicated"]
     full, proc = run_pretrain(1, corpus + muon + ["--save", str(save), "--save-interval", "3"], tmp_path, "full")
     assert "muon (" in proc.stdout and "precision-aware: exp_avg bf16" in proc.stdout
+    (rank,) = footprint(full)  # 2 bytes of momentum per matrix element, 2 + 2 of Adam's moments for the rest
+    vocab = int(proc.stdout.split("vocab ")[1].split(" ")[0])
+    p = plan.make_plan(muon + ["--vocab-size", str(vocab), "--world-size", "1"])
+    assert p["stages"][0]["optimizer_bytes"] == rank["optimizer_bytes"] < 4 * rank["num_params"]
     kinds = saved_dtypes(save)
     assert kinds["momentum_buffer"] == kinds["exp_avg"] == kinds["exp_avg_sq"] == "BF16"
     with open(save / "latest_checkpointed_iteration.txt", "w") as f:
