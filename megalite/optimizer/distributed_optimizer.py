@@ -16,7 +16,9 @@ whole flat parameter buffer, ZeRO-3 the only copy this rank has). Per iteration:
   masters -> parameter slice (cast to bf16/fp16); ZeRO-1/2: all-gather each bucket  (DataParallel)
 
 Optimizer state per rank is 12 bytes per parameter / DP with 16-bit parameters (fp32 master
-4 + Adam m, v 8), 8 / DP with fp32 parameters (the parameter is its own master).
+4 + Adam m, v 8), 8 / DP with fp32 parameters (the parameter is its own master); with
+--use-precision-aware-optimizer each of them in its own dtype (precision_adam.py: bf16 moments
+and an fp16 master 2 bytes each).
 
 --optimizer-cpu-offload --optimizer-offload-fraction f: the masters and moments of the first
 round(f x n) of this rank's n elements (a piece is cut at the boundary) are host tensors (pinned when CUDA is present),

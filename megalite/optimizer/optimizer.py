@@ -19,7 +19,10 @@ rest (muon.py); `_muon_matrices` says how each whole matrix is assembled for New
 Optimizers count steps per parameter (torch) or per group (apex-style); `step_count` and
 `set_step_count` read and restore either, so checkpoints resume Adam's bias correction exactly. Adam's state is allocated eagerly at
 construction, so the memory footprint logged before the first step is the memory the run
-will really hold.
+will really hold. --use-precision-aware-optimizer stores masters and moments in narrower dtypes
+and steps them with precision_adam.py's AdamW (fp32 arithmetic), which reads each gradient as
+`decoupled_grad`; `step`'s `after_update` hook is where --qk-clip (qk_clip.py) rescales the
+updated masters before they reach the parameters.
 """
 from __future__ import annotations
 
