@@ -24,6 +24,7 @@ from .model import ExecutionConfig, GPTConfig, GPTModel, pad_vocab_size
 from .model.init import initial_value
 from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
 from .optimizer import build_lr_scheduler, build_optimizer
+from .optimizer.qk_clip import QKClip
 from .pipeline_parallel import get_schedule
 from .pipeline_parallel.p2p import PipeComm
 from .pipeline_parallel.schedules import v_shape
@@ -64,6 +65,7 @@ class Run:
     straggler: StragglerDetector | None = None  # --log-straggler
     wgrad_store: WgradStore | None = None  # zb_h1 / zbv (--delay-wgrad-compute): the deferred weight gradients
     timeline: Timeline | None = None  # --log-pipeline-timeline
+    qk_clip: QKClip | None = None  # --qk-clip
     signal_received: list = field(default_factory=lambda: [False])
     spike_guard: SpikeGuard | None = None  # --check-for-spiky-loss / --check-for-large-grads
     # with the guard: the checkpoint due after an iteration, written once the next loss is no spike
@@ -256,6 +258,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
                        named_buffers=[nb for m in model for nb in m.global_named_buffers()],
                        spike_guard=SpikeGuard.from_config(t))
     state.log(f"> optimizer: {optimizer.describe()}")
+    qk_clip = QKClip.build(model, cfg.optimizer, ps, device, state.log)
     ck = cfg.checkpoint
     if ck.load:
         monitor.where = "in the checkpoint load"
@@ -279,7 +282,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
               batch=build_num_microbatches_calculator(cfg.training, ps.dp_size),
               profiler=Profiler(cfg.training, ps.rank, device),
               peak=peak_tflops(cfg.training.peak_tflops, execution.params_dtype), monitor=monitor, timers=timers,
-              straggler=straggler, spike_guard=state.spike_guard, last_saved=state.iteration,
+              straggler=straggler, qk_clip=qk_clip, spike_guard=state.spike_guard, last_saved=state.iteration,
               wgrad_store=wgrad_store, timeline=Timeline(device) if t.log_pipeline_timeline else None,
               closing=closing)
     for opened in (run.jsonl, run.tracker, run.saver):

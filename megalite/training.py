@@ -205,6 +205,7 @@ def train_step(run: Run) -> dict:
         check_finite(run, loss_sum, bad_loss, grad_max, grad_scale)
     loss = loss_sum / num_tokens
     spike = guard.loss_spike(loss) if guard is not None else None
+    clip = run.qk_clip.prepare() if run.qk_clip is not None else None  # collective: before any skip
     if spike is None and run.pending_save is not None:
         save_pending(run)  # this loss shows that the weights of the pending checkpoint still train
     if spike is not None:  # the update of the previous iteration broke the weights: do not build on them
@@ -214,7 +215,8 @@ def train_step(run: Run) -> dict:
         with run.timers("optimizer"):
             update = optimizer.step(lr, grad_scale=grad_scale, iteration=state.iteration + 1,
                                     decoupled_lr=decoupled_lr,
-                                    reject_grad_norm=guard.grad_norm_spike if guard is not None else None)
+                                    reject_grad_norm=guard.grad_norm_spike if guard is not None else None,
+                                    after_update=(lambda pieces: run.qk_clip.apply(pieces, clip)) if clip else None)
         if update.get("spike") and grad_max:
             update["spike"] += f" (largest gradient element: rank {max(range(len(grad_max)), key=grad_max.__getitem__)})"
     if guard is not None:
@@ -233,6 +235,8 @@ def train_step(run: Run) -> dict:
             moe_balance.update_expert_bias(run.model, state.ps.tp_dp_cp_group,
                                            state.model_config.moe_router_bias_update_rate)
     empty_unused_memory(run, 2)
+    if run.qk_clip is not None:
+        update["max_attention_logit"] = run.qk_clip.max_logit
     return {"lm_loss": loss, "lr": lr, "decoupled_lr": decoupled_lr, "mtp_losses": mtp_losses,
             "global_batch_size": global_batch, **update}
 
@@ -451,6 +455,8 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
         record["expert_tokens_max"] = max(r["tokens_max"] for r in moe["moe_layers"])
         run.jsonl.write({"event": "moe", "iteration": state.iteration, "layers": moe["moe_layers"]})
         run.tracker.log(per_layer, state.iteration, "moe")
+    if "max_attention_logit" in out:  # --qk-clip: the logged iteration's, before its clip
+        record["max_attention_logit"] = out["max_attention_logit"]
     if "num_zeros_in_grad" in out:  # --log-num-zeros-in-grad: the logged iteration's
         record["num_zeros_in_grad"] = out["num_zeros_in_grad"]
     if t.log_params_norm:

@@ -31,6 +31,8 @@ from .errors import fail, flag
 from .model import check_attention_backend, check_context_parallel, check_model_shape, check_precision, \
     check_recompute
 from .moe import check_moe
+from .muon import check_muon
+from .optimizer import check_optimizer_precision, check_qk_clip
 from .paths import check_paths
 from .schedule_args import check_schedule_flags, settle_schedule
 from .upcycling import check_upcycling
@@ -54,6 +56,9 @@ def validate(config: RunConfig, world_size: int | None = None, check_files: bool
     check_data(c)
     check_lr_schedule(c)
     check_precision(c)
+    check_muon(c)
+    check_optimizer_precision(c)
+    check_qk_clip(c)
     _check_operations(c)
     _check_outputs(c)
     check_upcycling(c, check_files)

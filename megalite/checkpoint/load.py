@@ -119,6 +119,8 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
     if restore_optim and not meta.get("has_optimizer_state", True):
         raise CheckpointError(f"{where} holds weights only (no optimizer state); "
                               "load it with --no-load-optim or --finetune")
+    if restore_optim:
+        _check_same_optimizer(meta, train_state.config["optimizer"])
     lay = meta["layout"]
     same_layout = ((lay["world_size"], lay["tp"], lay["pp"], lay.get("cp", 1))
                    == (ps.world_size, ps.tp_size, ps.pp_size, ps.cp_size))
@@ -141,6 +143,22 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
     train_state.log(f"> loaded checkpoint {where} (iteration {iteration}, written with TP {lay['tp']} x PP {lay['pp']} "
                     f"x DP {lay['dp']}{', distributed optimizer' if lay['distributed_optimizer'] else ''})")
     return iteration
+
+
+def _optimizer_kind(optimizer: str, config: dict) -> str:
+    if optimizer == "muon":
+        return f"muon with --muon-scalar-optimizer {config.get('muon_scalar_optimizer', 'adam')}"
+    return optimizer
+
+
+def _check_same_optimizer(meta: dict, current: dict) -> None:
+    """The optimizer state of one optimizer is meaningless to another (Adam's moments are not
+    Muon's momentum): resuming it across --optimizer is refused."""
+    saved = _optimizer_kind(meta["optimizer"]["type"], meta.get("config", {}).get("optimizer", {}))
+    mine = _optimizer_kind(current["optimizer"], current)
+    if saved != mine:
+        raise CheckpointError(f"{meta['dir']} holds the state of --optimizer {saved}, this run uses --optimizer "
+                              f"{mine}: load it with --no-load-optim (its weights, a fresh optimizer state)")
 
 
 class _OwnedReader:

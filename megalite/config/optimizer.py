@@ -11,7 +11,9 @@ _FP16 = "--fp16: "
 @dataclass
 class OptimizerConfig:
     """optimizer, learning rate and mixed precision"""
-    optimizer: str = flag("--optimizer", "adam", choices=["adam", "sgd"])
+    optimizer: str = flag("--optimizer", "adam", "adam (AdamW), sgd, or muon (Muon for the transformer layers' "
+                          "matrices, --muon-scalar-optimizer for the rest; docs/optimizers.md)",
+                          choices=["adam", "sgd", "muon"])
     lr: float = flag("--lr", 1e-4, "peak learning rate (> 0; required)", check=POSITIVE, required=True)
     min_lr: float = flag("--min-lr", 0.0, "learning rate at the end of decay (>= 0, <= --lr)", check=NON_NEGATIVE)
     weight_decay: float = flag("--weight-decay", 0.01, "decoupled weight decay (>= 0)", check=NON_NEGATIVE)
@@ -19,6 +21,34 @@ class OptimizerConfig:
     adam_beta2: float = flag("--adam-beta2", 0.999, "in [0, 1)", check=IN_0_1)
     adam_eps: float = flag("--adam-eps", 1e-8, "> 0", check=POSITIVE)
     sgd_momentum: float = flag("--sgd-momentum", 0.9, "in [0, 1)", check=IN_0_1)
+    # Muon (Jordan et al. 2024; Liu et al. 2025, Moonlight): momentum orthogonalized by Newton-Schulz
+    muon_momentum: float = flag("--muon-momentum", 0.95, "Muon's momentum beta, in [0, 1)", check=IN_0_1)
+    muon_nesterov: bool = flag("--muon-nesterov", False, "Muon: Nesterov momentum (the update is g lerp'd toward "
+                               "the momentum by beta)", action="store_true")
+    muon_split_qkv: bool = flag("--muon-no-split-qkv", True, "Muon: orthogonalize the fused QKV weight as one "
+                                "matrix instead of Q, K and V each on their own", action="store_false")
+    muon_num_ns_steps: int = flag("--muon-num-ns-steps", 5, "Muon: Newton-Schulz iterations (>= 1)", check=AT_LEAST_1)
+    muon_scale_mode: str = flag("--muon-scale-mode", "spectral", "Muon: scale of the orthogonalized update of an "
+                                "[out, in] matrix: spectral sqrt(max(out, in)), unit_rms_norm sqrt(out/in), "
+                                "shape_scaling sqrt(max(1, out/in))",
+                                choices=["spectral", "unit_rms_norm", "shape_scaling"])
+    muon_extra_scale_factor: float = flag("--muon-extra-scale-factor", 1.0, "Muon: extra factor on the update "
+                                          "(> 0; 0.2 with spectral matches AdamW's update RMS, Moonlight)",
+                                          check=POSITIVE)
+    muon_tp_mode: str = flag("--muon-tp-mode", "blockwise", "Muon under tensor parallelism: blockwise "
+                             "orthogonalizes each TP shard (no traffic; the update depends on the TP size), "
+                             "duplicated all-gathers the matrix and every TP rank orthogonalizes it whole, "
+                             "distributed runs Newton-Schulz on the shards with an all-reduce per iteration",
+                             choices=["blockwise", "duplicated", "distributed"])
+    muon_scalar_optimizer: str = flag("--muon-scalar-optimizer", "adam", "with --optimizer muon: the optimizer of "
+                                      "embeddings, output layer, norms and biases", choices=["adam", "lion"])
+    lion_beta1: float = flag("--lion-beta1", 0.9, "Lion's interpolation beta of the update sign, in [0, 1)",
+                             check=IN_0_1)
+    lion_beta2: float = flag("--lion-beta2", 0.99, "Lion's momentum beta, in [0, 1)", check=IN_0_1)
+    # the fused QKV weight's groups, for --muon-no-split-qkv's default (Q, K, V each on their own)
+    num_attention_heads: int | None = derived(None, copy_of="model.num_attention_heads")
+    num_query_groups: int | None = derived(None, copy_of="model.num_query_groups")
+    kv_channels: int | None = derived(None, copy_of="model.kv_channels")
     log_num_zeros_in_grad: bool = flag(
         "--log-num-zeros-in-grad", False, "add the number of zero elements in the gradients each step applies (after "
         "the data-parallel reduction, each element counted once whatever the sharding) to the log line and record "
@@ -87,6 +117,33 @@ class OptimizerConfig:
         "--inject-overflow-at-iteration", None, "testing only: put an inf into one rank's gradients at iteration N "
         "(>= 1), as an fp16 overflow", type=int, metavar="N", check=AT_LEAST_1)
     params_dtype: str = derived("float32", "float32, bfloat16 (--bf16) or float16 (--fp16)")
+    # Megatron-LM's precision-aware optimizer: where the optimizer's tensors are stored (their
+    # bytes per parameter), never how it computes (fp32; optimizer/precision_adam.py)
+    use_precision_aware_optimizer: bool = flag(
+        "--use-precision-aware-optimizer", False, "store the master weights, the gradients the optimizer reads and "
+        "Adam's moments in the dtypes of --main-params-dtype, --main-grads-dtype, --exp-avg-dtype and "
+        "--exp-avg-sq-dtype; the update is computed in fp32", action="store_true")
+    main_grads_dtype: str = flag("--main-grads-dtype", "fp32", "with --use-precision-aware-optimizer: dtype of the "
+                                 "gradients the optimizer reads (bf16 needs --grad-reduce-in-bf16)",
+                                 choices=["fp32", "bf16"])
+    main_params_dtype: str = flag("--main-params-dtype", "fp32", "with --use-precision-aware-optimizer: dtype of the "
+                                  "master weights of 16-bit parameters", choices=["fp32", "fp16"])
+    exp_avg_dtype: str = flag("--exp-avg-dtype", "fp32", "with --use-precision-aware-optimizer: dtype of Adam's "
+                              "first moment (Muon's momentum)", choices=["fp32", "fp16", "bf16", "fp8"])
+    exp_avg_sq_dtype: str = flag("--exp-avg-sq-dtype", "fp32", "with --use-precision-aware-optimizer: dtype of "
+                                 "Adam's second moment", choices=["fp32", "fp16", "bf16", "fp8"])
+    # QK-clip (Kimi K2, arXiv 2507.20534, Sec. 2.1; Megatron-LM's megatron/core/optimizer/qk_clip.py):
+    # after each step, the query and key projections of heads whose largest logit passed the threshold
+    # are scaled back to it
+    qk_clip: bool = flag("--qk-clip", False, "after each optimizer step, rescale the query and key projection rows "
+                         "of every head (query group) whose largest pre-softmax attention logit in the step passed "
+                         "--qk-clip-threshold, so that it would have been the threshold; logs the largest logit",
+                         action="store_true")
+    qk_clip_alpha: float = flag("--qk-clip-alpha", 0.5, "with --qk-clip: the query takes eta^alpha, the key "
+                                "eta^(1-alpha) of the factor eta = threshold / max logit, in (0, 1)",
+                                check=(lambda v: 0.0 < v < 1.0, "in (0, 1)"))
+    qk_clip_threshold: float = flag("--qk-clip-threshold", 100.0, "with --qk-clip: the largest attention logit "
+                                    "allowed (> 0)", check=POSITIVE)
 
 
 __all__ = ["OptimizerConfig"]

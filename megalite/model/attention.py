@@ -273,6 +273,7 @@ class SelfAttention(nn.Module):
         self.recompute_core_attention = False  # set by activation recompute ("selective")
         # while generating: a cache of this rank's keys and values (megalite.generation.KVCache)
         self.inference_cache = None
+        self.max_logits = None  # --qk-clip: a MaxLogitTracker (model/max_logit.py), set by optimizer/qk_clip.py
 
     def forward(self, x, rotary=None, attention_mask=None):
         qkv = self.linear_qkv(x)  # [s, b, ng·(np/ng + 2)·hn] for this rank's groups
@@ -295,6 +296,8 @@ class SelfAttention(nn.Module):
             k, v = gather_kv(k, v, self.cp_group)  # [s, b, ng, hn], gathered key order
         if self.window is not None:
             attention_mask = self._windowed(attention_mask, q.size(0), k.size(0), q.device)
+        if self.max_logits is not None and self.training:
+            self.max_logits.observe(q, k, attention_mask)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             # selective recompute: keep q, k, v; redo softmax(QKᵀ)·V (and its dropout) in backward
             ctx = recompute(self.core_attention, q, k, v, attention_mask,

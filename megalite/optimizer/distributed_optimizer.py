@@ -16,7 +16,9 @@ whole flat parameter buffer, ZeRO-3 the only copy this rank has). Per iteration:
   masters -> parameter slice (cast to bf16/fp16); ZeRO-1/2: all-gather each bucket  (DataParallel)
 
 Optimizer state per rank is 12 bytes per parameter / DP with 16-bit parameters (fp32 master
-4 + Adam m, v 8), 8 / DP with fp32 parameters (the parameter is its own master).
+4 + Adam m, v 8), 8 / DP with fp32 parameters (the parameter is its own master); with
+--use-precision-aware-optimizer each of them in its own dtype (precision_adam.py: bf16 moments
+and an fp16 master 2 bytes each).
 
 --optimizer-cpu-offload --optimizer-offload-fraction f: the masters and moments of the first
 round(f x n) of this rank's n elements (a piece is cut at the boundary) are host tensors (pinned when CUDA is present),
@@ -32,6 +34,7 @@ import torch
 
 from .. import comm
 from ..tensor_parallel.param_info import param_info
+from .muon_matrices import ShardedMatrices, matrix_specs, settings_of
 from .optimizer import MixedPrecisionOptimizer
 
 
@@ -64,10 +67,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     n_host += (z - a) if host else 0
         n_device = 0 if self.fp32_params else sum(hi - lo for (_, _, lo, hi, _), h in zip(pieces, on_host) if not h)
         pin = torch.cuda.is_available()
-        self.master_data = torch.empty(n_device, dtype=torch.float32, device=self.device) if n_device else None
+        self.master_data = torch.empty(n_device, dtype=self.master_dtype, device=self.device) if n_device else None
         self.host_master_data = self.host_grad_data = None
         if n_host:
-            self.host_master_data = torch.empty(n_host, dtype=torch.float32, pin_memory=pin)
+            # an fp32 parameter's host master stays fp32 (it is the parameter's only stepped copy)
+            master_dtype = torch.float32 if self.fp32_params else self.master_dtype
+            self.host_master_data = torch.empty(n_host, dtype=master_dtype, pin_memory=pin)
             self.host_grad_data = torch.empty(n_host, dtype=torch.float32, pin_memory=pin)
         # the norm, the overflow check, unscaling and clipping run over the uncut pieces, so the
         # numbers do not depend on where the offload boundary falls
@@ -76,7 +81,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.main_grads.append(dp.grad_shard(b)[off:off + hi - lo])
             self.counted.append(param_info(p).is_owner(tp_rank))
         self.masters, self.master_ndims, self._step_grads = [], [], []
-        self._pieces, self._host_grads, self._copy_back = [], [], []
+        self._pieces, self._host_grads, self._copy_back, self._places = [], [], [], []
         d = h = 0
         for (b, p, lo, hi, off), host in zip(pieces, on_host):
             n = hi - lo
@@ -100,7 +105,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self._step_grads.append(grad)  # views of the same memory as main_grads
             self.master_ndims.append(p.ndim)
             self._pieces.append((p, lo, hi))
+            self._places.append((b, off))  # bucket, offset in this rank's slice of it
         self.offloaded_elements, self.total_elements = n_host, total
+
+    def _muon_matrices(self, named_params, config):
+        """--optimizer muon: each matrix orthogonalized by the one DP rank that owns it."""
+        pieces = [(m, p, b, off) for (p, _, _), m, (b, off) in zip(self._pieces, self.masters, self._places)]
+        return ShardedMatrices(self.dp, pieces, matrix_specs(named_params, self.ps, config), settings_of(config),
+                               self.device)
 
     @torch.no_grad()
     def masters_from_params(self) -> None:
@@ -122,10 +134,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for m, g, hg in zip(self.masters, self._step_grads, self._host_grads):
             if hg is not None:
                 hg.copy_(g, non_blocking=True)
-                m.grad, copied = hg, True
+                self._set_grad(m, hg)
+                copied = True
             else:
-                # --grad-reduce-in-bf16: the reduced bf16 slice is widened for the fp32 update
-                m.grad = g if g.dtype == m.dtype else g.to(m.dtype)
+                self._set_grad(m, g)
         if copied and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the host step reads the copies
 

@@ -14,11 +14,15 @@ offloads them to host memory (--optimizer-cpu-offload).
 
 The update itself is torch.optim's AdamW / SGD, fused where the device has fused kernels (CUDA,
 and the CPU on recent torch), unless --no-fused-optimizer; both paths compute the same update
-up to float rounding. apex's FusedAdam is not used: torch's fused AdamW gives the same on CUDA.
+up to float rounding. --optimizer muon chains Muon for the matrices with AdamW or Lion for the
+rest (muon.py); `_muon_matrices` says how each whole matrix is assembled for Newton-Schulz. apex's FusedAdam is not used: torch's fused AdamW gives the same on CUDA.
 Optimizers count steps per parameter (torch) or per group (apex-style); `step_count` and
 `set_step_count` read and restore either, so checkpoints resume Adam's bias correction exactly. Adam's state is allocated eagerly at
 construction, so the memory footprint logged before the first step is the memory the run
-will really hold.
+will really hold. --use-precision-aware-optimizer stores masters and moments in narrower dtypes
+and steps them with precision_adam.py's AdamW (fp32 arithmetic), which reads each gradient as
+`decoupled_grad`; `step`'s `after_update` hook is where --qk-clip (qk_clip.py) rescales the
+updated masters before they reach the parameters.
 """
 from __future__ import annotations
 
@@ -31,6 +35,9 @@ from ..config import OptimizerConfig
 from ..tensor_parallel.param_info import param_info
 from .clip_grads import clip_by_norm, local_grad_stats
 from .grad_scaler import build_grad_scaler
+from .muon import ChainedOptimizer, build_muon
+from .muon_matrices import LocalMatrices, matrix_specs, settings_of
+from .precision_adam import STORAGE_DTYPES, PrecisionAwareAdamW
 
 
 def _param_groups(named_masters, weight_decay: float):
@@ -56,22 +63,43 @@ def _torch_fused_supported(device: torch.device) -> bool:
         return device.type == "cuda"
 
 
-def build_inner_optimizer(groups, config: OptimizerConfig, device: torch.device, fused: bool | None = None):
-    """(torch optimizer over `groups`, description). `fused` defaults to config.fused_optimizer."""
+def build_inner_optimizer(groups, config: OptimizerConfig, device: torch.device, fused: bool | None = None,
+                          matrices=None):
+    """(optimizer over `groups`, description). `fused` defaults to config.fused_optimizer.
+    --optimizer muon: `matrices` (muon_matrices.py) says which masters are Muon's and orthogonalizes them."""
     fused = config.fused_optimizer if fused is None else fused
-    if config.optimizer == "adam":
-        betas = (config.adam_beta1, config.adam_beta2)
-        use_fused = fused and _torch_fused_supported(device)
-        # decoupled weight decay (AdamW), as Megatron-LM's Adam with weight decay
-        opt = torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps, fused=use_fused or None)
-        return opt, "adam (torch AdamW, fused)" if use_fused else "adam (torch AdamW, unfused)"
     use_fused = fused and _torch_fused_supported(device)
+    if config.optimizer == "muon":
+        return build_muon(groups, config, matrices, lambda rest: _adamw(rest, config, use_fused))
+    if config.optimizer == "adam":
+        return _adamw(groups, config, use_fused)
     opt = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, fused=use_fused or None)
     return opt, "sgd (torch SGD, fused)" if use_fused else "sgd (torch SGD, unfused)"
 
 
+def _adamw(groups, config: OptimizerConfig, use_fused: bool):
+    if config.use_precision_aware_optimizer:
+        opt = PrecisionAwareAdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                  eps=config.adam_eps, weight_decay=config.weight_decay,
+                                  exp_avg_dtype=STORAGE_DTYPES[config.exp_avg_dtype],
+                                  exp_avg_sq_dtype=STORAGE_DTYPES[config.exp_avg_sq_dtype])
+        return opt, (f"adam (precision-aware: exp_avg {config.exp_avg_dtype}, exp_avg_sq {config.exp_avg_sq_dtype}, "
+                     "computed in fp32)")
+    # decoupled weight decay (AdamW), as Megatron-LM's Adam with weight decay
+    opt = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                            fused=use_fused or None)
+    return opt, "adam (torch AdamW, fused)" if use_fused else "adam (torch AdamW, unfused)"
+
+
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Allocate the state a first step would allocate, now (zeros, step 0)."""
+    if isinstance(optimizer, ChainedOptimizer):
+        for o in optimizer.optimizers:
+            init_optimizer_state(o)
+        return
+    if hasattr(optimizer, "init_state"):  # muon.py's Muon and Lion, precision_adam.py's AdamW
+        optimizer.init_state()
+        return
     is_torch = type(optimizer) in (torch.optim.AdamW, torch.optim.SGD)
     for group in optimizer.param_groups:
         for m in group["params"]:
@@ -109,20 +137,25 @@ class MixedPrecisionOptimizer:
         self.params = [p for _, p in named_params]
         self.device = self.params[0].device
         self.fp32_params = all(p.dtype == torch.float32 for p in self.params)
+        # --main-params-dtype: the masters' storage (16-bit parameters only; validation's rule)
+        self.master_dtype = STORAGE_DTYPES[config.main_params_dtype]
+        # the precision-aware update reads each gradient as it is (decoupled_grad), widening it itself
+        self.decoupled_grads = config.use_precision_aware_optimizer
         self.scaler = build_grad_scaler(config)
         self.inject_overflow_at = config.inject_overflow_at_iteration
         self.skipped_iterations = 0  # steps skipped for overflow since the start of this run
         self._build_masters()
         decoupled = [config.decoupled_lr is not None and param_info(p).embedding_or_output for p, *_ in self.pieces()]
         groups = _param_groups(list(zip(self.masters, self.master_ndims, decoupled)), config.weight_decay)
-        self.optimizer, self.impl = build_inner_optimizer(groups, config, self.device)
+        matrices = self._muon_matrices(named_params, config) if config.optimizer == "muon" else None
+        self.optimizer, self.impl = build_inner_optimizer(groups, config, self.device, matrices=matrices)
         init_optimizer_state(self.optimizer)
 
     # -- what is stepped -------------------------------------------------------------------------
     def _build_masters(self) -> None:
         """One master per parameter: the parameter itself in fp32, else an fp32 copy."""
         self.masters = (self.params if self.fp32_params
-                        else [p.detach().float().clone() for p in self.params])
+                        else [p.detach().to(self.master_dtype, copy=True) for p in self.params])
         self.master_ndims = [p.ndim for p in self.params]
         self.main_grads = [self.dp.main_grad(p) for p in self.params]
         self.counted = [param_info(p).is_owner(self.ps.tp_rank) for p in self.params]
@@ -132,6 +165,10 @@ class MixedPrecisionOptimizer:
             # are summed over DP x CP
             self.counted = [c and self.ps.replica_rank(param_info(p).expert_parallel) == 0
                             for c, p in zip(self.counted, self.params)]
+
+    def _muon_matrices(self, named_params, config):
+        """--optimizer muon: every replica orthogonalizes every matrix (its pieces are whole)."""
+        return LocalMatrices(self.pieces(), matrix_specs(named_params, self.ps, config), settings_of(config))
 
     def _master_bytes(self) -> int:
         return 0 if self.fp32_params else sum(m.numel() * m.element_size() for m in self.masters)
@@ -149,8 +186,13 @@ class MixedPrecisionOptimizer:
     def _attach_grads(self, grads: list[torch.Tensor]) -> None:
         """Give each master its (unscaled, clipped) gradient for the inner optimizer."""
         for m, g in zip(self.masters, grads):
-            # --grad-reduce-in-bf16: the reduced bf16 gradient is widened for the fp32 update
-            m.grad = g.view_as(m) if g.dtype == m.dtype else g.view_as(m).to(m.dtype)
+            self._set_grad(m, g.view_as(m))
+
+    def _set_grad(self, master: torch.Tensor, g: torch.Tensor) -> None:
+        if self.decoupled_grads:
+            master.decoupled_grad = g
+        else:  # --grad-reduce-in-bf16: the reduced bf16 gradient is widened for the fp32 update
+            master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
 
     def _update_params(self) -> None:
         if not self.fp32_params:
@@ -166,7 +208,8 @@ class MixedPrecisionOptimizer:
     def describe(self) -> str:
         """One line for the start-up log."""
         dtype = str(self.params[0].dtype).replace("torch.", "")
-        parts = [self.impl, f"{dtype} params" + ("" if self.fp32_params else ", fp32 master weights")]
+        master = str(self.master_dtype).replace("torch.float", "fp")
+        parts = [self.impl, f"{dtype} params" + ("" if self.fp32_params else f", {master} master weights")]
         parts += self.dp.describe()
         if self.scaler is not None:
             parts.append(self.scaler.describe())
@@ -191,14 +234,15 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0, iteration: int | None = None,
-             decoupled_lr: float | None = None, reject_grad_norm=None) -> dict:
+             decoupled_lr: float | None = None, reject_grad_norm=None, after_update=None) -> dict:
         """Multiply the reduced gradients by `grad_scale` (1 / loss scale, token renormalisation),
         skip the step if they overflowed (with loss scaling), clip them by the global norm,
         update at `lr` (`decoupled_lr` for the --decoupled-lr groups). `iteration` (1-based) only
         serves --inject-overflow-at-iteration. `reject_grad_norm(norm)` (--check-for-large-grads)
         returns why the norm is a spike, or None: a spike skips the update. Returns grad_norm (None
         when skipped for an overflow), loss_scale (for the next iteration), skipped, and spike (the
-        reason, when skipped for one)."""
+        reason, when skipped for one). `after_update(pieces)` (--qk-clip) changes the updated
+        masters before they reach the parameters."""
         self.dp.finish_param_sync()
         grads = self.main_grads
         if grad_scale != 1.0:
@@ -227,7 +271,9 @@ class MixedPrecisionOptimizer:
         self._attach_grads(grads)
         self.optimizer.step()
         for m in self.masters:
-            m.grad = None
+            m.grad = m.decoupled_grad = None
+        if after_update is not None:
+            after_update(self.pieces())
         self._update_params()
         return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": False, **zeros}
 
@@ -246,8 +292,9 @@ class MixedPrecisionOptimizer:
         per_param = [state["step"] for state in self.optimizer.state.values() if "step" in state]
         for t in per_param:
             t.fill_(step)
-        if not per_param:  # per-group counters (apex-style), created if no step has run yet
-            for group in self.optimizer.param_groups:
+        for group in self.optimizer.param_groups:
+            # per-group counters (apex-style, Muon, Lion), created if no step has run yet
+            if not per_param or "step" in group:
                 group["step"] = int(step)
 
     def pieces(self) -> list[tuple]:

@@ -7,7 +7,11 @@ Memory per GPU (Megatron-LM's accounting, bytes per parameter; d = DP size), for
   params     4 (fp32) or 2 (--bf16 / --fp16); / d under ZeRO-3 (optim_grads_params)
   grads      4: the contiguous fp32 gradient buffer, whatever the parameter dtype; / d under
              ZeRO-2 (optim_grads) and ZeRO-3
-  optimizer  Adam m and v: 8, plus an fp32 master copy (4) when parameters are 16-bit;
+  optimizer  Adam m and v: 8 (4 with bf16 / fp16 moments: --use-precision-aware-optimizer
+             --exp-avg-dtype / --exp-avg-sq-dtype; --optimizer muon: 4 of momentum (2 in bf16 /
+             fp16) for each of Muon's matrices' elements, the scalar optimizer's 8 or 4 for the
+             rest), plus a master copy when parameters are 16-bit (4 fp32, 2 with
+             --main-params-dtype fp16);
              / d under ZeRO-1 (optim, --use-distributed-optimizer), ZeRO-2 and ZeRO-3; with
              --optimizer-cpu-offload the fraction --optimizer-offload-fraction of it is host memory
   working set  ZeRO-2/3 only, what comes and goes during a step: gradients pass through
@@ -53,6 +57,7 @@ import math
 from ..config.sharding import ShardingStrategy
 from .mla import mla_activation_coefficients, mla_params
 from .schedule import is_post_process, loss_rank, zero_bubble_in_flight
+from .muon import expert_vector_params, layer_vector_params
 from .moe import (chunk_layers, expert_params, expert_tp, local_expert_params, moe_layer_params,
                   moe_mlp_activation_bytes, moe_pattern)
 
@@ -135,6 +140,23 @@ def stage_param_split(c, pp_rank: int) -> tuple[int, int]:
             sharded, replicated, local_experts = mtp_params(c)
             n, experts = n + sharded + replicated, experts + local_experts
     return n, experts
+
+
+def stage_matrix_params(c, pp_rank: int) -> tuple[int, int]:
+    """(dense, expert) elements of --optimizer muon's matrices on one GPU of stage `pp_rank`: every
+    2-D weight of the transformer (and MTP) layers; the tables, norms and biases are the rest."""
+    pattern = moe_pattern(c)
+    layers = [pattern[n] for chunk in chunk_layers(c, pp_rank) for n in chunk]
+    experts_each = local_expert_params(c) - expert_vector_params(c) if c.model.num_experts else 0
+    dense = sum(sum(layer_params(c, moe)) - layer_vector_params(c, moe) for moe in layers)
+    experts = sum(layers) * experts_each
+    depth = c.model.mtp_num_layers or 0
+    if depth and pp_rank == c.parallel.pipeline_model_parallel_size - 1:  # MTP: its layer and eh_proj
+        h, moe = c.model.hidden_size, pattern[-1]
+        dense += depth * (sum(layer_params(c, moe)) - layer_vector_params(c, moe)
+                          + 2 * h * h // c.parallel.tensor_model_parallel_size)
+        experts += depth * experts_each if moe else 0
+    return dense, experts
 
 
 def stage_params(c, pp_rank: int) -> int:
@@ -322,6 +344,31 @@ def bucket_sizes(c, pp_rank: int, strategy: ShardingStrategy) -> list[int]:
     return sizes
 
 
+STATE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def optimizer_state_bytes(o) -> int:
+    """Optimizer state per parameter, for an OptimizerConfig, masters aside: Adam's two moments (4
+    bytes each, or 2 in bf16 / fp16 with --use-precision-aware-optimizer), SGD's momentum (4);
+    with --optimizer muon the scalar optimizer's (Adam's, or Lion's 4), Muon's matrices taking
+    `muon_momentum_bytes` instead."""
+    adam = o.optimizer == "adam" or (o.optimizer == "muon" and o.muon_scalar_optimizer == "adam")
+    if adam:
+        return STATE_BYTES[o.exp_avg_dtype] + STATE_BYTES[o.exp_avg_sq_dtype]
+    return 4 if o.optimizer == "muon" or o.sgd_momentum else 0
+
+
+def muon_momentum_bytes(o) -> int:
+    """Muon's momentum per matrix element: 4, or 2 with --exp-avg-dtype bf16 / fp16."""
+    return STATE_BYTES[o.exp_avg_dtype]
+
+
+def optimizer_bytes_per_param(o) -> int:
+    """`optimizer_state_bytes` plus, for 16-bit parameters, the master weight (4, or 2 with
+    --main-params-dtype fp16)."""
+    return optimizer_state_bytes(o) + (STATE_BYTES[o.main_params_dtype] if (o.bf16 or o.fp16) else 0)
+
+
 def strategy_bytes(c, pp_rank: int, strategy: ShardingStrategy) -> dict:
     """Bytes per GPU of stage `pp_rank` under `strategy` (module docstring). ZeRO shards over
     DP x CP (context-parallel ranks hold the same parameters), expert weights over the expert-DP
@@ -336,12 +383,15 @@ def strategy_bytes(c, pp_rank: int, strategy: ShardingStrategy) -> dict:
         return dense * nbytes / d + experts * nbytes / d_expert if shard else n * nbytes
     sixteen_bit = bool(c.optimizer.bf16 or c.optimizer.fp16)
     pb = 2 if sixteen_bit else 4
-    state = 8 if c.optimizer.optimizer == "adam" else (4 if c.optimizer.sgd_momentum else 0)
-    opt_per_param = state + (4 if sixteen_bit else 0)
+    state = optimizer_state_bytes(c.optimizer)  # --optimizer muon: the scalar optimizer's; its matrices below
+    opt_per_param = optimizer_bytes_per_param(c.optimizer)
     offload = c.optimizer.optimizer_offload_fraction if c.optimizer.optimizer_cpu_offload else 0.0
     if s_opt and offload and not sixteen_bit:
         opt_per_param += 4  # an offloaded fp32 parameter gets a host master of its own
     optimizer = per_rank(opt_per_param, s_opt)
+    if c.optimizer.optimizer == "muon":  # momentum: 4 (or 2) bytes per matrix element instead of `state`
+        m_dense, m_experts = stage_matrix_params(c, pp_rank)
+        optimizer -= (state - muon_momentum_bytes(c.optimizer)) * (m_dense / d + m_experts / d_expert if s_opt else m_dense + m_experts)
     own, units = unit_params(c, pp_rank)
     v = c.parallel.virtual_pipeline_model_parallel_size
     if s_params:

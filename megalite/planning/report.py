@@ -5,7 +5,8 @@ from __future__ import annotations
 from ..config.run import RunConfig
 from ..runtime.metrics import num_floating_point_operations
 from ..config.sharding import STRATEGIES
-from .memory import (in_flight_chunks, recompute_setting, stage_activation_bytes,
+from .memory import (in_flight_chunks, muon_momentum_bytes, optimizer_bytes_per_param, optimizer_state_bytes,
+                     recompute_setting, stage_activation_bytes,
                      stage_param_split, strategy_bytes, total_params)
 from .schedule import bubble, schedule_name
 from .moe import active_params, expert_tp, local_expert_params, moe_pattern, stage_dispatch_bytes
@@ -61,6 +62,10 @@ def make_plan(c: RunConfig, gpu_memory_gb: float = 80.0) -> dict:
                    "precision": "bf16" if c.optimizer.bf16 else ("fp16" if c.optimizer.fp16 else "fp32"),
                    "distributed_optimizer": zero1, "data_parallel_sharding_strategy": strategy,
                    "optimizer_cpu_offload": bool(c.optimizer.optimizer_cpu_offload),
+                   # masters + moments per parameter, in their dtypes (--use-precision-aware-optimizer)
+                   "optimizer_bytes_per_param": optimizer_bytes_per_param(c.optimizer),
+                   "muon_matrix_bytes_per_param": (optimizer_bytes_per_param(c.optimizer) - optimizer_state_bytes(
+                       c.optimizer) + muon_momentum_bytes(c.optimizer)) if c.optimizer.optimizer == "muon" else None,
                    "sequence_parallel": bool(c.parallel.sequence_parallel) and t > 1,
                    "recompute": granularity or "none", "recompute_method": method,
                    "recompute_num_layers": k if granularity == "full" else None,
@@ -152,7 +157,10 @@ def format_plan(plan: dict) -> str:
         + f" x PP {lay['pp']} x DP {lay['dp']}"
         + (f", {lay['vpp']} virtual stages per rank" if lay["vpp"] > 1 else "")
         + f"; {lay['precision']}, DP sharding {lay['data_parallel_sharding_strategy']}"
-        + (" + optimizer offload" if lay["optimizer_cpu_offload"] else "") + ", "
+        + (" + optimizer offload" if lay["optimizer_cpu_offload"] else "")
+        + f", optimizer state {lay['optimizer_bytes_per_param']} bytes/param"
+        + (f" (Muon's matrices {lay['muon_matrix_bytes_per_param']})" if lay["muon_matrix_bytes_per_param"] else "")
+        + ", "
         f"sequence parallel {'on' if lay['sequence_parallel'] else 'off'}, recompute {rec}"
         + (", flash-attn" if lay["flash_attn"] else ""),
         *format_moe(plan),

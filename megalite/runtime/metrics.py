@@ -130,6 +130,8 @@ def console_line(r: dict, train_iters: int, memory: str, eta_s: float, throughpu
             parts.append(f"{label}: {r[key]:.6E}")
     if r.get("expert_tokens_min") is not None:
         parts.append(f"expert tokens min/max: {r['expert_tokens_min']}/{r['expert_tokens_max']}")
+    if r.get("max_attention_logit") is not None:  # --qk-clip
+        parts.append(f"max attention logit: {r['max_attention_logit']:.3f}")
     if r.get("num_zeros_in_grad") is not None:
         parts.append(f"num zeros: {r['num_zeros_in_grad']}")
     if r.get("params_norm") is not None:
