@@ -51,20 +51,6 @@ class Chunk:
     where: int
     length: int
 
-    def flat_span(self, shape: tuple) -> tuple[int, int]:
-        """The first and one past the last flat index (in the global tensor) of this box's elements."""
-        strides = _strides(shape)
-        first = sum(o * s for o, s in zip(self.offsets, strides))
-        last = sum((o + n - 1) * s for o, n, s in zip(self.offsets, self.sizes, strides))
-        return first, last + 1
-
-    def flat_indices(self, shape: tuple) -> torch.Tensor:
-        """Flat global indices of this box's elements, in the chunk's own (row-major) order."""
-        idx = torch.zeros((), dtype=torch.int64)
-        for o, n, s in zip(self.offsets, self.sizes, _strides(shape)):
-            idx = idx.unsqueeze(-1) + (torch.arange(o, o + n, dtype=torch.int64) * s)
-        return idx.reshape(-1)
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -73,12 +59,26 @@ class TensorInfo:
     chunks: tuple
 
 
-def _strides(shape: tuple) -> list[int]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return out[::-1]
+def flat_boxes(shape: tuple, a: int, b: int) -> list[tuple]:
+    """The flat range [a, b) of a row-major tensor of `shape` as boxes ((start, stop) per
+    dimension), in order: at most two partial boxes per dimension and one of whole rows."""
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [((a, b),)] if shape else [()]
+    inner = prod(shape[1:])
+    (r0, o0), (r1, o1) = divmod(a, inner), divmod(b, inner)
+    if r0 == r1:
+        return [((r0, r0 + 1),) + box for box in flat_boxes(shape[1:], o0, o1)]
+    out = []
+    if o0:
+        out += [((r0, r0 + 1),) + box for box in flat_boxes(shape[1:], o0, inner)]
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, r1),) + tuple((0, n) for n in shape[1:]))
+    if o1:
+        out += [((r1, r1 + 1),) + box for box in flat_boxes(shape[1:], 0, o1)]
+    return out
 
 
 def is_dist_checkpoint(directory: str) -> bool:
@@ -144,27 +144,9 @@ class DistCheckpoint:
 
     def read_flat(self, key: str, a: int, b: int) -> torch.Tensor:
         """Flat elements [a, b) of global tensor `key` (row-major), from the overlapping chunks."""
-        t = self.info(key)
-        out = torch.empty(b - a, dtype=t.dtype)
-        filled = 0
-        for c in t.chunks:
-            first, end = c.flat_span(t.shape)
-            if end <= a or first >= b:
-                continue
-            data = self._load_chunk(key, c).reshape(-1)
-            if prod(c.sizes) == end - first:  # a contiguous box (whole trailing dims)
-                lo, hi = max(a, first), min(b, end)
-                out[lo - a:hi - a] = data[lo - first:hi - first]
-                filled += hi - lo
-                continue
-            idx = c.flat_indices(t.shape)
-            keep = (idx >= a) & (idx < b)
-            out[idx[keep] - a] = data[keep]
-            filled += int(keep.sum())
-        if filled < b - a:
-            raise CheckpointError(f"{self.directory}: the chunks of {key} do not cover its elements [{a}, {b}) "
-                                  "(incomplete checkpoint)")
-        return out
+        boxes = flat_boxes(self.info(key).shape, a, b)
+        return torch.cat([self.read(key, box).reshape(-1) for box in boxes]) if boxes else \
+            torch.empty(0, dtype=self.info(key).dtype)
 
     def read_object(self, key: str):
         """A saved object (ShardedObject: its unique key), through the allow-list unpickler."""
