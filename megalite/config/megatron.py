@@ -56,8 +56,8 @@ class MegatronCompatConfig:
         "--moe-per-layer-logging", False, _NOOP + "megalite always logs each MoE layer's losses and loads (the "
         "JSONL moe event, the trackers' moe section)", action="store_true")
     auto_detect_ckpt_format: bool = flag(
-        "--auto-detect-ckpt-format", False, _NOOP + "megalite always detects the format of --load: its own is read, "
-        "Megatron-LM's torch, torch_dist and zarr checkpoints are named and refused", action="store_true")
+        "--auto-detect-ckpt-format", False, _NOOP + "megalite always detects the format of --load: its own and Megatron-LM's "
+        "torch_dist are read, Megatron-LM's torch and zarr checkpoints are named and refused", action="store_true")
     rerun_mode: str | None = flag("--rerun-mode", None, "disabled is accepted; megalite has no re-run state machine, "
                                   "so the others are refused", choices=["disabled", "validate_results",
                                                                         "report_stats"])

@@ -8,6 +8,11 @@
     # Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or GptOssForCausalLM)
     python tools/checkpoint/convert.py --model-type GPT --loader megalite --saver hf --load-dir ckpt --save-dir hf_out
 
+    # a Megatron-LM torch_dist checkpoint (megatron-core's dist_checkpointing.load reads it into its GPTModel
+    # at any TP/PP/EP; --target-tensor-parallel-size pads the vocabulary as Megatron-LM does for that TP)
+    python tools/checkpoint/convert.py --model-type GPT --loader megalite --saver megatron --load-dir ckpt \
+        --save-dir megatron_ckpt
+
     # import: a local directory of one of those (safetensors) as a megalite checkpoint
     python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megalite --load-dir hf_out \\
         --save-dir ckpt_from_hf --target-tensor-parallel-size 2
@@ -43,12 +48,15 @@ PROG = "tools/checkpoint/convert.py"
 def get_args(argv=None):
     p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", required=True, choices=["GPT"])
-    p.add_argument("--loader", required=True, choices=["megalite", "hf"], help="format of --load-dir")
-    p.add_argument("--saver", required=True, choices=["megalite", "hf"], help="format to write to --save-dir")
+    p.add_argument("--loader", required=True, choices=["megalite", "hf"],
+                   help="format of --load-dir (megalite also reads a Megatron-LM torch_dist checkpoint)")
+    p.add_argument("--saver", required=True, choices=["megalite", "hf", "megatron"],
+                   help="format to write to --save-dir (megatron: Megatron-LM's torch_dist)")
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True, help="a new (or empty) directory")
     p.add_argument("--target-tensor-parallel-size", type=int,
-                   help="--saver megalite: TP of the written layout (>= 1; default 1)")
+                   help="--saver megalite: TP of the written layout; --saver megatron: the TP whose "
+                   "vocabulary padding to write (>= 1; default 1)")
     p.add_argument("--target-pipeline-parallel-size", type=int,
                    help="--saver megalite: PP of the written layout (>= 1; default 1)")
     add_config_args(p, TokenizerConfig, "tokenizer",
@@ -60,6 +68,8 @@ def get_args(argv=None):
         p.error("--loader hf --saver hf: nothing to convert")
     if args.saver == "hf" and (args.target_tensor_parallel_size or args.target_pipeline_parallel_size):
         p.error("--target-tensor/pipeline-parallel-size apply to --saver megalite only")
+    if args.saver == "megatron" and args.target_pipeline_parallel_size:
+        p.error("--target-pipeline-parallel-size: a torch_dist checkpoint loads on any PP; drop it")
     for flag, value in (("--target-tensor-parallel-size", args.target_tensor_parallel_size),
                         ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size)):
         if value is not None and value < 1:
@@ -92,6 +102,20 @@ def check_layout(cfg: dict, tp: int, pp: int) -> None:
                          f"({cfg['num_layers']})")
 
 
+def _save_megatron(save_dir: str, state: dict, cfg: dict, saved: dict, iteration: int, tp: int) -> int:
+    """--saver megatron: a torch_dist checkpoint, the vocabulary padded as Megatron-LM pads it for TP `tp`."""
+    from megalite.checkpoint.megatron_save import write_megatron_checkpoint
+    from megalite.model import pad_vocab_size
+    divisible_by = cfg.get("make_vocab_size_divisible_by") or saved.get("model", {}).get(
+        "make_vocab_size_divisible_by") or 128
+    padded = pad_vocab_size(cfg["vocab_size"], int(divisible_by), tp)
+    check_layout(cfg, tp, 1)
+    where = write_megatron_checkpoint(save_dir, state, cfg, saved, iteration, padded)
+    print(f"wrote {where} (Megatron-LM torch_dist, vocabulary padded to {padded} rows for TP {tp}; weights only: "
+          "continue in Megatron-LM with --finetune or --no-load-optim)")
+    return 0
+
+
 @cli(PROG)
 def main(argv=None) -> int:
     args = get_args(argv)
@@ -115,6 +139,8 @@ def main(argv=None) -> int:
                   f"{' and ' + tokenizer.name + ' tokenizer' if tokenizer else ''}")
             return 0
         cfg, saved = meta["model_config"], from_saved(meta)
+        if args.saver == "megatron":
+            return _save_megatron(args.save_dir, state, cfg, saved, int(meta["iteration"]), tp)
         check_layout(cfg, tp, pp)
         saved = {**saved, "parallel": dict(saved.get("parallel", {}), tensor_model_parallel_size=tp,
                                            pipeline_model_parallel_size=pp)}
@@ -123,6 +149,8 @@ def main(argv=None) -> int:
         print(f"wrote {where} (TP {tp} x PP {pp}, weights only: continue with --finetune or --no-load-optim)")
         return 0
     cfg, saved, state = from_hf(args.load_dir)
+    if args.saver == "megatron":
+        return _save_megatron(args.save_dir, state, cfg, saved, 0, tp)
     check_layout(cfg, tp, pp)
     saved["parallel"].update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     where = save_full_state_dict(args.save_dir, state, cfg, saved, 0, tp, pp)
