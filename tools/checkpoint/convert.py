@@ -4,6 +4,11 @@
     python tools/checkpoint/convert.py --model-type GPT --loader megalite --saver megalite \\
         --load-dir ckpt --save-dir ckpt_tp2pp2 --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
+    # a Megatron-LM torch_dist checkpoint (any TP/PP/EP it was saved on) to Hugging Face, streamed
+    # tensor by tensor: memory stays near the largest tensor, not the model (docs/checkpoints.md)
+    python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver hf --load-dir megatron_ckpt \\
+        --save-dir hf_out --max-shard-size 5GB
+
     # export: a directory AutoModelForCausalLM / AutoTokenizer load (GPT2LMHeadModel, LlamaForCausalLM,
     # Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or GptOssForCausalLM)
     python tools/checkpoint/convert.py --model-type GPT --loader megalite --saver hf --load-dir ckpt --save-dir hf_out
@@ -39,6 +44,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megalite.arguments.parser import add_config_args, section_values  # noqa: E402
+from megalite.checkpoint.hf_shards import parse_size  # noqa: E402
 from megalite.config import TokenizerConfig  # noqa: E402
 from megalite.errors import ArgumentParser, InputError, cli  # noqa: E402
 
@@ -48,8 +54,9 @@ PROG = "tools/checkpoint/convert.py"
 def get_args(argv=None):
     p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", required=True, choices=["GPT"])
-    p.add_argument("--loader", required=True, choices=["megalite", "hf"],
-                   help="format of --load-dir (megalite also reads a Megatron-LM torch_dist checkpoint)")
+    p.add_argument("--loader", required=True, choices=["megalite", "megatron", "hf"],
+                   help="format of --load-dir (megalite also reads a Megatron-LM torch_dist checkpoint; megatron: "
+                   "Megatron-LM's torch_dist only, with --saver hf streamed tensor by tensor)")
     p.add_argument("--saver", required=True, choices=["megalite", "hf", "megatron"],
                    help="format to write to --save-dir (megatron: Megatron-LM's torch_dist)")
     p.add_argument("--load-dir", required=True)
@@ -62,6 +69,9 @@ def get_args(argv=None):
     add_config_args(p, TokenizerConfig, "tokenizer",
                     "tokenizer for --saver hf (default: as saved in the checkpoint's configuration)")
     p.add_argument("--no-tokenizer", action="store_true", help="--saver hf: write the model only")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="--loader megatron --saver hf: the largest safetensors file (transformers' spelling: "
+                   "5GB, 500MB, 2GiB or bytes; default 5GB); more than one file gets model.safetensors.index.json")
     args = p.parse_args(argv)
     args.tokenizer = section_values(args, "tokenizer")  # the overrides of the saved tokenizer
     if args.loader == "hf" and args.saver == "hf":
@@ -83,6 +93,12 @@ def get_args(argv=None):
         p.error(f"--save-dir {args.save_dir} is not empty: choose a new directory (nothing is overwritten)")
     if os.path.realpath(args.save_dir) == os.path.realpath(args.load_dir):
         p.error("--save-dir is --load-dir: choose a new directory (nothing is overwritten)")
+    try:
+        args.max_shard_bytes = parse_size(args.max_shard_size)
+    except ValueError as e:
+        p.error(f"--max-shard-size: {e}")
+    if args.max_shard_size != "5GB" and not (args.loader == "megatron" and args.saver == "hf"):
+        p.error("--max-shard-size applies to --loader megatron --saver hf only")
     if args.no_tokenizer and args.tokenizer:
         p.error("--no-tokenizer writes no tokenizer: drop the tokenizer flags, or --no-tokenizer")
     return args
@@ -116,6 +132,23 @@ def _save_megatron(save_dir: str, state: dict, cfg: dict, saved: dict, iteration
     return 0
 
 
+def _check_megatron(load_dir: str) -> None:
+    from megalite.checkpoint.files import inspect_checkpoint
+    if not inspect_checkpoint(load_dir, "--load-dir").get("megatron"):
+        raise InputError(f"--loader megatron: --load-dir {load_dir} is a megalite checkpoint; use --loader megalite")
+
+
+def _megatron_to_hf(args) -> int:
+    """--loader megatron --saver hf: streamed, one tensor (one layer) in memory at a time."""
+    from megalite.checkpoint.hf_config import HF_CLASSES
+    from megalite.checkpoint.megatron_hf import megatron_to_hf
+    arch, tok, files = megatron_to_hf(args.load_dir, args.save_dir, args.tokenizer, not args.no_tokenizer,
+                                      args.max_shard_bytes)
+    print(f"wrote {args.save_dir}: {HF_CLASSES[arch]} in {len(files)} safetensors file{'s' * (len(files) > 1)}"
+          f"{' and ' + tok.name + ' tokenizer' if tok else ''}")
+    return 0
+
+
 @cli(PROG)
 def main(argv=None) -> int:
     args = get_args(argv)
@@ -126,7 +159,11 @@ def main(argv=None) -> int:
     from megalite.config import RunConfig, from_saved
 
     tp, pp = args.target_tensor_parallel_size or 1, args.target_pipeline_parallel_size or 1
-    if args.loader == "megalite":
+    if args.loader == "megatron":
+        _check_megatron(args.load_dir)
+        if args.saver == "hf":
+            return _megatron_to_hf(args)
+    if args.loader in ("megalite", "megatron"):
         inspect_checkpoint(args.load_dir, "--load-dir")  # one-line errors naming a missing or corrupt file
         meta, state = load_full_state_dict(args.load_dir)
         if args.saver == "hf":
