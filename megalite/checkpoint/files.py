@@ -94,10 +94,13 @@ def checked_metadata(root: str, flag: str, iteration: int | None = None) -> dict
             raise CheckpointError(f"{flag} {root}: no checkpoint there ({TRACKER} is missing)")
     directory = iteration_dir(root, iteration)
     foreign = megatron_format(directory)
+    if foreign is not None and foreign.startswith("torch"):  # torch_dist, or torch (mp_rank_*)
+        from .megatron_legacy import read_megatron_metadata  # torch, for Megatron-LM checkpoints only
+        return read_megatron_metadata(directory, flag, root)
     if foreign is not None:
-        raise CheckpointError(f"{flag} {root}: {directory} is a Megatron-LM checkpoint in its {foreign} format, which "
-                              f"megalite does not read (it reads and writes one format of its own, loadable on any "
-                              f"layout: docs/checkpoints.md)")
+        raise CheckpointError(f"{flag} {root}: {directory} is a Megatron-LM checkpoint in its {foreign} format, "
+                              "which megalite does not read (it reads its own and Megatron-LM's torch_dist and "
+                              "torch: docs/checkpoints.md)")
     meta_path = os.path.join(directory, "metadata.json")
     if os.path.isfile(meta_path):
         meta = _read_json(meta_path, flag, root)
@@ -118,6 +121,8 @@ def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> di
     CheckpointError."""
     meta = checked_metadata(root, flag, iteration)
     directory = meta["dir"]
+    if meta.get("megatron"):  # a Megatron-LM checkpoint: its .metadata and common.pt parsed
+        return meta
     if int(meta["format_version"]) >= 2:
         # one global index: its header must parse (the data files it names are opened, and a
         # missing one reported, by the ranks that need them: no rank stats every rank's file)

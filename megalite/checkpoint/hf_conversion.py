@@ -37,6 +37,7 @@ and the flags of an imported model are in hf_config.py; this module maps the wei
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -91,59 +92,86 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, grou
 
 # -- megalite -> Hugging Face ---------------------------------------------------------------------
 def _gpt2_tensors(cfg: dict, state: dict) -> dict:
-    heads, hn = cfg["num_attention_heads"], cfg["kv_channels"]
+    out = gpt2_outer_tensors(cfg, state)
+    for i in range(cfg["num_layers"]):
+        out.update(gpt2_layer_tensors(cfg, state, i))
+    return out
+
+
+def gpt2_outer_tensors(cfg: dict, state: dict) -> dict:
+    """GPT2LMHeadModel's tensors outside the layers (popped from `state`)."""
     out = {"transformer.wte.weight": state.pop(WORD_EMBEDDING),
            "transformer.wpe.weight": state.pop("embedding.position_embeddings.weight"),
            "transformer.ln_f.weight": state.pop("decoder.final_layernorm.weight"),
            "transformer.ln_f.bias": state.pop("decoder.final_layernorm.bias")}
     if cfg["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = state.pop("output_layer.weight")
-    for i in range(cfg["num_layers"]):
-        m, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
-        for kind in ("weight", "bias"):
-            out[h + f"ln_1.{kind}"] = state.pop(m + f"input_layernorm.{kind}")
-            out[h + f"ln_2.{kind}"] = state.pop(m + f"pre_mlp_layernorm.{kind}")
-        # Conv1D holds [in, out]: transpose every projection weight; c_attn is [q; k; v]
-        w, b = state.pop(m + "self_attention.linear_qkv.weight"), state.pop(m + "self_attention.linear_qkv.bias")
-        out[h + "attn.c_attn.weight"] = torch.cat(split_qkv(w, heads, heads, hn)).t()
-        out[h + "attn.c_attn.bias"] = torch.cat(split_qkv(b, heads, heads, hn))
-        for ours, theirs in GPT2_PROJECTIONS:
-            out[h + theirs + ".weight"] = state.pop(m + ours + ".weight").t()
-            out[h + theirs + ".bias"] = state.pop(m + ours + ".bias")
+    return out
+
+
+def gpt2_layer_tensors(cfg: dict, state: dict, i: int) -> dict:
+    """GPT2LMHeadModel's tensors of layer i (popped from `state`: one layer's is enough, which lets
+    a converter stream layer by layer)."""
+    heads, hn = cfg["num_attention_heads"], cfg["kv_channels"]
+    m, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
+    out = {}
+    for kind in ("weight", "bias"):
+        out[h + f"ln_1.{kind}"] = state.pop(m + f"input_layernorm.{kind}")
+        out[h + f"ln_2.{kind}"] = state.pop(m + f"pre_mlp_layernorm.{kind}")
+    # Conv1D holds [in, out]: transpose every projection weight; c_attn is [q; k; v]
+    w, b = state.pop(m + "self_attention.linear_qkv.weight"), state.pop(m + "self_attention.linear_qkv.bias")
+    out[h + "attn.c_attn.weight"] = torch.cat(split_qkv(w, heads, heads, hn)).t()
+    out[h + "attn.c_attn.bias"] = torch.cat(split_qkv(b, heads, heads, hn))
+    for ours, theirs in GPT2_PROJECTIONS:
+        out[h + theirs + ".weight"] = state.pop(m + ours + ".weight").t()
+        out[h + theirs + ".bias"] = state.pop(m + ours + ".bias")
     return out
 
 
 def _llama_tensors(cfg: dict, state: dict, arch: str = "llama") -> dict:
     """LlamaForCausalLM's tensors, or Mixtral's / Qwen2-MoE's (their MoE layers: hf_moe.py)."""
-    heads, groups, hn, ffn = cfg["num_attention_heads"], cfg["num_query_groups"], cfg["kv_channels"], cfg["ffn_hidden_size"]
-    kinds = ("weight", "bias") if cfg["add_bias_linear"] else ("weight",)
-    qkv_kinds = ("weight", "bias") if cfg["add_bias_linear"] or cfg.get("add_qkv_bias") else ("weight",)
+    out = llama_outer_tensors(cfg, state)
+    for i in range(cfg["num_layers"]):
+        out.update(llama_layer_tensors(cfg, state, i, arch))
+    return out
+
+
+def llama_outer_tensors(cfg: dict, state: dict) -> dict:
+    """A Llama-style model's tensors outside the layers (popped from `state`)."""
     out = {"model.embed_tokens.weight": state.pop(WORD_EMBEDDING),
            "model.norm.weight": state.pop("decoder.final_layernorm.weight")}
     if cfg["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = state.pop("output_layer.weight")
-    for i, moe in enumerate(moe_pattern(cfg)):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out[h + "input_layernorm.weight"] = state.pop(m + "input_layernorm.weight")
-        out[h + "post_attention_layernorm.weight"] = state.pop(m + "pre_mlp_layernorm.weight")
-        for kind in qkv_kinds:
-            q, k, v = split_qkv(state.pop(m + f"self_attention.linear_qkv.{kind}"), heads, groups, hn)
-            out[h + f"self_attn.q_proj.{kind}"], out[h + f"self_attn.k_proj.{kind}"] = q, k
-            out[h + f"self_attn.v_proj.{kind}"] = v
-        if cfg.get("qk_layernorm"):  # Qwen3's q_norm / k_norm: RMSNorm over head_dim (hf_config.py checks)
-            for ours, theirs in QK_NORMS:
-                out[h + theirs] = state.pop(m + ours)
-        if cfg.get("softmax_type") == "learnable":  # gpt-oss's sinks (hf_config.py checks)
-            out[h + SINKS[1]] = state.pop(m + SINKS[0])
+    return out
+
+
+def llama_layer_tensors(cfg: dict, state: dict, i: int, arch: str = "llama") -> dict:
+    """A Llama-style model's tensors of layer i (popped from `state`; one layer's is enough)."""
+    heads, groups, hn, ffn = cfg["num_attention_heads"], cfg["num_query_groups"], cfg["kv_channels"], cfg["ffn_hidden_size"]
+    kinds = ("weight", "bias") if cfg["add_bias_linear"] else ("weight",)
+    qkv_kinds = ("weight", "bias") if cfg["add_bias_linear"] or cfg.get("add_qkv_bias") else ("weight",)
+    moe = moe_pattern(cfg)[i]
+    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    out = {h + "input_layernorm.weight": state.pop(m + "input_layernorm.weight"),
+           h + "post_attention_layernorm.weight": state.pop(m + "pre_mlp_layernorm.weight")}
+    for kind in qkv_kinds:
+        q, k, v = split_qkv(state.pop(m + f"self_attention.linear_qkv.{kind}"), heads, groups, hn)
+        out[h + f"self_attn.q_proj.{kind}"], out[h + f"self_attn.k_proj.{kind}"] = q, k
+        out[h + f"self_attn.v_proj.{kind}"] = v
+    if cfg.get("qk_layernorm"):  # Qwen3's q_norm / k_norm: RMSNorm over head_dim (hf_config.py checks)
+        for ours, theirs in QK_NORMS:
+            out[h + theirs] = state.pop(m + ours)
+    if cfg.get("softmax_type") == "learnable":  # gpt-oss's sinks (hf_config.py checks)
+        out[h + SINKS[1]] = state.pop(m + SINKS[0])
+    if moe:
+        out.update(moe_mlp_tensors(cfg, arch, state, m, h))
+    for kind in kinds:
+        out[h + f"self_attn.o_proj.{kind}"] = state.pop(m + f"self_attention.linear_proj.{kind}")
         if moe:
-            out.update(moe_mlp_tensors(cfg, arch, state, m, h))
-        for kind in kinds:
-            out[h + f"self_attn.o_proj.{kind}"] = state.pop(m + f"self_attention.linear_proj.{kind}")
-            if moe:
-                continue
-            fc1 = state.pop(m + f"mlp.linear_fc1.{kind}")  # [gate; up]
-            out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = fc1[:ffn], fc1[ffn:]
-            out[h + f"mlp.down_proj.{kind}"] = state.pop(m + f"mlp.linear_fc2.{kind}")
+            continue
+        fc1 = state.pop(m + f"mlp.linear_fc1.{kind}")  # [gate; up]
+        out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = fc1[:ffn], fc1[ffn:]
+        out[h + f"mlp.down_proj.{kind}"] = state.pop(m + f"mlp.linear_fc2.{kind}")
     return out
 
 
@@ -153,13 +181,9 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
     Returns the architecture name, a key of HF_CLASSES ("gpt2", "llama", "qwen3", "mixtral", "qwen2_moe",
     "qwen3_moe")."""
     from safetensors.torch import save_file
-    from transformers import GenerationConfig
 
     cfg = meta["model_config"]
-    arch = hf_architecture(cfg)  # refuse before writing anything
-    if tokenizer is not None and tokenizer.vocab_size > cfg["vocab_size"]:
-        raise ConversionError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                              f"{cfg['vocab_size']} vocabulary rows (--vocab-size)")
+    arch = export_architecture(cfg, tokenizer)  # refuse before writing anything
     state = dict(state)
     if cfg.get("apply_layernorm_1p"):  # zero-centred norm weights (w - 1): Hugging Face stores w itself
         state = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in state.items()}
@@ -168,10 +192,43 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
     if state:
         raise ConversionError(f"checkpoint {meta.get('dir', '')} has tensors the {arch} mapping does not place: "
                               f"{', '.join(sorted(state)[:5])}")
+    with staged_directory(out_dir) as tmp:
+        write_hf_files(cfg, arch, tmp, tokenizer)
+        # safetensors refuses shared or strided storage: give every tensor its own contiguous copy
+        save_file({k: v.detach().to(torch.float32).contiguous().clone() for k, v in tensors.items()},
+                  os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    return arch
+
+
+def export_architecture(cfg: dict, tokenizer=None) -> str:
+    """The Hugging Face architecture of a model_config, or a ConversionError naming what is not
+    expressible (raised before anything is written)."""
+    arch = hf_architecture(cfg)
+    if tokenizer is not None and tokenizer.vocab_size > cfg["vocab_size"]:
+        raise ConversionError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                              f"{cfg['vocab_size']} vocabulary rows (--vocab-size)")
+    return arch
+
+
+def write_hf_files(cfg: dict, arch: str, out_dir: str, tokenizer=None) -> None:
+    """config.json, generation_config.json and (with `tokenizer`) the tokenizer files."""
+    from transformers import GenerationConfig
     bos, eos = special_ids(tokenizer)
     config = hf_config(cfg, bos, eos)
-    # written beside, renamed into place when complete: a failure leaves no half-written model.
-    # A fresh name (never an existing directory, which could be someone's data) that dies with us.
+    config.save_pretrained(out_dir)
+    if arch != "gpt2":  # also the 4.x layout, which older transformers and other readers use
+        update_json(os.path.join(out_dir, "config.json"), rope_theta=float(cfg["rotary_base"]),
+                    rope_scaling=hf_rope(cfg)[1])
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    if tokenizer is not None:
+        export_tokenizer(tokenizer, out_dir)
+
+
+@contextlib.contextmanager
+def staged_directory(out_dir: str):
+    """A fresh directory beside `out_dir`, renamed to it when the block completes: a failure leaves
+    no half-written model. A fresh name (never an existing directory, which could be someone's
+    data) that dies with us."""
     out_dir = os.path.normpath(out_dir)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -180,23 +237,13 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the model directory's
     try:
-        config.save_pretrained(tmp)
-        if arch != "gpt2":  # also the 4.x layout, which older transformers and other readers use
-            update_json(os.path.join(tmp, "config.json"), rope_theta=float(cfg["rotary_base"]),
-                         rope_scaling=hf_rope(cfg)[1])
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        # safetensors refuses shared or strided storage: give every tensor its own contiguous copy
-        save_file({k: v.detach().to(torch.float32).contiguous().clone() for k, v in tensors.items()},
-                  os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer is not None:
-            export_tokenizer(tokenizer, tmp)
+        yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if os.path.isdir(out_dir) and not os.listdir(out_dir):
         os.rmdir(out_dir)
     os.replace(tmp, out_dir)
-    return arch
 
 
 # -- Hugging Face -> megalite ---------------------------------------------------------------------

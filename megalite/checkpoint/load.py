@@ -15,6 +15,7 @@ from ..errors import CheckpointError
 from ..tensor_parallel.param_info import param_info
 from .files import FORMAT_VERSION, TRACKER, iteration_dir, read_metadata, read_tracker
 from .index import INDEX, open_index
+from .megatron_legacy import open_megatron
 from .reshard import ShardLayout, coalesce, locate, runs, split_at
 from .state import STATE_KINDS, TrainState, check_model_config, owned_pieces, set_rng_state, target_layout
 from .tensor_file import RangeReader, element_size
@@ -42,7 +43,10 @@ def open_checkpoint(root: str, iteration: int | None = None, io: RangeReader | N
         io.opened.add(tracker)
         io.bytes_read += os.path.getsize(tracker)
     directory = iteration_dir(root, iteration)
-    if os.path.isfile(os.path.join(directory, INDEX)):
+    foreign = open_megatron(directory, io)  # Megatron-LM's torch_dist or torch, else None
+    if foreign is not None:
+        index, meta = foreign, dict(foreign.metadata)
+    elif os.path.isfile(os.path.join(directory, INDEX)):
         index = open_index(directory, {"format_version": FORMAT_VERSION}, io)
         meta = dict(index.metadata)
     else:
@@ -114,9 +118,18 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
     io = RangeReader()
     meta, index = open_checkpoint(root, io=io)
     where = meta["dir"]
-    check_model_config(meta["model_config"], train_state.model_config.to_dict(), where)
+    current = train_state.model_config.to_dict()
+    foreign = getattr(index, "foreign", None)
+    # a Megatron-LM checkpoint's args name some settings only (none without args): those are
+    # compared, the weights' shapes always
+    saved = {k: v for k, v in meta["model_config"].items() if k not in meta.get("derived", ())}
+    check_model_config({**current, **saved} if foreign else saved, current, where)
     restore_optim = load_optim and not finetune
-    if restore_optim and not meta.get("has_optimizer_state", True):
+    if foreign and restore_optim and not meta["has_optimizer_state"]:
+        train_state.log(f"> {where} ({foreign}) holds no Adam moments in a layout-independent form (a "
+                        "non-distributed optimizer's optimizer.state.exp_avg.*): the moments start at zero; "
+                        "weights, iteration, consumed samples and the LR schedule are read")
+    elif restore_optim and not meta.get("has_optimizer_state", True):
         raise CheckpointError(f"{where} holds weights only (no optimizer state); "
                               "load it with --no-load-optim or --finetune")
     if restore_optim:
@@ -130,7 +143,7 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
     with torch.no_grad():
         _load_weights(train_state, reader)
         _load_buffers(train_state, index)
-        _load_optimizer_state(train_state, reader, restore_optim, meta)
+        _load_optimizer_state(train_state, reader, restore_optim and meta.get("has_optimizer_state", True), meta)
         if opt.fp32_params:
             opt.masters_from_params()
     if finetune:
@@ -140,7 +153,8 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
     iteration = int(meta["iteration"])
     _restore_progress(train_state, meta, index, restore_optim, load_rng and same_layout, load_rng)
     _finish_stats(train_state, io, start)
-    train_state.log(f"> loaded checkpoint {where} (iteration {iteration}, written with TP {lay['tp']} x PP {lay['pp']} "
+    train_state.log(f"> loaded {foreign + ' ' if foreign else ''}checkpoint {where} (iteration {iteration}, "
+                    f"written with TP {lay['tp']} x PP {lay['pp']} "
                     f"x DP {lay['dp']}{', distributed optimizer' if lay['distributed_optimizer'] else ''})")
     return iteration
 
@@ -238,14 +252,17 @@ def _restore_progress(train_state: TrainState, meta: dict, index, restore_optim:
     if train_state.spike_guard is not None:  # the losses of these weights' run (none saved: an empty guard)
         train_state.spike_guard.load_state_dict(meta.get("spike_guard"))
     if restore_optim:
-        if index.optimizer_step is not None:
+        if index.optimizer_step is not None and meta.get("has_optimizer_state", True):  # with its moments only
             opt.set_step_count(index.optimizer_step)
-        train_state.scheduler.load_state_dict(meta["scheduler"])
+        if meta["scheduler"] is not None:  # None: a Megatron-LM checkpoint without opt_param_scheduler
+            train_state.scheduler.load_state_dict(meta["scheduler"])
         if opt.scaler is not None and meta.get("grad_scaler"):
             opt.scaler.load_state_dict(meta["grad_scaler"])
     saved_rng = index.rank_state(ps.rank) if restore_rng else None
     if saved_rng is not None and saved_rng[0]:
         set_rng_state(train_state, saved_rng[1], saved_rng[0])
+    elif load_rng and getattr(index, "foreign", None):
+        train_state.log(f"> {index.foreign}: RNG states are not restored (Megatron-LM's are per rank of its layout)")
     elif load_rng:
         train_state.log(f"> checkpoint layout (world {lay['world_size']}, TP {lay['tp']}, PP {lay['pp']}) differs from "
                         "this run's: RNG states are not restored (dropout masks will differ from an uninterrupted run)")

@@ -4,9 +4,19 @@
     python tools/checkpoint/convert.py --model-type GPT --loader megalite --saver megalite \\
         --load-dir ckpt --save-dir ckpt_tp2pp2 --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
+    # a Megatron-LM torch_dist checkpoint (any TP/PP/EP it was saved on) to Hugging Face, streamed
+    # tensor by tensor: memory stays near the largest tensor, not the model (docs/checkpoints.md)
+    python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver hf --load-dir megatron_ckpt \\
+        --save-dir hf_out --max-shard-size 5GB
+
     # export: a directory AutoModelForCausalLM / AutoTokenizer load (GPT2LMHeadModel, LlamaForCausalLM,
     # Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or GptOssForCausalLM)
     python tools/checkpoint/convert.py --model-type GPT --loader megalite --saver hf --load-dir ckpt --save-dir hf_out
+
+    # a Megatron-LM torch_dist checkpoint (megatron-core's dist_checkpointing.load reads it into its GPTModel
+    # at any TP/PP/EP; --target-tensor-parallel-size pads the vocabulary as Megatron-LM does for that TP)
+    python tools/checkpoint/convert.py --model-type GPT --loader megalite --saver megatron --load-dir ckpt \
+        --save-dir megatron_ckpt
 
     # import: a local directory of one of those (safetensors) as a megalite checkpoint
     python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megalite --load-dir hf_out \\
@@ -34,6 +44,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megalite.arguments.parser import add_config_args, section_values  # noqa: E402
+from megalite.checkpoint.hf_shards import parse_size  # noqa: E402
 from megalite.config import TokenizerConfig  # noqa: E402
 from megalite.errors import ArgumentParser, InputError, cli  # noqa: E402
 
@@ -43,23 +54,32 @@ PROG = "tools/checkpoint/convert.py"
 def get_args(argv=None):
     p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", required=True, choices=["GPT"])
-    p.add_argument("--loader", required=True, choices=["megalite", "hf"], help="format of --load-dir")
-    p.add_argument("--saver", required=True, choices=["megalite", "hf"], help="format to write to --save-dir")
+    p.add_argument("--loader", required=True, choices=["megalite", "megatron", "hf"],
+                   help="format of --load-dir (megalite also reads a Megatron-LM torch_dist checkpoint; megatron: "
+                   "Megatron-LM's torch_dist only, with --saver hf streamed tensor by tensor)")
+    p.add_argument("--saver", required=True, choices=["megalite", "hf", "megatron"],
+                   help="format to write to --save-dir (megatron: Megatron-LM's torch_dist)")
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True, help="a new (or empty) directory")
     p.add_argument("--target-tensor-parallel-size", type=int,
-                   help="--saver megalite: TP of the written layout (>= 1; default 1)")
+                   help="--saver megalite: TP of the written layout; --saver megatron: the TP whose "
+                   "vocabulary padding to write (>= 1; default 1)")
     p.add_argument("--target-pipeline-parallel-size", type=int,
                    help="--saver megalite: PP of the written layout (>= 1; default 1)")
     add_config_args(p, TokenizerConfig, "tokenizer",
                     "tokenizer for --saver hf (default: as saved in the checkpoint's configuration)")
     p.add_argument("--no-tokenizer", action="store_true", help="--saver hf: write the model only")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="--loader megatron --saver hf: the largest safetensors file (transformers' spelling: "
+                   "5GB, 500MB, 2GiB or bytes; default 5GB); more than one file gets model.safetensors.index.json")
     args = p.parse_args(argv)
     args.tokenizer = section_values(args, "tokenizer")  # the overrides of the saved tokenizer
     if args.loader == "hf" and args.saver == "hf":
         p.error("--loader hf --saver hf: nothing to convert")
     if args.saver == "hf" and (args.target_tensor_parallel_size or args.target_pipeline_parallel_size):
         p.error("--target-tensor/pipeline-parallel-size apply to --saver megalite only")
+    if args.saver == "megatron" and args.target_pipeline_parallel_size:
+        p.error("--target-pipeline-parallel-size: a torch_dist checkpoint loads on any PP; drop it")
     for flag, value in (("--target-tensor-parallel-size", args.target_tensor_parallel_size),
                         ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size)):
         if value is not None and value < 1:
@@ -73,6 +93,12 @@ def get_args(argv=None):
         p.error(f"--save-dir {args.save_dir} is not empty: choose a new directory (nothing is overwritten)")
     if os.path.realpath(args.save_dir) == os.path.realpath(args.load_dir):
         p.error("--save-dir is --load-dir: choose a new directory (nothing is overwritten)")
+    try:
+        args.max_shard_bytes = parse_size(args.max_shard_size)
+    except ValueError as e:
+        p.error(f"--max-shard-size: {e}")
+    if args.max_shard_size != "5GB" and not (args.loader == "megatron" and args.saver == "hf"):
+        p.error("--max-shard-size applies to --loader megatron --saver hf only")
     if args.no_tokenizer and args.tokenizer:
         p.error("--no-tokenizer writes no tokenizer: drop the tokenizer flags, or --no-tokenizer")
     return args
@@ -92,6 +118,37 @@ def check_layout(cfg: dict, tp: int, pp: int) -> None:
                          f"({cfg['num_layers']})")
 
 
+def _save_megatron(save_dir: str, state: dict, cfg: dict, saved: dict, iteration: int, tp: int) -> int:
+    """--saver megatron: a torch_dist checkpoint, the vocabulary padded as Megatron-LM pads it for TP `tp`."""
+    from megalite.checkpoint.megatron_save import write_megatron_checkpoint
+    from megalite.model import pad_vocab_size
+    divisible_by = cfg.get("make_vocab_size_divisible_by") or saved.get("model", {}).get(
+        "make_vocab_size_divisible_by") or 128
+    padded = pad_vocab_size(cfg["vocab_size"], int(divisible_by), tp)
+    check_layout(cfg, tp, 1)
+    where = write_megatron_checkpoint(save_dir, state, cfg, saved, iteration, padded)
+    print(f"wrote {where} (Megatron-LM torch_dist, vocabulary padded to {padded} rows for TP {tp}; weights only: "
+          "continue in Megatron-LM with --finetune or --no-load-optim)")
+    return 0
+
+
+def _check_megatron(load_dir: str) -> None:
+    from megalite.checkpoint.files import inspect_checkpoint
+    if not inspect_checkpoint(load_dir, "--load-dir").get("megatron"):
+        raise InputError(f"--loader megatron: --load-dir {load_dir} is a megalite checkpoint; use --loader megalite")
+
+
+def _megatron_to_hf(args) -> int:
+    """--loader megatron --saver hf: streamed, one tensor (one layer) in memory at a time."""
+    from megalite.checkpoint.hf_config import HF_CLASSES
+    from megalite.checkpoint.megatron_hf import megatron_to_hf
+    arch, tok, files = megatron_to_hf(args.load_dir, args.save_dir, args.tokenizer, not args.no_tokenizer,
+                                      args.max_shard_bytes)
+    print(f"wrote {args.save_dir}: {HF_CLASSES[arch]} in {len(files)} safetensors file{'s' * (len(files) > 1)}"
+          f"{' and ' + tok.name + ' tokenizer' if tok else ''}")
+    return 0
+
+
 @cli(PROG)
 def main(argv=None) -> int:
     args = get_args(argv)
@@ -102,7 +159,11 @@ def main(argv=None) -> int:
     from megalite.config import RunConfig, from_saved
 
     tp, pp = args.target_tensor_parallel_size or 1, args.target_pipeline_parallel_size or 1
-    if args.loader == "megalite":
+    if args.loader == "megatron":
+        _check_megatron(args.load_dir)
+        if args.saver == "hf":
+            return _megatron_to_hf(args)
+    if args.loader in ("megalite", "megatron"):
         inspect_checkpoint(args.load_dir, "--load-dir")  # one-line errors naming a missing or corrupt file
         meta, state = load_full_state_dict(args.load_dir)
         if args.saver == "hf":
@@ -115,6 +176,8 @@ def main(argv=None) -> int:
                   f"{' and ' + tokenizer.name + ' tokenizer' if tokenizer else ''}")
             return 0
         cfg, saved = meta["model_config"], from_saved(meta)
+        if args.saver == "megatron":
+            return _save_megatron(args.save_dir, state, cfg, saved, int(meta["iteration"]), tp)
         check_layout(cfg, tp, pp)
         saved = {**saved, "parallel": dict(saved.get("parallel", {}), tensor_model_parallel_size=tp,
                                            pipeline_model_parallel_size=pp)}
@@ -123,6 +186,8 @@ def main(argv=None) -> int:
         print(f"wrote {where} (TP {tp} x PP {pp}, weights only: continue with --finetune or --no-load-optim)")
         return 0
     cfg, saved, state = from_hf(args.load_dir)
+    if args.saver == "megatron":
+        return _save_megatron(args.save_dir, state, cfg, saved, 0, tp)
     check_layout(cfg, tp, pp)
     saved["parallel"].update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     where = save_full_state_dict(args.save_dir, state, cfg, saved, 0, tp, pp)

@@ -1,0 +1,126 @@
+"""A Megatron-LM checkpoint to a Hugging Face model directory, streamed tensor by tensor
+(`tools/checkpoint/convert.py --loader megatron --saver hf`).
+
+The whole model never sits in memory: the tensors outside the layers are read, renamed and
+written one at a time, then each layer's tensors (one slice of each stacked global tensor,
+megatron_index.py reading only the chunks that hold it) are read, mapped by the same per-layer
+functions megalite's own export uses (hf_conversion.py: QKV split by query group, SwiGLU's
+[gate; up] split, GPT-2's Conv1D transposes; hf_moe.py for the experts), written to the sharded
+safetensors files (hf_shards.py) and freed before the next layer. Peak memory is about one layer
+or the largest single tensor (the word embedding, typically), whichever is larger, plus the
+interpreter (benchmarks/RESULTS_megatron_convert.md).
+
+The model's settings come from the checkpoint's own `args` (Megatron-LM's argument names, which
+megalite's flags keep); the architecture is chosen and refused exactly as for a megalite
+checkpoint (hf_config.py). The vocabulary keeps Megatron-LM's padded rows (args.padded_vocab_size):
+the padding rows are part of the saved model. The tokenizer is written when the checkpoint's args
+name one megalite builds (or the command line gives one); otherwise a notice says none was written.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .hf_config import ConversionError
+from .hf_conversion import (WORD_EMBEDDING, export_architecture, gpt2_layer_tensors, gpt2_outer_tensors,
+                            llama_layer_tensors, llama_outer_tensors, staged_directory, write_hf_files)
+from .hf_shards import ShardedSafetensorsWriter
+
+
+class Deferred:
+    """A tensor not read yet: the mappings outside the layers only rename, so each is read when
+    written and freed after."""
+
+    def __init__(self, read):
+        self.read = read
+
+
+def model_config(meta: dict, index) -> dict:
+    """megalite's model_config of a Megatron-LM checkpoint: its args' model settings (derived
+    defaults filled as megalite's GPTConfig fills them), the vocabulary as the saved rows."""
+    from ..model import GPTConfig
+    names = {f.name for f in dataclasses.fields(GPTConfig)}
+    cfg = GPTConfig.from_dict({k: v for k, v in meta["args"].items() if k in names}).to_dict()
+    layout, _ = index.entry(WORD_EMBEDDING)
+    rows = layout["full_shape"][0]
+    cfg.update(vocab_size=rows, padded_vocab_size=rows)
+    if not cfg.get("max_position_embeddings"):
+        cfg["max_position_embeddings"] = cfg["seq_length"]
+    return cfg
+
+
+def read_param(index, name: str, plus_one: bool) -> torch.Tensor:
+    """One megalite parameter, whole, in its saved dtype: its slice of the stacked global tensor."""
+    layout, pieces = index.entry(name)
+    key, lead = pieces[0].where
+    shape = index.dist.info(key).shape
+    box = tuple((i, i + 1) for i in lead) + tuple((0, n) for n in shape[len(lead):])
+    t = index.dist.read(key, box).reshape(layout["full_shape"])
+    if plus_one and name.endswith("layernorm.weight"):  # --apply-layernorm-1p stores w - 1; HF stores w
+        t = t + 1
+    return t
+
+
+def layer_names(names: list[str]) -> tuple[list[str], dict[int, list[str]]]:
+    """(names outside the layers, {layer: its names})."""
+    outer, layers = [], {}
+    for name in names:
+        if name.startswith("decoder.layers."):
+            layers.setdefault(int(name.split(".")[2]), []).append(name)
+        else:
+            outer.append(name)
+    return outer, layers
+
+
+def _write(writer: ShardedSafetensorsWriter, tensors: dict) -> None:
+    for name in list(tensors):
+        t = tensors.pop(name)
+        t = t.read() if isinstance(t, Deferred) else t
+        writer.add(name, t.to(torch.float32) if t.is_floating_point() else t)
+        del t
+
+
+def _placed_all(state: dict, arch: str, where: str) -> None:
+    if state:
+        raise ConversionError(f"{where} has tensors the {arch} mapping does not place: {', '.join(sorted(state)[:5])}")
+
+
+def megatron_to_hf(load_dir: str, out_dir: str, tokenizer_overrides: dict | None = None, tokenizer: bool = True,
+                   max_shard_bytes: int = 5 * 10**9) -> tuple[str, object, list[str]]:
+    """Convert; returns (architecture, tokenizer or None, the safetensors files written)."""
+    from .files import inspect_checkpoint
+    from .load import open_checkpoint
+    inspect_checkpoint(load_dir, "--load-dir")  # one-line errors naming a missing or corrupt file
+    meta, index = open_checkpoint(load_dir)
+    if not meta.get("megatron"):
+        raise ConversionError(f"--load-dir {load_dir}: a megalite checkpoint, not Megatron-LM's: use --loader megalite")
+    cfg = model_config(meta, index)
+    meta = dict(meta, model_config=cfg)
+    tok = None
+    if tokenizer:
+        from ..generation import build_tokenizer_for
+        tok = build_tokenizer_for(meta, tokenizer_overrides)
+    arch = export_architecture(cfg, tok)  # refuses before anything is written
+    if arch not in ("gpt2", "llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):
+        raise ConversionError(f"--loader megatron: the {arch} architecture is not streamed; convert with "
+                              "--saver megalite first, then --loader megalite --saver hf")
+    outer_fn, layer_fn = ((gpt2_outer_tensors, gpt2_layer_tensors) if arch == "gpt2"
+                          else (llama_outer_tensors, lambda c, s, i: llama_layer_tensors(c, s, i, arch)))
+    plus_one = bool(cfg.get("apply_layernorm_1p"))
+    outer, layers = layer_names(index.names())
+    if sorted(layers) != list(range(cfg["num_layers"])):
+        raise ConversionError(f"{meta['dir']}: holds layers {sorted(layers)[:8]}..., args.num_layers is {cfg['num_layers']}")
+    with staged_directory(out_dir) as tmp:
+        write_hf_files(cfg, arch, tmp, tok)
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        state = {n: Deferred(lambda n=n: read_param(index, n, plus_one)) for n in outer}
+        _write(writer, outer_fn(cfg, state))
+        _placed_all(state, arch, meta["dir"])
+        for i in range(cfg["num_layers"]):
+            state = {n: read_param(index, n, plus_one) for n in layers[i]}
+            _write(writer, layer_fn(cfg, state, i))
+            _placed_all(state, arch, f"{meta['dir']} layer {i}")
+        files = writer.close()
+    index.io.close()
+    return arch, tok, files
