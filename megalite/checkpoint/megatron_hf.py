@@ -19,6 +19,7 @@ name one megalite builds (or the command line gives one); otherwise a notice say
 from __future__ import annotations
 
 import dataclasses
+from math import prod
 
 import torch
 
@@ -51,12 +52,12 @@ def model_config(meta: dict, index) -> dict:
 
 
 def read_param(index, name: str, plus_one: bool) -> torch.Tensor:
-    """One megalite parameter, whole, in its saved dtype: its slice of the stacked global tensor."""
+    """One megalite parameter, whole, through the load index's interface (for a torch_dist
+    checkpoint: its slice of the stacked global tensor, from the chunks that hold it)."""
     layout, pieces = index.entry(name)
-    key, lead = pieces[0].where
-    shape = index.dist.info(key).shape
-    box = tuple((i, i + 1) for i in lead) + tuple((0, n) for n in shape[len(lead):])
-    t = index.dist.read(key, box).reshape(layout["full_shape"])
+    param = next(pc for pc in pieces if pc.kind == "param")
+    shape = layout["full_shape"]
+    t = index.read(param, 0, prod(shape)).view(shape)
     if plus_one and name.endswith("layernorm.weight"):  # --apply-layernorm-1p stores w - 1; HF stores w
         t = t + 1
     return t
