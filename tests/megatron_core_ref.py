@@ -49,14 +49,22 @@ ROOT = os.path.dirname(HERE)
 
 
 def available() -> bool:
-    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+    """megatron-core importable (found without importing it: its import takes seconds)."""
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):  # no `megatron` package at all
+        return False
+
+
+MISSING = "megatron_core is not installed (pip install -e '.[megatron]')"
 
 
 def require():
-    """Skip the calling test (one line) when megatron-core is not installed."""
+    """Skip the calling test (one line) when megatron-core is not installed; or, for a whole
+    module: pytestmark = pytest.mark.skipif(not ref.available(), reason=ref.MISSING)."""
     if not available():
         import pytest
-        pytest.skip("megatron_core is not installed (pip install -e '.[megatron]')")
+        pytest.skip(MISSING)
 
 
 # -- the model ------------------------------------------------------------------------------------

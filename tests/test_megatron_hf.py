@@ -9,6 +9,8 @@ import torch
 
 import megatron_core_ref as ref
 
+pytestmark = pytest.mark.skipif(not ref.available(), reason=ref.MISSING)
+
 # megatron-core's run (one subprocess for the three models) and the conversions are shared by the tests
 CASES = {
     "gpt2": ref.Spec(),  # learned positions, LayerNorm, GeLU, biases, tied
@@ -21,7 +23,6 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def megatron_runs(corpus, tmp_path_factory):
-    ref.require()
     tmp = tmp_path_factory.mktemp("megatron_hf")
     data = corpus[corpus.index("--data-path") + 1]
     tokens = ref.corpus_tokens(data, 2, 32)[:, :-1]
