@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from . import comm, parallel_state
 from .checkpoint.load import load_checkpoint
+from .checkpoint.megatron_saver import MegatronSaver
 from .checkpoint.save import CheckpointSaver
 from .checkpoint.upcycle import load_upcycled
 from .checkpoint.state import TrainState
@@ -255,7 +256,8 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
                                  execution.params_dtype, device),
               jsonl=JsonlWriter(cfg.training.log_jsonl if logging_rank else None),
               tracker=Tracker(cfg.tracking, enabled=logging_rank),  # W&B / TensorBoard
-              saver=CheckpointSaver(ck.save, ck.async_save, check_finite=t.check_for_nan_in_loss_and_grad)
+              saver=(MegatronSaver(ck.save) if cfg.megatron.ckpt_format == "torch_dist" else
+                     CheckpointSaver(ck.save, ck.async_save, check_finite=t.check_for_nan_in_loss_and_grad))
               if ck.save else None,
               batch=build_num_microbatches_calculator(cfg.training, ps.dp_size),
               profiler=Profiler(cfg.training, ps.rank, device),

@@ -24,6 +24,7 @@ from dataclasses import fields
 from ..config.fields import flagged_fields
 from ..config.megatron import FP8_FLAGS, KERNEL_NOTICES, REFUSED_FLAGS
 from ..config.run import SECTIONS, RunConfig
+from ..config.sharding import get_strategy
 from .batch import check_batch_schedule, check_lr_schedule
 from .checkpoint_args import apply_checkpoint_args
 from .data import check_data
@@ -90,14 +91,7 @@ def _check_refused(c: RunConfig) -> None:
     if fp8:
         fail(f"{flag(fp8[0])} is not supported: FP8 training needs Hopper-class (or newer) GPUs and NVIDIA "
              f"Transformer Engine, which megalite does not use; drop the --fp8-* flags (--bf16 is the nearest)")
-    if m.ckpt_format is not None:
-        what = {"torch": "one pickled model_optim_rng.pt per model-parallel rank",
-                "torch_dist": "Megatron-LM's distributed checkpoint format",
-                "zarr": "Megatron-LM's zarr distributed checkpoints",
-                "torch_dcp": "torch.distributed.checkpoint files", "fsdp_dtensor": "FSDP DTensor checkpoints"}
-        fail(f"--ckpt-format {m.ckpt_format} ({what[m.ckpt_format]}) is not supported: megalite reads and "
-             f"writes one format of its own (rank_NNNNN.pt shards + metadata.json, loadable on any layout; "
-             f"tools/checkpoint/convert.py converts to Hugging Face); drop the flag")
+    _check_ckpt_format(c)
     if not m.add_position_embedding and c.model.position_embedding_type != "rope":
         fail(f"--no-position-embedding is deprecated, use --position-embedding-type (Megatron-LM accepts it only "
              f"with rope, not {c.model.position_embedding_type})")
@@ -105,6 +99,26 @@ def _check_refused(c: RunConfig) -> None:
     if m.rerun_mode not in (None, "disabled"):
         fail(f"--rerun-mode {m.rerun_mode} is not supported: megalite has no re-run state machine "
              f"(give disabled, or drop the flag)")
+
+
+def _check_ckpt_format(c: RunConfig) -> None:
+    """--ckpt-format: torch_dist is written (checkpoint/megatron_saver.py); --load reads it whatever the flag."""
+    fmt = c.megatron.ckpt_format
+    if fmt is None or fmt == "torch_dist":
+        if fmt and c.checkpoint.async_save:
+            fail("--async-save with --ckpt-format torch_dist is not supported (torch_dist saves are synchronous "
+                 "here); drop one")
+        if fmt and get_strategy(c.ddp.data_parallel_sharding_strategy).shards_params:
+            fail("--ckpt-format torch_dist with --data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is not "
+                 "supported: its ranks hold slices of the parameters, not boxes of them; use ZeRO-1/2 or megalite's "
+                 "own format")
+        return
+    what = {"torch": "one pickled model_optim_rng.pt per model-parallel rank",
+            "zarr": "Megatron-LM's zarr distributed checkpoints",
+            "torch_dcp": "torch.distributed.checkpoint files", "fsdp_dtensor": "FSDP DTensor checkpoints"}
+    fail(f"--ckpt-format {fmt} ({what[fmt]}) is not supported: megalite writes its own format (the default, "
+         f"loadable on any layout) or Megatron-LM's torch_dist (--ckpt-format torch_dist); drop the flag or use "
+         f"torch_dist")
 
 
 def _kernel_notices(c: RunConfig) -> None:

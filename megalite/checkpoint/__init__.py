@@ -40,6 +40,8 @@ save whose weights or optimizer state hold a NaN or an Inf is refused on every r
 Modules: files.py (names on disk and the torch-free reads the flag checks use), state.py (what a
 rank saves: TrainState, ownership, shard layouts, RNG), save.py, load.py, offline.py (whole-model
 state in one process, for the converters and generation), index.py, reshard.py, tensor_file.py,
-and the Hugging Face conversion (hf_*.py). This package imports none of them: `import
+and the Hugging Face conversion (hf_*.py). Megatron-LM's formats: megatron_format.py (torch_dist
+files), megatron_names.py (names), megatron_index.py / megatron_legacy.py (torch_dist / torch read
+as load indexes), megatron_save.py / megatron_saver.py (torch_dist written), safe_pickle.py. This package imports none of them: `import
 megalite.checkpoint.files` stays free of torch.
 """

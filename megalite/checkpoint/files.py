@@ -94,12 +94,12 @@ def checked_metadata(root: str, flag: str, iteration: int | None = None) -> dict
             raise CheckpointError(f"{flag} {root}: no checkpoint there ({TRACKER} is missing)")
     directory = iteration_dir(root, iteration)
     foreign = megatron_format(directory)
-    if foreign is not None and foreign.startswith("torch_dist"):
-        from .megatron_index import read_megatron_metadata  # torch, for Megatron-LM checkpoints only
+    if foreign is not None and foreign.startswith("torch"):  # torch_dist, or torch (mp_rank_*)
+        from .megatron_legacy import read_megatron_metadata  # torch, for Megatron-LM checkpoints only
         return read_megatron_metadata(directory, flag, root)
     if foreign is not None:
         raise CheckpointError(f"{flag} {root}: {directory} is a Megatron-LM checkpoint in its {foreign} format, "
-                              "which megalite does not read (it reads its own and Megatron-LM's torch_dist: docs/checkpoints.md)")
+                              "which megalite does not read (it reads its own and Megatron-LM's torch_dist and torch: docs/checkpoints.md)")
     meta_path = os.path.join(directory, "metadata.json")
     if os.path.isfile(meta_path):
         meta = _read_json(meta_path, flag, root)

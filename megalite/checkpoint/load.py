@@ -15,8 +15,7 @@ from ..errors import CheckpointError
 from ..tensor_parallel.param_info import param_info
 from .files import FORMAT_VERSION, TRACKER, iteration_dir, read_metadata, read_tracker
 from .index import INDEX, open_index
-from .megatron_format import is_dist_checkpoint
-from .megatron_index import MegatronIndex
+from .megatron_legacy import open_megatron
 from .reshard import ShardLayout, coalesce, locate, runs, split_at
 from .state import STATE_KINDS, TrainState, check_model_config, owned_pieces, set_rng_state, target_layout
 from .tensor_file import RangeReader, element_size
@@ -44,9 +43,9 @@ def open_checkpoint(root: str, iteration: int | None = None, io: RangeReader | N
         io.opened.add(tracker)
         io.bytes_read += os.path.getsize(tracker)
     directory = iteration_dir(root, iteration)
-    if is_dist_checkpoint(directory):  # Megatron-LM's torch_dist: its .metadata and common.pt
-        index = MegatronIndex(directory, io)
-        meta = dict(index.metadata)
+    foreign = open_megatron(directory, io)  # Megatron-LM's torch_dist or torch, else None
+    if foreign is not None:
+        index, meta = foreign, dict(foreign.metadata)
     elif os.path.isfile(os.path.join(directory, INDEX)):
         index = open_index(directory, {"format_version": FORMAT_VERSION}, io)
         meta = dict(index.metadata)

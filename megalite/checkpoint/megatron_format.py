@@ -92,7 +92,7 @@ class DistCheckpoint:
         self.directory, self.io = directory, io_ or RangeReader()
         path = os.path.join(directory, METADATA)
         if not os.path.isfile(path):
-            raise CheckpointError(f"{path} is missing: {directory} is not a torch_dist checkpoint")
+            raise CheckpointError(f"{path} is missing: {directory} is not a complete torch_dist checkpoint")
         meta = load_pickle(path)
         self.io.opened.add(path)
         self.io.bytes_read += os.path.getsize(path)

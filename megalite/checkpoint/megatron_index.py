@@ -158,13 +158,3 @@ def megatron_metadata(index: MegatronIndex) -> dict:
             "grad_scaler": None, "optimizer": {"type": args.get("optimizer", "adam"), "fp32_params": True},
             "has_optimizer_state": index.has_moments, "dir": index.directory}
 
-
-def read_megatron_metadata(directory: str, flag: str, root: str) -> dict:
-    """megatron_metadata of the torch_dist checkpoint `directory`; errors name `flag`."""
-    from ..errors import CheckpointError
-    try:
-        index = MegatronIndex(directory)
-    except CheckpointError as e:
-        raise CheckpointError(f"{flag} {root}: {e}") from None
-    index.io.close()
-    return index.metadata

@@ -56,8 +56,9 @@ class MegatronCompatConfig:
         "--moe-per-layer-logging", False, _NOOP + "megalite always logs each MoE layer's losses and loads (the "
         "JSONL moe event, the trackers' moe section)", action="store_true")
     auto_detect_ckpt_format: bool = flag(
-        "--auto-detect-ckpt-format", False, _NOOP + "megalite always detects the format of --load: its own and Megatron-LM's "
-        "torch_dist are read, Megatron-LM's torch and zarr checkpoints are named and refused", action="store_true")
+        "--auto-detect-ckpt-format", False, _NOOP + "megalite always detects the format of --load: its own and "
+        "Megatron-LM's torch_dist are read, Megatron-LM's torch and zarr checkpoints are named and refused",
+        action="store_true")
     rerun_mode: str | None = flag("--rerun-mode", None, "disabled is accepted; megalite has no re-run state machine, "
                                   "so the others are refused", choices=["disabled", "validate_results",
                                                                         "report_stats"])
@@ -68,8 +69,9 @@ class MegatronCompatConfig:
                               action="store_true")
     save_retain_interval: int | None = flag("--save-retain-interval", None, "refused: megalite keeps every "
                                             "checkpoint it saves", type=int)
-    dist_ckpt_strictness: str | None = flag("--dist-ckpt-strictness", None, "refused: an option of Megatron-LM's "
-                                            "torch_dist checkpoints, which megalite does not write", type=str)
+    dist_ckpt_strictness: str | None = flag("--dist-ckpt-strictness", None, "refused: how Megatron-LM's torch_dist "
+                                            "loader treats missing or unexpected keys; megalite's refuses missing ones",
+                                            type=str)
     dist_ckpt_optim_fully_reshardable: bool = flag(
         "--dist-ckpt-optim-fully-reshardable", False, "refused: an option of torch_dist checkpoints; megalite's are "
         "always reshardable over TP, PP and DP, optimizer state included", action="store_true")
@@ -77,8 +79,10 @@ class MegatronCompatConfig:
         "--use-persistent-ckpt-worker", False, "refused: megalite's --async-save writes from a thread, not a worker "
         "process", action="store_true")
     ckpt_format: str | None = flag(
-        "--ckpt-format", None, "refused: megalite reads and writes one format of its own (per-rank shards, "
-        "layout-independent; see docs/checkpoints.md), none of Megatron-LM's; drop the flag",
+        "--ckpt-format", None, "the format --save writes: megalite's own (the default: per-rank shards, loadable on "
+        "any layout, optimizer state included) or torch_dist, Megatron-LM's (weights, iteration, consumed samples, "
+        "LR schedule; megatron-core's dist_checkpointing.load reads it). --load reads either whatever this flag says; "
+        "torch, zarr, torch_dcp and fsdp_dtensor are refused",
         choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"])
     fp8_format: str | None = flag("--fp8-format", None, "refused: " + _FP8, choices=["e4m3", "hybrid"])
     fp8_amax_history_len: int | None = flag("--fp8-amax-history-len", None, "refused: " + _FP8, type=int)
