@@ -19,7 +19,6 @@ name one megalite builds (or the command line gives one); otherwise a notice say
 from __future__ import annotations
 
 import dataclasses
-from math import prod
 
 import torch
 
@@ -52,12 +51,17 @@ def model_config(meta: dict, index) -> dict:
 
 
 def read_param(index, name: str, plus_one: bool) -> torch.Tensor:
-    """One megalite parameter, whole, through the load index's interface (for a torch_dist
-    checkpoint: its slice of the stacked global tensor, from the chunks that hold it)."""
-    layout, pieces = index.entry(name)
-    param = next(pc for pc in pieces if pc.kind == "param")
-    shape = layout["full_shape"]
-    t = index.read(param, 0, prod(shape)).view(shape)
+    """One megalite parameter, whole, through the load index's interface, as load.py reads it (a
+    torch_dist checkpoint: its slice of the stacked global tensor, from the chunks that hold it; a
+    torch one: its TP shards from the memory-mapped files, joined)."""
+    from .load import read_region
+    from .reshard import ShardLayout
+    layout, _ = index.entry(name)
+    shape = list(layout["full_shape"])
+    if layout["rows"] is not None:
+        shape[0] = layout["rows"]
+    whole = ShardLayout(tuple(shape))
+    t = read_region(index, name, "param", whole, 0, 0, whole.local_numel).view(shape)
     if plus_one and name.endswith("layernorm.weight"):  # --apply-layernorm-1p stores w - 1; HF stores w
         t = t + 1
     return t
