@@ -1,6 +1,11 @@
 """Megatron-LM checkpoint formats: the torch_dist file format read and written without
-megatron-core (checked against torch.distributed.checkpoint's own reader), and pickles that
-would run code refused with one line naming the file."""
+megatron-core (checked against torch.distributed.checkpoint's own reader), pickles that would run
+code refused with one line naming the file; then megatron-core itself as the judge (skipped, one
+line naming megatron_core, where it is not installed): its checkpoints (torch_dist and torch, dense
+and MoE, saved at TP2) give its logits in megalite on other layouts (PP2 x DP2 ZeRO-1, EP2 x TP2
+ZeRO-3), a resume takes its Adam moments (the first update is megatron-core's) and trains on, and
+what megalite writes in torch_dist (--save, convert.py --saver megatron) megatron-core loads with
+megalite's logits. The checkpoints are made once per module, by one megatron-core process."""
 import os
 import pickle
 
@@ -58,7 +63,8 @@ def test_dist_format_roundtrip_against_torch_dcp(tmp_path):
 DENSE = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope", num_query_groups=2,
              untie_embeddings_and_output_weights=True, add_bias_linear=False, ffn_hidden_size=96)
 MOE = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
-           num_experts=4, moe_ffn_hidden_size=32)
+           num_experts=4, moe_ffn_hidden_size=32, moe_router_score_function="sigmoid",
+           moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)
 # what Megatron-LM's args record of the data and schedule (the corpus's SentencePiece vocabulary)
 TRAIN_ITERS, BATCH = 6, 8
 

@@ -99,7 +99,8 @@ def checked_metadata(root: str, flag: str, iteration: int | None = None) -> dict
         return read_megatron_metadata(directory, flag, root)
     if foreign is not None:
         raise CheckpointError(f"{flag} {root}: {directory} is a Megatron-LM checkpoint in its {foreign} format, "
-                              "which megalite does not read (it reads its own and Megatron-LM's torch_dist and torch: docs/checkpoints.md)")
+                              "which megalite does not read (it reads its own and Megatron-LM's torch_dist and "
+                              "torch: docs/checkpoints.md)")
     meta_path = os.path.join(directory, "metadata.json")
     if os.path.isfile(meta_path):
         meta = _read_json(meta_path, flag, root)

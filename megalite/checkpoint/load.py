@@ -122,7 +122,8 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
     foreign = getattr(index, "foreign", None)
     # a Megatron-LM checkpoint's args name some settings only (none without args): those are
     # compared, the weights' shapes always
-    check_model_config({**current, **meta["model_config"]} if foreign else meta["model_config"], current, where)
+    saved = {k: v for k, v in meta["model_config"].items() if k not in meta.get("derived", ())}
+    check_model_config({**current, **saved} if foreign else saved, current, where)
     restore_optim = load_optim and not finetune
     if foreign and restore_optim and not meta["has_optimizer_state"]:
         train_state.log(f"> {where} ({foreign}) holds no Adam moments in a layout-independent form (a "

@@ -38,6 +38,7 @@ from .tensor_file import RangeReader
 METADATA = ".metadata"
 COMMON = "common.pt"
 BACKEND = "metadata.json"
+CACHED_CHUNKS = 16  # loaded chunks kept while one key is read (a region's runs revisit the same chunks)
 BACKEND_RECORD = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                   "common_backend_version": 1}
 
@@ -115,6 +116,8 @@ class DistCheckpoint:
         if self._cache_key != key:  # chunks of one key are reused across its regions; one key cached
             self._cache_key, self._cache = key, {}
         if (c.path, c.where) not in self._cache:
+            if len(self._cache) >= CACHED_CHUNKS:  # bounded: a layer's chunks, not a whole stacked key
+                self._cache.pop(next(iter(self._cache)))
             data = self.io.read(c.path, c.where, c.length)
             t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(c.sizes):

@@ -147,14 +147,21 @@ def megatron_metadata(index: MegatronIndex) -> dict:
     sched = common.get("opt_param_scheduler") or {}
     from ..model import GPTConfig
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    model_config = {k: v for k, v in args.items() if k in fields and v is not None}
+    derived = []
+    if "vocab_size" not in model_config and args.get("padded_vocab_size"):
+        # Megatron-LM records the tokenizer's vocabulary only as padded_vocab_size: the tools build
+        # that many rows; a training run's check leaves the vocabulary to the tokenizer (rows are
+        # read as far as both tables go)
+        model_config["vocab_size"], derived = args["padded_vocab_size"], ["vocab_size"]
     return {"megatron": index.foreign,
             "iteration": int(common.get("iteration", args.get("iteration", 0)) or 0),
             "consumed_samples": int(args.get("consumed_train_samples") or 0),
-            "args": args, "model_config": {k: v for k, v in args.items() if k in fields},
+            "args": args, "model_config": model_config,
             "layout": {"world_size": args.get("world_size") or tp * pp * dp * cp, "tp": tp, "pp": pp, "cp": cp,
                        "vpp": args.get("virtual_pipeline_model_parallel_size") or 1, "dp": dp,
                        "distributed_optimizer": bool(args.get("use_distributed_optimizer"))},
             "scheduler": {"num_steps": int(sched["num_steps"]), "unit": "samples"} if "num_steps" in sched else None,
             "grad_scaler": None, "optimizer": {"type": args.get("optimizer", "adam"), "fp32_params": True},
-            "has_optimizer_state": index.has_moments, "dir": index.directory}
+            "has_optimizer_state": index.has_moments, "dir": index.directory, "derived": derived}
 

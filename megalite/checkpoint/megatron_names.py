@@ -6,12 +6,12 @@ megalite names its parameters as megatron-core's local layer spec does, one modu
 the layers (and the experts) along leading axes of one global tensor per key, and names the
 norms that Transformer Engine fuses into the next linear layer by that layer:
 
-    megalite decoder.layers.{i}.                        Megatron-LM key, index
-    input_layernorm.{weight,bias}                       decoder.layers.self_attention.linear_qkv.layer_norm_{weight,bias} [i]
-    pre_mlp_layernorm.{weight,bias}                     decoder.layers.mlp.linear_fc1.layer_norm_{weight,bias} [i]
-                                                        (a TE-spec MoE layer: decoder.layers.pre_mlp_layernorm.* [i])
-    mlp.experts.local_experts.{e}.REST                  decoder.layers.mlp.experts.experts.REST [i, e]
-    REST                                                decoder.layers.REST [i]
+    megalite decoder.layers.{i}.          Megatron-LM key, index
+    input_layernorm.{weight,bias}         decoder.layers.self_attention.linear_qkv.layer_norm_{weight,bias} [i]
+    pre_mlp_layernorm.{weight,bias}       decoder.layers.mlp.linear_fc1.layer_norm_{weight,bias} [i]
+                                          (a TE-spec MoE layer: decoder.layers.pre_mlp_layernorm.* [i])
+    mlp.experts.local_experts.{e}.REST    decoder.layers.mlp.experts.experts.REST [i, e]
+    REST                                  decoder.layers.REST [i]
     (outside the layers: the same name, no index)
 
 The tensors' own layouts agree, so nothing is permuted: the fused QKV rows are grouped by query
