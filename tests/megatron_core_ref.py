@@ -25,7 +25,7 @@ Actions (run in order on one model, results returned in order; rank 0's results)
       weight decay, clip) on the mean token loss, as Megatron-LM's Adam; the weights after it
   state() -> {global key: tensor}: the full (unsharded) weights under megatron-core's global keys
 
-The model's initial weights are a function of (seed, global key) alone: every sharded tensor is
+The model's initial weights are a function of (seed, global key, layer/expert index) alone: every sharded tensor is
 filled from one seeded global tensor, so TP1, TP2 and EP2 runs build the same model (norm weights
 near 1, everything else N(0, 0.02), the router's expert bias included).
 
@@ -49,14 +49,22 @@ ROOT = os.path.dirname(HERE)
 
 
 def available() -> bool:
-    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+    """megatron-core importable (found without importing it: its import takes seconds)."""
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):  # no `megatron` package at all
+        return False
+
+
+MISSING = "megatron_core is not installed (pip install -e '.[megatron]')"
 
 
 def require():
-    """Skip the calling test (one line) when megatron-core is not installed."""
+    """Skip the calling test (one line) when megatron-core is not installed; or, for a whole
+    module: pytestmark = pytest.mark.skipif(not ref.available(), reason=ref.MISSING)."""
     if not available():
         import pytest
-        pytest.skip("megatron_core is not installed (pip install -e '.[megatron]')")
+        pytest.skip(MISSING)
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -266,9 +274,11 @@ def local_slice(t):
     return tuple(slice(o, o + n) for o, n in zip(t.global_offset, (1,) * t.prepend_axis_num + tuple(t.local_shape)))
 
 
-def seeded_global(key: str, shape, seed: int):
+def seeded_slice(key: str, lead: tuple, shape, seed: int):
+    """The global tensor `key` at leading (layer, expert) index `lead`: a function of the seed, the
+    key and the index alone, so every layout (and a model too large to build twice) gets the same."""
     import torch
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{key}{lead}".encode()))
     if key.endswith("layer_norm_weight") or key.endswith("layernorm.weight") or key.endswith("norm.weight"):
         return 1.0 + 0.1 * torch.randn(shape, generator=g)
     return 0.02 * torch.randn(shape, generator=g)
@@ -276,12 +286,14 @@ def seeded_global(key: str, shape, seed: int):
 
 def fill_from_seed(model, seed: int):
     import torch
-    cache = {}
+    last = (None, None)  # the factories of one parameter (SwiGLU's gate and up halves) come together
     with torch.no_grad():
         for t in sharded_tensors(model.sharded_state_dict()):
-            if t.key not in cache:
-                cache[t.key] = seeded_global(t.key, t.global_shape, seed)
-            t.data.copy_(cache[t.key][local_slice(t)].reshape(t.data.shape))
+            p = t.prepend_axis_num
+            lead = tuple(t.global_offset[:p])
+            if last[0] != (t.key, lead):
+                last = ((t.key, lead), seeded_slice(t.key, lead, tuple(t.global_shape[p:]), seed))
+            t.data.copy_(last[1][local_slice(t)[p:]].reshape(t.data.shape))
 
 
 def global_state(model) -> dict:

@@ -9,6 +9,8 @@ import torch
 
 import megatron_core_ref as ref
 
+pytestmark = pytest.mark.skipif(not ref.available(), reason=ref.MISSING)
+
 # megatron-core's run (one subprocess for the three models) and the conversions are shared by the tests
 CASES = {
     "gpt2": ref.Spec(),  # learned positions, LayerNorm, GeLU, biases, tied
@@ -21,19 +23,22 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def megatron_runs(corpus, tmp_path_factory):
-    ref.require()
     tmp = tmp_path_factory.mktemp("megatron_hf")
     data = corpus[corpus.index("--data-path") + 1]
     tokens = ref.corpus_tokens(data, 2, 32)[:, :-1]
-    jobs = [(spec, [ref.save_torch_dist(tmp / name, iteration=5), ref.logits(tokens)]) for name, spec in CASES.items()]
+    # the Llama-style run names the corpus's SentencePiece model in its args, as Megatron-LM records it
+    sp = {"tokenizer_type": "SentencePieceTokenizer", "vocab_size": None,
+          "tokenizer_model": corpus[corpus.index("--tokenizer-model") + 1]}
+    jobs = [(spec, [ref.save_torch_dist(tmp / name, iteration=5, extra_args=sp if name == "llama" else None),
+                    ref.logits(tokens)]) for name, spec in CASES.items()]
     results = ref.run_many(jobs)
     return tmp, tokens, {name: r[1] for name, r in zip(CASES, results)}
 
 
-def convert(src, dst, *extra):
+def convert(src, dst, *extra, tokenizer=False):
     import convert as tool  # tools/checkpoint/convert.py, in this process
     return tool.main(["--model-type", "GPT", "--loader", "megatron", "--saver", "hf", "--load-dir", str(src),
-                      "--save-dir", str(dst), "--no-tokenizer", *extra])
+                      "--save-dir", str(dst), *extra] + ([] if tokenizer else ["--no-tokenizer"]))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,7 +57,10 @@ def test_converted_checkpoint_gives_megatron_core_logits_in_transformers(megatro
     tmp, tokens, logits = megatron_runs
     out = tmp / f"{name}_hf"
     # a small shard limit: the sharded layout (several files and the index) is what transformers reads
-    assert convert(tmp / name, out, "--max-shard-size", "100KB") == 0
+    assert convert(tmp / name, out, "--max-shard-size", "100KB", tokenizer=name == "llama") == 0
+    if name == "llama":  # the tokenizer the checkpoint's args name, exported (and checked to give its ids)
+        from transformers import AutoTokenizer
+        assert AutoTokenizer.from_pretrained(out).vocab_size == 512
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

@@ -19,6 +19,7 @@ name one megalite builds (or the command line gives one); otherwise a notice say
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import torch
 
@@ -26,6 +27,7 @@ from .hf_config import ConversionError
 from .hf_conversion import (WORD_EMBEDDING, export_architecture, gpt2_layer_tensors, gpt2_outer_tensors,
                             llama_layer_tensors, llama_outer_tensors, staged_directory, write_hf_files)
 from .hf_shards import ShardedSafetensorsWriter
+from .megatron_index import MegatronIndex
 
 
 class Deferred:
@@ -50,13 +52,37 @@ def model_config(meta: dict, index) -> dict:
     return cfg
 
 
-def read_param(index, name: str, plus_one: bool) -> torch.Tensor:
-    """One megalite parameter, whole, in its saved dtype: its slice of the stacked global tensor."""
+def own_chunk(index, name: str):
+    """torch_dist: the saved chunk that is exactly this parameter (megatron-core saves each layer's
+    slice of a TP1 tensor as a chunk of its own), loaded without the reader's chunk cache and its
+    copy out of it, so a tensor is in memory once; None when it is split over chunks."""
+    if not isinstance(index, MegatronIndex):
+        return None
     layout, pieces = index.entry(name)
     key, lead = pieces[0].where
-    shape = index.dist.info(key).shape
-    box = tuple((i, i + 1) for i in lead) + tuple((0, n) for n in shape[len(lead):])
-    t = index.dist.read(key, box).reshape(layout["full_shape"])
+    info = index.dist.info(key)
+    box = (tuple(lead) + (0,) * (len(info.shape) - len(lead)), (1,) * len(lead) + tuple(info.shape[len(lead):]))
+    for c in info.chunks:
+        if (tuple(c.offsets), tuple(c.sizes)) == box:
+            data = index.io.read(c.path, c.where, c.length)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True).view(layout["full_shape"])
+    return None
+
+
+def read_param(index, name: str, plus_one: bool) -> torch.Tensor:
+    """One megalite parameter, whole, through the load index's interface (a torch_dist checkpoint:
+    its slice of the stacked global tensor, from the chunks that hold it; a torch one: its TP
+    shards from the memory-mapped files, joined as load.py joins them)."""
+    from .load import read_region
+    from .reshard import ShardLayout
+    t = own_chunk(index, name)
+    if t is None:
+        layout, _ = index.entry(name)
+        shape = list(layout["full_shape"])
+        if layout["rows"] is not None:
+            shape[0] = layout["rows"]
+        whole = ShardLayout(tuple(shape))
+        t = read_region(index, name, "param", whole, 0, 0, whole.local_numel).view(shape)
     if plus_one and name.endswith("layernorm.weight"):  # --apply-layernorm-1p stores w - 1; HF stores w
         t = t + 1
     return t

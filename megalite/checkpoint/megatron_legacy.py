@@ -115,6 +115,8 @@ class MegatronLegacyIndex:
                 raise CheckpointError(f"{path}: {local} (multi-latent attention / MTP) is not read from Megatron-LM "
                                       "torch checkpoints")
             name = _global_name(local, pp_rank * layers // pp, ep_rank * experts // max(ep, 1) if experts else 0)
+            if ep_rank != 0 and ".mlp.experts." not in name:
+                continue  # every expert-parallel rank's file holds the dense tensors too: EP rank 0's are read
             split = tp_split(name, bool(args.get("swiglu")))
             if split is None and tp_rank != 0:
                 continue  # replicated: TP rank 0's copy

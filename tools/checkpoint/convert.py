@@ -4,7 +4,7 @@
     python tools/checkpoint/convert.py --model-type GPT --loader megalite --saver megalite \\
         --load-dir ckpt --save-dir ckpt_tp2pp2 --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
-    # a Megatron-LM torch_dist checkpoint (any TP/PP/EP it was saved on) to Hugging Face, streamed
+    # a Megatron-LM torch_dist (or torch) checkpoint, any TP/PP/EP it was saved on, to Hugging Face, streamed
     # tensor by tensor: memory stays near the largest tensor, not the model (docs/checkpoints.md)
     python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver hf --load-dir megatron_ckpt \\
         --save-dir hf_out --max-shard-size 5GB
@@ -55,8 +55,8 @@ def get_args(argv=None):
     p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", required=True, choices=["GPT"])
     p.add_argument("--loader", required=True, choices=["megalite", "megatron", "hf"],
-                   help="format of --load-dir (megalite also reads a Megatron-LM torch_dist checkpoint; megatron: "
-                   "Megatron-LM's torch_dist only, with --saver hf streamed tensor by tensor)")
+                   help="format of --load-dir (megalite also reads Megatron-LM's torch_dist and torch checkpoints; megatron: "
+                   "Megatron-LM's only, with --saver hf streamed tensor by tensor)")
     p.add_argument("--saver", required=True, choices=["megalite", "hf", "megatron"],
                    help="format to write to --save-dir (megatron: Megatron-LM's torch_dist)")
     p.add_argument("--load-dir", required=True)
