@@ -217,6 +217,24 @@ def _process_switches(cfg: RunConfig, closing: contextlib.ExitStack) -> None:
         _bf16_matmul_in_fp32(closing)
 
 
+def _compile(model: list, ps) -> None:
+    """--compile: each transformer layer, in place (model/compile.py)."""
+    from .model.compile import compile_layers
+    n = compile_layers(model)
+    if ps.rank == ps.logging_rank:
+        print(f"> compile: torch.compile of {n} transformer layers (Inductor)", flush=True)
+
+
+def _saver(cfg: RunConfig):
+    """--save's writer: megalite's own format, or Megatron-LM's torch_dist (--ckpt-format torch_dist)."""
+    ck = cfg.checkpoint
+    if not ck.save:
+        return None
+    if cfg.megatron.ckpt_format == "torch_dist":
+        return MegatronSaver(ck.save)
+    return CheckpointSaver(ck.save, ck.async_save, check_finite=cfg.training.check_for_nan_in_loss_and_grad)
+
+
 def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     _process_switches(cfg, closing)
     ps, device = initialize_distributed(cfg.parallel, moe=bool(cfg.model.num_experts), closing=closing)
@@ -240,11 +258,8 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     if zero3:  # DataParallel materialises the parameters; the buffers are made here
         for chunk in model:
             chunk.materialize_buffers(device)
-    if cfg.training.compile:  # --compile: each transformer layer, in place (model/compile.py)
-        from .model.compile import compile_layers
-        n = compile_layers(model)
-        if ps.rank == ps.logging_rank:
-            print(f"> compile: torch.compile of {n} transformer layers (Inductor)", flush=True)
+    if cfg.training.compile:
+        _compile(model, ps)
     named_params = [(n, p) for m in model for n, p in m.global_named_parameters()]
     names = {p: n for n, p in named_params}
     timers = Timers(t.timing_log_level, device)
@@ -278,9 +293,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
                                  execution.params_dtype, device),
               jsonl=JsonlWriter(cfg.training.log_jsonl if logging_rank else None),
               tracker=Tracker(cfg.tracking, enabled=logging_rank),  # W&B / TensorBoard
-              saver=(MegatronSaver(ck.save) if cfg.megatron.ckpt_format == "torch_dist" else
-                     CheckpointSaver(ck.save, ck.async_save, check_finite=t.check_for_nan_in_loss_and_grad))
-              if ck.save else None,
+              saver=_saver(cfg),
               batch=build_num_microbatches_calculator(cfg.training, ps.dp_size),
               profiler=Profiler(cfg.training, ps.rank, device),
               peak=peak_tflops(cfg.training.peak_tflops, execution.params_dtype), monitor=monitor, timers=timers,
