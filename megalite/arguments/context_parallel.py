@@ -37,6 +37,9 @@ def check_cp_comm_type(c: RunConfig) -> None:
         fail(f"--cp-comm-type {' '.join(other)} cannot run --softmax-type {m.softmax_type} (a per-head sink logit); "
              f"use --cp-comm-type allgather")
     ring = [t for t in other if "p2p" in t]
+    if ring and c.kernels.attention_backend != "auto":
+        c.notices.append(f"--attention-backend {c.kernels.attention_backend}: --cp-comm-type {ring[0]} layers attend "
+                         f"with the ring's own blockwise softmax in fp32 (context_parallel/ring.py)")
     if ring and m.attention_dropout > 0:
         fail(f"--cp-comm-type {ring[0]}: ring attention here has no attention dropout (it recomputes each block's "
              f"probabilities in backward); set --attention-dropout 0 or use --cp-comm-type a2a / allgather")

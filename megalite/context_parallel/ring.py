@@ -112,16 +112,20 @@ def _pass_on(tensor: torch.Tensor, group):
 
 
 class _RingAttention(torch.autograd.Function):
-    """q [b, g, r, sq, hn] (g key/value heads, r query heads each), k/v [b, g, L, hn] -> the
-    attention output [b, g, r, sq, hn] over every ring member's keys."""
+    """q [sq, b, g, r, hn] (g key/value heads, r query heads each), k/v [L, b, g, hn] -> the
+    attention output [sq, b, g, r, hn] over every ring member's keys. Kept for backward: q (a view
+    of the caller's), the stacked K/V this rank sends, the output (the caller's context is a view
+    of it) and the fp32 log-sum-exp: one process's Q, K, V and context, O(s/c)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask: BlockMask, group):
+    def forward(ctx, q_in, k, v, mask: BlockMask, group):
         p, me = comm.group_size(group), comm.group_rank(group)
+        q = q_in.permute(1, 2, 3, 0, 4)  # [b, g, r, sq, hn], a view
         scale = q.size(-1) ** -0.5
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        kv = torch.stack([k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)])  # [2, b, g, L, hn]
+        mine = kv
         for i in range(p):
             pending = _pass_on(kv, group) if i < p - 1 else None
             plan = mask.plan((me - i) % p)
@@ -130,19 +134,19 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 pending[1].wait()
                 kv = pending[0]
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out = out.permute(3, 0, 1, 2, 4).to(q.dtype).contiguous()  # [sq, b, g, r, hn]
+        ctx.save_for_backward(q_in, mine, out, lse)
         ctx.mask, ctx.group, ctx.scale = mask, group, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q_in, kv, out, lse = ctx.saved_tensors
+        q = q_in.permute(1, 2, 3, 0, 4)
         group, p, me = ctx.group, comm.group_size(ctx.group), comm.group_rank(ctx.group)
-        dout = dout.float()
-        delta = (dout * out.float()).sum(-1)  # rowsum(dO ∘ O) [b, g, r, sq]
+        dout = dout.float().permute(1, 2, 3, 0, 4)  # [b, g, r, sq, hn]
+        delta = (dout * out.float().permute(1, 2, 3, 0, 4)).sum(-1)  # rowsum(dO ∘ O) [b, g, r, sq]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for i in range(p):
             plan = ctx.mask.plan((me - i) % p)
@@ -151,11 +155,12 @@ class _RingAttention(torch.autograd.Function):
             if i < p - 1:  # the keys and their gradients so far move on together
                 both, handle = _pass_on(torch.cat([kv.to(dkv.dtype), dkv]), group)
                 handle.wait()
-                kv, dkv = both[:2].to(k.dtype), both[2:]
+                kv, dkv = both[:2].to(kv.dtype), both[2:]
             elif p > 1:  # the last step's gradients go home: the next rank owns this block
                 dkv, handle = _pass_on(dkv, group)
                 handle.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        dk, dv = (t.permute(2, 0, 1, 3).to(kv.dtype) for t in dkv)  # [L, b, g, hn]
+        return dq.permute(3, 0, 1, 2, 4).to(q.dtype), dk, dv, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, group) -> torch.Tensor:
@@ -163,7 +168,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Bloc
     of the local queries over the keys of every member of `group` (a ring; size 1: local only)."""
     sq, b, n, hn = q.shape
     g = k.size(2)
-    qb = q.permute(1, 2, 0, 3).reshape(b, g, n // g, sq, hn)  # heads are grouped: [g, n/g]
-    kb, vb = (t.permute(1, 2, 0, 3) for t in (k, v))  # [b, g, L, hn]
-    out = _RingAttention.apply(qb, kb, vb, mask, group)
-    return out.reshape(b, n, sq, v.size(-1)).permute(2, 0, 1, 3).reshape(sq, b, n * v.size(-1))
+    out = _RingAttention.apply(q.reshape(sq, b, g, n // g, hn), k, v, mask, group)  # heads are grouped: [g, n/g]
+    return out.view(sq, b, n * hn)

@@ -8,10 +8,11 @@ benchmarks/bench_context_parallel.py --types, which these reproduce):
   a2a          4h + 2kv·g'/g     Q, K, V of the whole sequence for n/c heads, in sequence order
                                  (g' = max(g, c): kv heads replicated when fewer than c), the
                                  kernel's output and the context after the all-to-all back
-  p2p          5h + 3kv          Q and K (RoPE's), V's fused QKV storage (Q, K, V), the ring's
-                                 output and the context
-  a2a+p2p      4h + 2kv·g'/g     a2a's exchanged Q, K, V (g' = max(g, A), A the first level),
-                                 the ring's output and the context
+  p2p          3h + 2kv          as one process: Q, the K/V it sends round the ring, the ring's
+                                 output (the context is a view of it)
+  a2a+p2p      4h + 4kv·g'/g     a2a's exchanged Q, K, V (g' = max(g, A), A the first level; Q a
+                                 view of it), the ring's stacked K/V, its output, and the context
+                                 after the all-to-all back
 plus n fp32 log-sum-exp values per token (fused kernels and the ring), and for allgather and a2a
 with an unfused kernel the scores (s/c x s for n heads, or s x s for n/c: the same count).
 p2p and a2a+p2p keep O(s/c) per rank at any length; allgather's K and V grow with s; allgather
@@ -32,9 +33,9 @@ def attention_values(cp_type: str, c: int, h: float, heads: int, groups: int, a2
     if cp_type == "a2a":
         return 4 * h + kv_exchanged
     if cp_type == "p2p":
-        return 5 * h + 3 * kv
+        return 3 * h + 2 * kv
     if cp_type == "a2a+p2p":
-        return 4 * h + kv_exchanged
+        return 4 * h + 2 * kv_exchanged
     raise ValueError(f"unknown --cp-comm-type {cp_type!r}")
 
 
