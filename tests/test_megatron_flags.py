@@ -316,7 +316,7 @@ def test_attention_mask_flag():
     tokens = torch.tensor([[1, 2, 0, 3, 4, 0, 5]])
     assert build_batch(tokens, 0, reset_attention_mask=True)["attention_mask"] is not None
     assert build_batch(tokens, 0, reset_attention_mask=True, create_attention_mask=False)["attention_mask"] is None
-    with pytest.raises(ArgumentError, match="--reset-attention-mask needs the attention mask"):
+    with pytest.raises(ArgumentError, match="--reset-attention-mask needs the document boundaries"):
         validate_args(parse_args(BASE[3:] + ["--train-iters", "1", "--data-path", "x", "--tokenizer-type",
                                              "NullTokenizer", "--vocab-size", "9", "--reset-attention-mask",
                                              "--no-create-attention-mask-in-dataloader"]), 1, check_files=False)

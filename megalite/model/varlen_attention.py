@@ -152,6 +152,7 @@ def _scores(q, k, scale, mask):
     return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
 
 
+@torch.compiler.disable  # data-dependent tile skipping: eager under --compile
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
                        dropout_p: float = 0.0, scale: float | None = None,
                        block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
