@@ -6,8 +6,8 @@ packed back to back into rows of --seq-length tokens, against a batch that holds
 in its own row (padded after it with end-of-document tokens, whose loss --eod-mask-loss drops).
 Every token then has the same context, positions and label in both batches, so the per-token
 losses agree at every step of a few SGD steps (token-mean loss: the gradients are the same sum),
-on one process and, in one 2-rank pool run, under CP 2 (documents crossing the ranks' chunks)
-and TP 2. RoPE, GQA and a sliding-window layer are on.
+on one process and, in one 2-rank pool run, under CP 2 with each --cp-comm-type (allgather,
+p2p ring, a2a Ulysses; documents crossing the ranks' chunks) and TP 2. RoPE, GQA and a sliding-window layer are on.
 """
 import numpy as np
 import pytest
@@ -46,11 +46,11 @@ def pack(prefix: str):
     return packed, (single, single_mask), where, eod
 
 
-def _train(tokens, eod, tp_group=None, cp_group=None, loss_mask=None):
+def _train(tokens, eod, tp_group=None, cp_group=None, loss_mask=None, cp_comm_type="allgather"):
     """Per-token losses ([b, s] or this CP rank's [b, s/c]) and loss masks at each of STEPS SGD steps."""
     from megalite import comm
     from megalite.context_parallel.sharding import slice_batch
-    from megalite.model import GPTConfig, GPTModel
+    from megalite.model import ExecutionConfig, GPTConfig, GPTModel
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=512,
                     padded_vocab_size=512, seq_length=S, max_position_embeddings=S, hidden_dropout=0.0,
                     attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
@@ -60,7 +60,8 @@ def _train(tokens, eod, tp_group=None, cp_group=None, loss_mask=None):
         batch["loss_mask"] = loss_mask
     whole = batch["loss_mask"].sum()
     batch = slice_batch(batch, comm.group_size(cp_group), comm.group_rank(cp_group))
-    model = GPTModel(cfg, tp_group=tp_group, cp_group=cp_group)
+    model = GPTModel(cfg, tp_group=tp_group, cp_group=cp_group,
+                     execution=ExecutionConfig(cp_comm_type=(cp_comm_type,)))
     model.initialize(5)
     losses = []
     for _ in range(STEPS):
@@ -81,10 +82,11 @@ def _layouts(rank, world, packed, single, eod):
 
     from megalite.context_parallel.sharding import chunk_positions
     group = dist.group.WORLD
-    cp_losses, cp_mask = _train(packed, eod, cp_group=group)
-    full = torch.zeros(STEPS, *packed[:, :-1].shape)
-    full[:, :, chunk_positions(S, world, rank)] = cp_losses  # back to sequence order, the other chunks 0
-    out = {"cp2": (full, chunk_positions(S, world, rank)), "tp2": (_train(packed, eod, tp_group=group)[0], None)}
+    out = {"tp2": (_train(packed, eod, tp_group=group)[0], None)}
+    for comm_type in ("allgather", "p2p", "a2a"):
+        full = torch.zeros(STEPS, *packed[:, :-1].shape)  # back to sequence order, the other chunks 0
+        full[:, :, chunk_positions(S, world, rank)] = _train(packed, eod, cp_group=group, cp_comm_type=comm_type)[0]
+        out[f"cp2 {comm_type}"] = (full, chunk_positions(S, world, rank))
     if rank == 0:
         out["one process"] = (_train(packed, eod)[0], None)
         out["one per row"] = _train(single[0], eod, loss_mask=single[1])
@@ -102,7 +104,7 @@ def test_packed_rows_hold_several_documents(runs):
     assert all(len(set(where[r, :, 0].tolist())) >= 3 for r in range(ROWS))
 
 
-@pytest.mark.parametrize("layout", ["one process", "cp2", "tp2"])
+@pytest.mark.parametrize("layout", ["one process", "cp2 allgather", "cp2 p2p", "cp2 a2a", "tp2"])
 def test_packed_documents_train_as_one_per_row(runs, layout):
     results, where = runs
     single_losses, single_mask = results[0]["one per row"]
@@ -111,9 +113,9 @@ def test_packed_documents_train_as_one_per_row(runs, layout):
     assert counted.float().mean() > 0.8
     ref_mean = reference[:, counted].mean(1)
     assert ref_mean[-1] < 0.8 * ref_mean[0], ref_mean  # the loss falls: it trains
-    if layout == "cp2":
-        losses = sum(r["cp2"][0] for r in results)  # each rank's chunks in their places
-        assert sorted(torch.cat([r["cp2"][1] for r in results]).tolist()) == list(range(S))
+    if layout.startswith("cp2"):
+        losses = sum(r[layout][0] for r in results)  # each rank's chunks in their places
+        assert sorted(torch.cat([r[layout][1] for r in results]).tolist()) == list(range(S))
     else:
         losses = results[0][layout][0]
     torch.testing.assert_close(losses[:, counted], reference[:, counted], rtol=1e-4, atol=1e-5)
