@@ -62,3 +62,26 @@ def test_float32_and_dropout_gradients():
     assert torch.autograd.gradcheck(attend, (q, k, v), fast_mode=True)
     out = document_attention(*(t.float() for t in (q, k, v)), documents)[0]
     torch.testing.assert_close(out.double(), dense_reference(q, k, v, documents.dense())[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("softmax_type", ["vanilla", "learnable"])
+def test_core_attention_takes_documents(softmax_type):
+    """CoreAttention given packed documents equals its local backend given their dense mask (with an
+    attention sink merged through the log-sum-exp); [s, b, n, hn] in, [s, b, n·hn] out."""
+    from megalite.model import ExecutionConfig
+    from megalite.model.attention import CoreAttention
+    torch.manual_seed(2)
+    attention = CoreAttention(0.0, ExecutionConfig(attention_backend="local"), None, num_heads=4,
+                              softmax_type=softmax_type, init_std=1.0)
+    if softmax_type == "learnable":
+        torch.nn.init.normal_(attention.softmax_offset)
+    documents = Documents(packed_doc_ids(), torch.arange(100), torch.arange(100), window=20)
+    q = torch.randn(100, 2, 4, 8, requires_grad=True)
+    k, v = (torch.randn(100, 2, 2, 8, requires_grad=True) for _ in range(2))
+    out = attention(q, k, v, documents)
+    ref = attention(q, k, v, documents.dense())
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    w = torch.randn_like(out)
+    params = [q, k, v] + list(attention.parameters())
+    for got, want in zip(torch.autograd.grad((out * w).sum(), params), torch.autograd.grad((ref * w).sum(), params)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-BLOCK = 512  # tile edge: [b, n, 512, 512] fp32 scores per tile, few enough Python steps at 8k
+BLOCK = 256  # tile edge: [b, n, 256, 256] fp32 scores per tile (2 MiB at b·n = 8), 1k tile steps at 8k
 
 
 class Documents:
@@ -94,20 +94,24 @@ class _DocumentAttention(torch.autograd.Function):
         m = q.new_full((b, g, r, sq), float("-inf"), dtype=dtype)
         denom = q.new_zeros(b, g, r, sq, dtype=dtype)
         for t, (qs, ks, mask) in enumerate(_tiles(q_doc, k_doc, q_pos, k_pos, window, block)):
-            scores = _scores(q[:, :, :, qs], k[:, :, ks], scale, mask)  # [b, g, r, bq, bk]
-            m_new = torch.maximum(m[..., qs], scores.amax(-1))
+            p = _scores(q[:, :, :, qs], k[:, :, ks], scale, mask)  # [b, g, r, bq, bk], then exp in place
+            m_new = torch.maximum(m[..., qs], p.amax(-1))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # a row with nothing allowed yet
-            p = torch.exp(scores - m_safe.unsqueeze(-1))
+            p = p.sub_(m_safe.unsqueeze(-1)).exp_()
             correction = torch.exp(m[..., qs] - m_safe)
             denom[..., qs] = denom[..., qs] * correction + p.sum(-1)
             if dropout_p > 0:
-                p = p * _dropout_keep(seed, t, p.shape, dropout_p, p.device, p.dtype)
+                p = p.mul_(_dropout_keep(seed, t, p.shape, dropout_p, p.device, p.dtype))
             acc[..., qs, :] = acc[..., qs, :] * correction.unsqueeze(-1) + _matmul(p, v[:, :, ks].unsqueeze(2))
             m[..., qs] = m_new
+            del p
         empty = denom == 0  # queries that may see no key here (possible for a partial key set)
-        out = acc / denom.masked_fill(empty, 1.0).unsqueeze(-1)
+        acc /= denom.masked_fill(empty, 1.0).unsqueeze(-1)
         lse = (m.masked_fill(empty, 0.0) + denom.masked_fill(empty, 1.0).log()).masked_fill(empty, float("-inf"))
-        out = out.to(v.dtype)
+        # laid out [sq, b, g, r, dv] in memory: the layer's [s, b, n·dv] view of it is free (no copy
+        # kept beside the one saved here)
+        out = v.new_empty(sq, b, g, r, v.size(-1)).permute(1, 2, 3, 0, 4).copy_(acc)
+        del acc
         ctx.save_for_backward(q, k, v, out, lse, q_doc, k_doc, q_pos, k_pos)
         ctx.args = (window, scale, dropout_p, seed, block)
         return out, lse
@@ -126,17 +130,20 @@ class _DocumentAttention(torch.autograd.Function):
         lse_safe = lse.masked_fill(lse == float("-inf"), 0.0)
         for t, (qs, ks, mask) in enumerate(_tiles(q_doc, k_doc, q_pos, k_pos, window, block)):
             q_t, k_t, v_t, do_t = q[:, :, :, qs], k[:, :, ks], v[:, :, ks], d_out[:, :, :, qs].to(dtype)
-            p = torch.exp(_scores(q_t, k_t, scale, mask) - lse_safe[..., qs].unsqueeze(-1))  # masked: 0
+            p = _scores(q_t, k_t, scale, mask).sub_(lse_safe[..., qs].unsqueeze(-1)).exp_()  # masked: 0
             dp = _matmul(do_t, v_t.unsqueeze(2).transpose(-2, -1))  # [b, g, r, bq, bk]
             if dropout_p > 0:
                 keep = _dropout_keep(seed, t, p.shape, dropout_p, p.device, p.dtype)
                 dv[:, :, ks] += _matmul((p * keep).transpose(-2, -1), do_t).sum(2)
-                dp = dp * keep
+                dp.mul_(keep)
+                del keep
             else:
                 dv[:, :, ks] += _matmul(p.transpose(-2, -1), do_t).sum(2)
-            ds = p * (dp - delta[..., qs].unsqueeze(-1)) * scale
+            ds = dp.sub_(delta[..., qs].unsqueeze(-1)).mul_(p).mul_(scale)  # in dp's place
+            del p
             dq[:, :, :, qs] += _matmul(ds, k_t.unsqueeze(2))
             dk[:, :, ks] += _matmul(ds.transpose(-2, -1), q_t).sum(2)
+            del ds, dp
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 9
 
 
@@ -148,8 +155,8 @@ def _matmul(a, b):
 
 def _scores(q, k, scale, mask):
     """Q·Kᵀ·scale of a tile in fp32, -inf where `mask` forbids: [b, g, r, bq, bk]."""
-    scores = _matmul(q, k.unsqueeze(2).transpose(-2, -1)) * scale
-    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+    scores = _matmul(q, k.unsqueeze(2).transpose(-2, -1)).mul_(scale)
+    return scores if mask is None else scores.masked_fill_(~mask, float("-inf"))
 
 
 @torch.compiler.disable  # data-dependent tile skipping: eager under --compile
