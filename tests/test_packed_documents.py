@@ -7,15 +7,17 @@ in its own row (padded after it with end-of-document tokens, whose loss --eod-ma
 Every token then has the same context, positions and label in both batches, so the per-token
 losses agree at every step of a few SGD steps (token-mean loss: the gradients are the same sum),
 on one process and, in one 2-rank pool run, under CP 2 with each --cp-comm-type (allgather,
-p2p ring, a2a Ulysses; documents crossing the ranks' chunks) and TP 2. RoPE, GQA and a sliding-window layer are on.
+p2p ring, a2a Ulysses; documents crossing the ranks' chunks) and TP 2. RoPE, GQA and a sliding-window layer are on. pretrain_gpt.py with the document flags
+trains the same on PP 2 as on one process.
 """
 import numpy as np
 import pytest
 import torch
 
-from dist_helpers import spawn
+from dist_helpers import assert_loss_falls, assert_losses_close, grad_norms, run_pretrain, spawn, train_losses
 from megalite.data.batch import build_batch
 from megalite.data.indexed_dataset import IndexedDataset
+from tiny import tiny
 
 S, ROWS, STEPS, LR = 64, 2, 4, 0.3
 
@@ -119,3 +121,16 @@ def test_packed_documents_train_as_one_per_row(runs, layout):
     else:
         losses = results[0][layout][0]
     torch.testing.assert_close(losses[:, counted], reference[:, counted], rtol=1e-4, atol=1e-5)
+
+
+def test_pipeline_trains_packed_documents_as_one_process(corpus, tmp_path):
+    """pretrain_gpt.py with the three document flags on PP 2 (every stage attends by the loader's
+    document ids) equals one process: loss and gradient norm per iteration, on the corpus."""
+    flags = corpus + tiny(seq_length=64, train_iters=4, log_interval=1, lr=3e-3, eval_iters=0) + [
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--adam-eps", "1e-4",
+        "--position-embedding-type", "rope", "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+    ref, _ = run_pretrain(1, flags, tmp_path, "one")
+    pp2, _ = run_pretrain(2, flags + ["--pipeline-model-parallel-size", "2"], tmp_path, "pp2")
+    assert_loss_falls(train_losses(ref), 0.1)
+    assert_losses_close(train_losses(ref), train_losses(pp2), rtol=1e-5)
+    assert_losses_close(grad_norms(ref), grad_norms(pp2), rtol=1e-5)

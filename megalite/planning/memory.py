@@ -190,7 +190,9 @@ def layer_activation_bytes(c, moe: bool = False) -> tuple[float, float]:
     # the scores of s/c queries against all s keys: softmax (2), and with attention dropout its
     # mask (1) and output (2)
     per_score = 5 if c.model.attention_dropout > 0 else 2
-    scores = 0.0 if (granularity == "selective" or c.kernels.use_flash_attn) else per_score * a * c.model.seq_length / h
+    # (none kept by flash-attn, nor by packed documents' tiled kernel: model/varlen_attention.py)
+    fused = c.kernels.use_flash_attn or c.data.reset_attention_mask
+    scores = 0.0 if (granularity == "selective" or fused) else per_score * a * c.model.seq_length / h
     # 10 = two norm inputs (4), the QKV and fc1 inputs (4), two hidden-dropout masks (2: none without dropout)
     replicated = 8 + (2 if c.model.hidden_dropout > 0 else 0)
     if moe:  # no dense fc1 (its input and activations): the MoE MLP's own, in bytes
