@@ -51,6 +51,9 @@ def check_model_shape(c: RunConfig) -> None:
     if c.data.reset_attention_mask and k.use_flash_attn:
         fail("--reset-attention-mask attends within documents with megalite's tiled kernel "
              "(model/varlen_attention.py); --use-flash-attn's varlen kernel is not wired in: drop --use-flash-attn")
+    if c.data.reset_attention_mask and k.attention_backend != "auto":
+        c.notices.append(f"--attention-backend {k.attention_backend}: --reset-attention-mask attends within "
+                         "documents with megalite's tiled kernel (model/varlen_attention.py) instead")
     if k.use_flash_attn and k.attention_backend not in ("auto", "flash"):
         fail(f"--use-flash-attn selects the flash-attn package, which --attention-backend "
              f"{k.attention_backend} excludes; use --attention-backend flash (or auto)")
@@ -273,9 +276,7 @@ def check_attention_backend(c: RunConfig) -> None:
 
     from ..model.attention import probe_attention
     k, m, tp = c.kernels, c.model, c.parallel.tensor_model_parallel_size
-    if c.data.reset_attention_mask and k.attention_backend != "auto":
-        c.notices.append(f"--attention-backend {k.attention_backend}: --reset-attention-mask attends within "
-                         "documents with megalite's tiled kernel (model/varlen_attention.py) instead")
+    if c.data.reset_attention_mask:  # its own kernel (check_model_shape's notice), not the backend's
         return
     if k.attention_backend == "auto" and not k.use_flash_attn:
         return
