@@ -60,9 +60,9 @@ def _allowed(q_doc, k_doc, q_pos, k_pos, window):
     return ok.unsqueeze(0) & (q_doc.unsqueeze(2) == k_doc.unsqueeze(1))
 
 
-def _tiles(q_doc, k_doc, q_pos, k_pos, window, block):
-    """Yield (q slice, k slice, mask [b, 1, 1, bq, bk] or None when all may attend) for every tile
-    with at least one allowed pair; q blocks outer."""
+def _tiles(q_doc, k_doc, q_pos, k_pos, window, block, dtype):
+    """Yield (q slice, k slice, allowed [b, 1, 1, bq, bk] as 1.0 / 0.0 in `dtype`, or None when all
+    may attend) for every tile with at least one allowed pair; q blocks outer."""
     sq, sk = q_pos.numel(), k_pos.numel()
     for i in range(0, sq, block):
         qs = slice(i, min(i + block, sq))
@@ -71,7 +71,15 @@ def _tiles(q_doc, k_doc, q_pos, k_pos, window, block):
             ok = _allowed(q_doc[:, qs], k_doc[:, ks], q_pos[qs], k_pos[ks], window)
             if not ok.any():
                 continue
-            yield qs, ks, (None if ok.all() else ok[:, None, None])
+            yield qs, ks, (None if ok.all() else ok[:, None, None].to(dtype))
+
+
+def _exp(shifted: torch.Tensor, allowed) -> torch.Tensor:
+    """exp of a tile's scores minus their row's max (or log-sum-exp), in place, 0 where not allowed.
+    Clamped at -80 first: results below fp32's normal range take a slow path on CPUs (~10x);
+    exp(-80) ≈ 2e-35 changes no sum that holds the row's max term exp(0) = 1."""
+    p = shifted.clamp_(min=-80.0).exp_()
+    return p if allowed is None else p.mul_(allowed)
 
 
 def _dropout_keep(seed: int, tile: int, shape, p: float, device, dtype) -> torch.Tensor:
@@ -93,16 +101,17 @@ class _DocumentAttention(torch.autograd.Function):
         acc = q.new_zeros(b, g, r, sq, v.size(-1), dtype=dtype)
         m = q.new_full((b, g, r, sq), float("-inf"), dtype=dtype)
         denom = q.new_zeros(b, g, r, sq, dtype=dtype)
-        for t, (qs, ks, mask) in enumerate(_tiles(q_doc, k_doc, q_pos, k_pos, window, block)):
-            p = _scores(q[:, :, :, qs], k[:, :, ks], scale, mask)  # [b, g, r, bq, bk], then exp in place
+        for t, (qs, ks, allowed) in enumerate(_tiles(q_doc, k_doc, q_pos, k_pos, window, block, dtype)):
+            p = _scores(_rows(q[:, :, :, qs]), k[:, :, ks], scale, allowed, r)  # [b, g, r, bq, bk]; exp in place
             m_new = torch.maximum(m[..., qs], p.amax(-1))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # a row with nothing allowed yet
-            p = p.sub_(m_safe.unsqueeze(-1)).exp_()
+            p = _exp(p.sub_(m_safe.unsqueeze(-1)), allowed)
             correction = torch.exp(m[..., qs] - m_safe)
             denom[..., qs] = denom[..., qs] * correction + p.sum(-1)
             if dropout_p > 0:
                 p = p.mul_(_dropout_keep(seed, t, p.shape, dropout_p, p.device, p.dtype))
-            acc[..., qs, :] = acc[..., qs, :] * correction.unsqueeze(-1) + _matmul(p, v[:, :, ks].unsqueeze(2))
+            pv = _matmul(_rows(p), v[:, :, ks]).view(acc[..., qs, :].shape)
+            acc[..., qs, :] = acc[..., qs, :] * correction.unsqueeze(-1) + pv
             m[..., qs] = m_new
             del p
         empty = denom == 0  # queries that may see no key here (possible for a partial key set)
@@ -120,6 +129,7 @@ class _DocumentAttention(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse, q_doc, k_doc, q_pos, k_pos = ctx.saved_tensors
         window, scale, dropout_p, seed, block = ctx.args
+        r = q.size(2)
         # dS = P ∘ (dP - D) with D = rowsum(dO ∘ O) (FlashAttention Alg. 2); the log-sum-exp's own
         # gradient adds P·dlse, since ∂lse/∂s_ij = P_ij
         dtype = lse.dtype
@@ -128,21 +138,22 @@ class _DocumentAttention(torch.autograd.Function):
             delta = delta - d_lse
         dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
         lse_safe = lse.masked_fill(lse == float("-inf"), 0.0)
-        for t, (qs, ks, mask) in enumerate(_tiles(q_doc, k_doc, q_pos, k_pos, window, block)):
-            q_t, k_t, v_t, do_t = q[:, :, :, qs], k[:, :, ks], v[:, :, ks], d_out[:, :, :, qs].to(dtype)
-            p = _scores(q_t, k_t, scale, mask).sub_(lse_safe[..., qs].unsqueeze(-1)).exp_()  # masked: 0
-            dp = _matmul(do_t, v_t.unsqueeze(2).transpose(-2, -1))  # [b, g, r, bq, bk]
+        for t, (qs, ks, allowed) in enumerate(_tiles(q_doc, k_doc, q_pos, k_pos, window, block, dtype)):
+            q_t, k_t, v_t = _rows(q[:, :, :, qs]), k[:, :, ks], v[:, :, ks]  # q's heads folded into rows
+            do_t = _rows(d_out[:, :, :, qs]).to(dtype)
+            p = _exp(_scores(q_t, k_t, scale, allowed, r).sub_(lse_safe[..., qs].unsqueeze(-1)), allowed)
+            dp = _matmul(do_t, v_t.transpose(-2, -1)).view(p.shape)  # [b, g, r, bq, bk]
             if dropout_p > 0:
                 keep = _dropout_keep(seed, t, p.shape, dropout_p, p.device, p.dtype)
-                dv[:, :, ks] += _matmul((p * keep).transpose(-2, -1), do_t).sum(2)
+                dv[:, :, ks] += _matmul(_rows(p * keep).transpose(-2, -1), do_t)  # summed over the r heads
                 dp.mul_(keep)
                 del keep
             else:
-                dv[:, :, ks] += _matmul(p.transpose(-2, -1), do_t).sum(2)
-            ds = dp.sub_(delta[..., qs].unsqueeze(-1)).mul_(p).mul_(scale)  # in dp's place
+                dv[:, :, ks] += _matmul(_rows(p).transpose(-2, -1), do_t)
+            ds = _rows(dp.sub_(delta[..., qs].unsqueeze(-1)).mul_(p).mul_(scale))  # in dp's place
             del p
-            dq[:, :, :, qs] += _matmul(ds, k_t.unsqueeze(2))
-            dk[:, :, ks] += _matmul(ds.transpose(-2, -1), q_t).sum(2)
+            dq[:, :, :, qs] += _matmul(ds, k_t).view(dq[:, :, :, qs].shape)
+            dk[:, :, ks] += _matmul(ds.transpose(-2, -1), q_t)
             del ds, dp
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 9
 
@@ -153,10 +164,22 @@ def _matmul(a, b):
     return torch.matmul(a.to(dtype), b.to(dtype))
 
 
-def _scores(q, k, scale, mask):
-    """Q·Kᵀ·scale of a tile in fp32, -inf where `mask` forbids: [b, g, r, bq, bk]."""
-    scores = _matmul(q, k.unsqueeze(2).transpose(-2, -1)).mul_(scale)
-    return scores if mask is None else scores.masked_fill_(~mask, float("-inf"))
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[b, g, r, bq, c] -> [b, g, r·bq, c]: a kv group's r query heads as rows of one GEMM (no
+    broadcast batch of r small ones; copies only a non-contiguous tile)."""
+    b, g, r, bq, c = x.shape
+    return x.reshape(b, g, r * bq, c)
+
+
+def _scores(q_rows, k, scale, allowed, r):
+    """Q·Kᵀ·scale of a tile in fp32 at least, [b, g, r, bq, bk] (q_rows [b, g, r·bq, d], k [b, g, bk, d]),
+    lowered by 1e9 where not `allowed`: finite, so no -inf reaches a kernel's slow path; such a
+    pair never sets a row's max over an allowed one, and `_exp` zeroes it. (A row with no allowed
+    pair yet takes a max near -1e9, which the first allowed pair's rescaling exp(m_old - m_new) = 0
+    discards with its zero sums.)"""
+    b, g, rows, _ = q_rows.shape
+    scores = _matmul(q_rows, k.transpose(-2, -1)).mul_(scale).view(b, g, r, rows // r, k.size(2))
+    return scores if allowed is None else scores.add_((allowed - 1.0) * 1e9)
 
 
 @torch.compiler.disable  # data-dependent tile skipping: eager under --compile
