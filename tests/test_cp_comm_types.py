@@ -118,3 +118,67 @@ def test_ring_blocks_are_load_balanced():
                 assert m is None and len(rows) * len(cols) == (s // c) ** 2 // 2, (r, j)
         work.add(pairs)
     assert len(work) == 1
+
+
+# -- pretrain_gpt.py: each type trains the one-process model (RoPE, GQA, on the bundled corpus) ---------
+MODEL = tiny(num_layers=2, seq_length=64, lr=3e-3, train_iters=5, log_interval=1, eval_iters=0,
+             eval_interval=100) + [
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--adam-eps", "1e-4",
+    "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2",
+    "--disable-bias-linear", "--normalization", "RMSNorm"]
+CP2, CP4, TP2 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"], ["--tensor-model-parallel-size", "2"]
+LAYOUTS = {  # id: (processes, flags); CP 2 alone is in the TP 2 and PP 2 layouts (and _worker above)
+    "p2p-cp4": (4, CP4 + ["--cp-comm-type", "p2p"]),
+    "a2a-cp4-kv-replicated": (4, CP4 + ["--cp-comm-type", "a2a"]),
+    "a2a+p2p-2x2": (4, CP4 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "p2p-tp2-cp2-sp": (4, TP2 + CP2 + ["--cp-comm-type", "p2p", "--sequence-parallel"]),
+    "a2a-tp2-cp2": (4, TP2 + CP2 + ["--cp-comm-type", "a2a"]),
+    # one type per layer: layer 0 (stage 0) p2p, layer 1 (stage 1) a2a
+    "p2p-a2a-per-layer-pp2-cp2": (4, CP2 + ["--pipeline-model-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    records, _ = run_pretrain(1, corpus + MODEL, tmp, "reference")
+    assert_loss_falls(train_losses(records), 0.2)
+    return records
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cp_comm_type_trains_as_one_process(reference, corpus, tmp_path, layout):
+    nproc, flags = LAYOUTS[layout]
+    records, _ = run_pretrain(nproc, corpus + MODEL + flags, tmp_path)
+    assert_losses_close(train_losses(reference), train_losses(records), rtol=1e-5)
+    assert_losses_close(grad_norms(reference), grad_norms(records), rtol=1e-5)
+
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1", "--lr", "1e-3",
+        "--mock-data", "--vocab-size", "64", "--attention-dropout", "0"]
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (CP4 + ["--cp-comm-type", "a2a+p2p"], 4, "needs --hierarchical-context-parallel-sizes"),
+    (CP4 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "3"], 4,
+     r"--hierarchical-context-parallel-sizes 2 3: need two sizes .* product is --context-parallel-size \(4\)"),
+    (CP4 + ["--cp-comm-type", "p2p", "--hierarchical-context-parallel-sizes", "2", "2"], 4, "used only by"),
+    (CP2 + ["--cp-comm-type", "p2p", "a2a", "p2p"], 2, r"one per layer \(--num-layers 2\); got 3"),
+    (CP4 + ["--cp-comm-type", "a2a", "--num-attention-heads", "2", "--hidden-size", "32"], 4,
+     r"--num-attention-heads \(2\) / TP \(1\) = 2 heads per rank cannot split over the 4"),
+    (CP4 + ["--cp-comm-type", "a2a", "--num-attention-heads", "12", "--hidden-size", "48", "--group-query-attention",
+            "--num-query-groups", "6"], 4, r"--num-query-groups \(6\) .* neither split over nor divide the 4"),
+    (CP2 + ["--cp-comm-type", "p2p", "--attention-dropout", "0.1"], 2, "--attention-dropout 0"),
+    (CP2 + ["--cp-comm-type", "a2a", "--softmax-type", "off-by-one"], 2, "--softmax-type off-by-one"),
+])
+def test_bad_cp_comm_types_are_refused(flags, world, message):
+    with pytest.raises(ArgumentError, match=message):
+        validate_args(parse_args(BASE + flags), world)
+    # the same layout with the default (allgather) is fine, but for the type-specific flags
+    if "--hierarchical-context-parallel-sizes" not in flags and "--cp-comm-type" in flags:
+        i = flags.index("--cp-comm-type")
+        j = i + 1
+        while j < len(flags) and not flags[j].startswith("--"):
+            j += 1
+        validate_args(parse_args(BASE + flags[:i] + flags[j:]), world)

@@ -26,7 +26,7 @@ class ParallelConfig:
     context_parallel_size: int = flag(
         "--context-parallel-size", 1,
         "CP (>= 1): each sequence split over this many ranks (2·CP chunks, rank r keeps chunks r and 2·CP-1-r); "
-        "keys/values all-gathered for exact attention; gradients reduced and ZeRO-1 sharded over DP x CP. "
+        "attention exact by --cp-comm-type; gradients reduced and ZeRO-1 sharded over DP x CP. "
         "--seq-length must divide by 2·CP (2·CP·TP with --sequence-parallel)", check=AT_LEAST_1)
     cp_comm_type: list = flag(
         "--cp-comm-type", None, "how context-parallel attention communicates: allgather (keys/values all-gathered), "
