@@ -78,6 +78,11 @@ def ulysses_attention(q, k, v, attention_mask, window, group, attend) -> torch.T
     gathered = gathered_positions(s, c, q.device)  # position of each row after the all-to-all
     natural = torch.argsort(gathered)
     q, k, v = (t.index_select(0, natural) for t in scatter_heads(q, k, v, group))
+    from ..model.varlen_attention import Documents  # here: the model package imports this module
+    if isinstance(attention_mask, Documents):  # packed documents: the whole sequence, in order
+        pos = torch.arange(s, device=q.device)
+        out = attend(q, k, v, Documents(attention_mask.doc_ids, pos, pos, window))
+        return gather_heads(out.view(s, b, n // c, -1).index_select(0, gathered), group).reshape(sl, b, -1)
     mask = _gather_rows(attention_mask, group)
     if mask is not None:
         mask = mask.index_select(2, natural).index_select(3, natural)
@@ -99,8 +104,12 @@ def ring_layer_attention(q, k, v, attention_mask, window, a2a_group, ring_group)
     if a > 1:
         q, k, v = scatter_heads(q, k, v, a2a_group)
     kv_pos = torch.stack([level_positions(s, a * p, a, j, q.device) for j in range(p)])
-    dense = _as_allowed(_gather_rows(attention_mask, a2a_group))
-    mask = BlockMask(kv_pos[comm.group_rank(ring_group)], kv_pos, window, dense)
+    from ..model.varlen_attention import Documents  # here: the model package imports this module
+    if isinstance(attention_mask, Documents):  # packed documents: same-document from their ids
+        mask = BlockMask(kv_pos[comm.group_rank(ring_group)], kv_pos, window, doc_ids=attention_mask.doc_ids)
+    else:
+        dense = _as_allowed(_gather_rows(attention_mask, a2a_group))
+        mask = BlockMask(kv_pos[comm.group_rank(ring_group)], kv_pos, window, dense)
     out = ring_attention(q, k, v, mask, ring_group)  # [a·sl, b, n/a·hn]
     if a > 1:
         out = gather_heads(out.view(a * sl, b, n // a, -1), a2a_group)

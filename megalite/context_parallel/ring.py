@@ -19,8 +19,8 @@ rows and key columns with at least one allowed pair: with the chunks r and 2c-1-
 context_parallel/sharding.py, a block from an earlier rank needs only its first chunk (all
 queries see it whole: no mask), one from a later rank only this rank's second chunk — half a
 block each, as Megatron-LM/Transformer Engine's ring — and the own block its causal mask. A
-sliding window skips blocks wholly outside it. A packed-documents kernel fills `BlockMask.dense`
-(or replaces `block`) with its same-document rule.
+sliding window skips blocks wholly outside it. Packed documents (--reset-attention-mask) add
+their same-document rule from per-token document ids (`BlockMask.doc_ids`; no dense mask).
 """
 from __future__ import annotations
 
@@ -34,11 +34,14 @@ class BlockMask:
     """Which local queries may attend which keys of ring member j. q_pos [sq]: the queries' global
     positions; kv_pos [p, L]: ring member j's keys'; window: keys at most this many positions
     back (None: all earlier ones); dense [B, 1, sq, p·L] bool (B = 1 or the batch): a further
-    mask, its columns ring member by ring member (the gathered order of allgather's masks)."""
+    mask, its columns ring member by ring member (the gathered order of allgather's masks);
+    doc_ids [B, s]: packed documents (model/varlen_attention.py), every token's document in sequence
+    order, a pair allowed only within one document (no dense mask)."""
 
     def __init__(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int | None = None,
-                 dense: torch.Tensor | None = None):
+                 dense: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None):
         self.q_pos, self.kv_pos, self.window, self.dense = q_pos, kv_pos, window, dense
+        self.doc_ids = doc_ids
 
     def block(self, j: int) -> torch.Tensor:
         """[B, sq, L] bool, True: may attend."""
@@ -50,6 +53,9 @@ class BlockMask:
         if self.dense is not None:
             n = self.kv_pos.size(1)
             allowed = allowed & self.dense[:, 0, :, j * n:(j + 1) * n]
+        if self.doc_ids is not None:
+            q_doc, k_doc = self.doc_ids[:, self.q_pos], self.doc_ids[:, self.kv_pos[j]]
+            allowed = allowed & (q_doc.unsqueeze(2) == k_doc.unsqueeze(1))
         return allowed
 
     def plan(self, j: int):

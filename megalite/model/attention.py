@@ -21,6 +21,7 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
 from ..tensor_parallel.layers import set_tp_attributes
 from .config import ExecutionConfig, GPTConfig
 from .norm import Norm
+from .varlen_attention import Documents, document_attention
 from ..context_parallel.attention import gather_kv, ring_layer_attention, ulysses_attention, window_mask
 from ..context_parallel.sharding import chunk_positions, gathered_positions
 
@@ -197,6 +198,8 @@ class CoreAttention(nn.Module):
         fork = self.rng_tracker.fork() if (p > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
         s, b, n, hn = q.shape
         with fork:
+            if isinstance(attention_mask, Documents):  # packed documents (--reset-attention-mask)
+                return self._documents(q, k, v, attention_mask, p)
             if self.use_flash and attention_mask is None:
                 out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                       dropout_p=p, causal=True)  # [b, s, n, hn]
@@ -211,6 +214,19 @@ class CoreAttention(nn.Module):
                         enable_gqa=kb.size(1) != qb.size(1))
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # v's head size (MLA's may differ from q's)
 
+
+    def _documents(self, q, k, v, documents: Documents, p: float):
+        """Attention within each document, tile by tile (model/varlen_attention.py): no [s, s] mask.
+        A sink logit (--softmax-type) joins the softmax through the log-sum-exp: the keys' share
+        of the probability mass is exp(lse - logaddexp(lse, sink))."""
+        s, b = q.shape[:2]
+        qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
+        out, lse = document_attention(qb, kb, vb, documents, p)
+        sinks = self._sinks(qb)
+        if sinks is not None:
+            lse_sink = sinks.float().view(1, -1, 1)
+            out = out * torch.exp(lse - torch.logaddexp(lse, lse_sink)).unsqueeze(-1).to(out.dtype)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _sinks(self, q):
         if self.softmax_type == "learnable":
@@ -320,7 +336,10 @@ class SelfAttention(nn.Module):
         """`attention_mask` (None: causal) narrowed to the sliding window: query i sees key j when
         0 <= i - j <= window, in global positions: under CP this rank's two chunks against the
         gathered keys (context_parallel/sharding.py), while generating the new queries at the end
-        of the cached keys (aligned bottom-right, as the cache's causal mask)."""
+        of the cached keys (aligned bottom-right, as the cache's causal mask). Packed documents
+        carry the window themselves (no mask is built)."""
+        if isinstance(attention_mask, Documents):
+            return attention_mask.with_window(self.window)
         cp = comm.group_size(self.cp_group)
         if cp > 1:
             q_pos = chunk_positions(sk, cp, comm.group_rank(self.cp_group), device)

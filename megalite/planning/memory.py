@@ -197,7 +197,9 @@ def layer_activation_bytes(c, moe: bool = False, cp_type: str | None = None) -> 
     # the scores of s/c queries against all s keys: softmax (2), and with attention dropout its
     # mask (1) and output (2)
     per_score = 5 if c.model.attention_dropout > 0 else 2
-    scores = 0.0 if (granularity == "selective" or c.kernels.use_flash_attn or not keeps_scores) else \
+    # (none kept by flash-attn, nor by packed documents' tiled kernel: model/varlen_attention.py)
+    fused = c.kernels.use_flash_attn or c.data.reset_attention_mask
+    scores = 0.0 if (granularity == "selective" or fused or not keeps_scores) else \
         per_score * a * c.model.seq_length / h
     # 10 = two norm inputs (4), the QKV and fc1 inputs (4), two hidden-dropout masks (2: none without dropout)
     replicated = 8 + (2 if c.model.hidden_dropout > 0 else 0)
