@@ -2,8 +2,8 @@
 
 - one spawn of 4 gloo ranks runs every type at CP 2 (two groups of 2) and CP 4 (a2a+p2p as 2 x 2)
   against one process's attention on the whole sequence: output and the gradients of q, k and v,
-  for a causal mask, a sliding window and document masks, with GQA (key/value heads split over
-  the a2a ranks, and replicated when fewer);
+  causal, with a sliding window, with packed documents (their ids) and with allgather's dense
+  causal mask, with GQA (key/value heads split over the a2a ranks, and replicated when fewer);
 - the ring's load balance: with the causal chunk order each rank computes the same number of
   (query, key) pairs, half of each block from another rank;
 - pretrain_gpt.py trains the same model as one process with each type (CP 2, CP 4, 2 x 2, with
@@ -22,7 +22,9 @@ from tiny import tiny
 
 S, B, N, HN = 32, 2, 4, 8
 CASES = [("p2p", 2), ("p2p", 4), ("a2a", 2), ("a2a", 4), ("a2a+p2p", 4)]
-MASKS = ("causal", "window", "documents")
+# "dense": the additive causal mask in gathered key order that GPTModel builds when some layer is
+# allgather (a mixed per-layer --cp-comm-type hands it to the p2p and a2a layers too)
+MASKS = ("causal", "window", "documents", "dense")
 
 
 def _reference(q, k, v, w, mask_kind):
@@ -32,7 +34,9 @@ def _reference(q, k, v, w, mask_kind):
     attention = CoreAttention(0.0, ExecutionConfig(), None)
     mask = _full_mask(mask_kind)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = attention(*ref, None if mask is None else mask[0]["attention_mask"] if kind_is_doc(mask_kind) else mask[0])
+    if mask is not None:
+        mask = mask[0]["attention_mask"] if mask_kind == "documents" else mask[0]
+    out = attention(*ref, mask)
     (out * w).sum().backward()
     return out.detach(), [t.grad for t in ref]
 
@@ -46,18 +50,14 @@ def _full_mask(kind):
     if kind == "window":
         pos = torch.arange(S)
         return window_mask(pos, pos, 5), 5
-    return None
-
-
-def kind_is_doc(kind):
-    return kind == "documents"
+    return None  # causal, and "dense" (the same function)
 
 
 def _worker(rank, world):
     import torch.distributed as dist
 
     from megalite.context_parallel.attention import ring_layer_attention, ulysses_attention
-    from megalite.context_parallel.sharding import slice_batch
+    from megalite.context_parallel.sharding import causal_mask, slice_batch
     from megalite.model import ExecutionConfig
     from megalite.model.attention import CoreAttention
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -70,7 +70,7 @@ def _worker(rank, world):
         torch.manual_seed(g)
         q, w = torch.randn(S, B, N, HN), torch.randn(S, B, N * HN)
         k, v = torch.randn(S, B, g, HN), torch.randn(S, B, g, HN)
-        for kind in MASKS:
+        for kind in MASKS if g == 2 else ("causal",):  # one kv head: a2a over 4 ranks replicates it
             ref_out, ref_grads = _reference(q, k, v, w, kind)
             full = _full_mask(kind)
             for comm_type, cp in CASES:
@@ -81,6 +81,9 @@ def _worker(rank, world):
                     mask = slice_batch(full[0], cp, cp_rank)["attention_mask"]
                 elif kind == "window":
                     window = full[1]
+                elif kind == "dense":
+                    allowed = causal_mask(S // cp, cp, cp_rank)
+                    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
                 local = [t[idx].clone().requires_grad_() for t in (q, k, v)]
                 if comm_type == "a2a":
                     got = ulysses_attention(*local, mask, window, groups[cp], attention)
@@ -96,7 +99,7 @@ def _worker(rank, world):
 def test_every_type_equals_full_attention():
     """GQA with 2 and with 1 key/value head (a2a over 4 ranks replicates them); causal, window, documents."""
     for rank, results in enumerate(spawn(_worker, 4)):
-        assert len(results) == 2 * len(MASKS) * len(CASES)
+        assert len(results) == (len(MASKS) + 1) * len(CASES)
         for key, pairs in results.items():
             for what, (got, want) in zip(("out", "dq", "dk", "dv"), pairs):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {key} {what}: {m}")
@@ -127,12 +130,11 @@ MODEL = tiny(num_layers=2, seq_length=64, lr=3e-3, train_iters=5, log_interval=1
     "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2",
     "--disable-bias-linear", "--normalization", "RMSNorm"]
 CP2, CP4, TP2 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"], ["--tensor-model-parallel-size", "2"]
-LAYOUTS = {  # id: (processes, flags); CP 2 alone is in the TP 2 and PP 2 layouts (and _worker above)
+LAYOUTS = {  # id: (processes, flags); CP 2 is in the TP 2 and PP 2 layouts (a2a in PP 2's second stage)
     "p2p-cp4": (4, CP4 + ["--cp-comm-type", "p2p"]),
     "a2a-cp4-kv-replicated": (4, CP4 + ["--cp-comm-type", "a2a"]),
     "a2a+p2p-2x2": (4, CP4 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]),
     "p2p-tp2-cp2-sp": (4, TP2 + CP2 + ["--cp-comm-type", "p2p", "--sequence-parallel"]),
-    "a2a-tp2-cp2": (4, TP2 + CP2 + ["--cp-comm-type", "a2a"]),
     # one type per layer: layer 0 (stage 0) p2p, layer 1 (stage 1) a2a
     "p2p-a2a-per-layer-pp2-cp2": (4, CP2 + ["--pipeline-model-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"]),
 }

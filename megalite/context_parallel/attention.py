@@ -53,7 +53,10 @@ def _as_allowed(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _gather_rows(mask: torch.Tensor | None, group) -> torch.Tensor | None:
-    """[B, 1, sl, s] -> [B, 1, a·sl, s]: the mask rows of the group's queries (rank order)."""
+    """[B, 1, sl, s] (or GPTModel's [sl, s]) -> [B, 1, a·sl, s]: the mask rows of the group's
+    queries (rank order)."""
+    if mask is not None and mask.dim() == 2:
+        mask = mask[None, None]
     if mask is None or comm.group_size(group) == 1:
         return mask
     if mask.dtype == torch.bool:  # gloo has no bool collectives
