@@ -1,6 +1,6 @@
 """--cp-comm-type p2p (ring), a2a (Ulysses) and a2a+p2p (hierarchical) compute full attention exactly.
 
-- one spawn of 4 gloo ranks runs every type at CP 2 (two groups of 2) and CP 4 (a2a+p2p as 2 x 2)
+- one spawn of 4 gloo ranks runs p2p at CP 2 (two groups of 2) and CP 4, a2a at CP 4, a2a+p2p as 2 x 2
   against one process's attention on the whole sequence: output and the gradients of q, k and v,
   causal, with a sliding window, with packed documents (their ids) and with allgather's dense
   causal mask, with GQA (key/value heads split over the a2a ranks, and replicated when fewer);
@@ -21,7 +21,9 @@ from megalite.data.batch import build_batch
 from tiny import tiny
 
 S, B, N, HN = 32, 2, 4, 8
-CASES = [("p2p", 2), ("p2p", 4), ("a2a", 2), ("a2a", 4), ("a2a+p2p", 4)]
+# CP 2 (two groups of 2) for the ring's two-member case with every mask; CP 2's kv-head split for
+# a2a trains in the PP 2 layout below
+CASES = [("p2p", 2), ("p2p", 4), ("a2a", 4), ("a2a+p2p", 4)]
 # "dense": the additive causal mask in gathered key order that GPTModel builds when some layer is
 # allgather (a mixed per-layer --cp-comm-type hands it to the p2p and a2a layers too)
 MASKS = ("causal", "window", "documents", "dense")
