@@ -175,6 +175,9 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
             "--num-query-groups", "6"], 4, r"--num-query-groups \(6\) .* neither split over nor divide the 4"),
     (CP2 + ["--cp-comm-type", "p2p", "--attention-dropout", "0.1"], 2, "--attention-dropout 0"),
     (CP2 + ["--cp-comm-type", "a2a", "--softmax-type", "off-by-one"], 2, "--softmax-type off-by-one"),
+    (CP2 + ["--cp-comm-type", "p2p", "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16",
+            "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8", "--position-embedding-type", "rope"],
+     2, "multi-latent attention .* runs allgather only"),
 ])
 def test_bad_cp_comm_types_are_refused(flags, world, message):
     with pytest.raises(ArgumentError, match=message):
