@@ -115,7 +115,7 @@ FILE_SECONDS = {"test_compile.py": 150, "test_layouts_gpt_oss.py": 125, "test_me
                 "test_megatron_moe_examples.py": 70, "test_spikes.py": 60, "test_megatron_mixtral_example.py": 50,
                 "test_qwen3_examples.py": 50, "test_mtp.py": 50, "test_restart.py": 37, "test_lifecycle.py": 30,
                 "test_straggler.py": 25, "test_timeout.py": 25, "test_mla.py": 80, "test_layouts_deepseek_v3.py": 70,
-                "test_hf_deepseek.py": 45, "test_upcycling.py": 40, "test_cp_comm_types.py": 45}
+                "test_hf_deepseek.py": 45, "test_upcycling.py": 40, "test_cp_comm_types.py": 35}
 
 
 def _heaviest_files_first(items):

@@ -189,3 +189,15 @@ def test_bad_cp_comm_types_are_refused(flags, world, message):
         while j < len(flags) and not flags[j].startswith("--"):
             j += 1
         validate_args(parse_args(BASE + flags[:i] + flags[j:]), world)
+
+
+def test_hierarchical_groups_follow_megatron():
+    """--hierarchical-context-parallel-sizes 2 2 on TP 2 x CP 4: the first level pairs adjacent CP
+    ranks, the second the CP ranks with the same place in their pair (global ranks, TP fastest)."""
+    from megalite.parallel_state import RankGrid
+    grid = RankGrid(8, tp=2, cp=4)
+    assert grid.groups("cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    first, second = grid.hierarchical_cp_groups([2, 2])
+    assert first == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert second == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.hierarchical_cp_groups(None) == []
