@@ -44,7 +44,8 @@ def measure(m: dict, group, rank: int, world: int) -> dict:
     import torch
 
     from megalite.data.batch import build_batch
-    from megalite.model import GPTConfig, GPTModel
+    from megalite.model import ExecutionConfig, GPTConfig, GPTModel
+    from megalite.context_parallel.attention import set_hierarchy
     from megalite.context_parallel.sharding import slice_batch
     from megalite.recompute import SavedActivations
     cfg = GPTConfig(num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
@@ -52,7 +53,9 @@ def measure(m: dict, group, rank: int, world: int) -> dict:
                     max_position_embeddings=m["seq"], hidden_dropout=0.0, attention_dropout=0.0,
                     position_embedding_type="rope",
                     num_query_groups=m["groups"])
-    model = GPTModel(cfg, cp_group=group)
+    model = GPTModel(cfg, cp_group=group, execution=ExecutionConfig(cp_comm_type=(m.get("cp_type", "allgather"),)))
+    if m.get("levels"):
+        set_hierarchy(model, m["levels"])
     model.initialize(1234)
     model.train()
     params = list(model.parameters())
@@ -65,12 +68,16 @@ def measure(m: dict, group, rank: int, world: int) -> dict:
         loss = losses.float().sum() / batch.get("num_tokens_sequence", batch["loss_mask"].sum())
         loss.backward()
 
-    step()  # warm-up
+    if m["steps"]:
+        step()  # warm-up
     gc.collect()
     counter = SavedActivations(params)
     counter.region = "embedding"
     model.decoder.register_forward_pre_hook(lambda *_: setattr(counter, "region", "layers"))
     model.decoder.register_forward_hook(lambda *_: setattr(counter, "region", "head"))
+    for layer in model.decoder.layers:  # --types: the attention block's part of each layer
+        layer.self_attention.register_forward_pre_hook(lambda *_: setattr(counter, "region", "attention"))
+        layer.self_attention.register_forward_hook(lambda *_: setattr(counter, "region", "layers"))
     step(counter)
     times = []
     for _ in range(m["steps"]):
@@ -79,8 +86,10 @@ def measure(m: dict, group, rank: int, world: int) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"rank": rank, "layers_bytes": counter.nbytes("layers") / m["layers"], "model_bytes": counter.nbytes(),
-            "step_s": sum(times) / len(times)}
+    attention = counter.nbytes("attention") / m["layers"]
+    return {"rank": rank, "layers_bytes": counter.nbytes("layers") / m["layers"] + attention,
+            "attention_bytes": attention, "model_bytes": counter.nbytes(),
+            "step_s": sum(times) / len(times) if times else float("nan")}
 
 
 def _rank_main(rank, world, port, m, queue):
@@ -93,6 +102,10 @@ def _rank_main(rank, world, port, m, queue):
         if world > 1:
             dist.init_process_group("gloo", rank=rank, world_size=world)
             group = dist.group.WORLD
+        if m.get("cp_type") == "a2a+p2p":  # --hierarchical-context-parallel-sizes 2 c/2
+            firsts = [dist.new_group(list(range(i, i + 2))) for i in range(0, world, 2)]
+            seconds = [dist.new_group(list(range(i, world, 2))) for i in range(2)]
+            m = dict(m, levels=[firsts[rank // 2], seconds[rank % 2]])
         queue.put(("ok", measure(m, group, rank, world)))
         if world > 1:
             dist.barrier()
@@ -134,7 +147,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--json")
+    ap.add_argument("--types", nargs="+", choices=["allgather", "a2a", "p2p", "a2a+p2p"],
+                    help="sweep: per-rank attention activations of each --cp-comm-type at each of --seqs and --cp")
+    ap.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     a = ap.parse_args()
+    if a.types:
+        return sweep(a)
     m = {"seq": a.seq, "hidden": a.hidden, "heads": a.heads, "groups": a.query_groups or a.heads, "layers": a.layers, "vocab": 512, "micro_batch": 1,
          "steps": a.steps}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -159,6 +177,41 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"commit": commit, "model": m, "rows": rows}, f, indent=1)
+
+
+def sweep(a) -> None:
+    """--types: attention activations per layer and rank (what the self-attention block saves for
+    backward) of each type, CP size and sequence length, beside planning/context_parallel.py's."""
+    from megalite.planning.context_parallel import attention_activation_bytes
+    groups = a.query_groups or a.heads
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; "
+          f"commit {commit}; model: {a.layers} layers, hidden {a.hidden}, {a.heads} heads, {groups} query groups, "
+          f"RoPE, fp32, micro-batch 1")
+    print("| seq | CP | --cp-comm-type | attention activations / layer / rank (MiB), measured max | plan.py | "
+          "whole layer (MiB) | step (s) |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for seq in a.seqs:
+        for c in a.cp:
+            for t in a.types:
+                if t == "a2a+p2p" and c < 4:
+                    continue
+                m = {"seq": seq, "hidden": a.hidden, "heads": a.heads, "groups": groups, "layers": a.layers,
+                     "vocab": 512, "micro_batch": 1, "steps": a.steps, "cp_type": t}
+                res = run(m, c)
+                att = max(r["attention_bytes"] for r in res)
+                est = attention_activation_bytes(t, seq, 1, a.hidden, a.heads, groups, c, a2a=2, dtype_bytes=4)
+                if t == "allgather" and c > 1:  # its [s/c, s] fp32 causal mask, shared by the layers
+                    est += seq / c * seq * 4 / a.layers
+                row = {"seq": seq, "cp": c, "type": t, "attention_bytes": att, "plan_bytes": est,
+                       "layer_bytes": max(r["layers_bytes"] for r in res), "step_s": max(r["step_s"] for r in res)}
+                rows.append(row)
+                print(f"| {seq} | {c} | {t} | {att / MiB:.2f} | {est / MiB:.2f} | {row['layer_bytes'] / MiB:.2f} | "
+                      f"{row['step_s']:.2f} |", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"commit": commit, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -346,6 +346,26 @@ def recv(tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
     return tensor
 
 
+class _Works:
+    """The handles of one batch of sends and receives, waited for together under the monitor."""
+
+    def __init__(self, works, name: str):
+        self.works, self.name = works, name
+
+    def wait(self) -> None:
+        if self.works:
+            works, self.works = self.works, []
+            _blocking(self.name, None, lambda: [w.wait() for w in works])
+
+
+def exchange_async(ops: list) -> _Works:
+    """As `exchange`, returning at once: wait() on the result completes every send and receive
+    (ring attention posts the next block's transfer, then computes on the block it holds)."""
+    if not ops or dist.get_backend() == "fake":
+        return _Works([], "")
+    return _Works(dist.batch_isend_irecv(ops), f"send/recv with rank(s) {sorted({op.peer for op in ops})}")
+
+
 def launcher_store(timeout_s: float):
     """A client of the launcher's key-value store (torchrun's agent store at MASTER_ADDR:MASTER_PORT):
     lets ranks exchange a few bytes without a process group, e.g. to report one error once."""

@@ -16,6 +16,7 @@ from .checkpoint.load import load_checkpoint
 from .checkpoint.megatron_saver import MegatronSaver
 from .checkpoint.save import CheckpointSaver
 from .checkpoint.upcycle import load_upcycled
+from .context_parallel.attention import set_hierarchy
 from .checkpoint.state import TrainState
 from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
@@ -110,7 +111,8 @@ def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None, mo
                                    cfg.virtual_pipeline_model_parallel_size, cfg.rank_order,
                                    timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size,
                                    ep=cfg.expert_model_parallel_size, moe=moe,
-                                   etp=cfg.expert_tensor_parallel_size)
+                                   etp=cfg.expert_tensor_parallel_size,
+                                   hierarchical_cp=cfg.hierarchical_context_parallel_sizes)
     # zbv: chunk 1 of rank r is virtual stage 2p-1-r, the loss on pipeline rank 0
     ps.v_shape = cfg.pipeline_schedule is not None and v_shape(cfg.pipeline_schedule)
     if closing is not None and not created:
@@ -146,6 +148,8 @@ def build_model(config: GPTConfig, ps, seed: int, device: torch.device, on_meta:
                          post_process=ps.is_loss_stage and c == ps.vpp - 1, layer_offset=offset, num_layers=n,
                          device="meta" if on_meta else device, cp_group=ps.cp_group, execution=execution,
                          ep_group=ps.ep_group, token_group=ps.tp_cp_group, etp_group=ps.etp_group)
+        if ps.hcp_groups:  # --cp-comm-type a2a+p2p's levels
+            set_hierarchy(chunk, ps.hcp_groups)
         if not on_meta:
             chunk.initialize(seed)
         chunks.append(chunk)

@@ -154,6 +154,24 @@ class RankGrid:
             result.append(sorted(members))
         return sorted(result)
 
+    def hierarchical_cp_groups(self, sizes) -> list[list[list[int]]]:
+        """--hierarchical-context-parallel-sizes: per level, the groups of ranks that differ only in
+        that level's digit of the CP rank (mixed radix, the first level fastest: with sizes (2, 2)
+        CP ranks {0, 1} and {2, 3} form the first level, {0, 2} and {1, 3} the second, as
+        Megatron-LM's "every two adjacent ranks" and "the same odevity")."""
+        if sizes is None:
+            return []
+        levels, stride = [], 1
+        for size in sizes:
+            groups = []
+            for cp_group in self.groups("cp"):  # sorted by global rank, i.e. by CP rank
+                for base in range(len(cp_group)):
+                    if (base // stride) % size == 0:
+                        groups.append([cp_group[base + i * stride] for i in range(size)])
+            levels.append(sorted(groups))
+            stride *= size
+        return levels
+
     def embedding_groups(self) -> list[list[int]]:
         """First and last stage of every pipeline: they share the tied word embedding."""
         return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
@@ -180,6 +198,7 @@ class ParallelState:
     expert_dp_group: object = None  # an expert's replicas: its gradient reduction, ZeRO sharding
     tp_dp_cp_group: object = None  # MoE: every rank of this pipeline stage (expert-bias token counts)
     tp_cp_group: object = None  # MoE: the ranks holding one micro-batch's tokens (TP under SP, x CP)
+    hcp_groups: list = field(default_factory=list)  # --hierarchical-context-parallel-sizes: this rank's group per level
     groups: list = field(default_factory=list)  # every group this rank is in, for destroy()
     pp_ranks: list[int] = field(default_factory=lambda: [0])
     tp_ranks: list[int] = field(default_factory=lambda: [0])
@@ -346,7 +365,7 @@ def single_process_state() -> ParallelState:
 
 def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp",
                timeout_minutes: float | None = None, cp: int = 1, ep: int = 1, moe: bool = False,
-               etp: int | None = None) -> ParallelState:
+               etp: int | None = None, hierarchical_cp: list[int] | None = None) -> ParallelState:
     """Create every process group of the grid; torch.distributed must already be initialised
     (or the world must be a single process). `timeout_minutes` bounds each group's collectives
     (new groups do not inherit the default group's timeout: torch gives them its own default)."""
@@ -391,6 +410,7 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp
     if moe:
         ps.tp_cp_group = ps.tp_group if cp == 1 else ps.cp_group if tp == 1 else make(grid.groups("tp", "cp"))[0]
         ps.tp_dp_cp_group = make(grid.groups("tp", "dp", "cp"))[0]
+    ps.hcp_groups = [make(level)[0] for level in grid.hierarchical_cp_groups(hierarchical_cp)]
     emb = make(grid.embedding_groups())
     # ranks outside the first/last stage belong to no embedding group
     if emb is not None:

@@ -117,7 +117,8 @@ FILE_SECONDS = {"test_compile.py": 150, "test_layouts_gpt_oss.py": 125, "test_me
                 "test_straggler.py": 25, "test_timeout.py": 25, "test_mla.py": 80, "test_layouts_deepseek_v3.py": 70,
                 "test_hf_deepseek.py": 45, "test_upcycling.py": 40, "test_zero_bubble.py": 20,
                 "test_layouts_muon.py": 25, "test_qk_clip.py": 45, "test_optimizer_precision.py": 25,
-                "test_megatron_hf.py": 25, "test_megatron_checkpoints.py": 60}
+                "test_megatron_hf.py": 25, "test_megatron_checkpoints.py": 60,
+                "test_cp_comm_types.py": 35}
 
 
 def _heaviest_files_first(items):

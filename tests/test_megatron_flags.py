@@ -316,10 +316,17 @@ def test_attention_mask_flag():
     tokens = torch.tensor([[1, 2, 0, 3, 4, 0, 5]])
     assert build_batch(tokens, 0, reset_attention_mask=True)["attention_mask"] is not None
     assert build_batch(tokens, 0, reset_attention_mask=True, create_attention_mask=False)["attention_mask"] is None
-    with pytest.raises(ArgumentError, match="--reset-attention-mask needs the attention mask"):
+    with pytest.raises(ArgumentError, match="--reset-attention-mask needs the document boundaries"):
         validate_args(parse_args(BASE[3:] + ["--train-iters", "1", "--data-path", "x", "--tokenizer-type",
                                              "NullTokenizer", "--vocab-size", "9", "--reset-attention-mask",
                                              "--no-create-attention-mask-in-dataloader"]), 1, check_files=False)
+    # packed documents run megalite's tiled kernel whatever --attention-backend names: said, not ignored
+    documents = BASE[3:] + ["--train-iters", "1", "--data-path", "x", "--tokenizer-type", "NullTokenizer",
+                            "--vocab-size", "9", "--reset-attention-mask"]
+    a = validate_args(parse_args(documents + ["--attention-backend", "unfused"]), 1, check_files=False)
+    assert any("--attention-backend unfused: --reset-attention-mask attends within documents" in n for n in a.notices)
+    with pytest.raises(ArgumentError, match="--use-flash-attn's varlen kernel is not wired in"):
+        validate_args(parse_args(documents + ["--use-flash-attn"]), 1, check_files=False)
 
 
 def test_no_mmap_reads_the_same_tokens_without_a_map(tmp_path):

@@ -158,3 +158,12 @@ def test_muon_bf16_momentum_resumes_exactly_on_another_layout(corpus, tmp_path):
     layout = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
     resumed, _ = run_pretrain(4, corpus + muon + layout + ["--load", str(save)], tmp_path, "tp2dp2")
     assert_losses_close(train_losses(full)[3:], train_losses(resumed), rtol=1e-5)
+
+
+def test_qk_clip_refused_with_ring_or_head_sharded_context_parallelism():
+    """Its largest logit needs the whole sequence's keys beside each rank's queries: only allgather CP has them."""
+    cp = OK + ["--qk-clip", "--context-parallel-size", "2"]
+    validate_args(parse_args(cp), 2)  # allgather, the default
+    for kind in ("p2p", "a2a"):
+        with pytest.raises(ArgumentError, match=rf"--qk-clip with --cp-comm-type {kind} is not supported"):
+            validate_args(parse_args(cp + ["--cp-comm-type", kind]), 2)

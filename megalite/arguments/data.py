@@ -16,9 +16,9 @@ DATA_PATHS = ("data_path", "train_data_path", "valid_data_path", "test_data_path
 def check_data(c: RunConfig) -> None:
     d, tok = c.data, c.tokenizer
     if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
-        fail("--reset-attention-mask needs the attention mask the data loader builds (documents may not attend "
-             "to each other), which --no-create-attention-mask-in-dataloader turns off; drop one of them "
-             "(Megatron-LM would silently attend across documents)")
+        fail("--reset-attention-mask needs the document boundaries the data loader builds in place of an "
+             "attention mask (documents may not attend to each other), which --no-create-attention-mask-in-dataloader "
+             "turns off; drop one of them (Megatron-LM would silently attend across documents)")
     paths = {dest: getattr(d, dest) for dest in DATA_PATHS}
     given = [dest for dest, v in paths.items() if v is not None]
     try:

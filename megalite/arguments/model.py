@@ -49,7 +49,11 @@ def check_model_shape(c: RunConfig) -> None:
             fail(f"--rotary-percent {m.rotary_percent} x {m.kv_channels} channels per head = {rot} rotated "
                  f"channels; RoPE needs a positive even number")
     if c.data.reset_attention_mask and k.use_flash_attn:
-        fail("--reset-attention-mask needs an explicit mask, which --use-flash-attn does not take")
+        fail("--reset-attention-mask attends within documents with megalite's tiled kernel "
+             "(model/varlen_attention.py); --use-flash-attn's varlen kernel is not wired in: drop --use-flash-attn")
+    if c.data.reset_attention_mask and k.attention_backend != "auto":
+        c.notices.append(f"--attention-backend {k.attention_backend}: --reset-attention-mask attends within "
+                         "documents with megalite's tiled kernel (model/varlen_attention.py) instead")
     if k.use_flash_attn and k.attention_backend not in ("auto", "flash"):
         fail(f"--use-flash-attn selects the flash-attn package, which --attention-backend "
              f"{k.attention_backend} excludes; use --attention-backend flash (or auto)")
@@ -272,6 +276,8 @@ def check_attention_backend(c: RunConfig) -> None:
 
     from ..model.attention import probe_attention
     k, m, tp = c.kernels, c.model, c.parallel.tensor_model_parallel_size
+    if c.data.reset_attention_mask:  # its own kernel (check_model_shape's notice), not the backend's
+        return
     if k.attention_backend == "auto" and not k.use_flash_attn:
         return
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -283,7 +289,7 @@ def check_attention_backend(c: RunConfig) -> None:
             probe_attention(k.attention_backend, k.use_flash_attn, heads=m.num_attention_heads // tp,
                             groups=m.num_query_groups // tp, head_dim=m.kv_channels, dtype=dtype,
                             dropout=m.attention_dropout,
-                            with_mask=c.data.reset_attention_mask or m.window_size is not None, device=device)
+                            with_mask=m.window_size is not None, device=device)
             return
         except Exception as e:  # the kernel's own reason, shortened
             error = e
@@ -293,4 +299,4 @@ def check_attention_backend(c: RunConfig) -> None:
     fail(f"--attention-backend {k.attention_backend} cannot run here ({device.type}, "
          f"{c.optimizer.params_dtype}, head size {m.kv_channels}"
          f"{', attention dropout ' + str(m.attention_dropout) if m.attention_dropout else ''}"
-         f"{', --reset-attention-mask' if c.data.reset_attention_mask else ''}): {reason}")
+         f"): {reason}")

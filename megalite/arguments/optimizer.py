@@ -54,6 +54,11 @@ def check_qk_clip(c: RunConfig) -> None:
     if m.multi_latent_attention:
         fail("--qk-clip with --multi-latent-attention is not supported: clipping MLA's up-projections (Kimi K2's "
              "per-head form) is not implemented; use standard attention, or drop --qk-clip")
+    ring_or_heads = sorted(set(c.parallel.cp_comm_type) - {"allgather"})
+    if c.parallel.context_parallel_size > 1 and ring_or_heads:
+        fail(f"--qk-clip with --cp-comm-type {' '.join(ring_or_heads)} is not supported: the largest logit is "
+             "recomputed from each rank's queries against the whole sequence's keys, which only allgather holds "
+             "(a2a splits the heads over CP, p2p never gathers the keys); use --cp-comm-type allgather")
     if m.qk_layernorm:
         fail("--qk-clip with --qk-layernorm would do nothing: the per-head norms undo any rescaling of the query "
              "and key projections; drop one of them")

@@ -32,15 +32,17 @@ class DataConfig:
     eod_mask_loss: bool = flag("--eod-mask-loss", False, "no loss on end-of-document tokens", action="store_true")
     reset_position_ids: bool = flag("--reset-position-ids", False, "positions restart after each end-of-document",
                                     action="store_true")
-    reset_attention_mask: bool = flag("--reset-attention-mask", False, "no attention across documents",
+    reset_attention_mask: bool = flag("--reset-attention-mask", False, "no attention across documents (attended "
+                                      "tile by tile from per-token document ids; no [s, s] mask)",
                                       action="store_true")
     num_workers: int = flag("--num-workers", 0, "data loader worker processes (>= 0; 0: none)",
                             check=at_least_0("0: load in the main process"))
     create_attention_mask_in_dataloader: bool = flag(
         "--no-create-attention-mask-in-dataloader", True,
         "the data loader builds no attention mask (causal attention needs none); refused with "
-        "--reset-attention-mask, whose document mask the loader builds. Without it megalite builds a mask only for "
-        "--reset-attention-mask: a plain causal mask would equal is_causal", action="store_false")
+        "--reset-attention-mask, whose document boundaries (per-token document ids, in place of Megatron-LM's "
+        "[s, s] mask) the loader builds. Without it megalite builds them only for --reset-attention-mask: a plain "
+        "causal mask would equal is_causal", action="store_false")
     mmap_bin_files: bool = flag(
         "--no-mmap-bin-files", True, "read each sample from the .bin files with a positioned read instead of "
         "memory-mapping them (as Megatron-LM; for file systems where mmap is slow)", action="store_false")

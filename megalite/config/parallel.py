@@ -26,8 +26,21 @@ class ParallelConfig:
     context_parallel_size: int = flag(
         "--context-parallel-size", 1,
         "CP (>= 1): each sequence split over this many ranks (2·CP chunks, rank r keeps chunks r and 2·CP-1-r); "
-        "keys/values all-gathered for exact attention; gradients reduced and ZeRO-1 sharded over DP x CP. "
+        "attention exact by --cp-comm-type; gradients reduced and ZeRO-1 sharded over DP x CP. "
         "--seq-length must divide by 2·CP (2·CP·TP with --sequence-parallel)", check=AT_LEAST_1)
+    cp_comm_type: list = flag(
+        "--cp-comm-type", None, "how context-parallel attention communicates: allgather (keys/values all-gathered), "
+        "p2p (ring attention: key/value blocks passed around the CP ring, outputs merged by log-sum-exp), a2a "
+        "(Ulysses: all-to-all from sequence- to head-sharded, whole-sequence attention, all-to-all back) or a2a+p2p "
+        "(a2a within the first level of --hierarchical-context-parallel-sizes, p2p across the second); one value, "
+        "or one per layer. Default allgather (Megatron-LM's default is p2p: same function, less memory; "
+        "docs/parallelism.md)", type=str, nargs="+", choices=["p2p", "a2a", "allgather", "a2a+p2p"],
+        default_factory=lambda: ["allgather"])
+    hierarchical_context_parallel_sizes: list | None = flag(
+        "--hierarchical-context-parallel-sizes", None, "the CP group as levels, e.g. '2 2' for CP 4: every 2 "
+        "adjacent CP ranks form a first-level group (a2a), the CP ranks with the same place in it a second-level "
+        "group (p2p); the sizes multiply to --context-parallel-size (used by --cp-comm-type a2a+p2p)",
+        type=int, nargs="+")
     expert_model_parallel_size: int = flag(
         "--expert-model-parallel-size", 1, "EP (>= 1): each MoE layer's experts split over this many ranks, taken "
         "from the DP x CP ranks (which must divide by it); expert weights are data-parallel over the remaining "

@@ -7,20 +7,29 @@ Megatron-LM's CP (and Liu et al. 2023's striped/zig-zag variants of ring attenti
 sequence is cut into 2·c chunks and rank r takes chunks r and 2c-1-r: every rank gets one early
 and one late chunk, the same number of (query, key) pairs under the causal mask.
 
-Attention. Every rank all-gathers the keys and values of the whole sequence (forward), computes
-exact softmax(Q·Kᵀ)·V of its local queries against all keys with a mask built from the global
-positions (causal, and same-document under --reset-attention-mask), and the all-gather's
-backward reduce-scatters dK/dV back to their owners. This is the all-gather form of CP used for
-Llama 3 (Llama 3 paper, Sec. 3.3.2; Megatron-LM's cp_comm_type "all_gather"), chosen over ring
-attention with online softmax (Liu et al. 2023; Megatron-LM's "p2p") because:
-  - it is exact in one pass with any mask: document masks (--reset-attention-mask) need no
-    per-step block bookkeeping, and any attention kernel that takes a mask works unchanged;
-  - GQA stays simple and cheap: the kv heads are gathered before they are expanded, so the
-    traffic is 2·s·g·hn per layer, not 2·s·n·hn;
-  - on gloo/CPU there is no compute to overlap a ring's sends with, so the ring's one real
-    advantage (overlap, O(s/c) K/V memory) buys nothing here.
-Its cost: O(s) keys and values per rank per layer (not O(s/c)); every other activation (the
-[s/c, b, h] residual stream, MLP, norms, logits, the [s/c, s] scores) still divides by c.
+Attention, by --cp-comm-type (Megatron-LM's names and semantics; one type, or one per layer):
+  - allgather (attention.py, megalite's default): every rank all-gathers the keys and values of the
+    whole sequence (the kv heads, before GQA expands them), its local queries attend with a mask
+    built from the global positions (causal, --window-size, same-document under
+    --reset-attention-mask), and the all-gather's backward reduce-scatters dK/dV: the Llama 3 form
+    (paper Sec. 3.3.2). Exact in one pass with any mask and any kernel that takes one; its cost
+    is O(s) keys and values per rank per layer, and with an unfused kernel the [s/c, s] scores.
+  - p2p (ring.py): ring attention (Liu et al. 2023): key/value blocks travel around the CP ring,
+    partial outputs merge by their log-sum-exp, the backward runs the ring again with dK/dV
+    travelling with the blocks. O(s/c) keys, values and no scores per rank; the causal load
+    balance of the chunk order is kept by cutting each block to its allowed rows and columns.
+  - a2a (ulysses.py): DeepSpeed-Ulysses: an all-to-all turns [s/c, heads] into [s, heads/c], the
+    sequence is put back in order and attention runs as on one process over 1/c of the heads,
+    an all-to-all turns the output back. Needs the heads to split over c (GQA kv heads are
+    replicated when fewer than c).
+  - a2a+p2p: --hierarchical-context-parallel-sizes A P (A·P = c): Ulysses within each group of A
+    adjacent CP ranks, then the ring across the P groups (each ring member's keys are its a2a
+    group's chunks).
+Megatron-LM defaults to p2p; megalite keeps allgather as its default (the function is the same,
+within rounding) because allgather alone runs attention dropout, softmax sinks and MLA under CP
+(arguments/context_parallel.py refuses the others' gaps with one line). Memory per type:
+planning/context_parallel.py. On gloo/CPU the ring posts the next block's transfer before
+computing on the current one (forward); its backward passes blocks synchronously.
 
 The gathered keys are laid out in rank order (rank 0's two chunks, then rank 1's, ...), not in
 sequence order: instead of permuting them, the mask's columns follow the same order

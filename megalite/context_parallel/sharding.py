@@ -23,7 +23,9 @@ def gathered_positions(seq_length: int, cp_size: int, device=None) -> torch.Tens
 def slice_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
     """This CP rank's part of a micro-batch from data.batch.build_batch: tokens, labels, loss
     mask and position ids ([b, s] -> [b, s/c], its two chunks); the attention mask
-    ([b, 1, s, s] -> [b, 1, s/c, s]: its queries' rows, the columns in gathered key order).
+    ([b, 1, s, s] -> [b, 1, s/c, s]: its queries' rows, the columns in gathered key order), or the
+    packed `Documents`: the whole sequence's document ids, its queries' sequence indices and the
+    gathered keys'.
 
     `num_tokens_sequence` keeps the loss-token count of the whole micro-batch: Megatron-LM's
     per-micro-batch mean loss divides by it on every CP rank, so the CP ranks' partial sums add
@@ -36,8 +38,11 @@ def slice_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
     idx = chunk_positions(s, cp_size, cp_rank, device)
     out = {k: batch[k][:, idx].contiguous() for k in ("input_ids", "labels", "loss_mask", "position_ids")}
     out["num_tokens_sequence"] = batch["loss_mask"].sum()
+    from ..model.varlen_attention import Documents  # here: the model package imports this module
     mask = batch["attention_mask"]
-    if mask is not None:
+    if isinstance(mask, Documents):
+        mask = Documents(mask.doc_ids, idx, gathered_positions(s, cp_size, device), mask.window)
+    elif mask is not None:
         mask = mask[:, :, idx][:, :, :, gathered_positions(s, cp_size, device)].contiguous()
     out["attention_mask"] = mask
     return out

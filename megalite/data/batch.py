@@ -16,6 +16,7 @@ import torch
 from .. import comm
 from ..config import DataConfig
 from ..context_parallel.sharding import slice_batch
+from ..model.varlen_attention import Documents
 from .samplers import PretrainingSampler
 
 
@@ -28,13 +29,14 @@ def build_batch(tokens: torch.Tensor, eod: int | None = None, reset_position_ids
                 reset_attention_mask: bool = False, eod_mask_loss: bool = False,
                 create_attention_mask: bool = True) -> dict:
     """tokens [b, s + 1] -> dict of input_ids, labels, loss_mask, position_ids ([b, s]) and
-    attention_mask ([b, 1, s, s] bool, True = may attend; None = plain causal).
+    attention_mask (None = plain causal; under --reset-attention-mask a model.varlen_attention
+    `Documents`: the document id of every token, [b, s], in place of Megatron-LM's [b, 1, s, s] mask).
 
     A document ends at its end-of-document token; the next token starts a new document, whose
     positions restart at 0 (--reset-position-ids) and which cannot see earlier documents
-    (--reset-attention-mask), as Megatron-LM's get_ltor_masks_and_position_ids. A plain causal
-    mask is never built (attention is causal without one); `create_attention_mask` False
-    (--no-create-attention-mask-in-dataloader) builds none at all.
+    (--reset-attention-mask), as Megatron-LM's get_ltor_masks_and_position_ids. No [s, s] mask is
+    ever built: plain causal attention needs none, and documents are attended tile by tile from
+    their ids; `create_attention_mask` False (--no-create-attention-mask-in-dataloader) builds none.
     """
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     b, s = input_ids.shape
@@ -53,8 +55,8 @@ def build_batch(tokens: torch.Tensor, eod: int | None = None, reset_position_ids
             start_pos = torch.where(starts, position_ids, torch.zeros_like(position_ids)).cummax(dim=1).values
             position_ids = position_ids - start_pos
         if reset_attention_mask and create_attention_mask:
-            causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
-            attention_mask = (causal & (doc_id.unsqueeze(2) == doc_id.unsqueeze(1))).unsqueeze(1)
+            index = torch.arange(s, device=tokens.device)
+            attention_mask = Documents(doc_id, index, index)
     return {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask,
             "position_ids": position_ids, "attention_mask": attention_mask}
 

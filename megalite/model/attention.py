@@ -21,7 +21,8 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
 from ..tensor_parallel.layers import set_tp_attributes
 from .config import ExecutionConfig, GPTConfig
 from .norm import Norm
-from ..context_parallel.attention import gather_kv
+from .varlen_attention import Documents, document_attention
+from ..context_parallel.attention import gather_kv, ring_layer_attention, ulysses_attention, window_mask
 from ..context_parallel.sharding import chunk_positions, gathered_positions
 
 try:  # optional accelerator, used only when asked for with --use-flash-attn
@@ -197,6 +198,8 @@ class CoreAttention(nn.Module):
         fork = self.rng_tracker.fork() if (p > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
         s, b, n, hn = q.shape
         with fork:
+            if isinstance(attention_mask, Documents):  # packed documents (--reset-attention-mask)
+                return self._documents(q, k, v, attention_mask, p)
             if self.use_flash and attention_mask is None:
                 out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                       dropout_p=p, causal=True)  # [b, s, n, hn]
@@ -211,6 +214,19 @@ class CoreAttention(nn.Module):
                         enable_gqa=kb.size(1) != qb.size(1))
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # v's head size (MLA's may differ from q's)
 
+
+    def _documents(self, q, k, v, documents: Documents, p: float):
+        """Attention within each document, tile by tile (model/varlen_attention.py): no [s, s] mask.
+        A sink logit (--softmax-type) joins the softmax through the log-sum-exp: the keys' share
+        of the probability mass is exp(lse - logaddexp(lse, sink))."""
+        s, b = q.shape[:2]
+        qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
+        out, lse = document_attention(qb, kb, vb, documents, p)
+        sinks = self._sinks(qb)
+        if sinks is not None:
+            lse_sink = sinks.float().view(1, -1, 1)
+            out = out * torch.exp(lse - torch.logaddexp(lse, lse_sink)).unsqueeze(-1).to(out.dtype)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _sinks(self, q):
         if self.softmax_type == "learnable":
@@ -270,6 +286,10 @@ class SelfAttention(nn.Module):
             self.k_layernorm = Norm(config, execution, device, size=self.hn, head_sharded=True)
         # --window-size on this layer (--window-attn-skip-freq): keys at most `window` positions back
         self.window = config.attention_window(layer_number)
+        # --cp-comm-type of this layer, and the --hierarchical-context-parallel-sizes groups a2a+p2p
+        # exchanges over (context_parallel.attention.set_hierarchy fills them after the build)
+        self.cp_comm_type = execution.cp_comm_type_of(layer_number)
+        self.cp_levels: list = []
         self.recompute_core_attention = False  # set by activation recompute ("selective")
         # while generating: a cache of this rank's keys and values (megalite.generation.KVCache)
         self.inference_cache = None
@@ -291,36 +311,42 @@ class SelfAttention(nn.Module):
         if self.inference_cache is not None:
             # the new tokens' keys/values join the cached ones; queries see every earlier position
             k, v, attention_mask = self.inference_cache.update(k, v, attention_mask)
-        if comm.group_size(self.cp_group) > 1:
+        cp = comm.group_size(self.cp_group)
+        if cp > 1 and self.cp_comm_type == "a2a":
+            return self.linear_proj(ulysses_attention(q, k, v, attention_mask, self.window, self.cp_group,
+                                                      self._attend))
+        if cp > 1 and self.cp_comm_type in ("p2p", "a2a+p2p"):
+            # each block's probabilities are rebuilt in backward already: nothing to recompute
+            a2a, ring = (None, self.cp_group) if self.cp_comm_type == "p2p" else self.cp_levels
+            return self.linear_proj(ring_layer_attention(q, k, v, attention_mask, self.window, a2a, ring))
+        if cp > 1:
             # the kv heads, before GQA expands them: c x less traffic than the expanded ones
             k, v = gather_kv(k, v, self.cp_group)  # [s, b, ng, hn], gathered key order
         if self.window is not None:
             attention_mask = self._windowed(attention_mask, q.size(0), k.size(0), q.device)
         if self.max_logits is not None and self.training:
             self.max_logits.observe(q, k, attention_mask)
+        return self.linear_proj(self._attend(q, k, v, attention_mask))
+
+    def _attend(self, q, k, v, attention_mask):
+        """Core attention, under selective recompute when asked: keep q, k, v; redo softmax(QKᵀ)·V
+        (and its dropout) in backward."""
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
-            # selective recompute: keep q, k, v; redo softmax(QKᵀ)·V (and its dropout) in backward
-            ctx = recompute(self.core_attention, q, k, v, attention_mask,
-                            rng_tracker=self.core_attention.rng_tracker)
-        else:
-            ctx = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj(ctx)
+            return recompute(self.core_attention, q, k, v, attention_mask, rng_tracker=self.core_attention.rng_tracker)
+        return self.core_attention(q, k, v, attention_mask)
 
     def _windowed(self, attention_mask, sq: int, sk: int, device):
         """`attention_mask` (None: causal) narrowed to the sliding window: query i sees key j when
         0 <= i - j <= window, in global positions: under CP this rank's two chunks against the
         gathered keys (context_parallel/sharding.py), while generating the new queries at the end
-        of the cached keys (aligned bottom-right, as the cache's causal mask)."""
+        of the cached keys (aligned bottom-right, as the cache's causal mask). Packed documents
+        carry the window themselves (no mask is built)."""
+        if isinstance(attention_mask, Documents):
+            return attention_mask.with_window(self.window)
         cp = comm.group_size(self.cp_group)
         if cp > 1:
             q_pos = chunk_positions(sk, cp, comm.group_rank(self.cp_group), device)
             k_pos = gathered_positions(sk, cp, device)
         else:
             q_pos, k_pos = torch.arange(sk - sq, sk, device=device), torch.arange(sk, device=device)
-        distance = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)  # [sq, sk]
-        window = (distance >= 0) & (distance <= self.window)
-        if attention_mask is None:
-            return window
-        if attention_mask.dtype == torch.bool:
-            return attention_mask & window
-        return attention_mask.masked_fill(~window, float("-inf"))  # additive (0 / -inf)
+        return window_mask(q_pos, k_pos, self.window, attention_mask)

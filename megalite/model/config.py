@@ -27,6 +27,9 @@ class ExecutionConfig:
     moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall (model/moe/dispatcher.py)
     moe_grouped_gemm: bool = False  # model/moe/experts.py
     moe_pad_expert_input_to_capacity: bool = False  # model/moe/router.py
+    # --cp-comm-type: one name, or one per decoder layer (MTP layers take the last layer's);
+    # context_parallel/__init__.py
+    cp_comm_type: tuple = ("allgather",)
 
     def __post_init__(self):
         from ..config.parallel import RecomputeConfig  # the recompute fields' own checks
@@ -42,7 +45,13 @@ class ExecutionConfig:
                    cross_entropy_loss_fusion=kernels.cross_entropy_loss_fusion,
                    moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
                    moe_grouped_gemm=kernels.moe_grouped_gemm,
-                   moe_pad_expert_input_to_capacity=kernels.moe_pad_expert_input_to_capacity)
+                   moe_pad_expert_input_to_capacity=kernels.moe_pad_expert_input_to_capacity,
+                   cp_comm_type=tuple(parallel.cp_comm_type))
+
+    def cp_comm_type_of(self, layer_number: int) -> str:
+        """--cp-comm-type of 0-based layer `layer_number` (MTP layers, past the decoder's, take the last's)."""
+        types = self.cp_comm_type
+        return types[min(layer_number, len(types) - 1)] if len(types) > 1 else types[0]
 
 
 def model_configs(**settings) -> tuple[GPTConfig, ExecutionConfig]:

@@ -14,13 +14,16 @@ recompute's second forward inside backward) leaves it as it was: nothing is doub
 nothing is lost because the first forward already observed. Shapes: q [s, b, n, hn] (this
 rank's n heads), k [s_k, b, g, hn] (its g query groups, n/g heads each, heads of a group
 adjacent as in the fused QKV layout), mask None (causal, aligned top-left), boolean (True: may
-attend) or additive (0 / -inf), [b or 1, 1, s, s_k] or [s, s_k] (context parallelism's).
+attend) or additive (0 / -inf), [b or 1, 1, s, s_k] or [s, s_k] (context parallelism's), or packed
+documents' `Documents` (--reset-attention-mask; each chunk's rows of its mask built on the spot).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from .varlen_attention import Documents
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 scores per block: 16 MiB
 
@@ -63,6 +66,8 @@ def _masked(scores: torch.Tensor, attention_mask, lo: int, hi: int) -> torch.Ten
         q_pos = torch.arange(lo, hi, device=scores.device).unsqueeze(1)
         k_pos = torch.arange(scores.size(-1), device=scores.device).unsqueeze(0)
         return scores.masked_fill(k_pos > q_pos, float("-inf"))
+    if isinstance(attention_mask, Documents):  # packed documents: these rows' mask only (linear in s)
+        return scores.masked_fill(~attention_mask.with_queries(attention_mask.q_index[lo:hi]).dense(), float("-inf"))
     rows = attention_mask[..., lo:hi, :] if attention_mask.size(-2) > 1 else attention_mask
     if rows.dtype == torch.bool:
         return scores.masked_fill(~rows, float("-inf"))

@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 
 from ..config.sharding import ShardingStrategy
+from .context_parallel import cp_attention_terms
 from .mla import mla_activation_coefficients, mla_params
 from .schedule import is_post_process, loss_rank, zero_bubble_in_flight
 from .muon import expert_vector_params, layer_vector_params
@@ -190,18 +191,24 @@ def recompute_setting(c) -> tuple[str | None, str | None, int]:
     return granularity, (method if granularity == "full" else None), k
 
 
-def layer_activation_bytes(c, moe: bool = False) -> tuple[float, float]:
+def layer_activation_bytes(c, moe: bool = False, cp_type: str | None = None) -> tuple[float, float]:
     """(bytes one layer stores for one micro-batch, bytes of its input alone), Korthikanti et al.
     2022 Table 2, for this TP / SP / recompute setting; an MoE layer (`moe`) keeps its norms'
-    and attention's part and planning/moe.py's for the MLP."""
+    and attention's part and planning/moe.py's for the MLP; `cp_type`: the layer's --cp-comm-type
+    (default: the first layer's)."""
     cp = c.parallel.context_parallel_size
     s, b, h = c.model.seq_length // cp, c.training.micro_batch_size, c.model.hidden_size  # this rank's s/c tokens
     a, t = c.model.num_attention_heads, c.parallel.tensor_model_parallel_size
     sp = bool(c.parallel.sequence_parallel) and t > 1
     granularity, _, _ = recompute_setting(c)
     # 24 = 8 attention (Q, K, V, context) + 16 MLP (4h GeLU): scaled for GQA, the MLP size, SwiGLU;
-    # under CP the all-gathered K and V of the whole sequence (c x this rank's) are kept too
-    attention = 4 + 4 * c.model.num_query_groups / a * (1 + cp if cp > 1 else 1)
+    # under CP what the layer's --cp-comm-type keeps besides (planning/context_parallel.py: the
+    # all-gathered K and V of the whole sequence, Ulysses' reordered copies, the ring's Q and lse)
+    cp_type = cp_type or c.parallel.cp_comm_type[0]
+    hierarchy = c.parallel.hierarchical_context_parallel_sizes
+    cp_extra, keeps_scores = cp_attention_terms(cp_type, cp, a // t, c.model.num_query_groups // t, h // t,
+                                                hierarchy[0] if hierarchy else None)
+    attention = 4 + 4 * c.model.num_query_groups / a + cp_extra
     if c.model.uses_rope:  # the rotated Q and K are new tensors, kept beside QKV's output
         attention += 2 + 2 * c.model.num_query_groups / a
     latents = 0.0
@@ -213,7 +220,10 @@ def layer_activation_bytes(c, moe: bool = False) -> tuple[float, float]:
     # the scores of s/c queries against all s keys: softmax (2), and with attention dropout its
     # mask (1) and output (2)
     per_score = 5 if c.model.attention_dropout > 0 else 2
-    scores = 0.0 if (granularity == "selective" or c.kernels.use_flash_attn) else per_score * a * c.model.seq_length / h
+    # (none kept by flash-attn, nor by packed documents' tiled kernel: model/varlen_attention.py)
+    fused = c.kernels.use_flash_attn or c.data.reset_attention_mask
+    scores = 0.0 if (granularity == "selective" or fused or not keeps_scores) else \
+        per_score * a * c.model.seq_length / h
     # 10 = two norm inputs (4), the QKV and fc1 inputs (4), two hidden-dropout masks (2: none without dropout)
     replicated = 8 + (2 if c.model.hidden_dropout > 0 else 0)
     if moe:  # no dense fc1 (its input and activations): the MoE MLP's own, in bytes
@@ -242,12 +252,15 @@ def chunk_activation_bytes(c, pp_rank: int) -> tuple[float, float]:
     """(what a forward of one of stage `pp_rank`'s model chunks keeps for backward, the mean over
     its chunks; the most one group of layers rebuilt by full recompute holds in backward)."""
     pattern = moe_pattern(c)
-    dense, checkpoint = layer_activation_bytes(c)
-    moe = layer_activation_bytes(c, moe=True)[0] if any(pattern) else 0.0
+    types = c.parallel.cp_comm_type
+    _, checkpoint = layer_activation_bytes(c)
+    # per (MoE?, --cp-comm-type): one type, or one per layer
+    kinds = {False, True} if any(pattern) else {False}
+    per = {(m, t): layer_activation_bytes(c, m, t)[0] for m in kinds for t in set(types)}
     granularity, method, k = recompute_setting(c)
     kept, transient = [], 0.0
     for chunk in chunk_layers(c, pp_rank):
-        full = [moe if pattern[n] else dense for n in chunk]
+        full = [per[(bool(pattern[n]), types[min(n, len(types) - 1)])] for n in chunk]
         n = len(full)
         if granularity == "full":
             if method == "block":

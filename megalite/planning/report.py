@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..config.run import RunConfig
 from ..runtime.metrics import num_floating_point_operations
 from ..config.sharding import STRATEGIES
-from .memory import (in_flight_chunks, muon_momentum_bytes, optimizer_bytes_per_param, optimizer_state_bytes,
+from .memory import (in_flight_chunks, layer_activation_bytes, muon_momentum_bytes, optimizer_bytes_per_param, optimizer_state_bytes,
                      recompute_setting, stage_activation_bytes,
                      stage_param_split, strategy_bytes, total_params)
 from .schedule import bubble, schedule_name
@@ -87,6 +87,8 @@ def make_plan(c: RunConfig, gpu_memory_gb: float = 80.0) -> dict:
         "memory_gb_padding_max": worst["padding_bytes_max"] / GIB,
         "memory_gb_by_strategy": by_strategy_gb,
         "worst_pp_rank": worst["pp_rank"],
+        # one dense layer's activations per micro-batch under each --cp-comm-type (CP > 1)
+        "layer_activation_gb_by_cp_comm_type": layer_bytes_by_cp_comm_type(c),
         "stages": stages,
         "bubble_fraction": bubble(c)[0], "bubble_formula": bubble(c)[1], "pipeline_schedule": schedule_name(c),
         "flops_per_iteration": num_floating_point_operations(c.model, c.training.global_batch_size),
@@ -145,6 +147,15 @@ def format_moe(plan: dict) -> list[str]:
     return lines
 
 
+def layer_bytes_by_cp_comm_type(c: RunConfig) -> dict:
+    """{type: GiB} of one dense layer's activations per micro-batch, for every --cp-comm-type this
+    layout could run (a2a+p2p with --hierarchical-context-parallel-sizes only)."""
+    if c.parallel.context_parallel_size == 1:
+        return {}
+    types = ["allgather", "p2p", "a2a"] + (["a2a+p2p"] if c.parallel.hierarchical_context_parallel_sizes else [])
+    return {t: layer_activation_bytes(c, False, t)[0] / GIB for t in types}
+
+
 def format_plan(plan: dict) -> str:
     lay, mod = plan["layout"], plan["model"]
     rec = lay["recompute"] + (f" ({lay['recompute_method']}, {lay['recompute_num_layers']} layers)"
@@ -185,6 +196,9 @@ def format_plan(plan: dict) -> str:
     lines.append(f"  {'total':<12}{mem['total']:9.2f}   of {plan['gpu_memory_gb']:.0f}: "
                  + ("fits" if plan["fits"] else "DOES NOT FIT")
                  + " (plus CUDA context, NCCL buffers, fragmentation: a few GiB)")
+    if plan["layer_activation_gb_by_cp_comm_type"]:
+        lines.append("  activations of one layer per micro-batch by --cp-comm-type: " + ", ".join(
+            f"{t} {gb:.3f}" for t, gb in plan["layer_activation_gb_by_cp_comm_type"].items()))
     if plan["memory_gb_padding_max"]:
         lines.append(f"  {'':<12}(plus bucket padding, at most {plan['memory_gb_padding_max'] * 2**20:.1f} KiB)")
     lines.append(f"  by DP sharding strategy over DP {lay['dp']}:  params   grads  optimizer  working set   total")
