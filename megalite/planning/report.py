@@ -14,6 +14,34 @@ from .moe import active_params, expert_tp, local_expert_params, moe_pattern, sta
 GIB = 2**30
 
 
+def _stage_plan(c: RunConfig, r: int, strategy: str) -> dict:
+    """Pipeline stage r's parameters and bytes (under `strategy` and under each strategy)."""
+    dense, experts = stage_param_split(c, r)
+    n = dense + experts
+    by = {name: strategy_bytes(c, r, s) for name, s in STRATEGIES.items()}
+    activations = stage_activation_bytes(c, r)
+    for b in by.values():
+        b["total"] = b["params"] + b["grads"] + b["optimizer"] + b["working_set"] + activations
+    mem = by[strategy]
+    opt_full, opt_zero1 = by["no_shard"]["optimizer"], by["optim"]["optimizer"] + by["optim"]["optimizer_host"]
+    return {
+        "pp_rank": r, "num_params": n, "num_expert_params": experts, "dispatch_bytes": stage_dispatch_bytes(c, r),
+        "param_bytes": mem["params"], "grad_bytes": mem["grads"],
+        "optimizer_bytes": mem["optimizer"], "optimizer_host_bytes": mem["optimizer_host"],
+        "optimizer_bytes_without_zero1": opt_full, "optimizer_bytes_with_zero1": opt_zero1,
+        "working_set_bytes": mem["working_set"], "gathered_param_bytes": mem["gathered_params"],
+        "staging_grad_bytes": mem["staging_grads"], "padding_bytes_max": mem["padding_max"],
+        "activation_bytes": activations, "total_bytes": mem["total"],
+        # without the layers full recompute rebuilds in backward: what a dry run measures
+        "held_activation_bytes": stage_activation_bytes(c, r, rebuilt=False),
+        "total_bytes_without_zero1": by["no_shard"]["total"],
+        "total_bytes_with_zero1": by["optim"]["total"] - by["optim"]["optimizer"] + opt_zero1,
+        "total_bytes_by_strategy": {s: b["total"] for s, b in by.items()},
+        "by_strategy": by,
+        "in_flight_micro_batches": in_flight_chunks(c, r) / c.parallel.virtual_pipeline_model_parallel_size,
+    }
+
+
 def make_plan(c: RunConfig, gpu_memory_gb: float = 80.0) -> dict:
     """The plan (tools/plan.py's --json object) of a validated RunConfig whose model has its
     vocabulary sizes filled in; `c.kernels.use_flash_attn` plans for the flash-attn kernels."""
@@ -21,32 +49,7 @@ def make_plan(c: RunConfig, gpu_memory_gb: float = 80.0) -> dict:
     cp = c.parallel.context_parallel_size
     strategy = c.ddp.data_parallel_sharding_strategy
     zero1 = STRATEGIES[strategy].shards_optimizer
-    stages = []
-    for r in range(p):
-        dense, experts = stage_param_split(c, r)
-        n = dense + experts
-        by = {name: strategy_bytes(c, r, s) for name, s in STRATEGIES.items()}
-        activations = stage_activation_bytes(c, r)
-        for b in by.values():
-            b["total"] = b["params"] + b["grads"] + b["optimizer"] + b["working_set"] + activations
-        mem = by[strategy]
-        opt_full, opt_zero1 = by["no_shard"]["optimizer"], by["optim"]["optimizer"] + by["optim"]["optimizer_host"]
-        stages.append({
-            "pp_rank": r, "num_params": n, "num_expert_params": experts, "dispatch_bytes": stage_dispatch_bytes(c, r),
-            "param_bytes": mem["params"], "grad_bytes": mem["grads"],
-            "optimizer_bytes": mem["optimizer"], "optimizer_host_bytes": mem["optimizer_host"],
-            "optimizer_bytes_without_zero1": opt_full, "optimizer_bytes_with_zero1": opt_zero1,
-            "working_set_bytes": mem["working_set"], "gathered_param_bytes": mem["gathered_params"],
-            "staging_grad_bytes": mem["staging_grads"], "padding_bytes_max": mem["padding_max"],
-            "activation_bytes": activations, "total_bytes": mem["total"],
-            # without the layers full recompute rebuilds in backward: what a dry run measures
-            "held_activation_bytes": stage_activation_bytes(c, r, rebuilt=False),
-            "total_bytes_without_zero1": by["no_shard"]["total"],
-            "total_bytes_with_zero1": by["optim"]["total"] - by["optim"]["optimizer"] + opt_zero1,
-            "total_bytes_by_strategy": {s: b["total"] for s, b in by.items()},
-            "by_strategy": by,
-            "in_flight_micro_batches": in_flight_chunks(c, r) / c.parallel.virtual_pipeline_model_parallel_size,
-        })
+    stages = [_stage_plan(c, r, strategy) for r in range(p)]
     worst = max(stages, key=lambda st: st["total_bytes"])
     v, m = c.parallel.virtual_pipeline_model_parallel_size, c.training.num_microbatches
     granularity, method, k = recompute_setting(c)
