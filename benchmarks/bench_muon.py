@@ -104,10 +104,12 @@ def main() -> None:
     ap.add_argument("--eval-interval", type=int, default=20)
     ap.add_argument("--eval-iters", type=int, default=4)
     ap.add_argument("--parallel", type=int, default=1, help="runs at once (each one process)")
+    ap.add_argument("--adam-lrs", type=float, nargs="+", default=GRID["adam"], help="AdamW's learning rates")
+    ap.add_argument("--muon-lrs", type=float, nargs="+", default=GRID["muon"], help="Muon's learning rates")
     ap.add_argument("--json", help="write every curve here as well (updated after each run)")
     args = ap.parse_args()
     results: dict = {"adam": {}, "muon": {}}
-    todo = [(opt, GRID[opt][i]) for i in range(3) for opt in ("adam", "muon")]
+    todo = [("adam", lr) for lr in args.adam_lrs] + [("muon", lr) for lr in args.muon_lrs]
     with tempfile.TemporaryDirectory() as work:
         for i in range(0, len(todo), args.parallel):
             running = [(job, start(*job, args, work))
