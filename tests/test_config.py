@@ -96,6 +96,10 @@ def test_record_round_trips_and_reads_version_1():
 
 # -- the Namespace stops at the argument layer --------------------------------------------------------
 ARGUMENT_LAYER = ("megalite/arguments/", "megalite/errors.py")  # errors.py: the entry points' ArgumentParser
+# Megatron-LM checkpoints hold Megatron-LM's own argparse Namespace (common.pt's / model_optim_rng.pt's
+# "args"): these modules read it as file data and write one for megatron-core, never megalite's flags
+MEGATRON_FORMAT = ("megalite/checkpoint/megatron_index.py", "megalite/checkpoint/safe_pickle.py",
+                   "megalite/checkpoint/megatron_save.py")
 
 
 def package_modules():
@@ -125,7 +129,7 @@ def namespace_uses(path: str) -> list[str]:
 
 
 def test_no_namespace_past_the_argument_layer():
-    offenders = {rel: uses for rel, path in package_modules() if not rel.startswith(ARGUMENT_LAYER)
+    offenders = {rel: uses for rel, path in package_modules() if not rel.startswith(ARGUMENT_LAYER + MEGATRON_FORMAT)
                  for uses in [namespace_uses(path)] if uses}
     assert not offenders, offenders
 

@@ -233,7 +233,8 @@ llama3_8b() {
         --profile
         --profile-step-start 1          # 4
         --profile-step-end 3            # 6
-        # megalite: --ckpt-format torch_dist is refused (megalite writes its own format); dropped
+        # megalite: --ckpt-format torch_dist left out: it writes Megatron-LM's format (docs/checkpoints.md)
+        # without the optimizer state or RNG, where megalite's own format resumes exactly
         $(known --distributed-timeout-minutes && echo --distributed-timeout-minutes 60 || true)
         --save "$CHECKPOINT_PATH"
         --load "$CHECKPOINT_PATH"
