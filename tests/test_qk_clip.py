@@ -1,6 +1,7 @@
 """--qk-clip (Kimi K2's QK-clip, Megatron-LM's flags): the per-head largest logit against the
 scores written out, the clip against the rescaling written out in the test, and every parallel
-layout training as one process with clipping active (the largest logit passes the threshold)."""
+layout training as one process with clipping active (the largest logit passes the threshold), under
+Muon (MuonClip: --muon-tp-mode distributed on the MoE layouts, duplicated on the dense ZeRO-2 one)."""
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from megalite.model import max_logit
 from megalite.model.attention import SelfAttention
 from megalite.model.config import model_configs
 from megalite.model.max_logit import MaxLogitTracker
+from megalite.model.varlen_attention import Documents
 from megalite.optimizer.qk_clip import QKClip
 from tiny import tiny
 
@@ -29,7 +31,7 @@ def reference_maxima(q, k, mask):
     return scores.amax(dim=(0, 2, 3))
 
 
-@pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive", "bool-2d"])
+@pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive", "bool-2d", "documents"])
 def test_tracker_matches_the_written_out_scores_in_chunks(monkeypatch, mask_kind):
     torch.manual_seed(0)
     s, b, n, g, hn = 12, 2, 4, 2, 8
@@ -37,7 +39,15 @@ def test_tracker_matches_the_written_out_scores_in_chunks(monkeypatch, mask_kind
     allowed = torch.rand(b, 1, s, s) > 0.3
     allowed[..., 0] = True  # every query sees a key
     mask = {"causal": None, "bool": allowed,
-            "additive": torch.zeros(b, 1, s, s).masked_fill(~allowed, float("-inf")), "bool-2d": allowed[0, 0]}[mask_kind]
+            "additive": torch.zeros(b, 1, s, s).masked_fill(~allowed, float("-inf")), "bool-2d": allowed[0, 0]}.get(mask_kind)
+    if mask_kind == "documents":  # packed documents (--reset-attention-mask): ids, keys in a CP-like order
+        order = torch.cat([torch.arange(0, 6), torch.arange(6, 12).flip(0)])
+        documents = Documents(torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3]), order, order.flip(0))
+        tracker = MaxLogitTracker(n)
+        monkeypatch.setattr(max_logit, "CHUNK_ELEMENTS", b * n * s * 5)
+        tracker.observe(q, k, documents)
+        torch.testing.assert_close(tracker.value, reference_maxima(q, k, documents.dense()), rtol=1e-6, atol=1e-6)
+        return
     monkeypatch.setattr(max_logit, "CHUNK_ELEMENTS", b * n * s * 5)  # blocks of 5 query rows: 3 chunks
     tracker = MaxLogitTracker(n)
     tracker.observe(q, k, mask)
@@ -96,7 +106,8 @@ MODEL = tiny(num_layers=2, lr=1e-2, train_iters=ITERS, log_interval=1, eval_iter
     "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
     "--group-query-attention", "--num-query-groups", "2",
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",  # 6 flags: MoE
-    "--qk-clip", "--qk-clip-threshold", str(THRESHOLD), "--qk-clip-alpha", "0.5"]
+    "--qk-clip", "--qk-clip-threshold", str(THRESHOLD), "--qk-clip-alpha", "0.5",
+    "--optimizer", "muon", "--muon-tp-mode", "distributed"]  # MuonClip (Kimi K2); 4 flags
 ZERO = ["--ddp-bucket-size", "5000", "--data-parallel-sharding-strategy"]
 LAYOUTS = {  # id: (processes, flags): TP2, PP2, CP2, EP2, recompute, DP2 under ZeRO-1 and -3, in two runs
     "tp2-dp2-ep2-zero1": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
@@ -134,7 +145,7 @@ def test_muon_clip_tp2_dp2_zero2_matches_single_process(corpus, tmp_path):
     """MuonClip (Kimi K2): Muon (--muon-tp-mode duplicated) with QK-clip on the dense GQA model,
     TP2 + SP x DP2 under ZeRO-2 against one process, clipping active."""
     moe = MODEL.index("--num-experts")
-    dense = MODEL[:moe] + MODEL[moe + 6:] + ["--optimizer", "muon", "--muon-tp-mode", "duplicated"]
+    dense = MODEL[:moe] + MODEL[moe + 6:-4] + ["--optimizer", "muon", "--muon-tp-mode", "duplicated"]
     one, proc = run_pretrain(1, corpus + dense, tmp_path, "one")
     assert "muon (" in proc.stdout
     assert sum(v > THRESHOLD for v in max_logits(one)) >= 3, max_logits(one)
