@@ -67,6 +67,8 @@ MOE = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
            moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)
 # what Megatron-LM's args record of the data and schedule (the corpus's SentencePiece vocabulary)
 TRAIN_ITERS, BATCH = 6, 8
+ARGS = {"vocab_size": 512, "tokenizer_type": "SentencePieceTokenizer", "train_iters": TRAIN_ITERS,
+        "lr_decay_style": "constant", "seed": 7}
 
 
 def _megalite_flags(spec, corpus):
@@ -102,8 +104,7 @@ def mcore(corpus, tmp_path_factory):
     flags = _megalite_flags(dense, corpus)
     first = ref.corpus_tokens(corpus[1], BATCH, dense.seq_length)
     batch = _megalite_batch(flags, BATCH)  # megalite's iteration 2 (the checkpoint is iteration 1)
-    args = {"vocab_size": 512, "tokenizer_type": "SentencePieceTokenizer", "train_iters": TRAIN_ITERS,
-            "lr_decay_style": "constant", "seed": 7}
+    args = ARGS
     (_, _, _, d_logits, d_step2), (_, m_logits) = ref.run_many([
         (dense, [ref.adam_step(first[:, :-1], first[:, 1:]),
                  ref.save_torch_dist(tmp / "dense", 1, optimizer=True, extra_args=args),
@@ -216,9 +217,28 @@ def test_megalite_torch_dist_output_loads_into_mcore_with_megalites_logits(mcore
         model, _ = load_model(str(tmp / name))
         with torch.no_grad():
             ours[name] = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens)).transpose(0, 1)
-    (d_iter, d_logits), (m_iter, m_logits) = ref.run_many([
+    (d_iter, d_logits), (m_iter, m_logits), (_, tp1_logits) = ref.run_many([
         (ref.Spec(**DENSE, seed=99), [ref.load_torch_dist(tmp / "dense_resumed"), ref.logits(tokens)]),
-        (ref.Spec(**MOE, seed=99), [ref.load_torch_dist(tmp / "moe_back"), ref.logits(tokens)])])
+        (ref.Spec(**MOE, seed=99), [ref.load_torch_dist(tmp / "moe_back"), ref.logits(tokens)]),
+        # (and, in the same process, a checkpoint saved at TP1 for the test below)
+        (ref.Spec(**DENSE, seed=5), [ref.save_torch_dist(tmp / "dense_tp1", 1, extra_args=ARGS), ref.logits(tokens)])])
     assert (d_iter, m_iter) == (TRAIN_ITERS, 2)
     for theirs, mine in ((d_logits, ours["dense_resumed"]), (m_logits, ours["moe_resumed"])):
         assert float((mine - theirs).abs().max() / mine.abs().max()) < 1e-5
+    mcore["tp1_logits"] = tp1_logits
+
+
+def test_mcore_tp1_checkpoint_at_tp2_sp(mcore, corpus):
+    """A checkpoint megatron-core saved at TP1 (no moments) read at TP2 with sequence parallelism:
+    megalite's first loss is megatron-core's on the same batch."""
+    from dist_helpers import run_pretrain, train_losses
+    if "tp1_logits" not in mcore:
+        pytest.skip("needs test_megalite_torch_dist_output_loads_into_mcore_with_megalites_logits, which saves it")
+    tmp = mcore["tmp"]
+    flags = _megalite_flags(mcore["dense"], corpus) + [
+        "--exit-interval", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--load", str(tmp / "dense_tp1")]
+    records, proc = run_pretrain(2, flags, tmp, "dense_tp1_at_tp2")
+    loss = train_losses(records)[0]
+    assert "loaded Megatron-LM torch_dist checkpoint" in proc.stdout
+    assert abs(loss - _cross_entropy(mcore["tp1_logits"], mcore["batch"])) / loss < 1e-5
