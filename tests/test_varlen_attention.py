@@ -85,3 +85,14 @@ def test_core_attention_takes_documents(softmax_type):
     params = [q, k, v] + list(attention.parameters())
     for got, want in zip(torch.autograd.grad((out * w).sum(), params), torch.autograd.grad((ref * w).sum(), params)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_meta_tensors_give_shapes_for_the_dry_run():
+    """megalite.dry_run runs the model on the meta device (the documents' ids stay on the CPU)."""
+    documents = Documents(packed_doc_ids(), torch.arange(100), torch.arange(100))
+    q = torch.empty(2, 4, 100, 8, device="meta", requires_grad=True)
+    k, v = (torch.empty(2, 2, 100, 8, device="meta", requires_grad=True) for _ in range(2))
+    out, lse = document_attention(q, k, v, documents, dropout_p=0.1)
+    assert (out.shape, lse.shape, out.is_meta) == ((2, 4, 100, 8), (2, 4, 100), True)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape

@@ -10,8 +10,9 @@ and one late chunk, the same number of (query, key) pairs under the causal mask.
 Attention, by --cp-comm-type (Megatron-LM's names and semantics; one type, or one per layer):
   - allgather (attention.py, megalite's default): every rank all-gathers the keys and values of the
     whole sequence (the kv heads, before GQA expands them), its local queries attend with a mask
-    built from the global positions (causal, --window-size, same-document under
-    --reset-attention-mask), and the all-gather's backward reduce-scatters dK/dV: the Llama 3 form
+    built from the global positions (causal, --window-size; same-document under
+    --reset-attention-mask, from per-token document ids with no mask: model/varlen_attention.py,
+    as under every type), and the all-gather's backward reduce-scatters dK/dV: the Llama 3 form
     (paper Sec. 3.3.2). Exact in one pass with any mask and any kernel that takes one; its cost
     is O(s) keys and values per rank per layer, and with an unfused kernel the [s/c, s] scores.
   - p2p (ring.py): ring attention (Liu et al. 2023): key/value blocks travel around the CP ring,

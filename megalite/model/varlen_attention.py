@@ -36,12 +36,6 @@ class Documents:
                  window: int | None = None):
         self.doc_ids, self.q_index, self.k_index, self.window = doc_ids, q_index, k_index, window
 
-    def with_keys(self, k_index: torch.Tensor) -> "Documents":
-        return Documents(self.doc_ids, self.q_index, k_index, self.window)
-
-    def with_queries(self, q_index: torch.Tensor) -> "Documents":
-        return Documents(self.doc_ids, q_index, self.k_index, self.window)
-
     def with_window(self, window: int | None) -> "Documents":
         return Documents(self.doc_ids, self.q_index, self.k_index, window)
 
@@ -98,6 +92,11 @@ class _DocumentAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, q_doc, k_doc, q_pos, k_pos, window, scale, dropout_p, seed, block):
         b, g, r, sq, _ = q.shape
         dtype = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in fp32 at least
+        if q.is_meta:  # a dry run (megalite.dry_run): the shapes and what is kept, nothing computed
+            out = v.new_empty(sq, b, g, r, v.size(-1)).permute(1, 2, 3, 0, 4)
+            lse = q.new_empty(b, g, r, sq, dtype=dtype)
+            ctx.save_for_backward(q, k, v, out, lse, q_doc, k_doc, q_pos, k_pos)
+            return out, lse
         acc = q.new_zeros(b, g, r, sq, v.size(-1), dtype=dtype)
         m = q.new_full((b, g, r, sq), float("-inf"), dtype=dtype)
         denom = q.new_zeros(b, g, r, sq, dtype=dtype)
@@ -128,6 +127,8 @@ class _DocumentAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse, q_doc, k_doc, q_pos, k_pos = ctx.saved_tensors
+        if q.is_meta:
+            return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) + (None,) * 9
         window, scale, dropout_p, seed, block = ctx.args
         r = q.size(2)
         # dS = P ∘ (dP - D) with D = rowsum(dO ∘ O) (FlashAttention Alg. 2); the log-sum-exp's own
@@ -197,7 +198,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     if n % g:
         raise ValueError(f"{n} query heads cannot share {g} key-value groups evenly")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    seed = int(torch.randint(0, 2 ** 62, (1,), device=q.device).item()) if dropout_p > 0 else 0
+    seed = int(torch.randint(0, 2 ** 62, (1,), device=q.device).item()) if dropout_p > 0 and not q.is_meta else 0
     q_doc = documents.doc_ids[:, documents.q_index]
     k_doc = documents.doc_ids[:, documents.k_index]
     out, lse = _DocumentAttention.apply(q.reshape(b, g, n // g, sq, d), k, v, q_doc, k_doc, documents.q_index,
