@@ -36,6 +36,10 @@ class Documents:
                  window: int | None = None):
         self.doc_ids, self.q_index, self.k_index, self.window = doc_ids, q_index, k_index, window
 
+    def with_queries(self, q_index: torch.Tensor) -> "Documents":
+        """The same documents for some of the queries (QK-clip's logit tracker, chunk by chunk)."""
+        return Documents(self.doc_ids, q_index, self.k_index, self.window)
+
     def with_window(self, window: int | None) -> "Documents":
         return Documents(self.doc_ids, self.q_index, self.k_index, window)
 
