@@ -153,7 +153,27 @@ class CheckpointIndex:
         return self.header.get("optimizer_step")
 
 
-class LegacyIndex:
+class PickledFilesIndex:
+    """The index interface over whole torch.save'd files, each memory-mapped when first read:
+    `_entries` {name: (layout, [Piece])} built by the subclass, whose `_tensors(fid)` gives the
+    {key: tensor} a Piece's `where` names in file `fid` (format 1 here, Megatron-LM's torch format)."""
+
+    def prefetch(self, keys) -> None:
+        pass  # a piece's file is opened when first read
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def entry(self, name: str):
+        return self._entries.get(name)
+
+    def read(self, piece: Piece, a: int, b: int) -> torch.Tensor:
+        t = self._tensors(piece.file)[piece.where].reshape(-1)[a:b]
+        self.io.bytes_read += t.numel() * t.element_size()  # the pages this slice touches, about
+        return t
+
+
+class LegacyIndex(PickledFilesIndex):
     """Format 1: rank_NNNNN.json indexes beside torch.save'd rank_NNNNN.pt files (loaded with
     weights_only=True, memory-mapped). Every index file is read: the slow way."""
 
@@ -183,19 +203,8 @@ class LegacyIndex:
             self._loaded[fid] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return self._loaded[fid]
 
-    def prefetch(self, keys) -> None:
-        pass
-
-    def names(self) -> list[str]:
-        return sorted(self._entries)
-
-    def entry(self, name: str):
-        return self._entries.get(name)
-
-    def read(self, piece: Piece, a: int, b: int) -> torch.Tensor:
-        t = self._file(piece.file)[piece.where].reshape(-1)[a:b]
-        self.io.bytes_read += t.numel() * t.element_size()  # the pages this slice touches, about
-        return t
+    def _tensors(self, fid: int) -> dict:
+        return self._file(fid)
 
     def rank_state(self, rank: int):
         if rank not in self._ranks or self._ranks[rank][1] is None:

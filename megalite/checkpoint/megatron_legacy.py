@@ -22,7 +22,7 @@ import re
 import torch
 
 from ..errors import CheckpointError
-from .index import Piece
+from .index import Piece, PickledFilesIndex
 from .megatron_format import is_dist_checkpoint
 from .megatron_index import VOCAB_TABLES, MegatronIndex, megatron_metadata, plain_args
 from .safe_pickle import torch_load
@@ -52,7 +52,7 @@ def is_legacy_checkpoint(directory: str) -> bool:
     return bool(glob.glob(os.path.join(directory, "mp_rank_*", FILE)))
 
 
-class MegatronLegacyIndex:
+class MegatronLegacyIndex(PickledFilesIndex):
     """Index interface over a legacy torch checkpoint directory (iter_NNNNNNN)."""
     foreign = "Megatron-LM torch"
     has_moments = False
@@ -129,19 +129,11 @@ class MegatronLegacyIndex:
             entry = self._entries.setdefault(name, (layout, []))
             entry[1].append(Piece("param", tp_rank if split else 0, 0, t.numel(), fid, local, None, False))
 
-    def prefetch(self, keys) -> None:
-        pass
-
-    def names(self) -> list[str]:
-        return sorted(self._entries)
-
-    def entry(self, name: str):
-        return self._entries.get(name)
+    def _tensors(self, fid: int) -> dict:
+        return self._file(fid)["model"]
 
     def read(self, piece: Piece, a: int, b: int) -> torch.Tensor:
-        t = self._file(piece.file)["model"][piece.where].reshape(-1)[a:b]
-        self.io.bytes_read += t.numel() * t.element_size()  # the pages this slice touches, about
-        return t.float()
+        return super().read(piece, a, b).float()
 
     def rank_state(self, rank: int):
         return None
