@@ -31,7 +31,7 @@ from .pipeline_parallel import get_schedule
 from .pipeline_parallel.p2p import PipeComm
 from .pipeline_parallel.schedules import v_shape
 from .pipeline_parallel.timeline import Timeline
-from .runtime.cpu import lean_malloc
+from .runtime.cpu import lean_malloc, steady_malloc
 from .runtime.metrics import JsonlWriter, peak_tflops
 from .runtime.monitor import CommMonitor
 from .runtime.profiling import Profiler
@@ -239,13 +239,20 @@ def _saver(cfg: RunConfig):
     return CheckpointSaver(ck.save, ck.async_save, check_finite=cfg.training.check_for_nan_in_loss_and_grad)
 
 
+def _host_malloc(cfg: RunConfig, device) -> str | None:
+    """glibc's malloc settings for a CPU run (runtime/cpu.py); what was set, for the start-up line.
+    A sharded strategy is chosen for memory: freed host memory goes back at once (it costs page
+    faults, ~10% of a small model's step on CPU, so not for every run). A split backward (zb_h1,
+    zbv) frees in bursts: the heap keeps what it freed, so that the next burst maps nothing."""
+    if get_strategy(cfg.ddp.data_parallel_sharding_strategy).shards_optimizer:
+        return lean_malloc(device)
+    return steady_malloc(device) if cfg.parallel.delay_wgrad_compute else None
+
+
 def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     _process_switches(cfg, closing)
     ps, device = initialize_distributed(cfg.parallel, moe=bool(cfg.model.num_experts), closing=closing)
-    # a sharded strategy is chosen for memory: return freed host memory at once (it costs
-    # page faults, ~10% of a small model's step on CPU, so not for every run)
-    sharded = get_strategy(cfg.ddp.data_parallel_sharding_strategy).shards_optimizer
-    malloc = lean_malloc(device) if sharded else None  # before the model's tensors exist
+    malloc = _host_malloc(cfg, device)  # before the model's tensors exist
     t = cfg.training
     # every blocking collective from here on is seen by the monitor (timeouts name where the run
     # stood; --log-straggler times the waits); its watchdog thread is gone before the groups are

@@ -1,8 +1,8 @@
 """What megalite sets itself for lean host memory (the memory wall's settings, docs/zero.md):
 4M-element buckets on gloo where --ddp-bucket-size is not given (NCCL's 40M for plans and dry
 runs, which stand for the job's machine), and glibc's mmap threshold fixed at 256 KiB on a CPU
-run with a sharded strategy unless MALLOC_MMAP_THRESHOLD_ is in the environment; the start-up
-line says both."""
+run with a sharded strategy unless MALLOC_MMAP_THRESHOLD_ is in the environment (on an unsharded
+zero-bubble run instead: freed heap memory kept for reuse); the start-up line says both."""
 import ctypes
 
 import pytest
@@ -61,6 +61,34 @@ def test_lean_malloc(monkeypatch, device, env, expected):
     said = cpu.lean_malloc(torch.device(device))
     assert libc.calls == expected
     assert (said is not None) == bool(expected) and (said is None or "256 KiB" in said)
+
+
+@pytest.mark.parametrize("device,env,expected", [
+    ("cpu", None, [(-3, 32 * 2 ** 20), (-1, 2 ** 31 - 1)]),  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD (a C int)
+    ("cpu", "MALLOC_TRIM_THRESHOLD_", []),  # the user's settings win
+    ("cpu", "MALLOC_MMAP_THRESHOLD_", []),
+    ("meta", None, []),
+])
+def test_steady_malloc_for_the_split_backward(monkeypatch, device, env, expected):
+    """zb_h1 / zbv on a CPU without a sharded strategy: freed heap memory is kept, so that the
+    bursts the deferred weight gradients free are not mapped again at the next micro-batch."""
+    libc = _Libc()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: libc)
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    if env:
+        monkeypatch.setenv(env, "1048576")
+    said = cpu.steady_malloc(torch.device(device))
+    assert libc.calls == expected
+    assert (said is not None) == bool(expected) and (said is None or "32 MiB" in said)
+    if expected:  # which one a run gets: sharded -> lean, zero-bubble -> steady, else glibc's own
+        from megalite.initialize import _host_malloc
+        cfg = lambda *extra: validate_args(parse_args(mock(100) + tiny() + list(extra)), 2, check_files=False)
+        libc.calls.clear()
+        assert _host_malloc(cfg("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb_h1",
+                                "--untie-embeddings-and-output-weights"), torch.device("cpu")) == said
+        assert _host_malloc(cfg(), torch.device("cpu")) is None
+        assert "256 KiB" in _host_malloc(cfg("--use-distributed-optimizer"), torch.device("cpu"))
 
 
 def test_lean_malloc_without_glibc(monkeypatch):

@@ -53,21 +53,51 @@ def slow_bf16_warning(device: torch.device, dtype: torch.dtype, flags=None) -> s
 # and unmapped, so its memory returns to the system when it is freed. What glibc's own
 # MALLOC_MMAP_THRESHOLD_ sets is left alone.
 MMAP_THRESHOLD_BYTES = 256 * 1024
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+
+
+def _mallopt(device: torch.device, settings: list[tuple[int, int]], env: tuple[str, ...]) -> bool:
+    """Set glibc's malloc parameters on a CPU run (once per process: glibc has no way back to its
+    sliding thresholds, and none is needed); False where nothing was set (CUDA, another C library,
+    the environment already sets one of `env`)."""
+    import ctypes
+    import os
+    if torch.device(device).type != "cpu" or any(name in os.environ for name in env):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return all(libc.mallopt(param, value) for param, value in settings)
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def lean_malloc(device: torch.device) -> str | None:
-    """On a CPU run with glibc (setup asks for runs with a sharded strategy), fix the mmap threshold (once per process: glibc has no way back
-    to its sliding threshold, and none is needed); returns what it did for the start-up line, or
-    None where it did nothing (CUDA, another C library, the environment already sets it)."""
-    import ctypes
-    import os
-    if torch.device(device).type != "cpu" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        if not libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
-            return None
-    except (OSError, AttributeError):  # not glibc
+    """On a CPU run with glibc (setup asks for runs with a sharded strategy), fix the mmap
+    threshold; returns what it did for the start-up line, or None where it did nothing."""
+    if not _mallopt(device, [(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)], ("MALLOC_MMAP_THRESHOLD_",)):
         return None
     return f"freed tensors over {MMAP_THRESHOLD_BYTES // 1024} KiB go back to the system at once (glibc mallopt)"
+
+
+# -- steady host memory for the zero-bubble schedules -----------------------------------------------
+# A split backward (tensor_parallel/wgrad.py) keeps each linear's input and output gradient from B
+# until W and frees them together; glibc then trims the top of its heap (its trim threshold slides
+# with the mmap threshold, at most 64 MiB) and the next micro-batch maps the same memory again:
+# 20-50 thousand minor page faults per iteration on each rank of the zero-bubble benchmark's PP2
+# model, against none under 1F1B, whose backward frees each gradient as it goes
+# (benchmarks/RESULTS_zero_bubble.md). Blocks under 32 MiB (glibc's largest mmap threshold) come
+# from the heap and freed heap memory (up to 2 GiB at the top) is kept for reuse, as a caching allocator keeps a GPU's:
+# the host memory held stays at the run's peak. What the environment sets is left alone.
+STEADY_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+STEADY_TRIM_THRESHOLD_BYTES = 2 ** 31 - 1  # mallopt takes a C int: the largest, ~2 GiB
+
+
+def steady_malloc(device: torch.device) -> str | None:
+    """On a CPU run with glibc (setup asks for unsharded zero-bubble runs), keep freed heap memory
+    for reuse; returns what it did for the start-up line, or None where it did nothing."""
+    if not _mallopt(device, [(_M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD_BYTES),
+                             (_M_TRIM_THRESHOLD, STEADY_TRIM_THRESHOLD_BYTES)],
+                    ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return None
+    return (f"freed tensors under {STEADY_MMAP_THRESHOLD_BYTES // 2 ** 20} MiB stay in the heap for reuse "
+            "(glibc mallopt; the split backward frees in bursts)")
