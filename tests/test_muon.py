@@ -173,3 +173,36 @@ def test_momentum_resumes_and_another_optimizer_is_refused(tmp_path, no_rng):
 def test_refused_flags(extra, message):
     with pytest.raises(ArgumentError, match=message):
         parse_config(tiny() + mock() + extra, world_size=1, check_files=False)
+
+
+@pytest.mark.parametrize("name,partition_dim", [("decoder.layers.0.self_attention.linear_qkv.weight", 0),
+                                                ("decoder.layers.0.mlp.linear_fc2.weight", 1)])
+def test_blockwise_tp_mode_orthogonalizes_each_rank_shard_alone(name, partition_dim):
+    """--muon-tp-mode blockwise (Megatron-LM's default): each TP rank's shard is orthogonalized and
+    scaled as a matrix of its own (the fused QKV shard split into its own groups' Q, K and V), with
+    no communication: the group is never touched. Column-parallel QKV cut by rows (whole groups per
+    rank), row-parallel fc2 by columns; TP 2."""
+    from megalite.optimizer.newton_schulz import MatrixSpec, MuonSettings, orthogonalize
+
+    class Untouchable:  # blockwise must not communicate over the TP group
+        def __getattr__(self, attr):
+            raise AssertionError(f"blockwise used the TP group ({attr})")
+
+    torch.manual_seed(0)
+    whole = torch.randn(GROUPS * (HEADS // GROUPS + 2) * HN, H) if partition_dim == 0 else torch.randn(H, 48)
+    qkv = (HEADS // GROUPS, HN) if "qkv" in name else None
+    spec = MatrixSpec(tp_group=Untouchable(), tp_size=2, partition_dim=partition_dim, qkv=qkv)
+    for shard in whole.chunk(2, dim=partition_dim):
+        got = orthogonalize(shard, spec, MuonSettings())
+        if qkv is None:
+            want = newton_schulz(shard) * max(shard.shape) ** 0.5
+        else:  # one group per rank: its 2 query heads, key and value
+            g = shard.view(1, HEADS // GROUPS + 2, HN, H)
+            want = torch.cat([newton_schulz(m) * max(m.shape) ** 0.5 for m in
+                              (g[:, :2].reshape(-1, H), g[:, 2].reshape(-1, H), g[:, 3].reshape(-1, H))])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # not the whole matrix's update: blockwise changes the function with the TP size
+    assert not torch.allclose(torch.cat([orthogonalize(s, spec, MuonSettings())
+                                         for s in whole.chunk(2, dim=partition_dim)], dim=partition_dim),
+                              orthogonalize(whole, MatrixSpec(qkv=(qkv[0], qkv[1]) if qkv else None), MuonSettings()),
+                              atol=1e-3)
