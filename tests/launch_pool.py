@@ -39,6 +39,12 @@ FRESH_SEED = 67280421310721  # torch's default seed: torch.initial_seed() in a p
 
 
 def _serve(rank: int, tasks, results) -> None:
+    import multiprocessing
+    # A spawned process inherits "spawn" as its default start method (multiprocessing.spawn.prepare
+    # sets it); `python pretrain_gpt.py` has the platform's (fork on Linux). Back to that, so that a
+    # run's --num-workers data loaders start as on the command line: spawned, each worker imported
+    # torch and megalite again, ~4 s of CPU per loader (a train, valid and test loader per run)
+    multiprocessing.set_start_method(None, force=True)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["PYTHONPATH"] = ROOT
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # spawn's functions live in test modules

@@ -158,7 +158,8 @@ def state():
 
 def run(spec: Spec, actions: list, tp: int = 1, ep: int = 1, timeout: float = 300.0) -> list:
     """Run `actions` on megatron-core's GPTModel for `spec` on max(tp, ep) gloo ranks (one
-    subprocess that spawns the ranks: megatron-core's checkpoint writer needs a `__main__` guard);
+    subprocess that imports megatron-core and forks the ranks: megatron-core's checkpoint writer
+    needs a `__main__` guard);
     rank 0's results, in order. A failure raises with the subprocess's output."""
     return run_many([(spec, actions)], tp, ep, timeout)[0]
 
@@ -555,7 +556,12 @@ def main(job_path: str):
     if job["world"] == 1:
         rank_main(0, job, port)
     else:
-        mp.start_processes(rank_main, args=(job, port), nprocs=job["world"], start_method="spawn")
+        # megatron-core imported (and patched) once here, the ranks forked from this process: each
+        # spawned rank imported it again (~10 s of CPU a rank); no process group exists before the fork
+        apply_cpu_patches()
+        import megatron.core.dist_checkpointing  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401
+        mp.start_processes(rank_main, args=(job, port), nprocs=job["world"], start_method="fork")
 
 
 if __name__ == "__main__":

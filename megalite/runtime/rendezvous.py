@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 import uuid
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 KEY = "megalite/attempt_store"
 TOKEN_KEY = "megalite/attempt_token"
-CONNECT_TIMEOUT_S = 10.0  # one try at a published address; a stale one is refused at once
+CONNECT_TIMEOUT_S = 10.0  # one try at a published address; a stale one is refused at once (_listening)
 
 
 class RendezvousError(RuntimeError):
@@ -68,8 +69,21 @@ def attempt_store(rank: int, timeout: datetime.timedelta) -> dist.Store | None:
         time.sleep(0.2)
 
 
+def _listening(host: str, port: int, timeout_s: float) -> bool:
+    """Whether anything accepts connections at host:port. A TCPStore client retries a refused
+    connection until its timeout (and once more after a pause: ~23 s for a dead previous attempt's
+    port at CONNECT_TIMEOUT_S 10, each restart); a plain socket is refused at once."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
 def _connect(value: str, timeout_s: float, timeout: datetime.timedelta) -> dist.Store | None:
     host, port, token = value.rsplit(":", 2)
+    if not _listening(host, int(port), timeout_s):
+        return None
     try:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
         if store.get(TOKEN_KEY).decode() == token:
