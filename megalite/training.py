@@ -49,7 +49,8 @@ def global_loss(run: Run, stats, grads: list | None = None, per_rank: bool = Fal
     ranks = ps.world_size if per_rank else 0
     t = torch.zeros(2 + 2 * world + ranks, dtype=torch.float64, device=run.state.device)
     if ps.is_loss_stage and ps.tp_rank == 0 and stats:
-        mine = torch.stack([torch.stack([s[0].double(), s[1].double()]) for s in stats]).sum(0)
+        # [m, 2] (loss sum, tokens) of the micro-batches, one stack and one sum however many
+        mine = torch.stack([x for s in stats for x in s[:2]]).view(-1, 2).double().sum(0)
         t[:2] += mine
         if grads is not None:
             t[2 + ps.rank] = (~torch.isfinite(mine[0])).double()
@@ -186,7 +187,7 @@ def train_step(run: Run) -> dict:
     stats = forward_backward(run, num_microbatches, backward_scale)
     check, guard = t.check_for_nan_in_loss_and_grad, run.spike_guard
     loss_sum, num_tokens, bad_loss, grad_max, rank_losses, mtp_losses = global_loss(
-        run, stats, optimizer.main_grads if check else None, per_rank=guard is not None)
+        run, stats, optimizer.grad_flats if check else None, per_rank=guard is not None)
     if num_tokens == 0:
         raise RuntimeError(f"iteration {state.iteration + 1}: the global batch has no token with loss "
                            "(every token masked by --eod-mask-loss?)")

@@ -200,6 +200,22 @@ class DataParallel:
         """This rank's slice of bucket b's reduced fp32 gradient."""
         return self.grads.grad_shard(b)
 
+    def grad_flats(self) -> list[tuple[torch.Tensor, list[int]]]:
+        """(flat tensor, its buckets): the gradient memory the optimizer steps, in as few
+        contiguous tensors as the layout allows, so that the step's passes over it (norm, overflow
+        check, unscaling, clipping) are a few ops each, not one per parameter: the whole buffer
+        (no_shard), this rank's slice of each bucket (ZeRO-1: the slices are strided across the
+        buffer), or the one shard tensor holding every slice (ZeRO-2/3). Padding holds zeros."""
+        buckets = list(range(len(self.layout.buckets)))
+        if not self.strategy.shards_optimizer:
+            return [(self.grads.data, buckets)]
+        if not self.strategy.shards_grads:
+            return [(self.grad_shard(b), [b]) for b in buckets]
+        return [(self.grads.shard, buckets)]
+
+    def bucket_of(self, p: nn.Parameter) -> int:
+        return self.layout.param_bucket[p]
+
     def param_shard(self, b: int) -> torch.Tensor:
         """This rank's slice of bucket b's parameters, where the optimizer writes its update."""
         if self.param_buffer is None:

@@ -72,6 +72,14 @@ class ExpertDataParallel:
     def grad_shard(self, key):
         return self.domains[key[0]].grad_shard(key[1])
 
+    def grad_flats(self):
+        return [(flat, [(i, b) for b in buckets]) for i, d in enumerate(self.domains)
+                for flat, buckets in d.grad_flats()]
+
+    def bucket_of(self, p: nn.Parameter):
+        d = self._domain_of[p]
+        return self.domains.index(d), d.bucket_of(p)
+
     def param_shard(self, key):
         return self.domains[key[0]].param_shard(key[1])
 

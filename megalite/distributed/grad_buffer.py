@@ -155,6 +155,9 @@ class GradBuffer(_Hooked):
         """Start the DP sum of bucket `b` (asynchronously with --overlap-grad-reduce). The loss
         is already normalised by the global token count, so a sum, not a mean, is the gradient
         of the global-batch loss."""
+        self._started[b] = True
+        if self.layout.dp_size == 1:  # nothing to sum (and no op to spend on it)
+            return
         start, end = self.layout.buckets[b]
         full = self.data[start:end]
         if self.reduce_scatter:
@@ -163,7 +166,6 @@ class GradBuffer(_Hooked):
             self._handles[b] = comm.all_reduce_async(full, self.dp_group)
         else:
             comm.all_reduce(full, self.dp_group)
-        self._started[b] = True
 
     def finish_grad_sync(self, start_missing: bool = True) -> None:
         """Start the buckets not started yet (in bucket order, the same on every DP rank), then

@@ -76,10 +76,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.host_grad_data = torch.empty(n_host, dtype=torch.float32, pin_memory=pin)
         # the norm, the overflow check, unscaling and clipping run over the uncut pieces, so the
         # numbers do not depend on where the offload boundary falls
-        self.main_grads, self.counted = [], []
+        self.main_grads, self.counted, buckets = [], [], []
         for b, p, lo, hi, off in dp.shard_pieces():
             self.main_grads.append(dp.grad_shard(b)[off:off + hi - lo])
             self.counted.append(param_info(p).is_owner(tp_rank))
+            buckets.append(b)
+        self._build_grad_stats(buckets)
         self.masters, self.master_ndims, self._step_grads = [], [], []
         self._pieces, self._host_grads, self._copy_back, self._places = [], [], [], []
         d = h = 0
@@ -127,9 +129,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         comm.all_reduce(stats, self.ps.dp_cp_group)
         comm.all_reduce(stats, self.ps.mp_group)
 
-    def _attach_grads(self, grads: list[torch.Tensor]) -> None:
-        """Offloaded pieces get a host copy of their gradient (device to host). `grads` (the
-        uncut pieces) were scaled and clipped in place; the masters' cut pieces view them."""
+    def _attach_grads(self) -> None:
+        """Offloaded pieces get a host copy of their gradient (device to host). The flat
+        gradients were scaled and clipped in place; the masters' cut pieces view them."""
         copied = False
         for m, g, hg in zip(self.masters, self._step_grads, self._host_grads):
             if hg is not None:

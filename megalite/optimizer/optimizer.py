@@ -33,7 +33,7 @@ import torch
 from .. import comm
 from ..config import OptimizerConfig
 from ..tensor_parallel.param_info import param_info
-from .clip_grads import clip_by_norm, local_grad_stats
+from .clip_grads import GradStats, clip_coefficient, scale_
 from .grad_scaler import build_grad_scaler
 from .muon import ChainedOptimizer, build_muon
 from .muon_matrices import LocalMatrices, matrix_specs, settings_of
@@ -165,6 +165,23 @@ class MixedPrecisionOptimizer:
             # are summed over DP x CP
             self.counted = [c and self.ps.replica_rank(param_info(p).expert_parallel) == 0
                             for c, p in zip(self.counted, self.params)]
+        self._build_grad_stats([self.dp.bucket_of(p) for p in self.params])
+
+    def _build_grad_stats(self, piece_buckets: list) -> None:
+        """The flat gradient tensors the step passes over (`grad_flats`) and what of them this
+        rank counts in the norm (clip_grads.GradStats), from each piece's bucket: a flat in which
+        no piece is counted is left out of the sum, the uncounted pieces of a counted flat are
+        subtracted from it."""
+        flats = self.dp.grad_flats()
+        flat_of = {key: i for i, (_, keys) in enumerate(flats) for key in keys}
+        members = [[] for _ in flats]
+        for j, key in enumerate(piece_buckets):
+            members[flat_of[key]].append(j)
+        counted = [any(self.counted[j] for j in m) for m in members]
+        duplicates = [self.main_grads[j] for m, c in zip(members, counted) if c for j in m if not self.counted[j]]
+        zeros = [g for g, c in zip(self.main_grads, self.counted) if c] if self.count_zeros else None
+        self.grad_flats = [f for f, _ in flats]
+        self.grad_stats = GradStats(self.grad_flats, counted, duplicates, zeros)
 
     def _muon_matrices(self, named_params, config):
         """--optimizer muon: every replica orthogonalizes every matrix (its pieces are whole)."""
@@ -183,10 +200,11 @@ class MixedPrecisionOptimizer:
                         op=torch.distributed.ReduceOp.SUM if self.ps.separate_expert_grid
                         else torch.distributed.ReduceOp.MAX)
 
-    def _attach_grads(self, grads: list[torch.Tensor]) -> None:
-        """Give each master its (unscaled, clipped) gradient for the inner optimizer."""
-        for m, g in zip(self.masters, grads):
-            self._set_grad(m, g.view_as(m))
+    def _attach_grads(self) -> None:
+        """Give each master its (unscaled, clipped) gradient for the inner optimizer (the
+        buffer's views already have the parameters' shapes: no op per parameter)."""
+        for m, g in zip(self.masters, self.main_grads):
+            self._set_grad(m, g)
 
     def _set_grad(self, master: torch.Tensor, g: torch.Tensor) -> None:
         if self.decoupled_grads:
@@ -195,9 +213,8 @@ class MixedPrecisionOptimizer:
             master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
 
     def _update_params(self) -> None:
-        if not self.fp32_params:
-            for p, m in zip(self.params, self.masters):
-                p.copy_(m)
+        if not self.fp32_params:  # one multi-tensor cast-and-copy, not one per parameter
+            torch._foreach_copy_(self.params, self.masters)
 
     @torch.no_grad()
     def masters_from_params(self) -> None:
@@ -244,14 +261,12 @@ class MixedPrecisionOptimizer:
         reason, when skipped for one). `after_update(pieces)` (--qk-clip) changes the updated
         masters before they reach the parameters."""
         self.dp.finish_param_sync()
-        grads = self.main_grads
-        if grad_scale != 1.0:
-            torch._foreach_mul_(grads, grad_scale)
+        scale_(self.grad_flats, grad_scale)
         inject = self._inject_overflow(iteration)
-        if inject and grads:
-            grads[0].view(-1)[0] = float("inf")
-        stats = local_grad_stats(grads, self.counted, self.device, self.count_zeros)
-        if inject and not grads:
+        if inject and self.main_grads:
+            self.main_grads[0].view(-1)[0] = float("inf")
+        stats = self.grad_stats.local()
+        if inject and not self.main_grads:
             stats[1] += 1
         self._reduce_stats(stats)
         zeros = {"num_zeros_in_grad": int(_host_value(stats[2]))} if self.count_zeros else {}
@@ -265,10 +280,10 @@ class MixedPrecisionOptimizer:
         spike = reject_grad_norm(grad_norm) if reject_grad_norm is not None else None
         if spike is not None:
             return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": True, "spike": spike, **zeros}
-        clip_by_norm(grads, grad_norm, self.clip_grad)
+        scale_(self.grad_flats, clip_coefficient(grad_norm, self.clip_grad))
         for g in self.optimizer.param_groups:
             g["lr"] = decoupled_lr if g.get("decoupled") and decoupled_lr is not None else lr
-        self._attach_grads(grads)
+        self._attach_grads()
         self.optimizer.step()
         for m in self.masters:
             m.grad = m.decoupled_grad = None
