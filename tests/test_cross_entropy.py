@@ -31,10 +31,26 @@ def _loss_and_grad(dtype, **kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_slices_of_rows_change_nothing(monkeypatch, dtype):
     whole_loss, whole_grad = _loss_and_grad(dtype)
-    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", 4 * VOCAB + 3)  # 4 rows per slice: 21 rows -> 6 slices
+    monkeypatch.setattr(ce, "chunk_elements", lambda device: 4 * VOCAB + 3)  # 4 rows per slice: 21 rows -> 6
     loss, grad = _loss_and_grad(dtype)
     assert torch.equal(loss, whole_loss) and torch.equal(grad, whole_grad)
     assert grad[..., VOCAB:].abs().max() == 0  # padded columns get no gradient
+
+
+def test_pointwise_gradient_equals_the_scatter_form():
+    """The gradient pass --compile fuses (the one-hot as a comparison, the whole logits at once)
+    computes what the eager pass does: the same fp32 values, rounded once to bf16."""
+    logits, target, weight = _case(torch.bfloat16)
+    whole = ce.LossKernels(ce._sum_exp, ce._softmax_grad_pointwise, whole=True)
+    results = []
+    for kernels in (ce.EAGER, whole):
+        x = logits.detach().clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(x, target, None, VOCAB, kernels=kernels)
+        (loss * weight).sum().backward()
+        results.append((loss.detach(), x.grad))
+    assert torch.equal(results[0][0], results[1][0])
+    torch.testing.assert_close(results[1][1].float(), results[0][1].float(), atol=0, rtol=2 ** -7)
+    assert results[1][1][..., VOCAB:].abs().max() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

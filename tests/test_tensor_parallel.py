@@ -97,6 +97,14 @@ def _check_cross_entropy(rank, world, vocab_size):
     torch.testing.assert_close(loss, ref.detach(), atol=ATOL, rtol=0)
     (loss * R).sum().backward()
     torch.testing.assert_close(Lt.grad, Lr.grad.chunk(world, dim=-1)[rank], atol=ATOL, rtol=0)
+    # --cross-entropy-loss-fusion (one all-reduce of both sums): the unfused loss and gradient within
+    # 1e-6 in fp32 (the same operations; only the order of the sums' collectives differs)
+    from megalite.tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy
+    Lf = Lt.detach().clone().requires_grad_()
+    fused = fused_vocab_parallel_cross_entropy(Lf, target, dist.group.WORLD, vocab_size)
+    (fused * R).sum().backward()
+    torch.testing.assert_close(fused, loss.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(Lf.grad, Lt.grad, atol=1e-6, rtol=1e-6)
 
 
 def _all_checks(rank, world):

@@ -132,6 +132,13 @@ def _kernel_notices(c: RunConfig) -> None:
     """Megatron-LM's kernel-only choices: one notice line each saying what runs here instead (the
     same function; FP8, which is not, is refused above)."""
     m, p = c.megatron, c.parallel
+    k = c.kernels
+    if k.cross_entropy_fusion_impl == "te":
+        c.notices.append("--cross-entropy-fusion-impl te: Transformer Engine's cross entropy is not used here; "
+                         "megalite's native one runs (the same loss)"
+                         + ("" if k.cross_entropy_loss_fusion else ", and without --cross-entropy-loss-fusion "
+                            "the flag has no effect (as in Megatron-LM)"))
+        k.cross_entropy_fusion_impl = "native"
     if m.transformer_impl == "transformer_engine":
         c.notices.append("--transformer-impl transformer_engine: megalite's own layers run instead (the same "
                          "function; it does not use NVIDIA Transformer Engine)")

@@ -29,6 +29,10 @@ class KernelConfig:
     cross_entropy_loss_fusion: bool = flag(
         "--cross-entropy-loss-fusion", False, "the fused vocabulary-parallel cross entropy (one all-reduce of "
         "[target logit, sum of exp] instead of two; the same loss)", action="store_true")
+    cross_entropy_fusion_impl: str = flag(
+        "--cross-entropy-fusion-impl", "native", "the fused cross entropy's implementation: native (megalite's); te "
+        "(Transformer Engine's, which megalite does not use: the native one runs, with a notice)",
+        choices=["native", "te"])
 
     disable_bf16_reduced_precision_matmul: bool = flag(
         "--disable-bf16-reduced-precision-matmul", False, "CUDA bf16 GEMMs accumulate their split-K partial sums in "

@@ -4,7 +4,9 @@ Each TransformerLayer of a model chunk is compiled in place (`nn.Module.compile`
 names, and with them initialisation and checkpoints, do not change. Per layer rather than per
 model: the layers run the same code on the same shapes, so Dynamo traces one graph and Inductor
 compiles it once (forward and backward) for every layer of every chunk; the embedding, the
-vocabulary-parallel loss, recompute of whole chunks and the pipeline schedule stay eager.
+vocabulary-parallel loss's own code, recompute of whole chunks and the pipeline schedule stay
+eager; the loss's two passes over 16-bit logits are compiled apart (tensor_parallel/cross_entropy.py
+`compiled_loss_kernels`: one fused kernel each instead of a few per slice of rows).
 Inside a layer Inductor fuses what sits between the matrix multiplies (norm, residual add,
 dropout, rotary, GeLU / SwiGLU), which PyTorch's eager fused kernels cover only op by op
 (PyTorch 2 paper, Ansel et al. 2024, Sec. 4-5).
@@ -27,11 +29,14 @@ from __future__ import annotations
 def compile_layers(chunks, backend: str = "inductor") -> int:
     """Compile every TransformerLayer of `chunks` (GPTModel instances) in place; returns how many.
     Compilation itself happens lazily, on the first forward and backward."""
+    from ..tensor_parallel.cross_entropy import compiled_loss_kernels
     n = 0
+    kernels = compiled_loss_kernels(backend)
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             layer.compile(backend=backend, dynamic=False)
             n += 1
+        chunk.loss_kernels = kernels
     return n
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from .. import comm
 from ..tensor_parallel import (VocabParallelEmbedding, copy_to_tp, linear_with_sp_gather, scatter_to_sp, set_init,
                                vocab_parallel_cross_entropy)
-from ..tensor_parallel.cross_entropy import fused_vocab_parallel_cross_entropy
+from ..tensor_parallel.cross_entropy import EAGER, fused_vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import set_tp_attributes
 from ..tensor_parallel.param_info import param_info
 from ..tensor_parallel.wgrad import linear as wgrad_linear
@@ -74,6 +74,7 @@ class Embedding(nn.Module):
 
 class GPTModel(nn.Module):
     wgrad_store = None  # --delay-wgrad-compute: the output layer's weight gradient waits for W
+    loss_kernels = EAGER  # the cross entropy's passes over 16-bit logits (--compile: compiled ones)
 
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, pre_process: bool = True,
                  post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None,
@@ -308,7 +309,7 @@ class GPTModel(nn.Module):
                          else vocab_parallel_cross_entropy)
         # the logits are read no more: fp32 ones become their softmax in place
         loss = cross_entropy(logits, labels.transpose(0, 1), self.tp_group, self.config.vocab_size,
-                             overwrite_logits=True)
+                             overwrite_logits=True, kernels=self.loss_kernels)
         return loss.transpose(0, 1)  # [b, s]
 
     def mtp_loss(self, main_tokens, microbatch_mean: bool):

@@ -28,8 +28,21 @@ more exp pass in backward. Padded columns are sliced off, never copied.
 all-reduces, as Megatron-LM's native fused cross entropy does: the target logit and the sum of
 exponentials do not depend on each other, so they travel as one [2, s·b] tensor, two collectives
 per micro-batch (max, sums) instead of three. The loss and gradients are the same.
+(--cross-entropy-fusion-impl te names Transformer Engine's kernel, which megalite does not use:
+this one runs, with a notice.)
+
+Kernels (`LossKernels`): the two passes over 16-bit logits, the sum of exponentials (forward) and
+the softmax gradient (backward), are plain functions. Eager, each slice of rows costs a few
+element-wise kernels and an fp32 scratch slice, so the slice size is chosen by device in one place
+(`chunk_elements`: 64 MiB of scratch on the CPU, where fresh pages cost page faults, 256 MiB on a
+GPU, where each slice costs kernel launches). Under --compile (model/compile.py) Inductor fuses
+each pass into one kernel that reads the 16-bit logits once and makes no fp32 scratch, so the
+whole [s·b, v] runs as one slice: one reduction forward, one element-wise kernel backward.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,17 +50,55 @@ import torch.distributed as dist
 from .. import comm
 
 
-CHUNK_ELEMENTS = 1 << 24  # fp32 scratch per slice of rows: 64 MiB
+def chunk_elements(device: torch.device) -> int:
+    """fp32 scratch elements per slice of rows of the eager 16-bit path (module docstring)."""
+    return 1 << (26 if device.type == "cuda" else 24)
 
 
-def _row_chunks(n_rows: int, row_len: int):
-    step = max(1, CHUNK_ELEMENTS // max(row_len, 1))
-    return [(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
+def _sum_exp(rows: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """sum_j exp(x_j - max) per row of rows [n, v] (any float dtype), fp32 by promotion."""
+    return (rows - row_max.unsqueeze(-1)).exp_().sum(dim=-1)
+
+
+def _softmax_grad(rows, lse, local_target, inside, grad_loss) -> torch.Tensor:
+    """(softmax(x) - onehot(target) for targets inside this rank's columns) x dloss, fp32 [n, v]."""
+    g = (rows - lse).exp_()  # fp32 softmax by promotion
+    g.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
+    return g.mul_(grad_loss)
+
+
+def _softmax_grad_pointwise(rows, lse, local_target, inside, grad_loss) -> torch.Tensor:
+    """_softmax_grad as one element-wise expression (the one-hot as a comparison, no scatter), for
+    Inductor to fuse into one kernel that writes the logits' dtype."""
+    cols = torch.arange(rows.size(-1), device=rows.device)
+    onehot = (cols == local_target.unsqueeze(-1)).float() * inside
+    return ((torch.exp(rows.float() - lse) - onehot) * grad_loss).to(rows.dtype)
+
+
+@dataclass(frozen=True)
+class LossKernels:
+    """The two passes over 16-bit logits and how many rows each call takes (`whole`: all of them)."""
+    sum_exp: Callable = _sum_exp
+    softmax_grad: Callable = _softmax_grad
+    whole: bool = False
+
+    def chunks(self, n_rows: int, row_len: int, device: torch.device):
+        step = n_rows if self.whole else max(1, chunk_elements(device) // max(row_len, 1))
+        return [(i, min(i + step, n_rows)) for i in range(0, n_rows, max(step, 1))]
+
+
+EAGER = LossKernels()
+
+
+def compiled_loss_kernels(backend: str = "inductor") -> LossKernels:
+    """The same passes compiled (--compile): one fused kernel each, whole logits at once."""
+    return LossKernels(torch.compile(_sum_exp, backend=backend, dynamic=False),
+                       torch.compile(_softmax_grad_pointwise, backend=backend, dynamic=False), whole=True)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_size, fuse_sums=False, overwrite=False):
+    def forward(ctx, logits, target, group, vocab_size, fuse_sums=False, overwrite=False, kernels=EAGER):
         # logits: [s, b, v/tp] (this rank's vocabulary columns), target: [s, b] global ids.
         # Returns (loss, the logits when they were overwritten by their softmax, else None)
         ctx.set_materialize_grads(False)  # the overwritten logits get no gradient: none is made
@@ -86,9 +137,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             softmax[:, valid:] = 0.0  # padded columns took no part in the softmax
             sum_exp = exp_logits.sum(dim=-1)
         else:
-            sum_exp = torch.zeros(n, dtype=torch.float32, device=logits.device)
-            for lo, hi in _row_chunks(n, valid):
-                sum_exp[lo:hi] = (rows[lo:hi] - logits_max[lo:hi, None]).exp_().sum(dim=-1)  # fp32 by promotion
+            chunks = kernels.chunks(n, valid, logits.device) if valid else []
+            if len(chunks) == 1:
+                sum_exp = kernels.sum_exp(rows, logits_max)
+            else:
+                sum_exp = torch.zeros(n, dtype=torch.float32, device=logits.device)
+                for lo, hi in chunks:
+                    sum_exp[lo:hi] = kernels.sum_exp(rows[lo:hi], logits_max[lo:hi])
         if fuse_sums:  # one all-reduce for both sums
             sums = torch.stack([target_logit, sum_exp])
             comm.all_reduce(sums, group)
@@ -97,7 +152,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             comm.all_reduce(sum_exp, group)
         loss = sum_exp.log() - target_logit
 
-        ctx.valid, ctx.keep_softmax, ctx.logits_shape = valid, keep_softmax, logits.shape
+        ctx.valid, ctx.keep_softmax, ctx.logits_shape, ctx.kernels = valid, keep_softmax, logits.shape, kernels
         if keep_softmax:
             exp_logits.div_(sum_exp.unsqueeze(-1))
             ctx.save_for_backward(logits if overwrite else softmax, outside, local_target)
@@ -117,19 +172,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             softmax, _, local_target = ctx.saved_tensors
             softmax = softmax.view(-1, softmax.size(-1))
             softmax.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
-            return softmax.mul_(grad_loss).view(ctx.logits_shape), None, None, None, None, None
+            return softmax.mul_(grad_loss).view(ctx.logits_shape), None, None, None, None, None, None
         logits, lse, _, local_target = ctx.saved_tensors
-        valid, part = ctx.valid, logits.size(-1)
+        valid, part, kernels = ctx.valid, logits.size(-1), ctx.kernels
+        rows = logits.reshape(-1, part)[:, :valid]
+        chunks = kernels.chunks(rows.size(0), valid, logits.device) if valid else []
+        if valid == part and len(chunks) == 1:  # the kernel's output is the gradient: no copy
+            grad = kernels.softmax_grad(rows, lse, local_target, inside, grad_loss).to(logits.dtype)
+            return grad.view(ctx.logits_shape), None, None, None, None, None, None
         grad = torch.empty_like(logits)
         grad_rows = grad.view(-1, part)
         if valid < part:
             grad_rows[:, valid:] = 0
-        rows = logits.reshape(-1, part)[:, :valid]
-        for lo, hi in _row_chunks(rows.size(0), valid) if valid else ():
-            g = (rows[lo:hi] - lse[lo:hi]).exp_()  # fp32 softmax of this slice, by promotion
-            g.scatter_add_(-1, local_target[lo:hi, None], -inside[lo:hi])
-            grad_rows[lo:hi, :valid] = g.mul_(grad_loss[lo:hi])
-        return grad, None, None, None, None, None
+        for lo, hi in chunks:
+            grad_rows[lo:hi, :valid] = kernels.softmax_grad(rows[lo:hi], lse[lo:hi], local_target[lo:hi],
+                                                            inside[lo:hi], grad_loss[lo:hi])
+        return grad, None, None, None, None, None, None
 
 
 def _overwritable(logits: torch.Tensor) -> bool:
@@ -138,16 +196,18 @@ def _overwritable(logits: torch.Tensor) -> bool:
     return logits.is_contiguous() and not logits._is_view() and not (logits.requires_grad and logits.is_leaf)
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
-                                 vocab_size: int | None = None, overwrite_logits: bool = False) -> torch.Tensor:
+                                 vocab_size: int | None = None, overwrite_logits: bool = False,
+                                 kernels: LossKernels = EAGER) -> torch.Tensor:
     """Per-token loss [s, b] from logits [s, b, v/tp] and targets [s, b]. `overwrite_logits`:
     the caller reads the logits no more, so fp32 ones may hold their softmax afterwards (where
-    autograd allows it: `_overwritable`)."""
+    autograd allows it: `_overwritable`). `kernels`: the passes over 16-bit logits (LossKernels)."""
     overwrite = overwrite_logits and _overwritable(logits)
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, False, overwrite)[0]
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, False, overwrite, kernels)[0]
 
 
 def fused_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
-                                       vocab_size: int | None = None, overwrite_logits: bool = False) -> torch.Tensor:
+                                       vocab_size: int | None = None, overwrite_logits: bool = False,
+                                       kernels: LossKernels = EAGER) -> torch.Tensor:
     """The same, with the two sum all-reduces fused into one (--cross-entropy-loss-fusion)."""
     overwrite = overwrite_logits and _overwritable(logits)
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, True, overwrite)[0]
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, True, overwrite, kernels)[0]
