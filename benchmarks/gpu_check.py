@@ -40,7 +40,7 @@ SIZES = {
     "350M": (["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16"], 8, 4,
              ["megalite", "transformers", "nanogpt"], 80),
     "1.3B": (["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"], 4, 4,
-             ["megalite", "transformers", "nanogpt"], 110),
+             ["megalite", "megalite-compile", "transformers", "nanogpt"], 130),
 }
 TINY = (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"], 2, 2,
         ["megalite", "transformers", "nanogpt"], 300)

@@ -456,3 +456,13 @@ def test_attention_softmax_in_fp32_acts_on_the_local_backend():
     b = args_of(["--train-iters", "3", "--attention-softmax-in-fp32"])
     assert any(n.startswith("--attention-softmax-in-fp32 has no effect with --attention-backend auto")
                for n in b.notices), b.notices
+
+
+def test_cross_entropy_fusion_impl_te_runs_the_native_loss_with_a_notice():
+    run = ["--train-iters", "2"]
+    a = args_of(run + ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"])
+    assert a.kernels.cross_entropy_fusion_impl == "native" and a.kernels.cross_entropy_loss_fusion
+    assert any("--cross-entropy-fusion-impl te: Transformer Engine's cross entropy is not used" in n for n in a.notices)
+    b = args_of(run + ["--cross-entropy-fusion-impl", "te"])
+    assert any("without --cross-entropy-loss-fusion the flag has no effect" in n for n in b.notices)
+    assert not any("cross-entropy" in n for n in args_of(run + ["--cross-entropy-loss-fusion"]).notices)

@@ -107,6 +107,25 @@ def _check_cross_entropy(rank, world, vocab_size):
     torch.testing.assert_close(Lf.grad, Lt.grad, atol=1e-6, rtol=1e-6)
 
 
+def _check_cross_entropy_16bit(rank, world, vocab_size):
+    """bf16 logits: each rank's log-sum-exp and softmax over its own columns, rescaled to the global
+    ones (the eager kernels' softmax with dtype=float32); against F.cross_entropy in fp32 of the
+    same bf16-rounded logits: the loss within fp32 rounding, the gradient within one bf16 rounding."""
+    import torch.distributed as dist
+    s, b, V = 6, 3, 16
+    logits = (_inputs(0, s, b, V) * 3).bfloat16()
+    target = torch.randint(0, vocab_size, (s, b), generator=torch.Generator().manual_seed(1))
+    R = _inputs(2, s, b)
+    Lr = logits.float().requires_grad_()
+    ref = F.cross_entropy(Lr[..., :vocab_size].reshape(-1, vocab_size), target.reshape(-1), reduction="none").view(s, b)
+    (ref * R).sum().backward()
+    Lt = logits.chunk(world, dim=-1)[rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(Lt, target, dist.group.WORLD, vocab_size)
+    torch.testing.assert_close(loss, ref.detach(), atol=1e-5, rtol=1e-5)
+    (loss * R).sum().backward()
+    torch.testing.assert_close(Lt.grad.float(), Lr.grad.chunk(world, dim=-1)[rank], atol=1e-6, rtol=2 ** -7)
+
+
 def _all_checks(rank, world):
     for gather in (True, False):
         _check_column(rank, world, gather, stride=1)
@@ -116,6 +135,7 @@ def _all_checks(rank, world):
     _check_embedding(rank, world)
     for vocab in (16, 11, 5):  # no padding; padding inside the last shard; whole shards of padding
         _check_cross_entropy(rank, world, vocab)
+        _check_cross_entropy_16bit(rank, world, vocab)
     return True
 
 

@@ -164,6 +164,7 @@ class DataParallel:
     def finish_grad_sync(self) -> None:
         """Every gradient sum of the iteration (see the module docstring), waited for."""
         if not self.strategy.shards_grads:
+            self.grads.zero_missing()  # before the embedding copies' sum reads them
             for p in self.embedding_params:
                 comm.all_reduce(self.main_grad(p), self.ps.embedding_group)
             self.grads.finish_grad_sync()

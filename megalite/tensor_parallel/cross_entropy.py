@@ -32,12 +32,17 @@ per micro-batch (max, sums) instead of three. The loss and gradients are the sam
 this one runs, with a notice.)
 
 Kernels (`LossKernels`): the two passes over 16-bit logits, the sum of exponentials (forward) and
-the softmax gradient (backward), are plain functions. Eager, each slice of rows costs a few
-element-wise kernels and an fp32 scratch slice, so the slice size is chosen by device in one place
-(`chunk_elements`: 64 MiB of scratch on the CPU, where fresh pages cost page faults, 256 MiB on a
-GPU, where each slice costs kernel launches). Under --compile (model/compile.py) Inductor fuses
-each pass into one kernel that reads the 16-bit logits once and makes no fp32 scratch, so the
-whole [s·b, v] runs as one slice: one reduction forward, one element-wise kernel backward.
+the softmax gradient (backward), are plain functions. Eager, they are PyTorch's softmax kernels,
+which read 16-bit input and write fp32 in one pass (log_softmax / softmax with dtype=float32):
+this rank's log-sum-exp is its row max less the largest log-probability, rescaled to the global
+max; backward's local softmax is rescaled by exp(local - global log-sum-exp) in the one
+multiplication that also writes the 16-bit gradient (about 22 bytes moved per logit in all, where
+broadcast subtract, exp and sum moved ~40 at half the bandwidth). Each slice of rows takes an
+fp32 scratch slice, so the slice size is chosen by device in one place (`chunk_elements`: 64 MiB
+of scratch on the CPU, where fresh pages cost page faults, 256 MiB on a GPU, where each slice
+costs kernel launches). Under --compile (model/compile.py) Inductor fuses each pass into one
+kernel that reads the 16-bit logits once and makes no fp32 scratch, so the whole [s·b, v] runs as
+one slice: one reduction forward, one element-wise kernel backward.
 """
 from __future__ import annotations
 
@@ -55,24 +60,42 @@ def chunk_elements(device: torch.device) -> int:
     return 1 << (26 if device.type == "cuda" else 24)
 
 
-def _sum_exp(rows: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """sum_j exp(x_j - max) per row of rows [n, v] (any float dtype), fp32 by promotion."""
-    return (rows - row_max.unsqueeze(-1)).exp_().sum(dim=-1)
+def _sum_exp(rows: torch.Tensor, local_max: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """sum_j exp(x_j - max) per row of rows [n, v] (16-bit), fp32, `row_max` the max over every
+    rank's columns, `local_max` over this rank's: exp(local log-sum-exp - max), the local
+    log-sum-exp being the local max less the largest fp32 log-probability."""
+    log_probs = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
+    return (local_max - log_probs.amax(dim=-1) - row_max).exp_()
 
 
-def _softmax_grad(rows, lse, local_target, inside, grad_loss) -> torch.Tensor:
-    """(softmax(x) - onehot(target) for targets inside this rank's columns) x dloss, fp32 [n, v]."""
-    g = (rows - lse).exp_()  # fp32 softmax by promotion
-    g.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
-    return g.mul_(grad_loss)
+def _sum_exp_pointwise(rows, local_max, row_max) -> torch.Tensor:
+    """The same as one reduction for Inductor to fuse (no fp32 scratch)."""
+    return (rows.float() - row_max.unsqueeze(-1)).exp().sum(dim=-1)
 
 
-def _softmax_grad_pointwise(rows, lse, local_target, inside, grad_loss) -> torch.Tensor:
+def _softmax_grad(rows, lse, local_lse, local_target, inside, grad_loss, out=None) -> torch.Tensor:
+    """(softmax(x) - onehot(target) for targets inside this rank's columns) x dloss into `out`
+    (16-bit [n, v]; a new tensor when None). `lse`, `local_lse`: [n, 1] log-sum-exp over every
+    rank's columns and over this rank's; the local softmax times exp(local_lse - lse) is the global one."""
+    g = torch.softmax(rows, dim=-1, dtype=torch.float32)
+    factor = (local_lse - lse).exp_()  # [n, 1]
+    g.scatter_add_(-1, local_target.unsqueeze(-1), -inside / factor)
+    return torch.mul(g, factor * grad_loss, out=out if out is not None else torch.empty_like(rows))
+
+
+def _softmax_grad_pointwise(rows, lse, local_lse, local_target, inside, grad_loss) -> torch.Tensor:
     """_softmax_grad as one element-wise expression (the one-hot as a comparison, no scatter), for
     Inductor to fuse into one kernel that writes the logits' dtype."""
     cols = torch.arange(rows.size(-1), device=rows.device)
     onehot = (cols == local_target.unsqueeze(-1)).float() * inside
     return ((torch.exp(rows.float() - lse) - onehot) * grad_loss).to(rows.dtype)
+
+
+def _compiled_grad(fn):
+    def grad(rows, lse, local_lse, local_target, inside, grad_loss, out=None):
+        result = fn(rows, lse, local_lse, local_target, inside, grad_loss)
+        return result if out is None else out.copy_(result)
+    return grad
 
 
 @dataclass(frozen=True)
@@ -92,8 +115,9 @@ EAGER = LossKernels()
 
 def compiled_loss_kernels(backend: str = "inductor") -> LossKernels:
     """The same passes compiled (--compile): one fused kernel each, whole logits at once."""
-    return LossKernels(torch.compile(_sum_exp, backend=backend, dynamic=False),
-                       torch.compile(_softmax_grad_pointwise, backend=backend, dynamic=False), whole=True)
+    return LossKernels(torch.compile(_sum_exp_pointwise, backend=backend, dynamic=False),
+                       _compiled_grad(torch.compile(_softmax_grad_pointwise, backend=backend, dynamic=False)),
+                       whole=True)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -112,6 +136,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits_max = rows.amax(dim=-1).float()  # exact in any dtype; amax: no indices (5x faster)
         else:  # this rank holds padding only
             logits_max = torch.full((n,), float("-inf"), device=logits.device)
+        local_max = logits_max.clone() if comm.group_size(group) > 1 else logits_max
         comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
 
         outside = (target < start) | (target >= start + valid)
@@ -139,11 +164,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             chunks = kernels.chunks(n, valid, logits.device) if valid else []
             if len(chunks) == 1:
-                sum_exp = kernels.sum_exp(rows, logits_max)
+                sum_exp = kernels.sum_exp(rows, local_max, logits_max)
             else:
                 sum_exp = torch.zeros(n, dtype=torch.float32, device=logits.device)
                 for lo, hi in chunks:
-                    sum_exp[lo:hi] = kernels.sum_exp(rows[lo:hi], logits_max[lo:hi])
+                    sum_exp[lo:hi] = kernels.sum_exp(rows[lo:hi], local_max[lo:hi], logits_max[lo:hi])
+            local_sum = sum_exp.clone() if comm.group_size(group) > 1 else sum_exp
         if fuse_sums:  # one all-reduce for both sums
             sums = torch.stack([target_logit, sum_exp])
             comm.all_reduce(sums, group)
@@ -157,7 +183,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             exp_logits.div_(sum_exp.unsqueeze(-1))
             ctx.save_for_backward(logits if overwrite else softmax, outside, local_target)
         else:
-            ctx.save_for_backward(logits, (logits_max + sum_exp.log()).unsqueeze(-1), outside, local_target)
+            lse = (logits_max + sum_exp.log()).unsqueeze(-1)
+            local_lse = (logits_max + local_sum.log()).unsqueeze(-1) if local_sum is not sum_exp else lse
+            ctx.save_for_backward(logits, lse, local_lse, outside, local_target)
         if overwrite:
             ctx.mark_dirty(logits)
             return loss.view(target.shape), logits
@@ -173,20 +201,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             softmax = softmax.view(-1, softmax.size(-1))
             softmax.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
             return softmax.mul_(grad_loss).view(ctx.logits_shape), None, None, None, None, None, None
-        logits, lse, _, local_target = ctx.saved_tensors
+        logits, lse, local_lse, _, local_target = ctx.saved_tensors
         valid, part, kernels = ctx.valid, logits.size(-1), ctx.kernels
         rows = logits.reshape(-1, part)[:, :valid]
         chunks = kernels.chunks(rows.size(0), valid, logits.device) if valid else []
         if valid == part and len(chunks) == 1:  # the kernel's output is the gradient: no copy
-            grad = kernels.softmax_grad(rows, lse, local_target, inside, grad_loss).to(logits.dtype)
+            grad = kernels.softmax_grad(rows, lse, local_lse, local_target, inside, grad_loss)
             return grad.view(ctx.logits_shape), None, None, None, None, None, None
         grad = torch.empty_like(logits)
         grad_rows = grad.view(-1, part)
         if valid < part:
             grad_rows[:, valid:] = 0
         for lo, hi in chunks:
-            grad_rows[lo:hi, :valid] = kernels.softmax_grad(rows[lo:hi], lse[lo:hi], local_target[lo:hi],
-                                                            inside[lo:hi], grad_loss[lo:hi])
+            kernels.softmax_grad(rows[lo:hi], lse[lo:hi], local_lse[lo:hi], local_target[lo:hi], inside[lo:hi],
+                                 grad_loss[lo:hi], out=grad_rows[lo:hi, :valid])
         return grad, None, None, None, None, None, None
 
 
