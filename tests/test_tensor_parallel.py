@@ -108,9 +108,9 @@ def _check_cross_entropy(rank, world, vocab_size):
 
 
 def _check_cross_entropy_16bit(rank, world, vocab_size):
-    """bf16 logits: each rank's log-sum-exp and softmax over its own columns, rescaled to the global
-    ones (the eager kernels' softmax with dtype=float32); against F.cross_entropy in fp32 of the
-    same bf16-rounded logits: the loss within fp32 rounding, the gradient within one bf16 rounding."""
+    """bf16 logits (the softmax recomputed in fp32 slices in backward) against F.cross_entropy in fp32
+    of the same bf16-rounded logits: the loss within fp32 rounding, the gradient within one bf16
+    rounding."""
     import torch.distributed as dist
     s, b, V = 6, 3, 16
     logits = (_inputs(0, s, b, V) * 3).bfloat16()

@@ -32,17 +32,14 @@ per micro-batch (max, sums) instead of three. The loss and gradients are the sam
 this one runs, with a notice.)
 
 Kernels (`LossKernels`): the two passes over 16-bit logits, the sum of exponentials (forward) and
-the softmax gradient (backward), are plain functions. Eager, they are PyTorch's softmax kernels,
-which read 16-bit input and write fp32 in one pass (log_softmax / softmax with dtype=float32):
-this rank's log-sum-exp is its row max less the largest log-probability, rescaled to the global
-max; backward's local softmax is rescaled by exp(local - global log-sum-exp) in the one
-multiplication that also writes the 16-bit gradient (about 22 bytes moved per logit in all, where
-broadcast subtract, exp and sum moved ~40 at half the bandwidth). Each slice of rows takes an
-fp32 scratch slice, so the slice size is chosen by device in one place (`chunk_elements`: 64 MiB
-of scratch on the CPU, where fresh pages cost page faults, 256 MiB on a GPU, where each slice
-costs kernel launches). Under --compile (model/compile.py) Inductor fuses each pass into one
-kernel that reads the 16-bit logits once and makes no fp32 scratch, so the whole [s·b, v] runs as
-one slice: one reduction forward, one element-wise kernel backward.
+the softmax gradient (backward), are plain functions. Eager, each is a few element-wise kernels on
+a slice of rows with an fp32 scratch slice (PyTorch's softmax kernels read bf16 only after an fp32
+copy of their input, which measured slower on an H200: benchmarks/RESULTS_gpu.md), so the slice
+size is chosen by device in one place (`chunk_elements`: 64 MiB of scratch on the CPU, where
+fresh pages cost page faults, 256 MiB on a GPU, where each slice costs kernel launches). Under
+--compile (model/compile.py) Inductor fuses each pass into one kernel that reads the 16-bit logits
+once and makes no fp32 scratch, so the whole [s·b, v] runs as one slice: one reduction forward,
+one element-wise kernel backward.
 """
 from __future__ import annotations
 
@@ -60,30 +57,27 @@ def chunk_elements(device: torch.device) -> int:
     return 1 << (26 if device.type == "cuda" else 24)
 
 
-def _sum_exp(rows: torch.Tensor, local_max: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """sum_j exp(x_j - max) per row of rows [n, v] (16-bit), fp32, `row_max` the max over every
-    rank's columns, `local_max` over this rank's: exp(local log-sum-exp - max), the local
-    log-sum-exp being the local max less the largest fp32 log-probability."""
-    log_probs = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
-    return (local_max - log_probs.amax(dim=-1) - row_max).exp_()
+def _sum_exp(rows: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """sum_j exp(x_j - max) per row of rows [n, v] (16-bit), fp32 by promotion; `row_max` the max
+    over every rank's columns."""
+    return (rows - row_max.unsqueeze(-1)).exp_().sum(dim=-1)
 
 
-def _sum_exp_pointwise(rows, local_max, row_max) -> torch.Tensor:
+def _sum_exp_pointwise(rows, row_max) -> torch.Tensor:
     """The same as one reduction for Inductor to fuse (no fp32 scratch)."""
     return (rows.float() - row_max.unsqueeze(-1)).exp().sum(dim=-1)
 
 
-def _softmax_grad(rows, lse, local_lse, local_target, inside, grad_loss, out=None) -> torch.Tensor:
+def _softmax_grad(rows, lse, local_target, inside, grad_loss, out=None) -> torch.Tensor:
     """(softmax(x) - onehot(target) for targets inside this rank's columns) x dloss into `out`
-    (16-bit [n, v]; a new tensor when None). `lse`, `local_lse`: [n, 1] log-sum-exp over every
-    rank's columns and over this rank's; the local softmax times exp(local_lse - lse) is the global one."""
-    g = torch.softmax(rows, dim=-1, dtype=torch.float32)
-    factor = (local_lse - lse).exp_()  # [n, 1]
-    g.scatter_add_(-1, local_target.unsqueeze(-1), -inside / factor)
-    return torch.mul(g, factor * grad_loss, out=out if out is not None else torch.empty_like(rows))
+    (16-bit [n, v]; a new tensor when None); `lse` [n, 1] the log-sum-exp over every rank's columns."""
+    g = (rows - lse).exp_()  # fp32 softmax by promotion
+    g.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
+    g.mul_(grad_loss)
+    return g.to(rows.dtype) if out is None else out.copy_(g)
 
 
-def _softmax_grad_pointwise(rows, lse, local_lse, local_target, inside, grad_loss) -> torch.Tensor:
+def _softmax_grad_pointwise(rows, lse, local_target, inside, grad_loss) -> torch.Tensor:
     """_softmax_grad as one element-wise expression (the one-hot as a comparison, no scatter), for
     Inductor to fuse into one kernel that writes the logits' dtype."""
     cols = torch.arange(rows.size(-1), device=rows.device)
@@ -92,8 +86,8 @@ def _softmax_grad_pointwise(rows, lse, local_lse, local_target, inside, grad_los
 
 
 def _compiled_grad(fn):
-    def grad(rows, lse, local_lse, local_target, inside, grad_loss, out=None):
-        result = fn(rows, lse, local_lse, local_target, inside, grad_loss)
+    def grad(rows, lse, local_target, inside, grad_loss, out=None):
+        result = fn(rows, lse, local_target, inside, grad_loss)
         return result if out is None else out.copy_(result)
     return grad
 
@@ -136,7 +130,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits_max = rows.amax(dim=-1).float()  # exact in any dtype; amax: no indices (5x faster)
         else:  # this rank holds padding only
             logits_max = torch.full((n,), float("-inf"), device=logits.device)
-        local_max = logits_max.clone() if comm.group_size(group) > 1 else logits_max
         comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
 
         outside = (target < start) | (target >= start + valid)
@@ -164,12 +157,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             chunks = kernels.chunks(n, valid, logits.device) if valid else []
             if len(chunks) == 1:
-                sum_exp = kernels.sum_exp(rows, local_max, logits_max)
+                sum_exp = kernels.sum_exp(rows, logits_max)
             else:
                 sum_exp = torch.zeros(n, dtype=torch.float32, device=logits.device)
                 for lo, hi in chunks:
-                    sum_exp[lo:hi] = kernels.sum_exp(rows[lo:hi], local_max[lo:hi], logits_max[lo:hi])
-            local_sum = sum_exp.clone() if comm.group_size(group) > 1 else sum_exp
+                    sum_exp[lo:hi] = kernels.sum_exp(rows[lo:hi], logits_max[lo:hi])
         if fuse_sums:  # one all-reduce for both sums
             sums = torch.stack([target_logit, sum_exp])
             comm.all_reduce(sums, group)
@@ -183,9 +175,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             exp_logits.div_(sum_exp.unsqueeze(-1))
             ctx.save_for_backward(logits if overwrite else softmax, outside, local_target)
         else:
-            lse = (logits_max + sum_exp.log()).unsqueeze(-1)
-            local_lse = (logits_max + local_sum.log()).unsqueeze(-1) if local_sum is not sum_exp else lse
-            ctx.save_for_backward(logits, lse, local_lse, outside, local_target)
+            ctx.save_for_backward(logits, (logits_max + sum_exp.log()).unsqueeze(-1), outside, local_target)
         if overwrite:
             ctx.mark_dirty(logits)
             return loss.view(target.shape), logits
@@ -201,20 +191,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             softmax = softmax.view(-1, softmax.size(-1))
             softmax.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
             return softmax.mul_(grad_loss).view(ctx.logits_shape), None, None, None, None, None, None
-        logits, lse, local_lse, _, local_target = ctx.saved_tensors
+        logits, lse, _, local_target = ctx.saved_tensors
         valid, part, kernels = ctx.valid, logits.size(-1), ctx.kernels
         rows = logits.reshape(-1, part)[:, :valid]
         chunks = kernels.chunks(rows.size(0), valid, logits.device) if valid else []
         if valid == part and len(chunks) == 1:  # the kernel's output is the gradient: no copy
-            grad = kernels.softmax_grad(rows, lse, local_lse, local_target, inside, grad_loss)
+            grad = kernels.softmax_grad(rows, lse, local_target, inside, grad_loss)
             return grad.view(ctx.logits_shape), None, None, None, None, None, None
         grad = torch.empty_like(logits)
         grad_rows = grad.view(-1, part)
         if valid < part:
             grad_rows[:, valid:] = 0
         for lo, hi in chunks:
-            kernels.softmax_grad(rows[lo:hi], lse[lo:hi], local_lse[lo:hi], local_target[lo:hi], inside[lo:hi],
-                                 grad_loss[lo:hi], out=grad_rows[lo:hi, :valid])
+            kernels.softmax_grad(rows[lo:hi], lse[lo:hi], local_target[lo:hi], inside[lo:hi], grad_loss[lo:hi],
+                                 out=grad_rows[lo:hi, :valid])
         return grad, None, None, None, None, None, None
 
 
