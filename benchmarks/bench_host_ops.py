@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 import platform
 import statistics
@@ -129,6 +130,17 @@ def count_step_ops(contestant, warmup: int = 2) -> dict:
             "top": collections.Counter(e.name for e in ops).most_common(6)}
 
 
+def _counted(kind, *shape) -> dict:
+    """count_step_ops of a contestant built for it alone (one model of the size in memory at a time)."""
+    contestant = kind(*shape)
+    try:
+        return count_step_ops(contestant)
+    finally:
+        contestant.close()
+        del contestant
+        gc.collect()
+
+
 def host_times(contestants, steps: int) -> dict:
     """Median wall seconds per step, the contestants alternating step by step."""
     times = {c.name: [] for c in contestants}
@@ -172,10 +184,7 @@ def main(argv=None) -> None:
     for size in a.sizes:
         layers, hidden, heads = SHAPES[size]
         for m in a.microbatches:
-            ours, ref = Megalite(layers, hidden, heads, m), Reference(layers, hidden, heads, m)
-            c_ours, c_ref = count_step_ops(ours), count_step_ops(ref)
-            ours.close()
-            del ours, ref
+            c_ours, c_ref = _counted(Megalite, layers, hidden, heads, m), _counted(Reference, layers, hidden, heads, m)
             narrow = [Megalite(layers, 64, 4, m), Reference(layers, 64, 4, m)]
             narrow[0].name = "megalite"
             t = host_times(narrow, a.steps)

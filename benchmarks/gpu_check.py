@@ -104,7 +104,8 @@ def throughput(log: list, work: str, tiny: bool, steps: int) -> tuple[str, str]:
             ["--device", "cuda", "--bf16", "--vocab-size", "50304", "--seq-length", "1024"]
         proc = _run([sys.executable, "benchmarks/bench_throughput.py", *shape, *device, "--micro-batch-size", str(mbs),
                      "--microbatches", "1", str(several), "--contestants", *contestants, "--steps", str(steps),
-                     "--warmup", "2", *(["--profile"] if profile else []), "--json", out], timeout, log)
+                     "--warmup", "1" if tiny else "2", *(["--profile"] if profile else []), "--json", out],
+                    timeout, log)
         if proc.returncode or not os.path.exists(out):
             rows.append(f"| {name} | | | {_failed(proc)} | | | | |")
             continue

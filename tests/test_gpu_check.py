@@ -1,5 +1,7 @@
-"""`make gpu-check` exists and, without CUDA, says so and exits 0 without writing anything (on a
-CUDA machine it runs the GPU tests and benchmarks: benchmarks/gpu_check.py)."""
+"""`make gpu-check` (benchmarks/gpu_check.py): without CUDA it says so and exits 0 without writing
+anything; with --tiny every one of its steps runs at toy sizes on the CPU and fills its results
+file, so the code a GPU lease runs cannot rot between leases (the GPU numbers themselves:
+benchmarks/RESULTS_gpu.md)."""
 import os
 import subprocess
 import sys
@@ -19,3 +21,19 @@ def test_gpu_check_skips_cleanly_without_cuda(tmp_path):
     assert "gpu-check: skipped: no CUDA device" in proc.stdout
     assert not out.exists()
     assert "gpu-check:" in open(os.path.join(ROOT, "Makefile")).read()
+
+
+@pytest.mark.launches
+def test_every_step_runs_at_tiny_sizes_on_the_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "RESULTS_gpu.md"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--tiny", "--steps", "1",
+                           "--out", str(out)], env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    assert "failed" not in text and "timed out" not in text
+    for row in ("| tiny | 1 x 2 | megalite |", "| tiny | 2 x 2 | transformers GPT2LMHeadModel |",
+                "| tiny | 2 x 2 | nanoGPT-style |", "kernel launches", "| dense, ZeRO-3 (optim_grads_params) |",
+                "| MoE (tiny) |"):
+        assert row in text, row
