@@ -13,7 +13,6 @@ gradient (one logits-sized tensor in the logits' dtype) is part of every contest
 """
 import argparse
 import os
-import subprocess
 import sys
 
 import torch
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def kib(key):
@@ -67,9 +67,9 @@ def main(argv=None):
             logits, fwd, tot = measure(fn, a.tokens, vocab, dtype)
             rows.append(f"| {vocab} | {name} | {logits:.0f} | {fwd:.0f} | {tot:.0f} |")
             print(rows[-1], flush=True)
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    from bench_throughput import commit
     text = ["# Cross-entropy memory: megalite's loss against an fp32 copy into F.cross_entropy", "",
-            f"Commit {commit.stdout.strip()}, torch {torch.__version__}, CPU, one thread; {a.tokens} tokens, "
+            f"Commit {commit()}, torch {torch.__version__}, CPU, one thread; {a.tokens} tokens, "
             f"{a.dtype} logits. Command: `MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 python "
             f"benchmarks/bench_cross_entropy_memory.py --vocab {' '.join(map(str, a.vocab))} --tokens {a.tokens} "
             f"--dtype {a.dtype}`.", "",

@@ -26,9 +26,7 @@ import argparse
 import collections
 import gc
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -36,6 +34,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_throughput import commit, machine  # noqa: E402
 
 SHAPES = {"125M": (12, 768, 12), "350M": (24, 1024, 16)}  # layers, hidden, heads (GPT-3 paper, Table 2.1)
 VOCAB, SEQ = 50304, 32
@@ -153,24 +154,6 @@ def host_times(contestants, steps: int) -> dict:
             c.step()
             times[c.name].append(time.perf_counter() - t)
     return {k: statistics.median(v) for k, v in times.items()}
-
-
-def machine() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} logical CPUs"
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
 
 
 def main(argv=None) -> None:
