@@ -38,14 +38,14 @@ FORCED = (
     "tokenizer.vocab_size", "model.make_vocab_size_divisible_by",
     "tokenizer.tiktoken_pattern",
     # megalite's architecture flags beyond Megatron-LM's list: the load compares each with the
-    # checkpoint (checkpoint/state.py MODEL_FLAGS, ROPE_FLAGS), so only the checkpoint's value loads
+    # checkpoint (checkpoint/native/state.py MODEL_FLAGS, ROPE_FLAGS), so only the checkpoint's value loads
     "model.norm_epsilon", "model.openai_gelu", "model.use_rope_scaling", "model.rope_scaling_factor",
     "model.rope_scaling_low_freq_factor", "model.rope_scaling_high_freq_factor",
     "model.rope_scaling_original_max_position_embeddings", "model.rotary_seq_len_interpolation_factor",
     "model.rotary_scaling_factor", "model.yarn_original_max_position_embeddings", "model.yarn_beta_fast",
     "model.yarn_beta_slow", "model.mscale", "model.mscale_all_dim", "model.yarn_correction_range_round_to_int",
     # Mixture of Experts: which layers have experts, how many, their size and how tokens are routed
-    # (the load compares the shapes: checkpoint/state.py check_moe_config)
+    # (the load compares the shapes: checkpoint/native/state.py check_moe_config)
     "model.num_experts", "model.moe_ffn_hidden_size", "model.moe_router_topk", "model.moe_layer_freq",
     "model.moe_router_score_function", "model.moe_router_pre_softmax", "model.moe_router_enable_expert_bias",
     "model.moe_shared_expert_intermediate_size", "model.moe_shared_expert_gate", "model.moe_router_num_groups",

@@ -1,10 +1,10 @@
-"""--moe-use-upcycling and --moe-upcycling-granularity (checkpoint/upcycling.py): what they need,
+"""--moe-use-upcycling and --moe-upcycling-granularity (checkpoint/upcycling/plan.py): what they need,
 checked before any process starts; with `check_files`, against the checkpoints under --load and --save."""
 from __future__ import annotations
 
 import os
 
-from ..checkpoint.upcycling import dense_ffn_problem, step0_differences
+from ..checkpoint.upcycling.plan import dense_ffn_problem, step0_differences
 from ..config.run import RunConfig
 from ..errors import CheckpointError
 from .errors import fail

@@ -95,7 +95,7 @@ def checked_metadata(root: str, flag: str, iteration: int | None = None) -> dict
     directory = iteration_dir(root, iteration)
     foreign = megatron_format(directory)
     if foreign is not None and foreign.startswith("torch"):  # torch_dist, or torch (mp_rank_*)
-        from .megatron_legacy import read_megatron_metadata  # torch, for Megatron-LM checkpoints only
+        from .megatron.legacy import read_megatron_metadata  # torch, for Megatron-LM checkpoints only
         return read_megatron_metadata(directory, flag, root)
     if foreign is not None:
         raise CheckpointError(f"{flag} {root}: {directory} is a Megatron-LM checkpoint in its {foreign} format, "
@@ -126,7 +126,7 @@ def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> di
     if int(meta["format_version"]) >= 2:
         # one global index: its header must parse (the data files it names are opened, and a
         # missing one reported, by the ranks that need them: no rank stats every rank's file)
-        from .index import CheckpointIndex
+        from .native.index import CheckpointIndex
         try:
             CheckpointIndex(directory).io.close()
         except CheckpointError as e:

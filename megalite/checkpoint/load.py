@@ -14,11 +14,11 @@ from .. import comm
 from ..errors import CheckpointError
 from ..tensor_parallel.param_info import param_info
 from .files import FORMAT_VERSION, TRACKER, iteration_dir, read_metadata, read_tracker
-from .index import INDEX, open_index
-from .megatron_legacy import open_megatron
-from .reshard import ShardLayout, coalesce, locate, runs, split_at
-from .state import STATE_KINDS, TrainState, check_model_config, owned_pieces, set_rng_state, target_layout
-from .tensor_file import RangeReader, element_size
+from .native.index import INDEX, open_index
+from .megatron.legacy import open_megatron
+from .native.reshard import ShardLayout, coalesce, locate, runs, split_at
+from .native.state import STATE_KINDS, TrainState, check_model_config, owned_pieces, set_rng_state, target_layout
+from .native.tensor_file import RangeReader, element_size
 
 READ_GAP_BYTES = 4096  # two ranges of one piece closer than this are read as one (a page)
 

@@ -23,13 +23,13 @@ import time
 
 import torch
 
-from .. import comm
-from ..tensor_parallel.param_info import param_info
-from .files import TRACKER, iteration_dir
-from .megatron_format import write_metadata, write_rank_file
-from .megatron_save import LINEARS, megatron_args
-from .megatron_names import index_depth, megatron_keys
-from .state import TrainState, shard_layout
+from ... import comm
+from ...tensor_parallel.param_info import param_info
+from ..files import TRACKER, iteration_dir
+from .format import write_metadata, write_rank_file
+from .export import LINEARS, megatron_args
+from .names import index_depth, megatron_keys
+from ..native.state import TrainState, shard_layout
 
 
 def shard_boxes(name: str, p, tp_rank: int, tp_size: int, num_layers: int, num_experts: int) -> list:

@@ -46,12 +46,12 @@ import tempfile
 
 import torch
 
-from ..model import pad_vocab_size
-from .hf_config import (HF_CLASSES, ConversionError, config_from_hf, hf_architecture, hf_config, hf_rope, rope_from_hf,
+from ...model import pad_vocab_size
+from .config import (HF_CLASSES, ConversionError, config_from_hf, hf_architecture, hf_config, hf_rope, rope_from_hf,
                         update_json)
-from .hf_deepseek import deepseek_mtp_depth, deepseek_state, deepseek_tensors
-from .hf_moe import moe_mlp_state, moe_mlp_tensors, moe_pattern
-from .hf_tokenizer import export_tokenizer, has_tokenizer_files, special_ids
+from .deepseek import deepseek_mtp_depth, deepseek_state, deepseek_tensors
+from .moe import moe_mlp_state, moe_mlp_tensors, moe_pattern
+from .tokenizer import export_tokenizer, has_tokenizer_files, special_ids
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 # tensors a transformers checkpoint may carry that are buffers, not weights
@@ -372,8 +372,8 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     if rows != cfg["vocab_size"]:
         raise ConversionError(f"--load-dir {in_dir}: vocab_size {cfg['vocab_size']} but the embedding has {rows} rows")
     cfg["padded_vocab_size"] = pad_vocab_size(cfg["vocab_size"], 128, 1)
-    from ..config import RunConfig, TokenizerConfig
-    from ..model import GPTConfig
+    from ...config import RunConfig, TokenizerConfig
+    from ...model import GPTConfig
     tokenizer = TokenizerConfig()
     if has_tokenizer_files(in_dir):
         tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(in_dir))

@@ -76,18 +76,18 @@ def gpt_oss_architecture(cfg: dict, refuse) -> str:
 
 
 def _moe_pattern(cfg: dict) -> list[bool]:
-    from ..config.moe import moe_layer_pattern
+    from ...config.moe import moe_layer_pattern
     return moe_layer_pattern(cfg.get("moe_layer_freq", "1"), cfg["num_layers"])
 
 
 def _window(cfg: dict) -> tuple[int, int]:
-    from ..config.model import parse_window_size
+    from ...config.model import parse_window_size
     return parse_window_size(cfg["window_size"])
 
 
 def _layer_types(cfg: dict) -> tuple[list[str], int | None]:
     """(transformers' layer_types, sliding_window) of --window-size / --window-attn-skip-freq."""
-    from ..config.model import window_layer_pattern
+    from ...config.model import window_layer_pattern
     if cfg.get("window_size") is None:
         return ["full_attention"] * cfg["num_layers"], None
     windowed = window_layer_pattern(cfg.get("window_attn_skip_freq"), cfg["num_layers"])

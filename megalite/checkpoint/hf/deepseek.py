@@ -47,7 +47,7 @@ import math
 
 import torch
 
-from ..config.moe import moe_layer_pattern
+from ...config.moe import moe_layer_pattern
 
 DEEPSEEK_CLASS = "DeepseekV3ForCausalLM"
 LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default, which q_a_layernorm / kv_a_layernorm keep

@@ -18,11 +18,11 @@ import shutil
 
 import torch
 
-from ..errors import CheckpointError
-from .files import TRACKER, iteration_dir
-from .megatron_format import write_metadata, write_rank_file
-from .megatron_index import VOCAB_TABLES
-from .megatron_names import index_depth, megatron_keys
+from ...errors import CheckpointError
+from ..files import TRACKER, iteration_dir
+from .format import write_metadata, write_rank_file
+from .index import VOCAB_TABLES
+from .names import index_depth, megatron_keys
 
 # the linear layers whose megatron-core modules save an `_extra_state` object
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config.moe import moe_layer_pattern
-from .hf_gpt_oss import GPT_OSS_CLASS, gpt_oss_flags, gpt_oss_hf_config, gpt_oss_mlp_state, gpt_oss_mlp_tensors
+from ...config.moe import moe_layer_pattern
+from .gpt_oss import GPT_OSS_CLASS, gpt_oss_flags, gpt_oss_hf_config, gpt_oss_mlp_state, gpt_oss_mlp_tensors
 
 HF_MOE_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": GPT_OSS_CLASS}  # gpt-oss: hf_gpt_oss.py

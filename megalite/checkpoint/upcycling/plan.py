@@ -56,7 +56,7 @@ def weight_scale(model: dict, granularity: int) -> float:
 def dense_ffn_problem(dense: dict, moe: dict, granularity: int) -> str | None:
     """Why the MoE run's sizes cannot come from this dense checkpoint, or None. `dense`, `moe`:
     model configs (GPTConfig.to_dict())."""
-    from ..config.moe import moe_layer_pattern
+    from ...config.moe import moe_layer_pattern
     F = dense["ffn_hidden_size"]
     expert = moe.get("moe_ffn_hidden_size") or moe["ffn_hidden_size"]
     E = moe["num_experts"]

@@ -21,12 +21,12 @@ import re
 
 import torch
 
-from ..errors import CheckpointError
-from .index import Piece, PickledFilesIndex
-from .megatron_format import is_dist_checkpoint
-from .megatron_index import VOCAB_TABLES, MegatronIndex, megatron_metadata, plain_args
+from ...errors import CheckpointError
+from ..native.index import Piece, PickledFilesIndex
+from .format import is_dist_checkpoint
+from .index import VOCAB_TABLES, MegatronIndex, megatron_metadata, plain_args
 from .safe_pickle import torch_load
-from .tensor_file import RangeReader
+from ..native.tensor_file import RangeReader
 
 FILE = "model_optim_rng.pt"
 _DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")

@@ -23,11 +23,11 @@ import io
 
 import torch
 
-from .hf_config import ConversionError
-from .hf_conversion import (WORD_EMBEDDING, export_architecture, gpt2_layer_tensors, gpt2_outer_tensors,
+from ..hf.config import ConversionError
+from ..hf.conversion import (WORD_EMBEDDING, export_architecture, gpt2_layer_tensors, gpt2_outer_tensors,
                             llama_layer_tensors, llama_outer_tensors, staged_directory, write_hf_files)
-from .hf_shards import ShardedSafetensorsWriter
-from .megatron_index import MegatronIndex
+from ..hf.shards import ShardedSafetensorsWriter
+from .index import MegatronIndex
 
 
 class Deferred:
@@ -41,7 +41,7 @@ class Deferred:
 def model_config(meta: dict, index) -> dict:
     """megalite's model_config of a Megatron-LM checkpoint: its args' model settings (derived
     defaults filled as megalite's GPTConfig fills them), the vocabulary as the saved rows."""
-    from ..model import GPTConfig
+    from ...model import GPTConfig
     names = {f.name for f in dataclasses.fields(GPTConfig)}
     cfg = GPTConfig.from_dict({k: v for k, v in meta["args"].items() if k in names}).to_dict()
     layout, _ = index.entry(WORD_EMBEDDING)
@@ -73,8 +73,8 @@ def read_param(index, name: str, plus_one: bool) -> torch.Tensor:
     """One megalite parameter, whole, through the load index's interface (a torch_dist checkpoint:
     its slice of the stacked global tensor, from the chunks that hold it; a torch one: its TP
     shards from the memory-mapped files, joined as load.py joins them)."""
-    from .load import read_region
-    from .reshard import ShardLayout
+    from ..load import read_region
+    from ..native.reshard import ShardLayout
     t = own_chunk(index, name)
     if t is None:
         layout, _ = index.entry(name)
@@ -115,8 +115,8 @@ def _placed_all(state: dict, arch: str, where: str) -> None:
 def megatron_to_hf(load_dir: str, out_dir: str, tokenizer_overrides: dict | None = None, tokenizer: bool = True,
                    max_shard_bytes: int = 5 * 10**9) -> tuple[str, object, list[str]]:
     """Convert; returns (architecture, tokenizer or None, the safetensors files written)."""
-    from .files import inspect_checkpoint
-    from .load import open_checkpoint
+    from ..files import inspect_checkpoint
+    from ..load import open_checkpoint
     inspect_checkpoint(load_dir, "--load-dir")  # one-line errors naming a missing or corrupt file
     meta, index = open_checkpoint(load_dir)
     if not meta.get("megatron"):
@@ -125,7 +125,7 @@ def megatron_to_hf(load_dir: str, out_dir: str, tokenizer_overrides: dict | None
     meta = dict(meta, model_config=cfg)
     tok = None
     if tokenizer:
-        from ..generation import build_tokenizer_for
+        from ...generation import build_tokenizer_for
         tok = build_tokenizer_for(meta, tokenizer_overrides)
     arch = export_architecture(cfg, tok)  # refuses before anything is written
     if arch not in ("gpt2", "llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):

@@ -18,11 +18,11 @@ from math import prod
 
 import torch
 
-from .index import Piece
-from .megatron_format import DistCheckpoint, TensorInfo
-from .megatron_names import MOMENT_PREFIXES, index_depth, megalite_name, megatron_keys
+from ..native.index import Piece
+from .format import DistCheckpoint, TensorInfo
+from .names import MOMENT_PREFIXES, index_depth, megalite_name, megatron_keys
 from .safe_pickle import namespace_dict
-from .tensor_file import RangeReader
+from ..native.tensor_file import RangeReader
 
 # megalite tensors that hold the (padded) vocabulary along dim 0: read as many rows as both have
 VOCAB_TABLES = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -145,7 +145,7 @@ def megatron_metadata(index: MegatronIndex) -> dict:
     tp, pp = args.get("tensor_model_parallel_size") or 1, args.get("pipeline_model_parallel_size") or 1
     dp, cp = args.get("data_parallel_size") or 1, args.get("context_parallel_size") or 1
     sched = common.get("opt_param_scheduler") or {}
-    from ..model import GPTConfig
+    from ...model import GPTConfig
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     model_config = {k: v for k, v in args.items() if k in fields and v is not None}
     derived = []
