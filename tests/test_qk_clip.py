@@ -12,7 +12,7 @@ from megalite.model import max_logit
 from megalite.model.attention import SelfAttention
 from megalite.model.config import model_configs
 from megalite.model.max_logit import MaxLogitTracker
-from megalite.model.varlen_attention import Documents
+from megalite.context_parallel.documents import Documents
 from megalite.optimizer.qk_clip import QKClip
 from tiny import tiny
 
