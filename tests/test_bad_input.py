@@ -404,9 +404,11 @@ def _load_tool(path: str):
 def test_every_tool_takes_the_same_tokenizer_types(world, tmp_path):
     """One list: every name in TOKENIZER_TYPES parses in every tool, and an unknown one nowhere."""
     from megalite.arguments import parse_args
-    from megalite.data.tokenizers import TOKENIZER_TYPES
+    from megalite.config.data import TOKENIZER_TYPES
+    from megalite.data.tokenizers import TOKENIZERS
     from megalite.errors import UserError
 
+    assert TOKENIZER_TYPES == tuple(TOKENIZERS)  # the flag's choices (config/) name the registry exactly
     assert "GPTSentencePieceTokenizer" in TOKENIZER_TYPES and "NullTokenizer" in TOKENIZER_TYPES
     (tmp_path / "in.jsonl").write_text('{"text": "1"}\n')
     parsers = {
