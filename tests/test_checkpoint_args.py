@@ -10,7 +10,8 @@ import pytest
 
 from dist_helpers import run_pretrain
 from megalite.arguments import ArgumentError, parse_config
-from megalite.arguments.checkpoint_args import FORCED, IF_NOT_GIVEN
+from megalite.arguments.checkpoint_args import FORCED
+from megalite.config.run import IF_NOT_GIVEN
 from tiny import mock, tiny
 
 # a model unlike every default: a run that ignored the checkpoint could not come out equal

@@ -13,15 +13,12 @@ from __future__ import annotations
 import os
 
 from ..config.fields import flagged_fields
-from ..config.run import SECTIONS, RunConfig, from_saved
+from ..config.run import IF_NOT_GIVEN, SECTIONS, RunConfig, from_saved
 from ..errors import CheckpointError
 from .errors import fail
 
-# Taken only where the command line does not give them (Megatron-LM's _set_arg without force):
-# the shape, which a script states on purpose; a shape the checkpoint's weights cannot fill is
-# then refused by the load, naming the flag.
-IF_NOT_GIVEN = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size", "model.seq_length",
-                "model.num_attention_heads", "model.kv_channels", "model.max_position_embeddings")
+# The shape flags, taken only where the command line does not give them, are config/run.py's
+# IF_NOT_GIVEN (the load's mismatch message names them too).
 # Forced, the checkpoint winning over the command line (Megatron-LM's force=True): flags a launch
 # script repeats by habit (and whose default Megatron-LM cannot tell from "not given"), while the
 # weights only make sense with the checkpoint's values: how attention, the MLP, the norms and the
@@ -69,13 +66,6 @@ TOKENIZER = ("tokenizer.tokenizer_type", "tokenizer.tokenizer_model")
 
 def _flags() -> dict:
     return {f"{s}.{f.name}": fl for s, cls in SECTIONS.items() for f, fl in flagged_fields(cls)}
-
-
-def shape_flags() -> set[str]:
-    """The flags taken only where the command line does not give them (the load's mismatch
-    message says so)."""
-    flags = _flags()
-    return {flags[key].name for key in IF_NOT_GIVEN}
 
 
 def _get(c: RunConfig, key: str):

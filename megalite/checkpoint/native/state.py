@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ... import comm
+from ...config.run import shape_flags
 from ...errors import CheckpointError
 from ...model.init import global_shape, shard
 from ...parallel_state import ParallelState
@@ -134,8 +135,8 @@ def _as_given(key: str, value):
 
 def _checkpoint_args_hint(flags: list[str]) -> str:
     """How --use-checkpoint-args would take the differing flags (arguments/checkpoint_args.py:
-    every flag the load compares is among the ones it takes)."""
-    from ...arguments.checkpoint_args import shape_flags
+    every flag the load compares is among the ones it takes; the shape only where the command
+    line leaves it off, config/run.py's IF_NOT_GIVEN)."""
     kept = [f for f in flags if f in shape_flags()]
     return ("--use-checkpoint-args takes these from the checkpoint"
             + (f" ({', '.join(kept)} only where the command line leaves {'it' if len(kept) == 1 else 'them'} off)"
