@@ -26,7 +26,8 @@ from megalite.arguments import parse_args, validate_args
 from megalite.checkpoint.files import read_metadata
 from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict
 from megalite.config import RunConfig
-from megalite.generation import build_tokenizer_for, generate, load_model, next_token_logits
+from megalite.data.saved_tokenizer import build_tokenizer_for
+from megalite.generation import generate, load_model, next_token_logits
 from megalite.checkpoint.hf.config import ConversionError, hf_architecture, pretrain_flags
 from megalite.model import GPTConfig, GPTModel, pad_vocab_size
 from tiny import tiny

@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         if args.saver == "hf":
             tokenizer = None
             if not args.no_tokenizer:
-                from megalite.generation import build_tokenizer_for
+                from megalite.data.saved_tokenizer import build_tokenizer_for
                 tokenizer = build_tokenizer_for(meta, args.tokenizer)
             arch = to_hf(meta, state, args.save_dir, tokenizer)
             print(f"wrote {args.save_dir}: {HF_CLASSES[arch]}"

@@ -23,6 +23,7 @@ import io
 
 import torch
 
+from ...data.saved_tokenizer import build_tokenizer_for
 from ..hf.config import ConversionError
 from ..hf.conversion import (WORD_EMBEDDING, export_architecture, gpt2_layer_tensors, gpt2_outer_tensors,
                             llama_layer_tensors, llama_outer_tensors, staged_directory, write_hf_files)
@@ -125,7 +126,6 @@ def megatron_to_hf(load_dir: str, out_dir: str, tokenizer_overrides: dict | None
     meta = dict(meta, model_config=cfg)
     tok = None
     if tokenizer:
-        from ...generation import build_tokenizer_for
         tok = build_tokenizer_for(meta, tokenizer_overrides)
     arch = export_architecture(cfg, tok)  # refuses before anything is written
     if arch not in ("gpt2", "llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):
