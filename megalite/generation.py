@@ -22,7 +22,7 @@ import torch
 from . import comm
 from .checkpoint.files import inspect_checkpoint
 from .checkpoint.offline import load_full_state_dict
-from .checkpoint.native.state import local_shard
+from .checkpoint.native import local_shard
 from .config import from_saved
 from .errors import CheckpointError
 from .errors import InputError

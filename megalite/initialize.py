@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 
 from . import comm, parallel_state
-from .checkpoint.megatron.saver import MegatronSaver
+from .checkpoint.megatron import MegatronSaver
 from .checkpoint.load import load_checkpoint
-from .checkpoint.native.save import CheckpointSaver
-from .checkpoint.native.state import TrainState
+from .checkpoint.native import CheckpointSaver, TrainState
 from .checkpoint.upcycling.load import load_upcycled
 from .context_parallel.attention import set_hierarchy
 from .config import ParallelConfig, RunConfig

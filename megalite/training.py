@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .checkpoint.native.state import TrainState
+from .checkpoint.native import TrainState
 from .config import RunConfig
 from .errors import UserError
 from .initialize import Run, batch_iterators, setup
@@ -139,7 +139,7 @@ def save_pending(run: Run) -> None:
     """Write the checkpoint due after the previous iteration, now that this iteration's loss
     shows its weights still train: the model, optimizer and counters are still that iteration's
     (this one has not updated them), the RNG states are put back to the saved ones for the write."""
-    from .checkpoint.native.state import rng_state, set_rng_state
+    from .checkpoint.native import rng_state, set_rng_state
     iteration, (tensors, values) = run.pending_save
     run.pending_save = None
     current = rng_state(run.state)
@@ -303,7 +303,7 @@ def checkpoint_due(run: Run) -> None:
     if run.spike_guard is None:
         save_checkpoint(run)
     elif run.last_saved != run.state.iteration:
-        from .checkpoint.native.state import rng_state
+        from .checkpoint.native import rng_state
         run.pending_save = (run.state.iteration, rng_state(run.state))
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_helpers import run_pretrain
-from megalite.checkpoint.files import read_tracker
+from megalite.checkpoint.paths import read_tracker
 from megalite.checkpoint.offline import load_full_state_dict
 from megalite.checkpoint.native.save import CheckpointSaver
 from megalite.errors import CheckpointError

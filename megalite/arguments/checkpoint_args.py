@@ -84,7 +84,8 @@ def _shown(flags: dict, key: str, value) -> str:
 def _read_saved(load: str):
     """(metadata, {section: {field: value}}) of the latest checkpoint under `load`; None when
     there is none yet (no directory, or no latest-iteration file in it)."""
-    from ..checkpoint.files import TRACKER, checked_metadata
+    from ..checkpoint.files import checked_metadata
+    from ..checkpoint.paths import TRACKER
     if not os.path.isfile(os.path.join(load, TRACKER)):
         return None
     try:

@@ -32,7 +32,8 @@ def check_upcycling(c: RunConfig, check_files: bool) -> None:
 
 
 def _check_checkpoints(c: RunConfig, model: dict, g: int) -> None:
-    from ..checkpoint.files import TRACKER, checked_metadata, read_tracker
+    from ..checkpoint.files import checked_metadata
+    from ..checkpoint.paths import TRACKER, read_tracker
     ck = c.checkpoint
     if os.path.isfile(os.path.join(ck.save, TRACKER)):
         fail(f"--moe-use-upcycling: --save {ck.save} already holds a checkpoint (iteration {read_tracker(ck.save)}); "

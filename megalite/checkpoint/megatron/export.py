@@ -19,7 +19,7 @@ import shutil
 import torch
 
 from ...errors import CheckpointError
-from ..files import TRACKER, iteration_dir
+from ..paths import TRACKER, iteration_dir
 from .format import write_metadata, write_rank_file
 from .index import VOCAB_TABLES
 from .names import index_depth, megatron_keys

@@ -25,7 +25,7 @@ import torch
 
 from ... import comm
 from ...tensor_parallel.param_info import param_info
-from ..files import TRACKER, iteration_dir
+from ..paths import TRACKER, iteration_dir
 from .format import write_metadata, write_rank_file
 from .export import LINEARS, megatron_args
 from .names import index_depth, megatron_keys

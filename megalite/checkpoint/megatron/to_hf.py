@@ -24,11 +24,16 @@ import io
 import torch
 
 from ...data.saved_tokenizer import build_tokenizer_for
+from ...errors import CheckpointError
 from ..hf.config import ConversionError
 from ..hf.conversion import (WORD_EMBEDDING, export_architecture, gpt2_layer_tensors, gpt2_outer_tensors,
                             llama_layer_tensors, llama_outer_tensors, staged_directory, write_hf_files)
 from ..hf.shards import ShardedSafetensorsWriter
+from ..native.region import read_region
+from ..native.reshard import ShardLayout
+from ..paths import TRACKER, iteration_dir, read_tracker
 from .index import MegatronIndex
+from .legacy import open_megatron
 
 
 class Deferred:
@@ -73,9 +78,7 @@ def own_chunk(index, name: str):
 def read_param(index, name: str, plus_one: bool) -> torch.Tensor:
     """One megalite parameter, whole, through the load index's interface (a torch_dist checkpoint:
     its slice of the stacked global tensor, from the chunks that hold it; a torch one: its TP
-    shards from the memory-mapped files, joined as load.py joins them)."""
-    from ..load import read_region
-    from ..native.reshard import ShardLayout
+    shards from the memory-mapped files, joined as every load joins them)."""
     t = own_chunk(index, name)
     if t is None:
         layout, _ = index.entry(name)
@@ -113,15 +116,26 @@ def _placed_all(state: dict, arch: str, where: str) -> None:
         raise ConversionError(f"{where} has tensors the {arch} mapping does not place: {', '.join(sorted(state)[:5])}")
 
 
+def _open_latest(load_dir: str):
+    """The load index of the latest checkpoint under `load_dir`, which must be Megatron-LM's (torch_dist or torch)."""
+    iteration = read_tracker(load_dir)
+    if iteration is None:
+        raise CheckpointError(f"--load-dir {load_dir}: no checkpoint there ({TRACKER} is missing)")
+    try:
+        index = open_megatron(iteration_dir(load_dir, iteration))
+    except CheckpointError as e:
+        raise CheckpointError(f"--load-dir {load_dir}: {e}") from None
+    if index is None:
+        raise ConversionError(f"--load-dir {load_dir}: a megalite checkpoint, not Megatron-LM's: use --loader megalite")
+    return index
+
+
 def megatron_to_hf(load_dir: str, out_dir: str, tokenizer_overrides: dict | None = None, tokenizer: bool = True,
                    max_shard_bytes: int = 5 * 10**9) -> tuple[str, object, list[str]]:
-    """Convert; returns (architecture, tokenizer or None, the safetensors files written)."""
-    from ..files import inspect_checkpoint
-    from ..load import open_checkpoint
-    inspect_checkpoint(load_dir, "--load-dir")  # one-line errors naming a missing or corrupt file
-    meta, index = open_checkpoint(load_dir)
-    if not meta.get("megatron"):
-        raise ConversionError(f"--load-dir {load_dir}: a megalite checkpoint, not Megatron-LM's: use --loader megalite")
+    """Convert; returns (architecture, tokenizer or None, the safetensors files written). A missing
+    or corrupt file, or a megalite checkpoint, is a one-line error naming --load-dir."""
+    index = _open_latest(load_dir)
+    meta = dict(index.metadata, dir=index.directory)
     cfg = model_config(meta, index)
     meta = dict(meta, model_config=cfg)
     tok = None

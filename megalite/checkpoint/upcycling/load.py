@@ -18,12 +18,13 @@ import torch
 from ...errors import CheckpointError
 from ...model.init import full_tensor, global_shape, initial_value
 from ...tensor_parallel.param_info import param_info
-from ..files import read_tracker
 from ..load import (_finish_stats, _load_buffers, _load_optimizer_state, _load_weights, _OwnedReader, _restore_progress,
-                   open_checkpoint, read_region)
+                   open_checkpoint)
+from ..native.region import read_region
 from ..native.reshard import ShardLayout
 from ..native.state import TrainState, check_model_config
 from ..native.tensor_file import RangeReader
+from ..paths import read_tracker
 from .plan import ROUTER_WEIGHT, dense_ffn_problem, dense_source, weight_scale
 
 UPCYCLED_ITERATION = 1  # Megatron-LM's args.iteration = 1 after upcycling
