@@ -1,7 +1,7 @@
 """Hugging Face model configs: which transformers architecture a megalite model is
 (`hf_architecture`), its config.json and RoPE settings both ways, and the pretrain_gpt.py flags
-of an imported model. What maps, and what is refused, is in hf_conversion.py's docstring (and
-hf_moe.py's for the Mixture-of-Experts models)."""
+of an imported model. What maps, and what is refused, is in conversion.py's docstring (and
+moe.py's for the Mixture-of-Experts models)."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,7 @@ def hf_architecture(cfg: dict) -> str:
     if cfg.get("mtp_num_layers") and not cfg.get("multi_latent_attention"):
         refuse(f"--mtp-num-layers {cfg['mtp_num_layers']} without --multi-latent-attention",
                "every export but DeepseekV3ForCausalLM's (the one here that stores MTP modules)")
-    if is_gpt_oss(cfg):  # sinks, sliding windows, the clamped GLU: hf_gpt_oss.py
+    if is_gpt_oss(cfg):  # sinks, sliding windows, the clamped GLU: gpt_oss.py
         return gpt_oss_architecture(cfg, refuse)
     # the attention and MLP variants (docs/models.md) without a mapping yet: none of the classes below has them
     for key, flag, plain in (("window_size", "--window-size", None), ("softmax_type", "--softmax-type", "vanilla"),
@@ -42,7 +42,7 @@ def hf_architecture(cfg: dict) -> str:
                              ("activation_func_clamp_value", "--activation-func-clamp-value", None)):
         if cfg.get(key, plain) != plain:
             refuse(f"{flag} {cfg[key]}" if cfg[key] is not True else flag, "the GPT-2, Llama, Qwen3 and MoE exports")
-    if cfg.get("multi_latent_attention"):  # hf_deepseek.py
+    if cfg.get("multi_latent_attention"):  # deepseek.py
         return deepseek_architecture(cfg, refuse)
     if cfg["position_embedding_type"] == "learned_absolute":
         gpt2 = "a GPT-2 style model (--position-embedding-type learned_absolute) as GPT2LMHeadModel"

@@ -11,13 +11,13 @@ These architectures cover what megalite trains, and each maps tensor by tensor, 
                   -> LlamaForCausalLM
     Llama style with --qk-layernorm (an RMSNorm over each head's query and key, before RoPE;
                   no biases) -> Qwen3ForCausalLM (`self_attn.q_norm` / `k_norm`)
-    Llama style with Mixture-of-Experts layers (hf_moe.py)
+    Llama style with Mixture-of-Experts layers (moe.py)
                   -> MixtralForCausalLM (every layer MoE, no shared expert), or
                      Qwen2MoeForCausalLM (a gated shared expert; dense layers, q/k/v biases), or
                      Qwen3MoeForCausalLM (--qk-layernorm, no shared expert; dense layers), or
                      GptOssForCausalLM (sinks, sliding windows, biased experts and router, the
-                     clamped GLU; hf_gpt_oss.py)
-    Multi-latent attention (--multi-latent-attention) with DeepSeek-V3's MoE (hf_deepseek.py)
+                     clamped GLU; gpt_oss.py)
+    Multi-latent attention (--multi-latent-attention) with DeepSeek-V3's MoE (deepseek.py)
                   -> DeepseekV3ForCausalLM
 
 Anything else (RoPE with LayerNorm, partial rotary, GQA in a GPT-2 model, ...) is refused with
@@ -32,8 +32,8 @@ Layouts that differ between the two sides (the only non-trivial part):
 
 The tokenizer goes along: GPT-2 BPE files, a SentencePiece model or a Hugging Face tokenizer
 directory become a `tokenizer.json` that AutoTokenizer loads, checked on text to give the same
-ids as megalite's own tokenizer (hf_tokenizer.py). The architecture check, the configs both ways
-and the flags of an imported model are in hf_config.py; this module maps the weights.
+ids as megalite's own tokenizer (tokenizer.py). The architecture check, the configs both ways
+and the flags of an imported model are in config.py; this module maps the weights.
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def gpt2_layer_tensors(cfg: dict, state: dict, i: int) -> dict:
 
 
 def _llama_tensors(cfg: dict, state: dict, arch: str = "llama") -> dict:
-    """LlamaForCausalLM's tensors, or Mixtral's / Qwen2-MoE's (their MoE layers: hf_moe.py)."""
+    """LlamaForCausalLM's tensors, or Mixtral's / Qwen2-MoE's (their MoE layers: moe.py)."""
     out = llama_outer_tensors(cfg, state)
     for i in range(cfg["num_layers"]):
         out.update(llama_layer_tensors(cfg, state, i, arch))
@@ -158,10 +158,10 @@ def llama_layer_tensors(cfg: dict, state: dict, i: int, arch: str = "llama") -> 
         q, k, v = split_qkv(state.pop(m + f"self_attention.linear_qkv.{kind}"), heads, groups, hn)
         out[h + f"self_attn.q_proj.{kind}"], out[h + f"self_attn.k_proj.{kind}"] = q, k
         out[h + f"self_attn.v_proj.{kind}"] = v
-    if cfg.get("qk_layernorm"):  # Qwen3's q_norm / k_norm: RMSNorm over head_dim (hf_config.py checks)
+    if cfg.get("qk_layernorm"):  # Qwen3's q_norm / k_norm: RMSNorm over head_dim (config.py checks)
         for ours, theirs in QK_NORMS:
             out[h + theirs] = state.pop(m + ours)
-    if cfg.get("softmax_type") == "learnable":  # gpt-oss's sinks (hf_config.py checks)
+    if cfg.get("softmax_type") == "learnable":  # gpt-oss's sinks (config.py checks)
         out[h + SINKS[1]] = state.pop(m + SINKS[0])
     if moe:
         out.update(moe_mlp_tensors(cfg, arch, state, m, h))

@@ -354,7 +354,7 @@ def _deepseek_moe(c, dense: int, refuse) -> dict:
 
 
 def deepseek_flags(cfg: dict) -> list:
-    """pretrain_gpt.py flags of MLA and DeepSeek-V3's routing (beside hf_moe.moe_flags')."""
+    """pretrain_gpt.py flags of MLA and DeepSeek-V3's routing (beside moe.moe_flags')."""
     if not cfg.get("multi_latent_attention"):
         return []
     flags = ["--multi-latent-attention", "--kv-lora-rank", cfg["kv_lora_rank"], "--qk-head-dim", cfg["qk_head_dim"],

@@ -1,7 +1,7 @@
 """Mixture-of-Experts models <-> Hugging Face: `MixtralForCausalLM`, `Qwen2MoeForCausalLM` and
 `Qwen3MoeForCausalLM`.
 
-All are Llama-style models (RoPE, RMSNorm, SwiGLU, GQA; hf_config.py maps those) whose MLP is,
+All are Llama-style models (RoPE, RMSNorm, SwiGLU, GQA; config.py maps those) whose MLP is,
 in some or all layers, a top-k routed set of SwiGLU experts (model/moe/):
 
     Mixtral     every layer MoE; softmax over the experts, top-k, renormalised, which is
@@ -13,7 +13,7 @@ in some or all layers, a top-k routed set of SwiGLU experts (model/moe/):
                 renormalised), true the renormalised softmax; q/k/v biases (`qkv_bias`,
                 --add-qkv-bias)
     Qwen3-MoE   Qwen2-MoE's routing and dense layers, without the shared expert or any bias, with
-                --qk-layernorm (`self_attn.q_norm` / `k_norm`, mapped in hf_conversion.py); its
+                --qk-layernorm (`self_attn.q_norm` / `k_norm`, mapped in conversion.py); its
                 head_dim may differ from hidden / heads (--kv-channels)
 
 Weights, per MoE layer (rows of an expert's fc1 are [gate; up], as the dense SwiGLU MLP's):
@@ -42,7 +42,7 @@ from ...config.moe import moe_layer_pattern
 from .gpt_oss import GPT_OSS_CLASS, gpt_oss_flags, gpt_oss_hf_config, gpt_oss_mlp_state, gpt_oss_mlp_tensors
 
 HF_MOE_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": GPT_OSS_CLASS}  # gpt-oss: hf_gpt_oss.py
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": GPT_OSS_CLASS}  # gpt-oss: gpt_oss.py
 
 
 def moe_pattern(cfg: dict) -> list[bool]:
@@ -103,8 +103,8 @@ def moe_architecture(cfg: dict, refuse) -> str:
 def moe_hf_config(cfg: dict, arch: str, rope_model: dict, transformers_class):
     """The MixtralConfig / Qwen2MoeConfig / Qwen3MoeConfig of an MoE model_config; `rope_model`: the
     keyword arguments every Llama-style config shares (sizes, heads, RoPE, norms, vocabulary);
-    `transformers_class(name, architecture)`: hf_config's look-up of a class a transformers may lack
-    (passed in, as `refuse` elsewhere here: hf_config imports this module)."""
+    `transformers_class(name, architecture)`: config.py's look-up of a class a transformers may lack
+    (passed in, as `refuse` elsewhere here: config.py imports this module)."""
     from transformers import MixtralConfig, Qwen2MoeConfig
 
     if arch == "gpt_oss":
@@ -151,7 +151,7 @@ def moe_config_from_hf(c, refuse) -> dict:
                   moe_ffn_hidden_size=c.moe_intermediate_size,
                   moe_layer_freq="1" if all(pattern) else "[" + ",".join(str(int(m)) for m in pattern) + "]",
                   moe_router_pre_softmax=not c.norm_topk_prob)
-    if c.model_type == "qwen3_moe":  # its attention (QK-norm, no biases) is checked in hf_config.py
+    if c.model_type == "qwen3_moe":  # its attention (QK-norm, no biases) is checked in config.py
         return dict(sparse, qk_layernorm=True, add_qkv_bias=False)
     if not c.shared_expert_intermediate_size:
         refuse("shared_expert_intermediate_size 0 (--moe-shared-expert-intermediate-size must be >= 1)")

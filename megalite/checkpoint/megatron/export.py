@@ -1,7 +1,7 @@
 """Writing megalite weights as a Megatron-LM torch_dist checkpoint that megatron-core's
 `dist_checkpointing.load` reads into its own GPTModel (tools/checkpoint/convert.py --saver megatron).
 
-Each parameter becomes one chunk of its stacked global tensor (megatron_names.py): layer i of
+Each parameter becomes one chunk of its stacked global tensor (names.py): layer i of
 `decoder.layers.self_attention.linear_qkv.weight` is the chunk at offsets (i, 0, 0) of the
 [layers, qkv rows, h] tensor, expert e of layer i the chunk at (i, e, 0, 0) of
 `decoder.layers.mlp.experts.experts.linear_fc1.weight` [layers, experts, 2f, h]. Every linear

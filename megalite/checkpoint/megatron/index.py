@@ -1,8 +1,8 @@
-"""A Megatron-LM torch_dist checkpoint seen as a megalite checkpoint index (index.py's interface),
-so that load.py reads it on any layout exactly as it reads its own: each megalite parameter is one
+"""A Megatron-LM torch_dist checkpoint seen as a megalite checkpoint index (native/index.py's interface),
+so that checkpoint/load.py reads it on any layout exactly as it reads its own: each megalite parameter is one
 whole "piece" (TP size 1, the full tensor) whose elements come from the slice of the stacked
-global tensor at its layer (and expert) index (megatron_names.py), and a rank reads only the
-chunks that overlap the elements it owns (megatron_format.py).
+global tensor at its layer (and expert) index (names.py), and a rank reads only the
+chunks that overlap the elements it owns (format.py).
 
 Besides the weights: the iteration, consumed samples, the LR schedule's position
 (OptimizerParamScheduler.num_steps, in samples) and Megatron-LM's `args` (for
@@ -139,7 +139,7 @@ def _product(ranges):
 
 
 def megatron_metadata(index: MegatronIndex) -> dict:
-    """megalite's checkpoint metadata for a Megatron-LM checkpoint: what load.py and the argument
+    """megalite's checkpoint metadata for a Megatron-LM checkpoint: what checkpoint/load.py and the argument
     checks read (iteration, consumed samples, layout, schedule, the model's settings as args)."""
     args, common = index.args, index.common
     tp, pp = args.get("tensor_model_parallel_size") or 1, args.get("pipeline_model_parallel_size") or 1

@@ -3,16 +3,16 @@
 
 The whole model never sits in memory: the tensors outside the layers are read, renamed and
 written one at a time, then each layer's tensors (one slice of each stacked global tensor,
-megatron_index.py reading only the chunks that hold it) are read, mapped by the same per-layer
-functions megalite's own export uses (hf_conversion.py: QKV split by query group, SwiGLU's
-[gate; up] split, GPT-2's Conv1D transposes; hf_moe.py for the experts), written to the sharded
-safetensors files (hf_shards.py) and freed before the next layer. Peak memory is about one layer
+index.py reading only the chunks that hold it) are read, mapped by the same per-layer
+functions megalite's own export uses (hf/conversion.py: QKV split by query group, SwiGLU's
+[gate; up] split, GPT-2's Conv1D transposes; hf/moe.py for the experts), written to the sharded
+safetensors files (hf/shards.py) and freed before the next layer. Peak memory is about one layer
 or the largest single tensor (the word embedding, typically), whichever is larger, plus the
 interpreter (benchmarks/RESULTS_megatron_convert.md).
 
 The model's settings come from the checkpoint's own `args` (Megatron-LM's argument names, which
 megalite's flags keep); the architecture is chosen and refused exactly as for a megalite
-checkpoint (hf_config.py). The vocabulary keeps Megatron-LM's padded rows (args.padded_vocab_size):
+checkpoint (hf/config.py). The vocabulary keeps Megatron-LM's padded rows (args.padded_vocab_size):
 the padding rows are part of the saved model. The tokenizer is written when the checkpoint's args
 name one megalite builds (or the command line gives one); otherwise a notice says none was written.
 """

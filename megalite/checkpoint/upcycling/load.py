@@ -1,13 +1,13 @@
 """--moe-use-upcycling, the load: a dense checkpoint (any layout) read into this run's MoE model
 (any layout: TP, PP, EP, ZeRO), as Megatron-LM's training.py does it: the weights converted
-(upcycling.py says which dense weight each MoE weight starts from), no optimizer state and no
+(plan.py says which dense weight each MoE weight starts from), no optimizer state and no
 learning-rate schedule taken (both start fresh), the consumed samples and, on the same layout,
 the RNG states taken (unless --finetune / --no-load-rng), and the run continues at iteration 1,
 which the caller saves to --save before training (initialize.py).
 
-Each rank reads only the elements it owns, through load.py's readers: an expert's TP shard of
+Each rank reads only the elements it owns, through checkpoint/load.py's readers: an expert's TP shard of
 slice j = e mod g of the dense MLP is TP shard j·T + r of the dense weight cut into g·T parts
-(fc1 with SwiGLU's stride 2, fc2 along its input dimension), so reshard.py's arithmetic finds
+(fc1 with SwiGLU's stride 2, fc2 along its input dimension), so native/reshard.py's arithmetic finds
 the saved pieces whatever layout wrote them."""
 from __future__ import annotations
 

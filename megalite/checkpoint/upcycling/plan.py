@@ -1,5 +1,5 @@
 """--moe-use-upcycling, the plan: which dense weight each MoE weight starts from, and the scale
-(torch-free: validation reads it before torch is imported; upcycle.py does the loading).
+(torch-free: validation reads it before torch is imported; load.py beside it does the loading).
 
 Sparse upcycling (Komatsuzaki et al. 2022) starts an MoE model from a dense checkpoint: every
 weight the two share is copied, each expert of an MoE layer starts as the layer's dense MLP,
