@@ -161,7 +161,13 @@ def _gpt2_tensors(cfg: dict, state: dict) -> dict:
 
 def gpt2_outer_tensors(cfg: dict, state: dict) -> dict:
     """GPT2LMHeadModel's tensors outside the layers (popped from `state`)."""
-    out = export_tensors(gpt2_outer_rules(), state, h="transformer.")
+    return _outer_tensors(cfg, state, gpt2_outer_rules(), "transformer.")
+
+
+def _outer_tensors(cfg: dict, state: dict, rules: list[Rule], prefix: str) -> dict:
+    """The tensors outside the layers, and lm_head when the output layer is untied (tied, it is the
+    embedding; the import reads lm_head in from_hf)."""
+    out = export_tensors(rules, state, h=prefix)
     if cfg["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = state.pop("output_layer.weight")
     return out
@@ -183,10 +189,7 @@ def _llama_tensors(cfg: dict, state: dict, arch: str = "llama") -> dict:
 
 def llama_outer_tensors(cfg: dict, state: dict) -> dict:
     """A Llama-style model's tensors outside the layers (popped from `state`)."""
-    out = export_tensors(llama_outer_rules(), state, h="model.")
-    if cfg["untie_embeddings_and_output_weights"]:
-        out["lm_head.weight"] = state.pop("output_layer.weight")
-    return out
+    return _outer_tensors(cfg, state, llama_outer_rules(), "model.")
 
 
 def llama_layer_tensors(cfg: dict, state: dict, i: int, arch: str = "llama") -> dict:

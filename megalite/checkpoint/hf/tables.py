@@ -63,19 +63,22 @@ def expert_rules(num_experts: int, gate: str = "gate_proj", up: str = "up_proj",
 
 def export_tensors(rules: list[Rule], state: dict, m: str = "", h: str = "") -> dict:
     """Hugging Face's tensors (names under `h`) of the rules, popped from megalite's `state` (under `m`)."""
-    out = {}
-    for r in rules:
-        got = [state.pop(m + n) for n in r.ours]
-        out.update(zip([h + n for n in r.theirs], r.out(got) if r.out else got, strict=True))
-    return out
+    return _move(rules, state, to_hf=True, prefixes=(m, h))
 
 
 def import_tensors(rules: list[Rule], hf: dict, m: str = "", h: str = "") -> dict:
     """megalite's tensors (names under `m`) of the rules, popped from Hugging Face's `hf` (under `h`)."""
+    return _move(rules, hf, to_hf=False, prefixes=(h, m))
+
+
+def _move(rules: list[Rule], source: dict, to_hf: bool, prefixes: tuple[str, str]) -> dict:
+    """The rules read one way: pop each rule's tensors on one side, return the other side's."""
+    src_prefix, dst_prefix = prefixes
     out = {}
     for r in rules:
-        got = [hf.pop(h + n) for n in r.theirs]
-        out.update(zip([m + n for n in r.ours], r.back(got) if r.back else got, strict=True))
+        src, dst, fn = (r.ours, r.theirs, r.out) if to_hf else (r.theirs, r.ours, r.back)
+        got = [source.pop(src_prefix + n) for n in src]
+        out.update(zip([dst_prefix + n for n in dst], fn(got) if fn else got, strict=True))
     return out
 
 

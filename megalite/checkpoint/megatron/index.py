@@ -14,15 +14,16 @@ TP x PP rank of its own layout and CUDA generator).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from math import prod
 
 import torch
 
 from ..native.index import Piece
+from ..native.tensor_file import RangeReader
 from .format import DistCheckpoint, TensorInfo
 from .names import MOMENT_PREFIXES, index_depth, megalite_name, megatron_keys
 from .safe_pickle import namespace_dict
-from ..native.tensor_file import RangeReader
 
 # megalite tensors that hold the (padded) vocabulary along dim 0: read as many rows as both have
 VOCAB_TABLES = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -98,12 +99,11 @@ class MegatronIndex:
         layout = {"full_shape": list(shape), "dim": 0, "stride": 1, "tp_size": 1,
                   "rows": shape[0] if name in VOCAB_TABLES else None}
         numel = prod(shape)
-        pieces = [Piece("param", 0, 0, numel, 0, (key, index), None, False)]
-        for kind, prefix in MOMENT_PREFIXES.items():
-            info = self.dist.tensors.get(prefix + key)
-            if info is not None and _holds(info, index):
-                pieces.append(Piece(kind, 0, 0, numel, 0, (prefix + key, index), None, False))
-        return layout, pieces
+        # the weight (found above), and Adam's moments and masters where they were saved
+        tensors = self.dist.tensors
+        saved = [("param", key)] + [(kind, prefix + key) for kind, prefix in MOMENT_PREFIXES.items()
+                                    if prefix + key in tensors and _holds(tensors[prefix + key], index)]
+        return layout, [Piece(kind, 0, 0, numel, 0, (k, index), None, False) for kind, k in saved]
 
     def read(self, piece: Piece, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) of the parameter's slice of its stacked global tensor (fp32)."""
@@ -118,8 +118,7 @@ class MegatronIndex:
         for key, info in self.dist.tensors.items():
             depth = index_depth(key)
             for c in info.chunks:
-                ranges = [range(o, o + n) for o, n in zip(c.offsets[:depth], c.sizes[:depth])]
-                for index in _product(ranges):
+                for index in itertools.product(*(range(o, o + n) for o, n in zip(c.offsets[:depth], c.sizes[:depth]))):
                     name = megalite_name(key, index)
                     if name is not None:
                         out.add(name)
@@ -127,15 +126,6 @@ class MegatronIndex:
 
     def rank_state(self, rank: int):
         return None
-
-
-def _product(ranges):
-    if not ranges:
-        yield ()
-        return
-    for i in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (i,) + rest
 
 
 def megatron_metadata(index: MegatronIndex) -> dict:
