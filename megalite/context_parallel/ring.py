@@ -11,7 +11,10 @@ The next block's transfer is posted before this one's compute (comm.exchange_asy
 Backward (FlashAttention-2's, Dao 2023, Alg. 2): the forward keeps only Q, K, V, O and l (all
 O(s/c)); the ring runs again, each block's probabilities rebuilt as P = exp(S - l), and
     dV_j = Pᵀ·dO,   dS = P ∘ (dO·V_jᵀ - rowsum(dO ∘ O)),   dQ += dS·K_j/√d,   dK_j = dSᵀ·Q/√d,
-dK_j/dV_j travelling with K_j/V_j around the ring and reaching their owner after the last step.
+dK_j/dV_j travelling with K_j/V_j around the ring (one batched transfer, each in its own dtype) and
+reaching their owner after the last step. Each block is cut as the forward cut it (its rows,
+columns and whether it needs a mask are kept; `BlockMask.replan`), so the backward reads no index
+back to the host.
 
 Load balance. `BlockMask` says which (query, key) pairs may attend, from the global positions
 (causal, --window-size) and an optional dense mask's columns. Each block is cut to the query
