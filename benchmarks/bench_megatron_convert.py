@@ -54,8 +54,8 @@ def convert_peak_rss(src: str, dst: str) -> int:
 def checkpoint_facts(path: str) -> tuple[int, str, int]:
     """(total bytes of the tensors, the largest tensor's key, its bytes) from the checkpoint's metadata."""
     import torch
-    from megalite.checkpoint.files import read_tracker
-    from megalite.checkpoint.megatron_format import DistCheckpoint
+    from megalite.checkpoint.paths import read_tracker
+    from megalite.checkpoint.megatron.format import DistCheckpoint
     ckpt = DistCheckpoint(os.path.join(path, f"iter_{read_tracker(path):07d}"))
     sizes = {k: torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
              for k, (shape, dtype) in ckpt.keys().items()}

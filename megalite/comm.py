@@ -32,7 +32,7 @@ import torch.distributed as dist
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-from .runtime.rendezvous import attempt_store
+from .rendezvous import attempt_store
 
 
 class CollectiveError(RuntimeError):
@@ -365,11 +365,3 @@ def exchange_async(ops: list) -> _Works:
         return _Works([], "")
     return _Works(dist.batch_isend_irecv(ops), f"send/recv with rank(s) {sorted({op.peer for op in ops})}")
 
-
-def launcher_store(timeout_s: float):
-    """A client of the launcher's key-value store (torchrun's agent store at MASTER_ADDR:MASTER_PORT):
-    lets ranks exchange a few bytes without a process group, e.g. to report one error once."""
-    import datetime
-    import os
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))

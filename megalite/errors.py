@@ -144,7 +144,7 @@ def _exchange_with_rank0(rank: int, line: str) -> str | None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     try:
-        from .comm import launcher_store
+        from .rendezvous import launcher_store
         store = launcher_store(timeout_s=20.0)
         key = "megalite/user_error/{}/{}".format(os.environ.get("TORCHELASTIC_RUN_ID", ""),
                                                  os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -12,12 +12,11 @@ import torch
 import torch.distributed as dist
 
 from . import comm, parallel_state
+from .checkpoint.megatron import MegatronSaver
 from .checkpoint.load import load_checkpoint
-from .checkpoint.megatron_saver import MegatronSaver
-from .checkpoint.save import CheckpointSaver
-from .checkpoint.upcycle import load_upcycled
+from .checkpoint.native import CheckpointSaver, TrainState
+from .checkpoint.upcycling.load import load_upcycled
 from .context_parallel.attention import set_hierarchy
-from .checkpoint.state import TrainState
 from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
 from .distributed import DataParallel, get_strategy
@@ -326,7 +325,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
 
 def _load(state: TrainState, ck, seed: int) -> int:
     """The checkpoint under --load into `state`; the iteration the run continues from."""
-    if ck.moe_use_upcycling:  # a dense checkpoint into this MoE model (checkpoint/upcycle.py)
+    if ck.moe_use_upcycling:  # a dense checkpoint into this MoE model (checkpoint/upcycling/load.py)
         return load_upcycled(state, ck.load, ck.moe_upcycling_granularity, seed, finetune=ck.finetune,
                              load_rng=not ck.no_load_rng)
     return load_checkpoint(state, ck.load, finetune=ck.finetune, load_optim=not ck.no_load_optim,

@@ -11,12 +11,13 @@ import gc
 import math
 import signal
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import comm
-from .checkpoint.state import TrainState
+from .checkpoint.native import TrainState
 from .config import RunConfig
 from .errors import UserError
 from .initialize import Run, batch_iterators, setup
@@ -31,19 +32,39 @@ class NonFiniteError(UserError):
     """--check-for-nan-in-loss-and-grad: the loss or the gradients hold a NaN or an Inf."""
 
 
-def global_loss(run: Run, stats, grads: list | None = None, per_rank: bool = False) -> tuple[float, float, list, list,
-                                                                                            list, list | None]:
-    """(sum of token losses, number of loss tokens) over the global batch: only the last
-    stage's TP rank 0 of each DP replica contributes (each CP rank of it its own chunks' tokens),
-    so every token counts once. Summed on
+@dataclass(frozen=True)
+class GlobalLoss:
+    """What one all-reduce tells every rank about the global batch (`global_loss`)."""
+    loss_sum: float  # the sum of token losses
+    num_tokens: float  # the number of loss tokens
+    bad_loss: list  # per global rank, 1.0 where its own loss sum is not finite (with `grads`; else empty)
+    grad_max: list  # per global rank, the largest |g| of its reduced gradients (with `grads`; else empty)
+    rank_losses: list  # per global rank, its own mean loss, 0 where it has none (with `per_rank`; else empty)
+    mtp_losses: list | None  # per MTP depth, its mean loss (None without MTP, and in evaluation)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.num_tokens
+
+    @property
+    def largest_loss_rank(self) -> int:
+        return max(range(len(self.rank_losses)), key=self.rank_losses.__getitem__)
+
+    @property
+    def largest_grad_rank(self) -> int:
+        return max(range(len(self.grad_max)), key=self.grad_max.__getitem__)
+
+
+def global_loss(run: Run, stats, grads: list | None = None, per_rank: bool = False) -> GlobalLoss:
+    """The loss over the global batch: only the last stage's TP rank 0 of each DP replica
+    contributes (each CP rank of it its own chunks' tokens), so every token counts once. Summed on
     the device; one host read per call.
 
     With `grads` (--check-for-nan-in-loss-and-grad) the same all-reduce also carries, per global
     rank, whether its own loss sum is finite and the largest magnitude in its reduced gradients
     (each rank writes its own slot, the rest are zeros): every rank learns which ranks hold a
-    NaN/Inf without another collective. Returns those two lists too (empty without `grads`), and
-    with `per_rank` (the spike guard) each rank's own mean loss (0 where it has none); last, with
-    MTP in training, each depth's mean MTP loss (None otherwise)."""
+    NaN/Inf without another collective; with `per_rank` (the spike guard) each rank's own mean
+    loss; with MTP in training, each depth's mean MTP loss."""
     ps = run.state.ps
     world = ps.world_size if grads is not None else 0
     ranks = ps.world_size if per_rank else 0
@@ -64,7 +85,8 @@ def global_loss(run: Run, stats, grads: list | None = None, per_rank: bool = Fal
     n = 2 + 2 * world + ranks
     # MTP: each depth's mean over the global batch's tokens (None without MTP, or in evaluation)
     mtp = [s / k for s, k in zip(values[n::2], values[n + 1::2])] if any(values[n + 1::2]) else None
-    return values[0], values[1], values[2:2 + world], values[2 + world:2 + 2 * world], values[2 + 2 * world:n], mtp
+    return GlobalLoss(values[0], values[1], values[2:2 + world], values[2 + world:2 + 2 * world],
+                      values[2 + 2 * world:n], mtp)
 
 
 def _mtp_sums(run: Run, stats) -> torch.Tensor:
@@ -80,19 +102,19 @@ def _mtp_sums(run: Run, stats) -> torch.Tensor:
     return t
 
 
-def check_finite(run: Run, loss_sum: float, bad_loss: list, grad_max: list, grad_scale: float) -> None:
+def check_finite(run: Run, g: GlobalLoss, grad_scale: float) -> None:
     """Stop before the optimizer step when the loss, or (without loss scaling, whose skip path
     owns overflows) the gradients the step would apply, hold a NaN or an Inf."""
     iteration = run.state.iteration + 1
-    losses = [r for r, flag in enumerate(bad_loss) if flag]
+    losses = [r for r, flag in enumerate(g.bad_loss) if flag]
     # the step multiplies the gradients by grad_scale in fp32: an overflow there counts too
     grads = [] if run.state.optimizer.scaler is not None else \
-        [r for r, m in enumerate(grad_max) if not math.isfinite(m) or m * grad_scale > torch.finfo(torch.float32).max]
+        [r for r, m in enumerate(g.grad_max) if not math.isfinite(m) or m * grad_scale > torch.finfo(torch.float32).max]
     if not (losses or grads):
         return
     what = []
     if losses:
-        what.append(f"the loss is {loss_sum} (non-finite on rank(s) {losses}, the last pipeline stage)")
+        what.append(f"the loss is {g.loss_sum} (non-finite on rank(s) {losses}, the last pipeline stage)")
     if grads:
         what.append(f"the gradients hold NaN/Inf on rank(s) {grads} (after the data-parallel reduction, which spreads "
                     "them to every rank of that data-parallel group)")
@@ -140,7 +162,7 @@ def save_pending(run: Run) -> None:
     """Write the checkpoint due after the previous iteration, now that this iteration's loss
     shows its weights still train: the model, optimizer and counters are still that iteration's
     (this one has not updated them), the RNG states are put back to the saved ones for the write."""
-    from .checkpoint.state import rng_state, set_rng_state
+    from .checkpoint.native import rng_state, set_rng_state
     iteration, (tensors, values) = run.pending_save
     run.pending_save = None
     current = rng_state(run.state)
@@ -186,9 +208,8 @@ def train_step(run: Run) -> dict:
         moe_balance.start_iteration(run.model, optimizer.loss_scale / (num_microbatches * state.ps.dp_size))
     stats = forward_backward(run, num_microbatches, backward_scale)
     check, guard = t.check_for_nan_in_loss_and_grad, run.spike_guard
-    loss_sum, num_tokens, bad_loss, grad_max, rank_losses, mtp_losses = global_loss(
-        run, stats, optimizer.grad_flats if check else None, per_rank=guard is not None)
-    if num_tokens == 0:
+    g = global_loss(run, stats, optimizer.grad_flats if check else None, per_rank=guard is not None)
+    if g.num_tokens == 0:
         raise RuntimeError(f"iteration {state.iteration + 1}: the global batch has no token with loss "
                            "(every token masked by --eod-mask-loss?)")
     scheduler, c = state.scheduler, run.cfg.optimizer
@@ -197,35 +218,35 @@ def train_step(run: Run) -> dict:
                     if c.decoupled_lr is not None else None)
     # undo the loss scale; per-token loss with masked tokens: renormalise from the nominal to the
     # true token count
-    renormalise = nominal_tokens / num_tokens if t.calculate_per_token_loss else 1.0
+    renormalise = nominal_tokens / g.num_tokens if t.calculate_per_token_loss else 1.0
     grad_scale = renormalise / optimizer.loss_scale
     if check:
-        check_finite(run, loss_sum, bad_loss, grad_max, grad_scale)
-    loss = loss_sum / num_tokens
+        check_finite(run, g, grad_scale)
+    loss = g.loss
     spike = guard.loss_spike(loss) if guard is not None else None
     clip = run.qk_clip.prepare() if run.qk_clip is not None else None  # collective: before any skip
     if spike is None and run.pending_save is not None:
         save_pending(run)  # this loss shows that the weights of the pending checkpoint still train
     if spike is not None:  # the update of the previous iteration broke the weights: do not build on them
         update = {"grad_norm": None, "loss_scale": optimizer.loss_scale, "skipped": True,
-                  "spike": f"{spike} (largest local loss: rank {max(range(len(rank_losses)), key=rank_losses.__getitem__)})"}
+                  "spike": f"{spike} (largest local loss: rank {g.largest_loss_rank})"}
     else:
         with run.timers("optimizer"):
             update = optimizer.step(lr, grad_scale=grad_scale, iteration=state.iteration + 1,
                                     decoupled_lr=decoupled_lr,
                                     reject_grad_norm=guard.grad_norm_spike if guard is not None else None,
                                     after_update=(lambda pieces: run.qk_clip.apply(pieces, clip)) if clip else None)
-        if update.get("spike") and grad_max:
-            update["spike"] += f" (largest gradient element: rank {max(range(len(grad_max)), key=grad_max.__getitem__)})"
+        if update.get("spike") and g.grad_max:
+            update["spike"] += f" (largest gradient element: rank {g.largest_grad_rank})"
     if guard is not None:
         after_guard(run, guard, loss, update)
     if check and not update["skipped"] and not math.isfinite(update["grad_norm"]):
         # finite gradients whose squares overflow fp32: the update itself stayed finite (clipping
         # zeroes it; Adam divides by the overflowed second moment), but training has diverged
-        worst = max(range(len(grad_max)), key=grad_max.__getitem__)
+        worst = g.largest_grad_rank
         raise NonFiniteError(
             f"iteration {state.iteration + 1}: the global gradient norm is {update['grad_norm']} (largest gradient "
-            f"{grad_max[worst]:.3e}, on rank {worst}): training has diverged; stopped before any checkpoint of it. "
+            f"{g.grad_max[worst]:.3e}, on rank {worst}): training has diverged; stopped before any checkpoint of it. "
             f"Lower --lr or set --clip-grad (--no-check-for-nan-in-loss-and-grad turns this check off)")
     if not update["skipped"]:  # a step skipped for fp16 overflow does not advance the schedule
         scheduler.step(global_batch if scheduler.unit == "samples" else 1)
@@ -235,7 +256,7 @@ def train_step(run: Run) -> dict:
     empty_unused_memory(run, 2)
     if run.qk_clip is not None:
         update["max_attention_logit"] = run.qk_clip.max_logit
-    return {"lm_loss": loss, "lr": lr, "decoupled_lr": decoupled_lr, "mtp_losses": mtp_losses,
+    return {"lm_loss": loss, "lr": lr, "decoupled_lr": decoupled_lr, "mtp_losses": g.mtp_losses,
             "global_batch_size": global_batch, **update}
 
 
@@ -257,9 +278,9 @@ def evaluate(run: Run, split: str) -> dict | None:
         stats = run.forward_backward(batches=batches, model=run.model, num_microbatches=t.num_microbatches,
                                      comm=run.pipe_comm, backward_scale=0.0, forward_only=True)
         empty_unused_memory(run, 1)
-        loss_sum, num_tokens, _, _, _, _ = global_loss(run, stats)
-        totals[0] += loss_sum
-        totals[1] += num_tokens
+        g = global_loss(run, stats)
+        totals[0] += g.loss_sum
+        totals[1] += g.num_tokens
     loss = totals[0] / max(totals[1], 1.0)
     record = {"iteration": state.iteration, "split": split, "lm_loss": loss, "ppl": perplexity(loss)}
     run.jsonl.write(record)
@@ -304,7 +325,7 @@ def checkpoint_due(run: Run) -> None:
     if run.spike_guard is None:
         save_checkpoint(run)
     elif run.last_saved != run.state.iteration:
-        from .checkpoint.state import rng_state
+        from .checkpoint.native import rng_state
         run.pending_save = (run.state.iteration, rng_state(run.state))
 
 

@@ -3,6 +3,7 @@
 `spawn(fn, world_size, *args)` runs fn(rank, world_size, *args) in world_size processes with
 torch.distributed initialised (gloo) and returns each rank's return value.
 `run_pretrain(nproc, flags, tmp)` runs pretrain_gpt.py under torchrun and returns its JSONL.
+`run_reference` and `assert_layout_matches`: a parallel layout trained against one process.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import traceback
+from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
@@ -107,11 +109,11 @@ def run_pretrain(nproc: int, flags: list[str], tmp_path, name: str = "run", chec
 
 
 def train_losses(records) -> list[float]:
-    return [r["lm_loss"] for r in records if "consumed_samples" in r]  # the train log records
+    return per_iteration(records, "lm_loss")
 
 
 def grad_norms(records) -> list[float]:
-    return [r["grad_norm"] for r in records if "consumed_samples" in r]
+    return per_iteration(records, "grad_norm")
 
 
 def assert_losses_close(ref: list[float], got: list[float], rtol: float = 1e-5):
@@ -150,3 +152,45 @@ def assert_params_close(ref: dict, got: dict, atol: float = 1e-5):
         worst.append((diff, name))
     bad = sorted((w for w in worst if w[0] > atol), reverse=True)
     assert not bad, f"{len(bad)} of {len(ref)} parameters differ by more than {atol:.0e}: {bad[:5]}"
+
+
+# -- a parallel layout against one process ---------------------------------------------------------
+def per_iteration(records, key: str) -> list:
+    """`key` of every training iteration's record (the train log records carry consumed_samples)."""
+    return [r[key] for r in records if "consumed_samples" in r]
+
+
+@dataclass
+class Reference:
+    """One process's run of a model: what every layout of it is held to."""
+    flags: list  # the model's flags, the data's included
+    records: list  # its JSONL records
+    stdout: str
+    params: dict | None  # every parameter after the last step, by global name (when saved)
+
+
+def run_reference(flags: list, tmp_path, save: bool = False) -> Reference:
+    """Train `flags` on one process (saving the last step's weights with `save`)."""
+    ckpt = ["--save", os.path.join(str(tmp_path), "reference-ckpt")] if save else []
+    records, proc = run_pretrain(1, flags + ckpt, tmp_path, "reference")
+    return Reference(flags, records, proc.stdout, load_params(ckpt[1]) if save else None)
+
+
+def assert_layout_matches(ref: Reference, nproc: int, layout: list, tmp_path, rtol: dict, exact: tuple = (),
+                          params_atol: float | None = None) -> list:
+    """Train the reference's model on `nproc` ranks with the `layout` flags and hold it to the one
+    process: per iteration, each record key of `rtol` within its relative tolerance and each of
+    `exact` equal; with `params_atol` (the reference saved), every parameter after the last step.
+    Returns the layout's records."""
+    ckpt = ["--save", os.path.join(str(tmp_path), "ckpt")] if params_atol is not None else []
+    records, _ = run_pretrain(nproc, ref.flags + layout + ckpt, tmp_path)
+    for key, tol in rtol.items():
+        try:
+            assert_losses_close(per_iteration(ref.records, key), per_iteration(records, key), rtol=tol)
+        except AssertionError as e:
+            raise AssertionError(f"{key}: {e}") from None
+    for key in exact:
+        assert per_iteration(ref.records, key) == per_iteration(records, key), key
+    if params_atol is not None:
+        assert_params_close(ref.params, load_params(ckpt[1]), atol=params_atol)
+    return records

@@ -404,9 +404,11 @@ def _load_tool(path: str):
 def test_every_tool_takes_the_same_tokenizer_types(world, tmp_path):
     """One list: every name in TOKENIZER_TYPES parses in every tool, and an unknown one nowhere."""
     from megalite.arguments import parse_args
-    from megalite.data.tokenizers import TOKENIZER_TYPES
+    from megalite.config.data import TOKENIZER_TYPES
+    from megalite.data.tokenizers import TOKENIZERS
     from megalite.errors import UserError
 
+    assert TOKENIZER_TYPES == tuple(TOKENIZERS)  # the flag's choices (config/) name the registry exactly
     assert "GPTSentencePieceTokenizer" in TOKENIZER_TYPES and "NullTokenizer" in TOKENIZER_TYPES
     (tmp_path / "in.jsonl").write_text('{"text": "1"}\n')
     parsers = {
@@ -445,17 +447,17 @@ def test_gpt_sentencepiece_tokenizer_is_sentencepiece(world, tmp_path):
 
 
 def test_tracker_name_is_defined_once():
-    """The latest-pointer's name is assigned in checkpoint/files.py only (torch-free, so that
+    """The latest-pointer's name is assigned in checkpoint/paths.py only (torch-free, so that
     checking --load needs no torch); every other module imports it."""
     import ast
     import glob
 
-    from megalite.checkpoint import files as checkpoint_files
-    assert checkpoint_files.TRACKER == "latest_checkpointed_iteration.txt"
+    from megalite.checkpoint import paths as checkpoint_paths
+    assert checkpoint_paths.TRACKER == "latest_checkpointed_iteration.txt"
     where = [path for path in glob.glob(os.path.join(ROOT, "megalite", "**", "*.py"), recursive=True)
              for node in ast.walk(ast.parse(open(path).read())) if isinstance(node, ast.Assign)
-             and isinstance(node.value, ast.Constant) and node.value.value == checkpoint_files.TRACKER]
-    assert [os.path.relpath(p, ROOT) for p in where] == [os.path.join("megalite", "checkpoint", "files.py")]
+             and isinstance(node.value, ast.Constant) and node.value.value == checkpoint_paths.TRACKER]
+    assert [os.path.relpath(p, ROOT) for p in where] == [os.path.join("megalite", "checkpoint", "paths.py")]
 
 
 def test_a_bug_keeps_its_traceback(capsys):

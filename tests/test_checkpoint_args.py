@@ -10,7 +10,8 @@ import pytest
 
 from dist_helpers import run_pretrain
 from megalite.arguments import ArgumentError, parse_config
-from megalite.arguments.checkpoint_args import FORCED, IF_NOT_GIVEN
+from megalite.arguments.checkpoint_args import FORCED
+from megalite.config.run import IF_NOT_GIVEN
 from tiny import mock, tiny
 
 # a model unlike every default: a run that ignored the checkpoint could not come out equal
@@ -223,7 +224,7 @@ def gpt_config(fields: dict) -> dict:
 @pytest.mark.parametrize("model,key,new,flag,old_shown,new_shown", MISMATCHES,
                          ids=[f"{m[1]}{'-' + str(m[2]) if m[1] == 'add_bias_linear' else ''}" for m in MISMATCHES])
 def test_mismatch_names_the_flag_with_both_values(model, key, new, flag, old_shown, new_shown):
-    from megalite.checkpoint.state import check_model_config
+    from megalite.checkpoint.native.state import check_model_config
     from megalite.errors import CheckpointError
     saved = gpt_config(model)
     check_model_config(saved, dict(saved), "ck")
@@ -238,7 +239,7 @@ def test_mismatch_names_the_flag_with_both_values(model, key, new, flag, old_sho
 
 def test_every_compared_setting_has_a_case_and_is_taken_by_checkpoint_args():
     """The mismatch message's advice holds for every flag the load compares."""
-    from megalite.checkpoint.state import MLA_FLAGS, MODEL_FLAGS, MOE_FLAGS, ROPE_FLAGS, YARN_FLAGS
+    from megalite.checkpoint.native.state import MLA_FLAGS, MODEL_FLAGS, MOE_FLAGS, ROPE_FLAGS, YARN_FLAGS
     compared = (set(MODEL_FLAGS) | set(ROPE_FLAGS) | set(MOE_FLAGS) | set(YARN_FLAGS) | set(MLA_FLAGS)
                 | {"rotary_base", "max_position_embeddings"})
     assert compared <= {m[1] for m in MISMATCHES}
@@ -248,7 +249,7 @@ def test_every_compared_setting_has_a_case_and_is_taken_by_checkpoint_args():
 
 def test_mismatch_names_every_differing_flag():
     """4 -> 6 layers, a new hidden size and biases off: all three, in one message."""
-    from megalite.checkpoint.state import check_model_config
+    from megalite.checkpoint.native.state import check_model_config
     from megalite.errors import CheckpointError
     saved = gpt_config(DENSE)
     with pytest.raises(CheckpointError) as e:

@@ -98,8 +98,8 @@ def test_record_round_trips_and_reads_version_1():
 ARGUMENT_LAYER = ("megalite/arguments/", "megalite/errors.py")  # errors.py: the entry points' ArgumentParser
 # Megatron-LM checkpoints hold Megatron-LM's own argparse Namespace (common.pt's / model_optim_rng.pt's
 # "args"): these modules read it as file data and write one for megatron-core, never megalite's flags
-MEGATRON_FORMAT = ("megalite/checkpoint/megatron_index.py", "megalite/checkpoint/safe_pickle.py",
-                   "megalite/checkpoint/megatron_save.py")
+MEGATRON_FORMAT = ("megalite/checkpoint/megatron/index.py", "megalite/checkpoint/megatron/safe_pickle.py",
+                   "megalite/checkpoint/megatron/export.py")
 
 
 def package_modules():

@@ -3,7 +3,7 @@ every docs/ page, every relative link resolves, every `megalite/...` path the do
 and docs/architecture.md's code map lists exactly the modules of megalite/.
 
 The code map is the table rows of docs/architecture.md whose first cell is a module path in
-backticks, e.g. "| `megalite/checkpoint/index.py` | the global index ... |". After adding,
+backticks, e.g. "| `megalite/checkpoint/native/index.py` | the global index ... |". After adding,
 splitting, renaming or removing a module, add, split, rename or remove its row."""
 import ast
 import os

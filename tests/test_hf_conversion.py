@@ -26,8 +26,9 @@ from megalite.arguments import parse_args, validate_args
 from megalite.checkpoint.files import read_metadata
 from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict
 from megalite.config import RunConfig
-from megalite.generation import build_tokenizer_for, generate, load_model, next_token_logits
-from megalite.checkpoint.hf_config import ConversionError, hf_architecture, pretrain_flags
+from megalite.data.saved_tokenizer import build_tokenizer_for
+from megalite.generation import generate, load_model, next_token_logits
+from megalite.checkpoint.hf.config import ConversionError, hf_architecture, pretrain_flags
 from megalite.model import GPTConfig, GPTModel, pad_vocab_size
 from tiny import tiny
 
@@ -539,7 +540,7 @@ def test_gpt2_reference_vocabulary_exports(tmp_path):
     if not (os.path.isfile(vocab) and os.path.isfile(merges)):
         pytest.skip("../shared/tokenizers/gpt2-vocab.json / gpt2-merges.txt not present")
     from megalite.data.tokenizers import GPT2BPETokenizer
-    from megalite.checkpoint.hf_tokenizer import SAMPLE_TEXT, export_tokenizer
+    from megalite.checkpoint.hf.tokenizer import SAMPLE_TEXT, export_tokenizer
 
     ours = GPT2BPETokenizer(vocab, merges)
     export_tokenizer(ours, str(tmp_path))  # checks the ids itself; check again here, independently
@@ -550,7 +551,7 @@ def test_gpt2_reference_vocabulary_exports(tmp_path):
 
 
 def test_checkpoints_refuse_another_activation_or_rope_scaling():
-    from megalite.checkpoint.state import check_model_config
+    from megalite.checkpoint.native.state import check_model_config
     from megalite.errors import CheckpointError
 
     scaled = _config(**ROPE, use_rope_scaling=True).to_dict()

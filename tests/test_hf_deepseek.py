@@ -20,7 +20,7 @@ if not hasattr(transformers, "DeepseekV3ForCausalLM"):
     pytest.skip("transformers without DeepseekV3ForCausalLM", allow_module_level=True)
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
-from megalite.checkpoint.hf_config import ConversionError, hf_architecture  # noqa: E402
+from megalite.checkpoint.hf.config import ConversionError, hf_architecture  # noqa: E402
 from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict  # noqa: E402
 from megalite.config import RunConfig  # noqa: E402
 from megalite.generation import generate, kv_cache, load_model, next_token_logits  # noqa: E402

@@ -17,7 +17,7 @@ from test_hf_moe import VOCAB, _convert, _ids, _logit_diff, _randomize, _safeten
 
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
 
-from megalite.checkpoint.hf_config import ConversionError, hf_architecture
+from megalite.checkpoint.hf.config import ConversionError, hf_architecture
 from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict
 from megalite.config import RunConfig
 from megalite.model import GPTConfig, GPTModel

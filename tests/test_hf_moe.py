@@ -20,7 +20,7 @@ import transformers
 from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-from megalite.checkpoint.hf_config import ConversionError, hf_architecture
+from megalite.checkpoint.hf.config import ConversionError, hf_architecture
 from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict
 from megalite.config import RunConfig
 from megalite.generation import generate, load_model, next_token_logits
@@ -304,7 +304,7 @@ def test_import_refuses_what_megalite_cannot_compute(arch, kw, message, tmp_path
 
 
 def test_add_qkv_bias_is_on_qkv_only_and_checked_on_load():
-    from megalite.checkpoint.state import check_model_config
+    from megalite.checkpoint.native.state import check_model_config
     from megalite.errors import CheckpointError
 
     config = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, padded_vocab_size=128,

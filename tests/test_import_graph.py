@@ -1,7 +1,9 @@
-"""The package's module graph has no cycle, counting imports inside functions too (a lazy
-import hides a cycle from the interpreter, not from a reader)."""
+"""The package's module graph has no cycle and runs one way, down the floors of FLOORS, counting
+imports inside functions too (a lazy import hides a cycle from the interpreter, not from a reader)."""
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -52,6 +54,50 @@ def graph() -> dict[str, set[str]]:
     return {name: imports_of(name, path, known) for name, path in mods.items()}
 
 
+# The house's floors, lowest first (docs/architecture.md draws them): a unit imports only units on
+# floors below its own, never one beside it. A unit is a top-level module or package of megalite/,
+# and inside checkpoint/ each child: the formats' families, and the modules that open any format
+# (files, load, offline), which stand above the families. A package that gains a face (an
+# __init__.py importing its modules) must keep to this too: importing any of its modules runs the
+# face, so an upward import would run a whole family before the one importing it has finished.
+FLOORS = [
+    ["megalite", "checkpoint", "rendezvous", "recompute", "num_microbatches_calculator"],  # import nothing
+    ["errors"],
+    ["config", "comm"],
+    ["parallel_state", "runtime", "tensor_parallel", "context_parallel", "pipeline_parallel"],
+    ["model", "data"],
+    ["distributed", "optimizer"],
+    ["checkpoint.paths"],  # names on disk, torch-free
+    ["checkpoint.native"],  # megalite's own format, and the one reader of saved pieces
+    ["checkpoint.hf"],
+    ["checkpoint.megatron"],  # reads through native's pieces; streams to hf
+    ["checkpoint.files"],  # the up-front checks of any format (torch-free until a format needs it)
+    ["checkpoint.load"],  # opens any format
+    ["checkpoint.offline", "checkpoint.upcycling"],
+    ["planning", "arguments", "generation"],
+    ["initialize", "launch"],
+    ["dry_run", "train_report"],
+    ["training"],
+]
+
+
+def unit(module: str) -> str:
+    """The floor-plan unit of a module: `megalite.model.gpt` -> "model", `megalite.checkpoint.hf.moe`
+    -> "checkpoint.hf", `megalite.checkpoint.load` -> "checkpoint.load"."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "megalite"
+    return "checkpoint." + parts[1] if parts[0] == "checkpoint" and len(parts) > 1 else parts[0]
+
+
+def upward_imports(g: dict[str, set[str]], floors: list[list[str]]) -> list[str]:
+    """Each import from a unit to one on its own floor or above, as "a -> b (floor i -> floor j)"."""
+    floor = {u: i for i, units in enumerate(floors) for u in units}
+    return [f"{a} -> {b} (floor {floor[unit(a)]} -> floor {floor[unit(b)]})"
+            for a in sorted(g) for b in sorted(g[a])
+            if unit(a) != unit(b) and floor[unit(b)] >= floor[unit(a)]]
+
+
 def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
@@ -100,3 +146,35 @@ def test_lazy_imports_are_edges():
     assert not any("megalite.training" in g[m] for m in g if m.startswith("megalite.checkpoint"))
     # a function-level import counts (validation probes the attention kernel lazily)
     assert "megalite.model.attention" in g["megalite.arguments.model"]
+
+
+def test_every_unit_stands_on_one_floor():
+    placed = [u for units in FLOORS for u in units]
+    assert len(placed) == len(set(placed)), "a unit on two floors"
+    units = {unit(m) for m in graph()}
+    assert units - set(placed) == set(), "add the new unit to FLOORS (and to docs/architecture.md's floors)"
+    assert set(placed) - units == set(), "FLOORS names a unit that is gone"
+
+
+def test_imports_run_down_the_floors():
+    up = upward_imports(graph(), FLOORS)
+    assert not up, "imports from a floor to one above it (or beside it):\n" + "\n".join(up)
+
+
+def test_floor_check_finds_upward_and_sideways_imports():
+    floors = [["comm"], ["model", "data"], ["training"]]
+    g = {"megalite.comm": {"megalite.model.gpt"}, "megalite.model.gpt": {"megalite.data.batch", "megalite.comm"},
+         "megalite.data.batch": set(), "megalite.training": {"megalite.model.gpt"}}
+    assert upward_imports(g, floors) == ["megalite.comm -> megalite.model.gpt (floor 0 -> floor 1)",
+                                         "megalite.model.gpt -> megalite.data.batch (floor 1 -> floor 1)"]
+
+
+def test_argument_layer_imports_no_torch():
+    """Flags are parsed and checked (--load's files included) before torch is imported: the
+    argument layer reaches only checkpoint/'s torch-free modules (paths, files, the upcycling plan)."""
+    code = ("import sys, megalite.arguments, megalite.checkpoint.files, megalite.checkpoint.upcycling.plan; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('megalite.checkpoint.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(sorted(["megalite.checkpoint.files", "megalite.checkpoint.paths",
+                                      "megalite.checkpoint.upcycling", "megalite.checkpoint.upcycling.plan"]))

@@ -18,8 +18,7 @@ bias after the last step, by global name.
 """
 import pytest
 
-from dist_helpers import (assert_loss_falls, assert_losses_close, assert_params_close, grad_norms, load_params,
-                          run_pretrain, train_losses)
+from dist_helpers import assert_layout_matches, assert_loss_falls, grad_norms, per_iteration, run_reference, train_losses
 from tiny import tiny
 
 DEEPSEEK_V3 = tiny(num_layers=3, hidden_size=32, seq_length=32, lr=1e-2, train_iters=7, log_interval=1,
@@ -51,39 +50,30 @@ LAYOUTS = {  # id: (processes, flags)
     "ep2-alltoall-zero3": (2, EP2_A2A + ZERO3),
     "ep2-tp2-pp2-zero3": (8, EP2_A2A + TP2_SP + PP2_LAYOUT + ZERO3),
 }
-COMPARED = ("lm_loss", "mtp_1_loss", "load_balancing_loss", "grad_norm")
-
-
-def per_iteration(records, key) -> list[float]:
-    return [r[key] for r in records if "consumed_samples" in r]
+RTOL = {"lm_loss": 1e-5, "mtp_1_loss": 1e-5, "load_balancing_loss": 1e-5, "grad_norm": 1e-5}
 
 
 @pytest.fixture(scope="module")
 def deepseek_v3_reference(corpus, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("deepseek-v3")
-    records, _ = run_pretrain(1, corpus + DEEPSEEK_V3 + ["--save", str(tmp / "ckpt")], tmp, "reference")
+    ref = run_reference(corpus + DEEPSEEK_V3, tmp_path_factory.mktemp("deepseek-v3"), save=True)
+    records, params = ref.records, ref.params
     assert_loss_falls(train_losses(records), 0.3)
     assert_loss_falls(per_iteration(records, "mtp_1_loss"), 0.3)
     assert min(grad_norms(records)) > 0.25  # clipping acts on every iteration
     assert min(per_iteration(records, "load_balancing_loss")) > 0
     moe = [r for r in records if r.get("event") == "moe"]
     assert [layer["layer"] for layer in moe[0]["layers"]] == [1, 2, 3]  # layer 0 dense; MTP's layer MoE
-    params = load_params(str(tmp / "ckpt"))
     for part in ("linear_q_down_proj.weight", "kv_layernorm.weight", "mtp.layers.0.eh_proj.weight",
                  "shared_experts.linear_fc1.weight", "output_layer.weight"):
         assert any(n.endswith(part) for n in params), part
     biases = [n for n in params if n.endswith("router.expert_bias")]
     # the bias has moved (at this rate it overshoots, +-1e-2 a step: after an odd number of steps it is not 0)
     assert len(biases) == 3 and all(float(params[n].abs().max()) > 0 for n in biases)
-    return records, params
+    return ref
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_deepseek_v3_layout_matches_single_process(deepseek_v3_reference, corpus, tmp_path, layout):
-    ref_records, ref_params = deepseek_v3_reference
+def test_deepseek_v3_layout_matches_single_process(deepseek_v3_reference, tmp_path, layout):
     nproc, flags = LAYOUTS[layout]
-    records, _ = run_pretrain(nproc, corpus + DEEPSEEK_V3 + flags + ["--save", str(tmp_path / "ckpt")], tmp_path)
-    for key in COMPARED:
-        assert_losses_close(per_iteration(ref_records, key), per_iteration(records, key), rtol=1e-5)
-    assert per_iteration(ref_records, "expert_tokens_max") == per_iteration(records, "expert_tokens_max")
-    assert_params_close(ref_params, load_params(str(tmp_path / "ckpt")), atol=1e-5)
+    assert_layout_matches(deepseek_v3_reference, nproc, flags, tmp_path, RTOL, exact=("expert_tokens_max",),
+                          params_atol=1e-5)

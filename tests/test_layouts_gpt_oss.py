@@ -15,8 +15,8 @@ itself continues.
 """
 import pytest
 
-from dist_helpers import (assert_loss_falls, assert_losses_close, assert_params_close, grad_norms, load_params,
-                          run_pretrain, train_losses)
+from dist_helpers import (assert_layout_matches, assert_loss_falls, assert_losses_close, assert_params_close,
+                          grad_norms, load_params, per_iteration, run_pretrain, run_reference, train_losses)
 from tiny import tiny
 
 GPT_OSS = tiny(num_layers=4, seq_length=64, lr=3e-3, train_iters=6, log_interval=1, eval_iters=0) + [
@@ -38,35 +38,26 @@ LAYOUTS = {
                            + ZERO + ["optim_grads_params"]),
 }
 
-
-def _moe_values(records, key) -> list[float]:
-    return [r[key] for r in records if "consumed_samples" in r]
+RTOL = {"lm_loss": 1e-5, "load_balancing_loss": 1e-5, "grad_norm": 1e-5}
 
 
 @pytest.fixture(scope="module")
 def gpt_oss_reference(corpus, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gpt-oss")
-    records, _ = run_pretrain(1, corpus + GPT_OSS + ["--save", str(tmp / "ckpt")], tmp, "reference")
-    assert_loss_falls(train_losses(records), 0.3)
-    assert min(grad_norms(records)) > 0.25  # clipping acts on every iteration
-    params = load_params(str(tmp / "ckpt"))
+    ref = run_reference(corpus + GPT_OSS, tmp_path_factory.mktemp("gpt-oss"), save=True)
+    assert_loss_falls(train_losses(ref.records), 0.3)
+    assert min(grad_norms(ref.records)) > 0.25  # clipping acts on every iteration
+    params = ref.params
     for part in ("router.bias", "linear_fc1.bias", "linear_fc2.bias", "softmax_offset", "linear_qkv.bias"):
         assert any(n.endswith(part) for n in params), part
     # the expert biases, zero at the start, have learned something
     assert max(float(p.abs().max()) for n, p in params.items() if n.endswith("experts.local_experts.0.linear_fc2.bias")) > 0
-    return records, params
+    return ref
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gpt_oss_layout_matches_single_process(gpt_oss_reference, corpus, tmp_path, layout):
-    ref_records, ref_params = gpt_oss_reference
+def test_gpt_oss_layout_matches_single_process(gpt_oss_reference, tmp_path, layout):
     nproc, flags = LAYOUTS[layout]
-    records, _ = run_pretrain(nproc, corpus + GPT_OSS + flags + ["--save", str(tmp_path / "ckpt")], tmp_path)
-    assert_losses_close(train_losses(ref_records), train_losses(records), rtol=1e-5)
-    assert_losses_close(_moe_values(ref_records, "load_balancing_loss"), _moe_values(records, "load_balancing_loss"),
-                        rtol=1e-5)
-    assert_losses_close(grad_norms(ref_records), grad_norms(records), rtol=1e-5)
-    assert_params_close(ref_params, load_params(str(tmp_path / "ckpt")), atol=1e-5)
+    assert_layout_matches(gpt_oss_reference, nproc, flags, tmp_path, RTOL, params_atol=1e-5)
 
 
 def test_padded_to_capacity_under_ep2_resumes_the_unpadded_single_process(corpus, tmp_path):
@@ -87,7 +78,7 @@ def test_padded_to_capacity_under_ep2_resumes_the_unpadded_single_process(corpus
     assert "> loaded checkpoint" in proc.stdout, proc.stdout[-2000:]
     assert len(train_losses(padded)) == 2
     assert_losses_close(train_losses(ref)[2:], train_losses(padded), rtol=1e-5)
-    assert_losses_close(_moe_values(ref, "load_balancing_loss")[2:], _moe_values(padded, "load_balancing_loss"),
+    assert_losses_close(per_iteration(ref, "load_balancing_loss")[2:], per_iteration(padded, "load_balancing_loss"),
                         rtol=1e-5)
     with open(save / "latest_checkpointed_iteration.txt", "w") as f:
         f.write("4")

@@ -12,8 +12,8 @@ import pickle
 import pytest
 import torch
 
-from megalite.checkpoint.megatron_format import DistCheckpoint, write_metadata, write_rank_file
-from megalite.checkpoint.safe_pickle import UnsafePickle, load_pickle, torch_load
+from megalite.checkpoint.megatron.format import DistCheckpoint, write_metadata, write_rank_file
+from megalite.checkpoint.megatron.safe_pickle import UnsafePickle, load_pickle, torch_load
 
 
 class _RunsCode:
@@ -140,7 +140,7 @@ def _convert_tool():
 
 def _mcore_names(state: dict) -> dict:
     """megatron-core's {global key: stacked tensor} as megalite's {name: tensor}."""
-    from megalite.checkpoint.megatron_names import index_depth, megalite_name
+    from megalite.checkpoint.megatron.names import index_depth, megalite_name
     out = {}
     for key, t in state.items():
         depth = index_depth(key)

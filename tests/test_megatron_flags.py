@@ -147,7 +147,7 @@ def test_layernorm_1p_exports_the_weight_itself(tmp_path):
     pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from megalite.checkpoint.hf_conversion import to_hf
+    from megalite.checkpoint.hf.conversion import to_hf
     from megalite.model import GPTModel
     config = tiny_config(apply_layernorm_1p=True)
     model = GPTModel(config)
@@ -161,7 +161,7 @@ def test_layernorm_1p_exports_the_weight_itself(tmp_path):
 
 
 def test_layernorm_1p_is_checked_against_checkpoints():
-    from megalite.checkpoint.state import check_model_config
+    from megalite.checkpoint.native.state import check_model_config
     from megalite.errors import CheckpointError
     with pytest.raises(CheckpointError, match="--apply-layernorm-1p is False in the checkpoint and True"):
         check_model_config(tiny_config().to_dict(), tiny_config(apply_layernorm_1p=True).to_dict(), "ck")

@@ -140,7 +140,7 @@ def test_use_checkpoint_args_takes_the_moe_architecture(tmp_path):
 
 
 def test_checkpoint_of_another_moe_shape_is_refused():
-    from megalite.checkpoint.state import check_moe_config
+    from megalite.checkpoint.native.state import check_moe_config
     from megalite.errors import CheckpointError
     base = {"num_layers": 4, "ffn_hidden_size": 64, "num_experts": 4, "moe_layer_freq": "1"}
     check_moe_config(base, dict(base, moe_layer_freq="'[1]*4'", moe_ffn_hidden_size=64), "ck")  # the same layers

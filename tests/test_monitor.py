@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dist_helpers import free_port
-from megalite.runtime import rendezvous
+from megalite import rendezvous
 from megalite.comm import CollectiveError
 from megalite.runtime.monitor import CommMonitor
 from megalite.parallel_state import single_process_state

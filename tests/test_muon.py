@@ -8,8 +8,8 @@ import torch
 
 from megalite.arguments import ArgumentError, parse_config
 from megalite.checkpoint.load import load_checkpoint
-from megalite.checkpoint.save import CheckpointSaver
-from megalite.checkpoint.state import TrainState
+from megalite.checkpoint.native.save import CheckpointSaver
+from megalite.checkpoint.native.state import TrainState
 from megalite.config import DDPConfig, OptimizerConfig, RunConfig
 from megalite.distributed import DataParallel
 from megalite.errors import CheckpointError
@@ -131,7 +131,7 @@ def test_lion_for_the_scalars():
 @pytest.fixture
 def no_rng(monkeypatch):
     # one process without tensor parallelism has no RNG tracker: save the default generator only
-    monkeypatch.setattr("megalite.checkpoint.save.rng_state", lambda ts: ({"rng/torch": torch.get_rng_state()}, {}))
+    monkeypatch.setattr("megalite.checkpoint.native.save.rng_state", lambda ts: ({"rng/torch": torch.get_rng_state()}, {}))
     monkeypatch.setattr("megalite.checkpoint.load.set_rng_state", lambda ts, tensors, values: None)
 
 

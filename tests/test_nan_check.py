@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dist_helpers import run_pretrain
-from megalite.checkpoint.files import read_tracker
+from megalite.checkpoint.paths import read_tracker
 from megalite.checkpoint.offline import load_full_state_dict
-from megalite.checkpoint.save import CheckpointSaver
+from megalite.checkpoint.native.save import CheckpointSaver
 from megalite.errors import CheckpointError
 from tiny import mock, tiny
 
@@ -48,7 +48,7 @@ def train_state():
 
 
 def test_a_save_of_non_finite_weights_is_refused(tmp_path, train_state, monkeypatch):
-    monkeypatch.setattr("megalite.checkpoint.save.rng_state", lambda ts: ({"rng/torch": torch.get_rng_state()}, {}))
+    monkeypatch.setattr("megalite.checkpoint.native.save.rng_state", lambda ts: ({"rng/torch": torch.get_rng_state()}, {}))
     name, p = train_state.named_params[3]
     with torch.no_grad():
         p.view(-1)[0] = float("nan")

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from megalite.checkpoint.load import load_checkpoint
-from megalite.checkpoint.save import CheckpointSaver
-from megalite.checkpoint.state import TrainState
+from megalite.checkpoint.native.save import CheckpointSaver
+from megalite.checkpoint.native.state import TrainState
 from megalite.config import DDPConfig, OptimizerConfig, RunConfig
 from megalite.distributed import DataParallel
 from megalite.model import GPTConfig, GPTModel
@@ -75,7 +75,7 @@ def train(model: GPTModel, state: TrainState, iterations: int) -> list[float]:
 @pytest.fixture(autouse=True)
 def _no_rng_tracker(monkeypatch):
     # one process without tensor parallelism has no RNG tracker: save the default generator only
-    monkeypatch.setattr("megalite.checkpoint.save.rng_state",
+    monkeypatch.setattr("megalite.checkpoint.native.save.rng_state",
                         lambda ts: ({"rng/torch": torch.get_rng_state()}, {}))
     monkeypatch.setattr("megalite.checkpoint.load.set_rng_state", lambda ts, tensors, values: None)
 

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from dist_helpers import assert_loss_falls, assert_losses_close, grad_norms, run_pretrain, train_losses
+from dist_helpers import assert_layout_matches, assert_loss_falls, per_iteration, run_reference, train_losses
 from megalite.model import max_logit
 from megalite.model.attention import SelfAttention
 from megalite.model.config import model_configs
 from megalite.model.max_logit import MaxLogitTracker
-from megalite.model.varlen_attention import Documents
+from megalite.context_parallel.documents import Documents
 from megalite.optimizer.qk_clip import QKClip
 from tiny import tiny
 
@@ -116,29 +116,27 @@ LAYOUTS = {  # id: (processes, flags): TP2, PP2, CP2, EP2, recompute, DP2 under 
                                     "--recompute-granularity", "full", "--recompute-method", "uniform",
                                     "--recompute-num-layers", "1"] + ZERO + ["optim_grads_params"]),
 }  # and ZeRO-2 under Muon below
+RTOL = {"lm_loss": 1e-5, "max_attention_logit": 1e-5, "grad_norm": 1e-4}
 
 
 def max_logits(records) -> list[float]:
-    return [r["max_attention_logit"] for r in records if "consumed_samples" in r]
+    return per_iteration(records, "max_attention_logit")
 
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
-    records, proc = run_pretrain(1, corpus + MODEL, tmp_path_factory.mktemp("qk-clip-reference"))
-    assert_loss_falls(train_losses(records), 0.3)
-    logits = max_logits(records)
+    ref = run_reference(corpus + MODEL, tmp_path_factory.mktemp("qk-clip-reference"))
+    assert_loss_falls(train_losses(ref.records), 0.3)
+    logits = max_logits(ref.records)
     assert len(logits) == ITERS and sum(v > THRESHOLD for v in logits) >= 3, logits  # clipping acts
-    assert "max attention logit:" in proc.stdout
-    return records
+    assert "max attention logit:" in ref.stdout
+    return ref
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_qk_clip_layout_matches_single_process(reference, corpus, tmp_path, layout):
+def test_qk_clip_layout_matches_single_process(reference, tmp_path, layout):
     nproc, flags = LAYOUTS[layout]
-    records, _ = run_pretrain(nproc, corpus + MODEL + flags, tmp_path)
-    assert_losses_close(train_losses(reference), train_losses(records), rtol=1e-5)
-    assert_losses_close(max_logits(reference), max_logits(records), rtol=1e-5)
-    assert_losses_close(grad_norms(reference), grad_norms(records), rtol=1e-4)
+    assert_layout_matches(reference, nproc, flags, tmp_path, RTOL)
 
 
 def test_muon_clip_tp2_dp2_zero2_matches_single_process(corpus, tmp_path):
@@ -146,11 +144,8 @@ def test_muon_clip_tp2_dp2_zero2_matches_single_process(corpus, tmp_path):
     TP2 + SP x DP2 under ZeRO-2 against one process, clipping active."""
     moe = MODEL.index("--num-experts")
     dense = MODEL[:moe] + MODEL[moe + 6:-4] + ["--optimizer", "muon", "--muon-tp-mode", "duplicated"]
-    one, proc = run_pretrain(1, corpus + dense, tmp_path, "one")
-    assert "muon (" in proc.stdout
-    assert sum(v > THRESHOLD for v in max_logits(one)) >= 3, max_logits(one)
-    records, _ = run_pretrain(4, corpus + dense + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-                              + ZERO + ["optim_grads"], tmp_path, "tp2-dp2")
-    assert_losses_close(train_losses(one), train_losses(records), rtol=1e-5)
-    assert_losses_close(max_logits(one), max_logits(records), rtol=1e-5)
-    assert_losses_close(grad_norms(one), grad_norms(records), rtol=1e-4)
+    one = run_reference(corpus + dense, tmp_path)
+    assert "muon (" in one.stdout
+    assert sum(v > THRESHOLD for v in max_logits(one.records)) >= 3, max_logits(one.records)
+    assert_layout_matches(one, 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + ZERO + ["optim_grads"],
+                          tmp_path, RTOL)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megalite.model.init import shard
-from megalite.checkpoint.reshard import ShardLayout, coalesce, locate, runs, split_at
+from megalite.checkpoint.native.reshard import ShardLayout, coalesce, locate, runs, split_at
 from megalite.tensor_parallel.param_info import ParamInfo
 
 

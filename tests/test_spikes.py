@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from conftest import CORPUS_VOCAB
 from dist_helpers import grad_norms, run_pretrain, train_losses
 from megalite.arguments import ArgumentError, parse_args, validate_args
-from megalite.checkpoint.files import read_tracker
+from megalite.checkpoint.paths import read_tracker
 from megalite.runtime.spikes import SpikeGuard
 from tiny import mock, tiny
 

@@ -1,4 +1,4 @@
-"""--moe-use-upcycling (checkpoint/upcycling.py, upcycle.py): a dense checkpoint trained on real
+"""--moe-use-upcycling (checkpoint/upcycling/): a dense checkpoint trained on real
 text becomes an MoE model of 4 experts whose language-model loss at its first step equals the
 dense model's on the same batch within 1e-6 (one process, and EP2), written to --save at
 iteration 1 as Megatron-LM does: every expert a copy of the dense MLP, the router as

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from megalite.model.varlen_attention import Documents, document_attention
+from megalite.context_parallel.documents import Documents
+from megalite.model.varlen_attention import document_attention
 
 
 def dense_reference(q, k, v, mask):

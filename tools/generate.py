@@ -65,7 +65,8 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from megalite.generation import build_tokenizer_for, generate, load_model
+    from megalite.data.saved_tokenizer import build_tokenizer_for
+    from megalite.generation import generate, load_model
 
     tp_group, rank, tp = None, 0, 1
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # under torchrun: TP = world

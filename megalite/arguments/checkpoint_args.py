@@ -13,15 +13,12 @@ from __future__ import annotations
 import os
 
 from ..config.fields import flagged_fields
-from ..config.run import SECTIONS, RunConfig, from_saved
+from ..config.run import IF_NOT_GIVEN, SECTIONS, RunConfig, from_saved
 from ..errors import CheckpointError
 from .errors import fail
 
-# Taken only where the command line does not give them (Megatron-LM's _set_arg without force):
-# the shape, which a script states on purpose; a shape the checkpoint's weights cannot fill is
-# then refused by the load, naming the flag.
-IF_NOT_GIVEN = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size", "model.seq_length",
-                "model.num_attention_heads", "model.kv_channels", "model.max_position_embeddings")
+# The shape flags, taken only where the command line does not give them, are config/run.py's
+# IF_NOT_GIVEN (the load's mismatch message names them too).
 # Forced, the checkpoint winning over the command line (Megatron-LM's force=True): flags a launch
 # script repeats by habit (and whose default Megatron-LM cannot tell from "not given"), while the
 # weights only make sense with the checkpoint's values: how attention, the MLP, the norms and the
@@ -38,14 +35,14 @@ FORCED = (
     "tokenizer.vocab_size", "model.make_vocab_size_divisible_by",
     "tokenizer.tiktoken_pattern",
     # megalite's architecture flags beyond Megatron-LM's list: the load compares each with the
-    # checkpoint (checkpoint/state.py MODEL_FLAGS, ROPE_FLAGS), so only the checkpoint's value loads
+    # checkpoint (checkpoint/native/state.py MODEL_FLAGS, ROPE_FLAGS), so only the checkpoint's value loads
     "model.norm_epsilon", "model.openai_gelu", "model.use_rope_scaling", "model.rope_scaling_factor",
     "model.rope_scaling_low_freq_factor", "model.rope_scaling_high_freq_factor",
     "model.rope_scaling_original_max_position_embeddings", "model.rotary_seq_len_interpolation_factor",
     "model.rotary_scaling_factor", "model.yarn_original_max_position_embeddings", "model.yarn_beta_fast",
     "model.yarn_beta_slow", "model.mscale", "model.mscale_all_dim", "model.yarn_correction_range_round_to_int",
     # Mixture of Experts: which layers have experts, how many, their size and how tokens are routed
-    # (the load compares the shapes: checkpoint/state.py check_moe_config)
+    # (the load compares the shapes: checkpoint/native/state.py check_moe_config)
     "model.num_experts", "model.moe_ffn_hidden_size", "model.moe_router_topk", "model.moe_layer_freq",
     "model.moe_router_score_function", "model.moe_router_pre_softmax", "model.moe_router_enable_expert_bias",
     "model.moe_shared_expert_intermediate_size", "model.moe_shared_expert_gate", "model.moe_router_num_groups",
@@ -71,13 +68,6 @@ def _flags() -> dict:
     return {f"{s}.{f.name}": fl for s, cls in SECTIONS.items() for f, fl in flagged_fields(cls)}
 
 
-def shape_flags() -> set[str]:
-    """The flags taken only where the command line does not give them (the load's mismatch
-    message says so)."""
-    flags = _flags()
-    return {flags[key].name for key in IF_NOT_GIVEN}
-
-
 def _get(c: RunConfig, key: str):
     section, name = key.split(".")
     return getattr(getattr(c, section), name)
@@ -94,7 +84,8 @@ def _shown(flags: dict, key: str, value) -> str:
 def _read_saved(load: str):
     """(metadata, {section: {field: value}}) of the latest checkpoint under `load`; None when
     there is none yet (no directory, or no latest-iteration file in it)."""
-    from ..checkpoint.files import TRACKER, checked_metadata
+    from ..checkpoint.files import checked_metadata
+    from ..checkpoint.paths import TRACKER
     if not os.path.isfile(os.path.join(load, TRACKER)):
         return None
     try:

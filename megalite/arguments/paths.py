@@ -15,7 +15,8 @@ from .errors import fail, flag
 
 
 def check_paths(c: RunConfig) -> None:
-    from ..checkpoint.files import TRACKER, inspect_checkpoint
+    from ..checkpoint.files import inspect_checkpoint
+    from ..checkpoint.paths import TRACKER
     _check_datasets(c)
     tok = c.tokenizer
     for dest in TOKENIZER_FILE_FLAGS.get(tok.tokenizer_type, ()):

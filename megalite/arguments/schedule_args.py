@@ -130,7 +130,8 @@ def _not_restored(c: RunConfig) -> str | None:
 def _saved(load: str):
     """(directory, config sections, whether it holds optimizer state) of the latest checkpoint
     under `load`; None when there is none yet."""
-    from ..checkpoint.files import TRACKER, checked_metadata
+    from ..checkpoint.files import checked_metadata
+    from ..checkpoint.paths import TRACKER
     if not os.path.isfile(os.path.join(load, TRACKER)):
         return None
     try:

@@ -1,10 +1,10 @@
-"""--moe-use-upcycling and --moe-upcycling-granularity (checkpoint/upcycling.py): what they need,
+"""--moe-use-upcycling and --moe-upcycling-granularity (checkpoint/upcycling/plan.py): what they need,
 checked before any process starts; with `check_files`, against the checkpoints under --load and --save."""
 from __future__ import annotations
 
 import os
 
-from ..checkpoint.upcycling import dense_ffn_problem, step0_differences
+from ..checkpoint.upcycling.plan import dense_ffn_problem, step0_differences
 from ..config.run import RunConfig
 from ..errors import CheckpointError
 from .errors import fail
@@ -32,7 +32,8 @@ def check_upcycling(c: RunConfig, check_files: bool) -> None:
 
 
 def _check_checkpoints(c: RunConfig, model: dict, g: int) -> None:
-    from ..checkpoint.files import TRACKER, checked_metadata, read_tracker
+    from ..checkpoint.files import checked_metadata
+    from ..checkpoint.paths import TRACKER, read_tracker
     ck = c.checkpoint
     if os.path.isfile(os.path.join(ck.save, TRACKER)):
         fail(f"--moe-use-upcycling: --save {ck.save} already holds a checkpoint (iteration {read_tracker(ck.save)}); "

@@ -109,7 +109,7 @@ def _check_refused(c: RunConfig) -> None:
 
 
 def _check_ckpt_format(c: RunConfig) -> None:
-    """--ckpt-format: torch_dist is written (checkpoint/megatron_saver.py); --load reads it whatever the flag."""
+    """--ckpt-format: torch_dist is written (checkpoint/megatron/saver.py); --load reads it whatever the flag."""
     fmt = c.megatron.ckpt_format
     if fmt is None or fmt == "torch_dist":
         if fmt and c.checkpoint.async_save:

@@ -1,7 +1,8 @@
-"""A checkpoint's names on disk (the latest pointer, iteration directories, rank files) and its
-JSON files read up front, so that a missing or corrupt one is a one-line error naming the file
-before any model is built or process group started (pretrain_gpt.py --load, tools/generate.py,
-tools/checkpoint/convert.py). Reads the JSON files only, never the tensors; imports no torch."""
+"""A checkpoint's JSON files read up front, whichever format (megalite's, Megatron-LM's torch_dist
+or torch), so that a missing or corrupt one is a one-line error naming the file before any model
+is built or process group started (pretrain_gpt.py --load, tools/generate.py,
+tools/checkpoint/convert.py). Reads the JSON files only, never the tensors; imports no torch (the
+families' modules it needs for another format's files are imported when that format is met)."""
 from __future__ import annotations
 
 import glob
@@ -9,30 +10,9 @@ import json
 import os
 
 from ..errors import CheckpointError
+from .paths import FORMAT_VERSION, TRACKER, iteration_dir, read_tracker
 
-FORMAT_VERSION = 2  # 2: global index, safetensors-layout data files; 1: per-rank index + torch.save
-TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
 _METADATA_KEYS = ("iteration", "model_config", "layout")
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def data_file(rank: int) -> str:
-    """The name of rank `rank`'s tensor file in an iteration directory."""
-    return f"rank_{rank:05d}.safetensors"
-
-
-def read_tracker(root: str) -> int | None:
-    path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
 
 
 def read_metadata(root: str, iteration: int | None = None) -> dict:
@@ -95,7 +75,7 @@ def checked_metadata(root: str, flag: str, iteration: int | None = None) -> dict
     directory = iteration_dir(root, iteration)
     foreign = megatron_format(directory)
     if foreign is not None and foreign.startswith("torch"):  # torch_dist, or torch (mp_rank_*)
-        from .megatron_legacy import read_megatron_metadata  # torch, for Megatron-LM checkpoints only
+        from .megatron.legacy import read_megatron_metadata  # torch, for Megatron-LM checkpoints only
         return read_megatron_metadata(directory, flag, root)
     if foreign is not None:
         raise CheckpointError(f"{flag} {root}: {directory} is a Megatron-LM checkpoint in its {foreign} format, "
@@ -126,7 +106,7 @@ def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> di
     if int(meta["format_version"]) >= 2:
         # one global index: its header must parse (the data files it names are opened, and a
         # missing one reported, by the ranks that need them: no rank stats every rank's file)
-        from .index import CheckpointIndex
+        from .native.index import CheckpointIndex
         try:
             CheckpointIndex(directory).io.close()
         except CheckpointError as e:

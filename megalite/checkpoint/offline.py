@@ -13,12 +13,13 @@ from ..errors import CheckpointError
 from ..parallel_state import stage_layers
 from ..config.run import CONFIG_VERSION
 from ..tensor_parallel.param_info import param_info
-from .files import FORMAT_VERSION, data_file, iteration_dir
-from .load import open_checkpoint, read_region
-from .reshard import ShardLayout
-from .save import publish, write_metadata_and_index
-from .state import local_shard, shard_layout
-from .tensor_file import plan, write
+from .load import open_checkpoint
+from .native.region import read_region
+from .native.reshard import ShardLayout
+from .native.save import publish, write_metadata_and_index
+from .native.state import local_shard, shard_layout
+from .native.tensor_file import plan, write
+from .paths import FORMAT_VERSION, data_file, iteration_dir
 
 
 def load_full_state_dict(root: str, iteration: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..data.tokenizers import TOKENIZER_TYPES, TOKENIZER_TYPES_HELP
 from .fields import AT_LEAST_1, at_least_0, derived, flag
 
 DEFAULT_SPLIT = "969, 30, 1"
+# every tool's --tokenizer-type choices: exactly the names of data/tokenizers.py's TOKENIZERS registry
+# (tests/test_bad_input.py holds the two equal); written here so that the configs import no data module
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
+TOKENIZER_TYPES_HELP = ("GPTSentencePieceTokenizer is SentencePieceTokenizer under Megatron-LM's name; "
+                        "Llama2Tokenizer is SentencePiece with the bos id before each text; "
+                        "TikTokenizer reads Megatron-LM's tiktoken vocabulary (a JSON list, --tokenizer-model) "
+                        "with --tiktoken-pattern; NullTokenizer reads whitespace-separated ids below --vocab-size N "
+                        "and uses N as its end-of-document id")
 
 
 @dataclass

@@ -8,6 +8,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
+from .fields import flagged_fields
 from .model import GPTConfig
 from .data import DataConfig, TokenizerConfig
 from .kernels import KernelConfig
@@ -87,6 +88,20 @@ def owners() -> dict[str, str]:
     return out
 
 
+# --use-checkpoint-args (arguments/checkpoint_args.py) takes these from the checkpoint only where
+# the command line does not give them (Megatron-LM's _set_arg without force): the shape, which a
+# script states on purpose; a shape the checkpoint's weights cannot fill is then refused by the
+# load, naming the flag (checkpoint/native/state.py says which of its differences these are).
+IF_NOT_GIVEN = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size", "model.seq_length",
+                "model.num_attention_heads", "model.kv_channels", "model.max_position_embeddings")
+
+
+def shape_flags() -> set[str]:
+    """The flags of IF_NOT_GIVEN, as the command line names them."""
+    flags = {f"{s}.{f.name}": fl for s, cls in SECTIONS.items() for f, fl in flagged_fields(cls)}
+    return {flags[key].name for key in IF_NOT_GIVEN}
+
+
 def from_saved(meta: dict) -> dict:
     """{section: {field: value}} of a checkpoint's metadata, whichever version wrote it: version 2
     stores the sections; version 1 stored the validated flags flat (`args`), each sorted here into
@@ -102,4 +117,5 @@ def from_saved(meta: dict) -> dict:
     return out
 
 
-__all__ = ["CONFIG_VERSION", "SECTIONS", "RunConfig", "from_saved", "json_safe", "owners"]
+__all__ = ["CONFIG_VERSION", "SECTIONS", "IF_NOT_GIVEN", "RunConfig", "from_saved", "json_safe", "owners",
+           "shape_flags"]

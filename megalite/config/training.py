@@ -156,7 +156,7 @@ class CheckpointConfig:
     finetune: bool = flag("--finetune", False, "load weights only; start at iteration 0", action="store_true")
     no_load_optim: bool = flag("--no-load-optim", False, "do not load optimizer state", action="store_true")
     no_load_rng: bool = flag("--no-load-rng", False, "do not load RNG states", action="store_true")
-    # sparse upcycling (checkpoint/upcycling.py): a dense checkpoint under --load becomes this MoE run
+    # sparse upcycling (checkpoint/upcycling/): a dense checkpoint under --load becomes this MoE run
     moe_use_upcycling: bool = flag(
         "--moe-use-upcycling", False, "load the dense checkpoint under --load into this MoE model (--num-experts): "
         "each expert a copy of its layer's dense MLP, the router as initialised, a fresh optimizer and schedule; "

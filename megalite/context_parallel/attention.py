@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from .documents import Documents
 from .ring import BlockMask, ring_attention
 from .sharding import chunk_positions, gathered_positions
 from .ulysses import gather_heads, scatter_heads
@@ -81,7 +82,6 @@ def ulysses_attention(q, k, v, attention_mask, window, group, attend) -> torch.T
     gathered = gathered_positions(s, c, q.device)  # position of each row after the all-to-all
     natural = torch.argsort(gathered)
     q, k, v = (t.index_select(0, natural) for t in scatter_heads(q, k, v, group))
-    from ..model.varlen_attention import Documents  # here: the model package imports this module
     if isinstance(attention_mask, Documents):  # packed documents: the whole sequence, in order
         pos = torch.arange(s, device=q.device)
         out = attend(q, k, v, Documents(attention_mask.doc_ids, pos, pos, window))
@@ -107,7 +107,6 @@ def ring_layer_attention(q, k, v, attention_mask, window, a2a_group, ring_group)
     if a > 1:
         q, k, v = scatter_heads(q, k, v, a2a_group)
     kv_pos = torch.stack([level_positions(s, a * p, a, j, q.device) for j in range(p)])
-    from ..model.varlen_attention import Documents  # here: the model package imports this module
     if isinstance(attention_mask, Documents):  # packed documents: same-document from their ids
         mask = BlockMask(kv_pos[comm.group_rank(ring_group)], kv_pos, window, doc_ids=attention_mask.doc_ids)
     else:

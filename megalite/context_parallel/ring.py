@@ -11,7 +11,10 @@ The next block's transfer is posted before this one's compute (comm.exchange_asy
 Backward (FlashAttention-2's, Dao 2023, Alg. 2): the forward keeps only Q, K, V, O and l (all
 O(s/c)); the ring runs again, each block's probabilities rebuilt as P = exp(S - l), and
     dV_j = Pᵀ·dO,   dS = P ∘ (dO·V_jᵀ - rowsum(dO ∘ O)),   dQ += dS·K_j/√d,   dK_j = dSᵀ·Q/√d,
-dK_j/dV_j travelling with K_j/V_j around the ring and reaching their owner after the last step.
+dK_j/dV_j travelling with K_j/V_j around the ring (one batched transfer, each in its own dtype) and
+reaching their owner after the last step. Each block is cut as the forward cut it (its rows,
+columns and whether it needs a mask are kept; `BlockMask.replan`), so the backward reads no index
+back to the host.
 
 Load balance. `BlockMask` says which (query, key) pairs may attend, from the global positions
 (causal, --window-size) and an optional dense mask's columns. Each block is cut to the query
@@ -35,13 +38,14 @@ class BlockMask:
     positions; kv_pos [p, L]: ring member j's keys'; window: keys at most this many positions
     back (None: all earlier ones); dense [B, 1, sq, p·L] bool (B = 1 or the batch): a further
     mask, its columns ring member by ring member (the gathered order of allgather's masks);
-    doc_ids [B, s]: packed documents (model/varlen_attention.py), every token's document in sequence
-    order, a pair allowed only within one document (no dense mask)."""
+    doc_ids [B, s]: packed documents (documents.py), every token's document in sequence order, a
+    pair allowed only within one document (no dense mask)."""
 
     def __init__(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int | None = None,
                  dense: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None):
         self.q_pos, self.kv_pos, self.window, self.dense = q_pos, kv_pos, window, dense
         self.doc_ids = doc_ids
+        self.q_doc = None if doc_ids is None else doc_ids[:, q_pos].unsqueeze(2)  # [B, sq, 1], every block's
 
     def block(self, j: int) -> torch.Tensor:
         """[B, sq, L] bool, True: may attend."""
@@ -54,8 +58,7 @@ class BlockMask:
             n = self.kv_pos.size(1)
             allowed = allowed & self.dense[:, 0, :, j * n:(j + 1) * n]
         if self.doc_ids is not None:
-            q_doc, k_doc = self.doc_ids[:, self.q_pos], self.doc_ids[:, self.kv_pos[j]]
-            allowed = allowed & (q_doc.unsqueeze(2) == k_doc.unsqueeze(1))
+            allowed = allowed & (self.q_doc == self.doc_ids[:, self.kv_pos[j]].unsqueeze(1))
         return allowed
 
     def plan(self, j: int):
@@ -68,6 +71,15 @@ class BlockMask:
             return None
         cut = allowed[:, rows][:, :, cols]
         return rows, cols, (None if bool(cut.all()) else cut[:, None, None])
+
+    def replan(self, j: int, found) -> tuple | None:
+        """plan(j) again from what the forward's plan found (`found`: rows, cols, whether a mask;
+        None: nothing), for the backward: no index or all() read back to the host, the block's
+        mask rebuilt only where one is needed (keeping every block's would cost O(s²/c))."""
+        if found is None:
+            return None
+        rows, cols, masked = found
+        return rows, cols, (self.block(j)[:, rows][:, :, cols][:, None, None] if masked else None)
 
 
 def _safe(lse: torch.Tensor) -> torch.Tensor:
@@ -89,7 +101,8 @@ def _attend(q, k, v, plan, scale, out, lse) -> None:
     o_blk = torch.matmul(torch.exp(s - _safe(l_blk).unsqueeze(-1)), v.index_select(2, cols).float().unsqueeze(2))
     l_old, o_old = lse.index_select(3, rows), out.index_select(3, rows)
     l_new = torch.logaddexp(l_old, l_blk)
-    merged = o_old * torch.exp(l_old - _safe(l_new)).unsqueeze(-1) + o_blk * torch.exp(l_blk - _safe(l_new)).unsqueeze(-1)
+    l_ref = _safe(l_new)
+    merged = o_old * torch.exp(l_old - l_ref).unsqueeze(-1) + o_blk * torch.exp(l_blk - l_ref).unsqueeze(-1)
     out.index_copy_(3, rows, merged)
     lse.index_copy_(3, rows, l_new)
 
@@ -107,14 +120,17 @@ def _attend_backward(q, k, v, dout, delta, lse, plan, scale, dq, dkv) -> None:
     dkv[1].index_add_(2, cols, dv)
 
 
-def _pass_on(tensor: torch.Tensor, group):
-    """Post: send `tensor` to the next ring member, receive the previous one's. (buffer, handle)."""
+def _pass_on(tensors: list, group):
+    """Post: send `tensors` to the next ring member, receive the previous one's, in one batch of
+    transfers (each tensor in its own dtype). (buffers, handle)."""
     ranks = dist.get_process_group_ranks(group)
     me, p = comm.group_rank(group), len(ranks)
-    buffer = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor, ranks[(me + 1) % p], group),
-           dist.P2POp(dist.irecv, buffer, ranks[(me - 1) % p], group)]
-    return buffer, comm.exchange_async(ops)
+    buffers = [torch.empty_like(t) for t in tensors]
+    ops = []
+    for t, buffer in zip(tensors, buffers):
+        ops += [dist.P2POp(dist.isend, t, ranks[(me + 1) % p], group),
+                dist.P2POp(dist.irecv, buffer, ranks[(me - 1) % p], group)]
+    return buffers, comm.exchange_async(ops)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -131,18 +147,19 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)])  # [2, b, g, L, hn]
-        mine = kv
+        mine, found = kv, []
         for i in range(p):
-            pending = _pass_on(kv, group) if i < p - 1 else None
+            pending = _pass_on([kv], group) if i < p - 1 else None
             plan = mask.plan((me - i) % p)
+            found.append(None if plan is None else (plan[0], plan[1], plan[2] is not None))
             if plan is not None:
                 _attend(q, kv[0], kv[1], plan, scale, out, lse)
             if pending is not None:
                 pending[1].wait()
-                kv = pending[0]
+                kv = pending[0][0]
         out = out.permute(3, 0, 1, 2, 4).to(q.dtype).contiguous()  # [sq, b, g, r, hn]
         ctx.save_for_backward(q_in, mine, out, lse)
-        ctx.mask, ctx.group, ctx.scale = mask, group, scale
+        ctx.mask, ctx.found, ctx.group, ctx.scale = mask, found, group, scale
         return out
 
     @staticmethod
@@ -155,16 +172,17 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for i in range(p):
-            plan = ctx.mask.plan((me - i) % p)
+            plan = ctx.mask.replan((me - i) % p, ctx.found[i])
             if plan is not None:
                 _attend_backward(q, kv[0], kv[1], dout, delta, lse, plan, ctx.scale, dq, dkv)
             if i < p - 1:  # the keys and their gradients so far move on together
-                both, handle = _pass_on(torch.cat([kv.to(dkv.dtype), dkv]), group)
+                received, handle = _pass_on([kv, dkv], group)
                 handle.wait()
-                kv, dkv = both[:2].to(kv.dtype), both[2:]
+                kv, dkv = received
             elif p > 1:  # the last step's gradients go home: the next rank owns this block
-                dkv, handle = _pass_on(dkv, group)
+                received, handle = _pass_on([dkv], group)
                 handle.wait()
+                (dkv,) = received
         dk, dv = (t.permute(2, 0, 1, 3).to(kv.dtype) for t in dkv)  # [L, b, g, hn]
         return dq.permute(3, 0, 1, 2, 4).to(q.dtype), dk, dv, None, None
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .documents import Documents
+
 
 def chunk_positions(seq_length: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
     """Global positions [s/c] of the tokens CP rank `cp_rank` holds: chunks r and 2c-1-r of the
@@ -38,7 +40,6 @@ def slice_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
     idx = chunk_positions(s, cp_size, cp_rank, device)
     out = {k: batch[k][:, idx].contiguous() for k in ("input_ids", "labels", "loss_mask", "position_ids")}
     out["num_tokens_sequence"] = batch["loss_mask"].sum()
-    from ..model.varlen_attention import Documents  # here: the model package imports this module
     mask = batch["attention_mask"]
     if isinstance(mask, Documents):
         mask = Documents(mask.doc_ids, idx, gathered_positions(s, cp_size, device), mask.window)

@@ -15,8 +15,8 @@ import torch
 
 from .. import comm
 from ..config import DataConfig
+from ..context_parallel.documents import Documents
 from ..context_parallel.sharding import slice_batch
-from ..model.varlen_attention import Documents
 from .samplers import PretrainingSampler
 
 
@@ -29,7 +29,7 @@ def build_batch(tokens: torch.Tensor, eod: int | None = None, reset_position_ids
                 reset_attention_mask: bool = False, eod_mask_loss: bool = False,
                 create_attention_mask: bool = True) -> dict:
     """tokens [b, s + 1] -> dict of input_ids, labels, loss_mask, position_ids ([b, s]) and
-    attention_mask (None = plain causal; under --reset-attention-mask a model.varlen_attention
+    attention_mask (None = plain causal; under --reset-attention-mask a context_parallel.documents
     `Documents`: the document id of every token, [b, s], in place of Megatron-LM's [b, 1, s, s] mask).
 
     A document ends at its end-of-document token; the next token starts a new document, whose

@@ -20,13 +20,9 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from megalite.config.data import TOKENIZER_TYPES
 from megalite.errors import InputError, InputNotFound, MissingPackage
 
-TOKENIZER_TYPES_HELP = ("GPTSentencePieceTokenizer is SentencePieceTokenizer under Megatron-LM's name; "
-                        "Llama2Tokenizer is SentencePiece with the bos id before each text; "
-                        "TikTokenizer reads Megatron-LM's tiktoken vocabulary (a JSON list, --tokenizer-model) "
-                        "with --tiktoken-pattern; NullTokenizer reads whitespace-separated ids below --vocab-size N "
-                        "and uses N as its end-of-document id")
 # TikTokenizer's own flags (argparse dest -> default); refused with any other tokenizer
 TIKTOKEN_FLAGS = {"tiktoken_pattern": None, "tiktoken_num_special_tokens": 1000, "tiktoken_special_tokens": None}
 TIKTOKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
@@ -431,7 +427,6 @@ TOKENIZERS: dict[str, TokenizerSpec] = {
         c.tiktoken_special_tokens)),
     "NullTokenizer": TokenizerSpec((), lambda c: NullTokenizer(c.vocab_size)),
 }
-TOKENIZER_TYPES = tuple(TOKENIZERS)  # every tool's --tokenizer-type choices
 TOKENIZER_FILE_FLAGS = {name: spec.files for name, spec in TOKENIZERS.items()}
 
 

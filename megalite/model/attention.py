@@ -21,8 +21,9 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
 from ..tensor_parallel.layers import set_tp_attributes
 from .config import ExecutionConfig, GPTConfig
 from .norm import Norm
-from .varlen_attention import Documents, document_attention
+from .varlen_attention import document_attention
 from ..context_parallel.attention import gather_kv, ring_layer_attention, ulysses_attention, window_mask
+from ..context_parallel.documents import Documents
 from ..context_parallel.sharding import chunk_positions, gathered_positions
 
 try:  # optional accelerator, used only when asked for with --use-flash-attn

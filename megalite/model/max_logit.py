@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .varlen_attention import Documents
+from ..context_parallel.documents import Documents
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 scores per block: 16 MiB
 

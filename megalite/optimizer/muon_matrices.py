@@ -122,8 +122,9 @@ class ShardedMatrices:
             start, end = domain.layout.buckets[b]
             mine = by_bucket.get(key, ())
             shard = torch.zeros((end - start) // domain.group_size, dtype=torch.float32, device=self.device)
-            for i, off, n in mine:
-                shard[off:off + n] = inputs[i].reshape(-1)
+            if mine:  # every piece into its place in one fused copy, not one kernel per piece
+                torch._foreach_copy_([shard[off:off + n] for _, off, n in mine],
+                                     [inputs[i].reshape(-1) for i, _, _ in mine])
             full = torch.empty(end - start, dtype=torch.float32, device=self.device)
             comm.all_gather_flat(shard, full, domain.group)
             result = torch.zeros_like(full)

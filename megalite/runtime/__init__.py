@@ -1,2 +1,2 @@
 """What runs beside training: collective monitoring and timeouts, straggler detection, profiling,
-metrics and experiment tracking, restart rendezvous, and what the host CPU computes fast."""
+metrics and experiment tracking, and what the host CPU computes fast."""

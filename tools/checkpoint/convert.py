@@ -22,14 +22,14 @@
     python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megalite --load-dir hf_out \\
         --save-dir ckpt_from_hf --target-tensor-parallel-size 2
 
-Only the model weights travel (no optimizer state). The mapping lives in megalite/checkpoint/hf_conversion.py
-(configs and flags in hf_config.py, tokenizers in hf_tokenizer.py): GPT-2's gelu_new becomes --openai-gelu; a Llama's rope_theta and rope scaling (llama3, linear; read
+Only the model weights travel (no optimizer state). The mapping lives in megalite/checkpoint/hf/conversion.py
+(configs and flags in hf/config.py, tokenizers in hf/tokenizer.py): GPT-2's gelu_new becomes --openai-gelu; a Llama's rope_theta and rope scaling (llama3, linear; read
 from config.json in the transformers 4.x or 5.x layout) become --rotary-base, --use-rope-scaling
 --rope-scaling-*, --rotary-seq-len-interpolation-factor; Qwen3's q_norm / k_norm become --qk-layernorm;
 Mixtral's, Qwen2-MoE's and Qwen3-MoE's experts, router and shared expert become --num-experts, --moe-*
-and --add-qkv-bias (hf_moe.py); gpt-oss's sinks, sliding windows and clamped GLU become --softmax-type
+and --add-qkv-bias (hf/moe.py); gpt-oss's sinks, sliding windows and clamped GLU become --softmax-type
 learnable, --window-size / --window-attn-skip-freq and --quick-geglu --glu-linear-offset 1
---activation-func-clamp-value (hf_gpt_oss.py). The import prints the flags
+--activation-func-clamp-value (hf/gpt_oss.py). The import prints the flags
 to train on with.
 --save-dir must be new or empty: nothing existing is overwritten. Bad input ends with one `error:`
 line and exit status 2.
@@ -44,7 +44,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megalite.arguments.parser import add_config_args, section_values  # noqa: E402
-from megalite.checkpoint.hf_shards import parse_size  # noqa: E402
+from megalite.checkpoint.hf import parse_size  # noqa: E402
 from megalite.config import TokenizerConfig  # noqa: E402
 from megalite.errors import ArgumentParser, InputError, cli  # noqa: E402
 
@@ -120,7 +120,7 @@ def check_layout(cfg: dict, tp: int, pp: int) -> None:
 
 def _save_megatron(save_dir: str, state: dict, cfg: dict, saved: dict, iteration: int, tp: int) -> int:
     """--saver megatron: a torch_dist checkpoint, the vocabulary padded as Megatron-LM pads it for TP `tp`."""
-    from megalite.checkpoint.megatron_save import write_megatron_checkpoint
+    from megalite.checkpoint.megatron import write_megatron_checkpoint
     from megalite.model import pad_vocab_size
     divisible_by = cfg.get("make_vocab_size_divisible_by") or saved.get("model", {}).get(
         "make_vocab_size_divisible_by") or 128
@@ -140,8 +140,8 @@ def _check_megatron(load_dir: str) -> None:
 
 def _megatron_to_hf(args) -> int:
     """--loader megatron --saver hf: streamed, one tensor (one layer) in memory at a time."""
-    from megalite.checkpoint.hf_config import HF_CLASSES
-    from megalite.checkpoint.megatron_hf import megatron_to_hf
+    from megalite.checkpoint.hf import HF_CLASSES
+    from megalite.checkpoint.megatron import megatron_to_hf
     arch, tok, files = megatron_to_hf(args.load_dir, args.save_dir, args.tokenizer, not args.no_tokenizer,
                                       args.max_shard_bytes)
     print(f"wrote {args.save_dir}: {HF_CLASSES[arch]} in {len(files)} safetensors file{'s' * (len(files) > 1)}"
@@ -154,8 +154,7 @@ def main(argv=None) -> int:
     args = get_args(argv)
     from megalite.checkpoint.files import inspect_checkpoint
     from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict
-    from megalite.checkpoint.hf_config import HF_CLASSES, pretrain_flags
-    from megalite.checkpoint.hf_conversion import from_hf, to_hf
+    from megalite.checkpoint.hf import HF_CLASSES, from_hf, pretrain_flags, to_hf
     from megalite.config import RunConfig, from_saved
 
     tp, pp = args.target_tensor_parallel_size or 1, args.target_pipeline_parallel_size or 1
@@ -169,7 +168,7 @@ def main(argv=None) -> int:
         if args.saver == "hf":
             tokenizer = None
             if not args.no_tokenizer:
-                from megalite.generation import build_tokenizer_for
+                from megalite.data.saved_tokenizer import build_tokenizer_for
                 tokenizer = build_tokenizer_for(meta, args.tokenizer)
             arch = to_hf(meta, state, args.save_dir, tokenizer)
             print(f"wrote {args.save_dir}: {HF_CLASSES[arch]}"

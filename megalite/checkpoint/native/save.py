@@ -12,11 +12,11 @@ import time
 
 import torch
 
-from .. import comm
-from ..errors import CheckpointError
-from ..config.run import CONFIG_VERSION
-from ..tensor_parallel.param_info import param_info
-from .files import FORMAT_VERSION, TRACKER, data_file, iteration_dir
+from ... import comm
+from ...errors import CheckpointError
+from ...config.run import CONFIG_VERSION
+from ...tensor_parallel.param_info import param_info
+from ..paths import FORMAT_VERSION, TRACKER, data_file, iteration_dir
 from .index import INDEX, build_index
 from .state import STATE_KINDS, TrainState, owned_pieces, rng_state, shard_layout
 from .tensor_file import DTYPES, plan, write

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import comm
-from ..errors import CheckpointError
-from ..model.init import global_shape, shard
-from ..parallel_state import ParallelState
-from ..tensor_parallel.param_info import param_info
+from ... import comm
+from ...config.run import shape_flags
+from ...errors import CheckpointError
+from ...model.init import global_shape, shard
+from ...parallel_state import ParallelState
+from ...tensor_parallel.param_info import param_info
 from .reshard import ShardLayout
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
@@ -104,7 +105,7 @@ def check_model_config(saved: dict, current: dict, where: str) -> None:
 def model_differences(saved: dict, current: dict) -> list[tuple[str, object, object]]:
     """(flag, checkpoint's value, this run's value) of each model setting that differs; a key an
     older checkpoint lacks counts as its default."""
-    from ..model import GPTConfig
+    from ...model import GPTConfig
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     positions = current.get("position_embedding_type")
     mla = current.get("multi_latent_attention")
@@ -134,8 +135,8 @@ def _as_given(key: str, value):
 
 def _checkpoint_args_hint(flags: list[str]) -> str:
     """How --use-checkpoint-args would take the differing flags (arguments/checkpoint_args.py:
-    every flag the load compares is among the ones it takes)."""
-    from ..arguments.checkpoint_args import shape_flags
+    every flag the load compares is among the ones it takes; the shape only where the command
+    line leaves it off, config/run.py's IF_NOT_GIVEN)."""
     kept = [f for f in flags if f in shape_flags()]
     return ("--use-checkpoint-args takes these from the checkpoint"
             + (f" ({', '.join(kept)} only where the command line leaves {'it' if len(kept) == 1 else 'them'} off)"
@@ -155,8 +156,8 @@ def moe_differences(saved: dict, current: dict) -> list[tuple[str, object, objec
     """The MoE settings, the weights' shapes as the layers they give, and the routing (checkpoints
     from before MoE lack them: a dense model; from before a setting, its default). Between a dense
     model and an MoE one only --num-experts differs: the other flags mean nothing to the dense one."""
-    from ..config.moe import moe_layer_pattern
-    from ..model import GPTConfig
+    from ...config.moe import moe_layer_pattern
+    from ...model import GPTConfig
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
 
     def settings(c: dict) -> dict:

@@ -1,13 +1,13 @@
 """--moe-use-upcycling, the load: a dense checkpoint (any layout) read into this run's MoE model
 (any layout: TP, PP, EP, ZeRO), as Megatron-LM's training.py does it: the weights converted
-(upcycling.py says which dense weight each MoE weight starts from), no optimizer state and no
+(plan.py says which dense weight each MoE weight starts from), no optimizer state and no
 learning-rate schedule taken (both start fresh), the consumed samples and, on the same layout,
 the RNG states taken (unless --finetune / --no-load-rng), and the run continues at iteration 1,
 which the caller saves to --save before training (initialize.py).
 
-Each rank reads only the elements it owns, through load.py's readers: an expert's TP shard of
+Each rank reads only the elements it owns, through checkpoint/load.py's readers: an expert's TP shard of
 slice j = e mod g of the dense MLP is TP shard j·T + r of the dense weight cut into g·T parts
-(fc1 with SwiGLU's stride 2, fc2 along its input dimension), so reshard.py's arithmetic finds
+(fc1 with SwiGLU's stride 2, fc2 along its input dimension), so native/reshard.py's arithmetic finds
 the saved pieces whatever layout wrote them."""
 from __future__ import annotations
 
@@ -15,16 +15,17 @@ import time
 
 import torch
 
-from ..errors import CheckpointError
-from ..model.init import full_tensor, global_shape, initial_value
-from ..tensor_parallel.param_info import param_info
-from .files import read_tracker
-from .load import (_finish_stats, _load_buffers, _load_optimizer_state, _load_weights, _OwnedReader, _restore_progress,
-                   open_checkpoint, read_region)
-from .reshard import ShardLayout
-from .state import TrainState, check_model_config
-from .tensor_file import RangeReader
-from .upcycling import ROUTER_WEIGHT, dense_ffn_problem, dense_source, weight_scale
+from ...errors import CheckpointError
+from ...model.init import full_tensor, global_shape, initial_value
+from ...tensor_parallel.param_info import param_info
+from ..load import (_finish_stats, _load_buffers, _load_optimizer_state, _load_weights, _OwnedReader, _restore_progress,
+                   open_checkpoint)
+from ..native.region import read_region
+from ..native.reshard import ShardLayout
+from ..native.state import TrainState, check_model_config
+from ..native.tensor_file import RangeReader
+from ..paths import read_tracker
+from .plan import ROUTER_WEIGHT, dense_ffn_problem, dense_source, weight_scale
 
 UPCYCLED_ITERATION = 1  # Megatron-LM's args.iteration = 1 after upcycling
 

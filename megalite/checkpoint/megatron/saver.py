@@ -1,13 +1,13 @@
 """--save with --ckpt-format torch_dist: training writes Megatron-LM's torch_dist checkpoints, each
 rank its own chunks, which megatron-core's `dist_checkpointing.load` reads into its GPTModel on
-any layout and megalite's --load reads back (megatron_index.py).
+any layout and megalite's --load reads back (index.py).
 
 Who writes what: a parameter's first data-parallel replica writes its tensor-parallel shard, TP
 rank 0 the TP-replicated ones (megalite's ownership of whole parameters, as megatron-core's
 replica ids say); the last stage's copy of a tied embedding is not written. A shard is a box of
 the global tensor, or `stride` boxes for SwiGLU's fc1 (each TP rank holds [gate_r; up_r], whose
 rows lie at r·f/T and f + r·f/T of the global [gate; up], as megatron-core stores it). Layers
-and experts are stacked along leading axes (megatron_names.py). common.pt holds Megatron-LM's
+and experts are stacked along leading axes (names.py). common.pt holds Megatron-LM's
 `args` (the run's flags under their Megatron-LM names), the iteration, consumed samples and the
 learning-rate schedule's state.
 
@@ -23,13 +23,13 @@ import time
 
 import torch
 
-from .. import comm
-from ..tensor_parallel.param_info import param_info
-from .files import TRACKER, iteration_dir
-from .megatron_format import write_metadata, write_rank_file
-from .megatron_save import LINEARS, megatron_args
-from .megatron_names import index_depth, megatron_keys
-from .state import TrainState, shard_layout
+from ... import comm
+from ...tensor_parallel.param_info import param_info
+from ..paths import TRACKER, iteration_dir
+from .format import write_metadata, write_rank_file
+from .export import LINEARS, megatron_args
+from .names import index_depth, megatron_keys
+from ..native.state import TrainState, shard_layout
 
 
 def shard_boxes(name: str, p, tp_rank: int, tp_size: int, num_layers: int, num_experts: int) -> list:

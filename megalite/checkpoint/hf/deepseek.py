@@ -47,13 +47,16 @@ import math
 
 import torch
 
-from ..config.moe import moe_layer_pattern
+from ...config.moe import moe_layer_pattern
+from .tables import Rule, expert_rules, export_tensors, glu, import_tensors, mapped, same, under, unfuse_experts
 
 DEEPSEEK_CLASS = "DeepseekV3ForCausalLM"
 LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default, which q_a_layernorm / kv_a_layernorm keep
-# an MTP module's own weights: (megalite under mtp.layers.{k}., DeepSeek-V3 under model.layers.{L + k}.)
-MTP_NAMES = (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
-             ("final_layernorm.weight", "shared_head.norm.weight"))
+_OUTER_RULES = [same("embedding.word_embeddings.weight", "embed_tokens.weight"),
+                same("decoder.final_layernorm.weight", "norm.weight")]  # the output layer aside
+# an MTP module's own weights: megalite's under mtp.layers.{k}., DeepSeek-V3's under model.layers.{L + k}.
+MTP_RULES = [same("enorm.weight", "enorm.weight"), same("hnorm.weight", "hnorm.weight"),
+             same("eh_proj.weight", "eh_proj.weight"), same("final_layernorm.weight", "shared_head.norm.weight")]
 
 
 def _mla_names(cfg: dict) -> list[tuple[str, str]]:
@@ -82,11 +85,22 @@ def _rope_rows(cfg: dict, hf_name: str, w: torch.Tensor, to_hf: bool) -> torch.T
     return w
 
 
-def _moe_names(cfg: dict) -> list[tuple[str, str]]:
-    names = [("router.weight", "gate.weight"), ("router.expert_bias", "gate.e_score_correction_bias")]
-    for e in range(cfg["num_experts"]):
-        names.append((f"experts.local_experts.{e}.linear_fc2.weight", f"experts.{e}.down_proj.weight"))
-    return names + [("shared_experts.linear_fc2.weight", "shared_experts.down_proj.weight")]
+def _layer_rules(cfg: dict, moe: bool) -> list[Rule]:
+    """The name table of one decoder layer: MLA (the rotary rows permuted, _rope_rows), and a dense
+    MLP or DeepSeek-V3's MoE (router and expert bias, experts, the shared expert)."""
+    rules = [same("input_layernorm.weight", "input_layernorm.weight"),
+             same("pre_mlp_layernorm.weight", "post_attention_layernorm.weight")]
+    rules += under("self_attention.", "self_attn.", [
+        mapped(ours, theirs, lambda w, n=theirs: _rope_rows(cfg, n, w, True),
+               lambda w, n=theirs: _rope_rows(cfg, n, w, False)) for ours, theirs in _mla_names(cfg)])
+    if not moe:
+        return rules + [glu("mlp.linear_fc1.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                        same("mlp.linear_fc2.weight", "mlp.down_proj.weight")]
+    mlp = [same("router.weight", "gate.weight"), same("router.expert_bias", "gate.e_score_correction_bias")]
+    mlp += expert_rules(cfg["num_experts"])
+    mlp += [glu("shared_experts.linear_fc1.weight", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"),
+            same("shared_experts.linear_fc2.weight", "shared_experts.down_proj.weight")]
+    return rules + under("mlp.", "mlp.", mlp)
 
 
 def _pattern(cfg: dict) -> list[bool]:
@@ -100,46 +114,22 @@ def deepseek_tensors(cfg: dict, state: dict) -> dict:
     """DeepseekV3ForCausalLM's tensors of megalite's `state`, popping what they use; MTP module k
     as DeepSeek-V3 stores it: model.layers.{num_layers + k}.*, with copies of the embedding and
     the output layer (module docstring)."""
-    out = {"model.embed_tokens.weight": state.pop("embedding.word_embeddings.weight"),
-           "model.norm.weight": state.pop("decoder.final_layernorm.weight")}
+    out = export_tensors(_OUTER_RULES, state, h="model.")
     if cfg["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = state.pop("output_layer.weight")
     layers = cfg["num_layers"]
     for i, moe in enumerate(_pattern(cfg)):
         m, h = (f"decoder.layers.{i}.", f"model.layers.{i}.") if i < layers else \
             (f"mtp.layers.{i - layers}.transformer_layer.", f"model.layers.{i}.")
-        _layer_tensors(cfg, state, out, m, h, moe)
+        if moe and m + "mlp.router.expert_bias" not in state:  # no --moe-router-enable-expert-bias:
+            state[m + "mlp.router.expert_bias"] = torch.zeros(cfg["num_experts"])  # transformers' buffer is zeros
+        out.update(export_tensors(_layer_rules(cfg, moe), state, m, h))
         if i < layers:
             continue
-        for ours, theirs in MTP_NAMES:
-            out[h + theirs] = state.pop(f"mtp.layers.{i - layers}.{ours}")
+        out.update(export_tensors(MTP_RULES, state, f"mtp.layers.{i - layers}.", h))
         out[h + "embed_tokens.weight"] = out["model.embed_tokens.weight"]
         out[h + "shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"])
     return out
-
-
-def _layer_tensors(cfg: dict, state: dict, out: dict, m: str, h: str, moe: bool) -> None:
-    """One decoder layer's tensors (megalite prefix m, DeepSeek's h) into `out`."""
-    out[h + "input_layernorm.weight"] = state.pop(m + "input_layernorm.weight")
-    out[h + "post_attention_layernorm.weight"] = state.pop(m + "pre_mlp_layernorm.weight")
-    for ours, theirs in _mla_names(cfg):
-        out[h + "self_attn." + theirs] = _rope_rows(cfg, theirs, state.pop(m + "self_attention." + ours), True)
-    if not moe:
-        _split_fc1(out, h + "mlp.", state.pop(m + "mlp.linear_fc1.weight"))
-        out[h + "mlp.down_proj.weight"] = state.pop(m + "mlp.linear_fc2.weight")
-        return
-    bias = m + "mlp.router.expert_bias"
-    if bias not in state:  # no --moe-router-enable-expert-bias: transformers' buffer is zeros
-        state[bias] = torch.zeros(cfg["num_experts"])
-    for ours, theirs in _moe_names(cfg):
-        out[h + "mlp." + theirs] = state.pop(m + "mlp." + ours)
-    for e in range(cfg["num_experts"]):
-        _split_fc1(out, f"{h}mlp.experts.{e}.", state.pop(f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"))
-    _split_fc1(out, h + "mlp.shared_experts.", state.pop(m + "mlp.shared_experts.linear_fc1.weight"))
-
-
-def _split_fc1(out: dict, prefix: str, fc1: torch.Tensor) -> None:
-    out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = fc1.chunk(2)
 
 
 def deepseek_mtp_depth(c, hf: dict, refuse) -> int | None:
@@ -166,8 +156,7 @@ def deepseek_state(cfg: dict, hf: dict, lm_head: torch.Tensor | None = None) -> 
     """megalite tensors of DeepseekV3's `hf` ("model." stripped; `lm_head` its lm_head.weight),
     popping what they use; KeyError names a missing tensor, ValueError an MTP module's copy of
     the embedding or output layer that differs from the one megalite's MTP shares."""
-    out = {"embedding.word_embeddings.weight": hf.pop("embed_tokens.weight"),
-           "decoder.final_layernorm.weight": hf.pop("norm.weight")}
+    out = import_tensors(_OUTER_RULES, hf)
     layers = cfg["num_layers"]
     shared = {"embed_tokens.weight": out["embedding.word_embeddings.weight"],
               "shared_head.head.weight": out["embedding.word_embeddings.weight"] if lm_head is None else lm_head}
@@ -175,42 +164,16 @@ def deepseek_state(cfg: dict, hf: dict, lm_head: torch.Tensor | None = None) -> 
         m, h = (f"decoder.layers.{i}.", f"layers.{i}.") if i < layers else \
             (f"mtp.layers.{i - layers}.transformer_layer.", f"layers.{i}.")
         if i >= layers:
-            for ours, theirs in MTP_NAMES:
-                out[f"mtp.layers.{i - layers}.{ours}"] = hf.pop(h + theirs)
+            out.update(import_tensors(MTP_RULES, hf, f"mtp.layers.{i - layers}.", h))
             for name, kept in shared.items():  # the copies DeepSeek-V3 stores (vLLM reads them); optional
                 copy = hf.pop(h + name, None)
                 if copy is not None and not torch.equal(copy, kept):
                     raise ValueError(f"model.{h}{name} differs from the main model's (megalite's MTP module shares "
                                      "the embedding and the output layer)")
-        _layer_state(cfg, hf, out, m, h, moe)
+        if moe:  # transformers 5's fused experts, in memory
+            unfuse_experts(hf, h + "mlp.", cfg["num_experts"], "gate_proj", "up_proj", "down_proj")
+        out.update(import_tensors(_layer_rules(cfg, moe), hf, m, h))
     return out
-
-
-def _layer_state(cfg: dict, hf: dict, out: dict, m: str, h: str, moe: bool) -> None:
-    """One decoder layer's megalite tensors (prefix m) from DeepSeek's (h) into `out`."""
-    out[m + "input_layernorm.weight"] = hf.pop(h + "input_layernorm.weight")
-    out[m + "pre_mlp_layernorm.weight"] = hf.pop(h + "post_attention_layernorm.weight")
-    for ours, theirs in _mla_names(cfg):
-        out[m + "self_attention." + ours] = _rope_rows(cfg, theirs, hf.pop(h + "self_attn." + theirs), False)
-    theirs = h + "mlp."
-    if not moe:
-        out[m + "mlp.linear_fc1.weight"] = _fuse_fc1(hf, theirs)
-        out[m + "mlp.linear_fc2.weight"] = hf.pop(theirs + "down_proj.weight")
-        return
-    if theirs + "experts.gate_up_proj" in hf:  # transformers 5's fused experts, in memory
-        fc1, fc2 = hf.pop(theirs + "experts.gate_up_proj"), hf.pop(theirs + "experts.down_proj")
-        for e in range(cfg["num_experts"]):
-            hf[f"{theirs}experts.{e}.down_proj.weight"] = fc2[e]
-            hf[f"{theirs}experts.{e}.gate_proj.weight"], hf[f"{theirs}experts.{e}.up_proj.weight"] = fc1[e].chunk(2)
-    for ours, name in _moe_names(cfg):
-        out[m + "mlp." + ours] = hf.pop(theirs + name)
-    for e in range(cfg["num_experts"]):
-        out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = _fuse_fc1(hf, f"{theirs}experts.{e}.")
-    out[m + "mlp.shared_experts.linear_fc1.weight"] = _fuse_fc1(hf, theirs + "shared_experts.")
-
-
-def _fuse_fc1(hf: dict, prefix: str) -> torch.Tensor:
-    return torch.cat([hf.pop(prefix + "gate_proj.weight"), hf.pop(prefix + "up_proj.weight")])
 
 
 # -- configs ----------------------------------------------------------------------------------------
@@ -354,7 +317,7 @@ def _deepseek_moe(c, dense: int, refuse) -> dict:
 
 
 def deepseek_flags(cfg: dict) -> list:
-    """pretrain_gpt.py flags of MLA and DeepSeek-V3's routing (beside hf_moe.moe_flags')."""
+    """pretrain_gpt.py flags of MLA and DeepSeek-V3's routing (beside moe.moe_flags')."""
     if not cfg.get("multi_latent_attention"):
         return []
     flags = ["--multi-latent-attention", "--kv-lora-rank", cfg["kv_lora_rank"], "--qk-head-dim", cfg["qk_head_dim"],

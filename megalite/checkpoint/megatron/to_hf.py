@@ -3,16 +3,16 @@
 
 The whole model never sits in memory: the tensors outside the layers are read, renamed and
 written one at a time, then each layer's tensors (one slice of each stacked global tensor,
-megatron_index.py reading only the chunks that hold it) are read, mapped by the same per-layer
-functions megalite's own export uses (hf_conversion.py: QKV split by query group, SwiGLU's
-[gate; up] split, GPT-2's Conv1D transposes; hf_moe.py for the experts), written to the sharded
-safetensors files (hf_shards.py) and freed before the next layer. Peak memory is about one layer
+index.py reading only the chunks that hold it) are read, mapped by the same per-layer
+functions megalite's own export uses (hf/conversion.py: QKV split by query group, SwiGLU's
+[gate; up] split, GPT-2's Conv1D transposes; hf/moe.py for the experts), written to the sharded
+safetensors files (hf/shards.py) and freed before the next layer. Peak memory is about one layer
 or the largest single tensor (the word embedding, typically), whichever is larger, plus the
 interpreter (benchmarks/RESULTS_megatron_convert.md).
 
 The model's settings come from the checkpoint's own `args` (Megatron-LM's argument names, which
 megalite's flags keep); the architecture is chosen and refused exactly as for a megalite
-checkpoint (hf_config.py). The vocabulary keeps Megatron-LM's padded rows (args.padded_vocab_size):
+checkpoint (hf/config.py). The vocabulary keeps Megatron-LM's padded rows (args.padded_vocab_size):
 the padding rows are part of the saved model. The tokenizer is written when the checkpoint's args
 name one megalite builds (or the command line gives one); otherwise a notice says none was written.
 """
@@ -23,11 +23,17 @@ import io
 
 import torch
 
-from .hf_config import ConversionError
-from .hf_conversion import (WORD_EMBEDDING, export_architecture, gpt2_layer_tensors, gpt2_outer_tensors,
+from ...data.saved_tokenizer import build_tokenizer_for
+from ...errors import CheckpointError
+from ..hf.config import ConversionError
+from ..hf.conversion import (WORD_EMBEDDING, export_architecture, gpt2_layer_tensors, gpt2_outer_tensors,
                             llama_layer_tensors, llama_outer_tensors, staged_directory, write_hf_files)
-from .hf_shards import ShardedSafetensorsWriter
-from .megatron_index import MegatronIndex
+from ..hf.shards import ShardedSafetensorsWriter
+from ..native.region import read_region
+from ..native.reshard import ShardLayout
+from ..paths import TRACKER, iteration_dir, read_tracker
+from .index import MegatronIndex
+from .legacy import open_megatron
 
 
 class Deferred:
@@ -41,7 +47,7 @@ class Deferred:
 def model_config(meta: dict, index) -> dict:
     """megalite's model_config of a Megatron-LM checkpoint: its args' model settings (derived
     defaults filled as megalite's GPTConfig fills them), the vocabulary as the saved rows."""
-    from ..model import GPTConfig
+    from ...model import GPTConfig
     names = {f.name for f in dataclasses.fields(GPTConfig)}
     cfg = GPTConfig.from_dict({k: v for k, v in meta["args"].items() if k in names}).to_dict()
     layout, _ = index.entry(WORD_EMBEDDING)
@@ -72,9 +78,7 @@ def own_chunk(index, name: str):
 def read_param(index, name: str, plus_one: bool) -> torch.Tensor:
     """One megalite parameter, whole, through the load index's interface (a torch_dist checkpoint:
     its slice of the stacked global tensor, from the chunks that hold it; a torch one: its TP
-    shards from the memory-mapped files, joined as load.py joins them)."""
-    from .load import read_region
-    from .reshard import ShardLayout
+    shards from the memory-mapped files, joined as every load joins them)."""
     t = own_chunk(index, name)
     if t is None:
         layout, _ = index.entry(name)
@@ -112,20 +116,30 @@ def _placed_all(state: dict, arch: str, where: str) -> None:
         raise ConversionError(f"{where} has tensors the {arch} mapping does not place: {', '.join(sorted(state)[:5])}")
 
 
+def _open_latest(load_dir: str):
+    """The load index of the latest checkpoint under `load_dir`, which must be Megatron-LM's (torch_dist or torch)."""
+    iteration = read_tracker(load_dir)
+    if iteration is None:
+        raise CheckpointError(f"--load-dir {load_dir}: no checkpoint there ({TRACKER} is missing)")
+    try:
+        index = open_megatron(iteration_dir(load_dir, iteration))
+    except CheckpointError as e:
+        raise CheckpointError(f"--load-dir {load_dir}: {e}") from None
+    if index is None:
+        raise ConversionError(f"--load-dir {load_dir}: a megalite checkpoint, not Megatron-LM's: use --loader megalite")
+    return index
+
+
 def megatron_to_hf(load_dir: str, out_dir: str, tokenizer_overrides: dict | None = None, tokenizer: bool = True,
                    max_shard_bytes: int = 5 * 10**9) -> tuple[str, object, list[str]]:
-    """Convert; returns (architecture, tokenizer or None, the safetensors files written)."""
-    from .files import inspect_checkpoint
-    from .load import open_checkpoint
-    inspect_checkpoint(load_dir, "--load-dir")  # one-line errors naming a missing or corrupt file
-    meta, index = open_checkpoint(load_dir)
-    if not meta.get("megatron"):
-        raise ConversionError(f"--load-dir {load_dir}: a megalite checkpoint, not Megatron-LM's: use --loader megalite")
+    """Convert; returns (architecture, tokenizer or None, the safetensors files written). A missing
+    or corrupt file, or a megalite checkpoint, is a one-line error naming --load-dir."""
+    index = _open_latest(load_dir)
+    meta = dict(index.metadata, dir=index.directory)
     cfg = model_config(meta, index)
     meta = dict(meta, model_config=cfg)
     tok = None
     if tokenizer:
-        from ..generation import build_tokenizer_for
         tok = build_tokenizer_for(meta, tokenizer_overrides)
     arch = export_architecture(cfg, tok)  # refuses before anything is written
     if arch not in ("gpt2", "llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):

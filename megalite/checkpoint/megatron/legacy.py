@@ -8,7 +8,7 @@ Each file holds `model`, that rank's local state dict under megatron-core's loca
 numbered within the pipeline stage, experts within the expert-parallel rank, each tensor-parallel
 tensor this TP rank's shard (`TP_SPLITS`: column-parallel weights split along their rows, SwiGLU's
 fc1 as [gate_r; up_r], row-parallel ones along their columns). Besides `model`: `args`,
-`iteration`, `opt_param_scheduler`, which megatron_index.megatron_metadata reads as for torch_dist.
+`iteration`, `opt_param_scheduler`, which index.megatron_metadata reads as for torch_dist.
 The files are read through the allow-list unpickler, memory-mapped: a rank touches the pages of
 the shards it owns. Optimizer moments are not read (they are stored by parameter position, per
 rank: a notice says so); virtual pipeline stages (`model0`, `model1`, ...) are refused by name.
@@ -21,12 +21,12 @@ import re
 
 import torch
 
-from ..errors import CheckpointError
-from .index import Piece, PickledFilesIndex
-from .megatron_format import is_dist_checkpoint
-from .megatron_index import VOCAB_TABLES, MegatronIndex, megatron_metadata, plain_args
+from ...errors import CheckpointError
+from ..native.index import Piece, PickledFilesIndex
+from .format import is_dist_checkpoint
+from .index import VOCAB_TABLES, MegatronIndex, megatron_metadata, plain_args
 from .safe_pickle import torch_load
-from .tensor_file import RangeReader
+from ..native.tensor_file import RangeReader
 
 FILE = "model_optim_rng.pt"
 _DIR = re.compile(r"mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
@@ -161,7 +161,7 @@ def open_megatron(directory: str, io: RangeReader | None = None):
 
 
 def read_megatron_metadata(directory: str, flag: str, root: str) -> dict:
-    """The metadata (megatron_index.megatron_metadata) of a Megatron-LM checkpoint; errors name `flag`."""
+    """The metadata (index.megatron_metadata) of a Megatron-LM checkpoint; errors name `flag`."""
     try:
         index = open_megatron(directory)
         if index is None:

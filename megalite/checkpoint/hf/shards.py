@@ -18,7 +18,7 @@ import shutil
 
 import torch
 
-from .tensor_file import DTYPES
+from ..native.tensor_file import DTYPES
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

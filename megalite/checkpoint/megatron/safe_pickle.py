@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 # module -> names resolved to the real object (plain classes, data only, no callables that act)
 ALLOWED = {

@@ -1,8 +1,8 @@
-"""A Megatron-LM torch_dist checkpoint seen as a megalite checkpoint index (index.py's interface),
-so that load.py reads it on any layout exactly as it reads its own: each megalite parameter is one
+"""A Megatron-LM torch_dist checkpoint seen as a megalite checkpoint index (native/index.py's interface),
+so that checkpoint/load.py reads it on any layout exactly as it reads its own: each megalite parameter is one
 whole "piece" (TP size 1, the full tensor) whose elements come from the slice of the stacked
-global tensor at its layer (and expert) index (megatron_names.py), and a rank reads only the
-chunks that overlap the elements it owns (megatron_format.py).
+global tensor at its layer (and expert) index (names.py), and a rank reads only the
+chunks that overlap the elements it owns (format.py).
 
 Besides the weights: the iteration, consumed samples, the LR schedule's position
 (OptimizerParamScheduler.num_steps, in samples) and Megatron-LM's `args` (for
@@ -14,15 +14,16 @@ TP x PP rank of its own layout and CUDA generator).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from math import prod
 
 import torch
 
-from .index import Piece
-from .megatron_format import DistCheckpoint, TensorInfo
-from .megatron_names import MOMENT_PREFIXES, index_depth, megalite_name, megatron_keys
+from ..native.index import Piece
+from ..native.tensor_file import RangeReader
+from .format import DistCheckpoint, TensorInfo
+from .names import MOMENT_PREFIXES, index_depth, megalite_name, megatron_keys
 from .safe_pickle import namespace_dict
-from .tensor_file import RangeReader
 
 # megalite tensors that hold the (padded) vocabulary along dim 0: read as many rows as both have
 VOCAB_TABLES = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -98,12 +99,11 @@ class MegatronIndex:
         layout = {"full_shape": list(shape), "dim": 0, "stride": 1, "tp_size": 1,
                   "rows": shape[0] if name in VOCAB_TABLES else None}
         numel = prod(shape)
-        pieces = [Piece("param", 0, 0, numel, 0, (key, index), None, False)]
-        for kind, prefix in MOMENT_PREFIXES.items():
-            info = self.dist.tensors.get(prefix + key)
-            if info is not None and _holds(info, index):
-                pieces.append(Piece(kind, 0, 0, numel, 0, (prefix + key, index), None, False))
-        return layout, pieces
+        # the weight (found above), and Adam's moments and masters where they were saved
+        tensors = self.dist.tensors
+        saved = [("param", key)] + [(kind, prefix + key) for kind, prefix in MOMENT_PREFIXES.items()
+                                    if prefix + key in tensors and _holds(tensors[prefix + key], index)]
+        return layout, [Piece(kind, 0, 0, numel, 0, (k, index), None, False) for kind, k in saved]
 
     def read(self, piece: Piece, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) of the parameter's slice of its stacked global tensor (fp32)."""
@@ -118,8 +118,7 @@ class MegatronIndex:
         for key, info in self.dist.tensors.items():
             depth = index_depth(key)
             for c in info.chunks:
-                ranges = [range(o, o + n) for o, n in zip(c.offsets[:depth], c.sizes[:depth])]
-                for index in _product(ranges):
+                for index in itertools.product(*(range(o, o + n) for o, n in zip(c.offsets[:depth], c.sizes[:depth]))):
                     name = megalite_name(key, index)
                     if name is not None:
                         out.add(name)
@@ -129,23 +128,14 @@ class MegatronIndex:
         return None
 
 
-def _product(ranges):
-    if not ranges:
-        yield ()
-        return
-    for i in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (i,) + rest
-
-
 def megatron_metadata(index: MegatronIndex) -> dict:
-    """megalite's checkpoint metadata for a Megatron-LM checkpoint: what load.py and the argument
+    """megalite's checkpoint metadata for a Megatron-LM checkpoint: what checkpoint/load.py and the argument
     checks read (iteration, consumed samples, layout, schedule, the model's settings as args)."""
     args, common = index.args, index.common
     tp, pp = args.get("tensor_model_parallel_size") or 1, args.get("pipeline_model_parallel_size") or 1
     dp, cp = args.get("data_parallel_size") or 1, args.get("context_parallel_size") or 1
     sched = common.get("opt_param_scheduler") or {}
-    from ..model import GPTConfig
+    from ...model import GPTConfig
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     model_config = {k: v for k, v in args.items() if k in fields and v is not None}
     derived = []

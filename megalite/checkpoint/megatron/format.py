@@ -31,9 +31,9 @@ from math import prod
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 from .safe_pickle import load_pickle, torch_load
-from .tensor_file import RangeReader
+from ..native.tensor_file import RangeReader
 
 METADATA = ".metadata"
 COMMON = "common.pt"

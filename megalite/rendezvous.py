@@ -39,13 +39,21 @@ def uses_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
+def launcher_store(timeout_s: float) -> dist.Store:
+    """A client of the launcher's key-value store (torchrun's agent store at MASTER_ADDR:MASTER_PORT):
+    lets ranks exchange a few bytes without a process group, e.g. to report one error once
+    (errors.py), or to find this attempt's store."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def attempt_store(rank: int, timeout: datetime.timedelta) -> dist.Store | None:
     """This attempt's store under torchrun's shared agent store; None elsewhere (plain env://
     rendezvous, where rank 0 hosts a new store at MASTER_PORT for every launch)."""
     if not uses_agent_store():
         return None
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    agent = launcher_store(timeout.total_seconds())
     if rank == 0:
         # global rank 0 runs on the node that hosts the agent's store, so MASTER_ADDR reaches it
         store = dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)

@@ -11,13 +11,13 @@ These architectures cover what megalite trains, and each maps tensor by tensor, 
                   -> LlamaForCausalLM
     Llama style with --qk-layernorm (an RMSNorm over each head's query and key, before RoPE;
                   no biases) -> Qwen3ForCausalLM (`self_attn.q_norm` / `k_norm`)
-    Llama style with Mixture-of-Experts layers (hf_moe.py)
+    Llama style with Mixture-of-Experts layers (moe.py)
                   -> MixtralForCausalLM (every layer MoE, no shared expert), or
                      Qwen2MoeForCausalLM (a gated shared expert; dense layers, q/k/v biases), or
                      Qwen3MoeForCausalLM (--qk-layernorm, no shared expert; dense layers), or
                      GptOssForCausalLM (sinks, sliding windows, biased experts and router, the
-                     clamped GLU; hf_gpt_oss.py)
-    Multi-latent attention (--multi-latent-attention) with DeepSeek-V3's MoE (hf_deepseek.py)
+                     clamped GLU; gpt_oss.py)
+    Multi-latent attention (--multi-latent-attention) with DeepSeek-V3's MoE (deepseek.py)
                   -> DeepseekV3ForCausalLM
 
 Anything else (RoPE with LayerNorm, partial rotary, GQA in a GPT-2 model, ...) is refused with
@@ -32,8 +32,8 @@ Layouts that differ between the two sides (the only non-trivial part):
 
 The tokenizer goes along: GPT-2 BPE files, a SentencePiece model or a Hugging Face tokenizer
 directory become a `tokenizer.json` that AutoTokenizer loads, checked on text to give the same
-ids as megalite's own tokenizer (hf_tokenizer.py). The architecture check, the configs both ways
-and the flags of an imported model are in hf_config.py; this module maps the weights.
+ids as megalite's own tokenizer (tokenizer.py). The architecture check, the configs both ways
+and the flags of an imported model are in config.py; this module maps the weights.
 """
 from __future__ import annotations
 
@@ -46,12 +46,13 @@ import tempfile
 
 import torch
 
-from ..model import pad_vocab_size
-from .hf_config import (HF_CLASSES, ConversionError, config_from_hf, hf_architecture, hf_config, hf_rope, rope_from_hf,
+from ...model import pad_vocab_size
+from .config import (HF_CLASSES, ConversionError, config_from_hf, hf_architecture, hf_config, hf_rope, rope_from_hf,
                         update_json)
-from .hf_deepseek import deepseek_mtp_depth, deepseek_state, deepseek_tensors
-from .hf_moe import moe_mlp_state, moe_mlp_tensors, moe_pattern
-from .hf_tokenizer import export_tokenizer, has_tokenizer_files, special_ids
+from .deepseek import deepseek_mtp_depth, deepseek_state, deepseek_tensors
+from .moe import moe_mlp_rules, moe_pattern, moe_prefix
+from .tables import Rule, export_tensors, glu, import_tensors, mapped, same, transposed, under
+from .tokenizer import export_tokenizer, has_tokenizer_files, special_ids
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 # tensors a transformers checkpoint may carry that are buffers, not weights
@@ -90,6 +91,66 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, grou
     return torch.cat([q, k, v], dim=1).reshape((heads + 2 * groups) * hn, *rest)
 
 
+# -- the name tables (tables.py), read both ways ---------------------------------------------------
+# Hugging Face's names here are under the model's prefix ("transformer." for GPT-2, "model." else),
+# which the export writes and the import strips.
+def gpt2_outer_rules() -> list[Rule]:
+    """GPT2LMHeadModel's tensors outside the layers (the output layer aside: tied, or lm_head)."""
+    return [same(WORD_EMBEDDING, "wte.weight"), same("embedding.position_embeddings.weight", "wpe.weight"),
+            same("decoder.final_layernorm.weight", "ln_f.weight"), same("decoder.final_layernorm.bias", "ln_f.bias")]
+
+
+def gpt2_layer_rules(cfg: dict) -> list[Rule]:
+    """One GPT-2 layer: Conv1D holds [in, out], so every projection weight is transposed; c_attn is
+    [q; k; v] where megalite's QKV rows go by query group."""
+    heads, hn, hidden = cfg["num_attention_heads"], cfg["kv_channels"], cfg["hidden_size"]
+
+    def qkv_out(w):
+        return torch.cat(split_qkv(w, heads, heads, hn))
+
+    def qkv_back(w):
+        return fuse_qkv(*w.split(hidden), heads, heads, hn)
+
+    rules = [same(f"{ours}.{kind}", f"{theirs}.{kind}") for kind in ("weight", "bias")
+             for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2"))]
+    rules += [mapped("self_attention.linear_qkv.weight", "attn.c_attn.weight", lambda w: qkv_out(w).t(),
+                     lambda w: qkv_back(w.t())),
+              mapped("self_attention.linear_qkv.bias", "attn.c_attn.bias", qkv_out, qkv_back)]
+    for ours, theirs in GPT2_PROJECTIONS:
+        rules += [transposed(ours + ".weight", theirs + ".weight"), same(ours + ".bias", theirs + ".bias")]
+    return rules
+
+
+def llama_outer_rules() -> list[Rule]:
+    """A Llama-style model's tensors outside the layers (the output layer aside)."""
+    return [same(WORD_EMBEDDING, "embed_tokens.weight"), same("decoder.final_layernorm.weight", "norm.weight")]
+
+
+def llama_layer_rules(cfg: dict, moe: bool, arch: str = "llama", mlp_prefix: str = "mlp.") -> list[Rule]:
+    """One Llama-style layer: q, k, v projections from megalite's fused QKV, Qwen3's q_norm /
+    k_norm (RMSNorm over head_dim; config.py checks), gpt-oss's sinks (config.py checks), and the
+    MLP: [gate; up] as gate_proj and up_proj, or an MoE layer's (moe.py) under `mlp_prefix`."""
+    heads, groups, hn = cfg["num_attention_heads"], cfg["num_query_groups"], cfg["kv_channels"]
+    kinds = ("weight", "bias") if cfg["add_bias_linear"] else ("weight",)
+    qkv_kinds = ("weight", "bias") if cfg["add_bias_linear"] or cfg.get("add_qkv_bias") else ("weight",)
+    rules = [same("input_layernorm.weight", "input_layernorm.weight"),
+             same("pre_mlp_layernorm.weight", "post_attention_layernorm.weight")]
+    rules += [Rule((f"self_attention.linear_qkv.{kind}",), tuple(f"self_attn.{p}_proj.{kind}" for p in "qkv"),
+                   lambda t: list(split_qkv(t[0], heads, groups, hn)), lambda t: [fuse_qkv(*t, heads, groups, hn)])
+              for kind in qkv_kinds]
+    if cfg.get("qk_layernorm"):
+        rules += [same(ours, theirs) for ours, theirs in QK_NORMS]
+    if cfg.get("softmax_type") == "learnable":
+        rules.append(same(*SINKS))
+    rules += [same(f"self_attention.linear_proj.{kind}", f"self_attn.o_proj.{kind}") for kind in kinds]
+    if moe:
+        return rules + under("mlp.", mlp_prefix, moe_mlp_rules(cfg, arch))
+    for kind in kinds:
+        rules += [glu(f"mlp.linear_fc1.{kind}", f"mlp.gate_proj.{kind}", f"mlp.up_proj.{kind}"),
+                  same(f"mlp.linear_fc2.{kind}", f"mlp.down_proj.{kind}")]
+    return rules
+
+
 # -- megalite -> Hugging Face ---------------------------------------------------------------------
 def _gpt2_tensors(cfg: dict, state: dict) -> dict:
     out = gpt2_outer_tensors(cfg, state)
@@ -100,10 +161,13 @@ def _gpt2_tensors(cfg: dict, state: dict) -> dict:
 
 def gpt2_outer_tensors(cfg: dict, state: dict) -> dict:
     """GPT2LMHeadModel's tensors outside the layers (popped from `state`)."""
-    out = {"transformer.wte.weight": state.pop(WORD_EMBEDDING),
-           "transformer.wpe.weight": state.pop("embedding.position_embeddings.weight"),
-           "transformer.ln_f.weight": state.pop("decoder.final_layernorm.weight"),
-           "transformer.ln_f.bias": state.pop("decoder.final_layernorm.bias")}
+    return _outer_tensors(cfg, state, gpt2_outer_rules(), "transformer.")
+
+
+def _outer_tensors(cfg: dict, state: dict, rules: list[Rule], prefix: str) -> dict:
+    """The tensors outside the layers, and lm_head when the output layer is untied (tied, it is the
+    embedding; the import reads lm_head in from_hf)."""
+    out = export_tensors(rules, state, h=prefix)
     if cfg["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = state.pop("output_layer.weight")
     return out
@@ -112,24 +176,11 @@ def gpt2_outer_tensors(cfg: dict, state: dict) -> dict:
 def gpt2_layer_tensors(cfg: dict, state: dict, i: int) -> dict:
     """GPT2LMHeadModel's tensors of layer i (popped from `state`: one layer's is enough, which lets
     a converter stream layer by layer)."""
-    heads, hn = cfg["num_attention_heads"], cfg["kv_channels"]
-    m, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
-    out = {}
-    for kind in ("weight", "bias"):
-        out[h + f"ln_1.{kind}"] = state.pop(m + f"input_layernorm.{kind}")
-        out[h + f"ln_2.{kind}"] = state.pop(m + f"pre_mlp_layernorm.{kind}")
-    # Conv1D holds [in, out]: transpose every projection weight; c_attn is [q; k; v]
-    w, b = state.pop(m + "self_attention.linear_qkv.weight"), state.pop(m + "self_attention.linear_qkv.bias")
-    out[h + "attn.c_attn.weight"] = torch.cat(split_qkv(w, heads, heads, hn)).t()
-    out[h + "attn.c_attn.bias"] = torch.cat(split_qkv(b, heads, heads, hn))
-    for ours, theirs in GPT2_PROJECTIONS:
-        out[h + theirs + ".weight"] = state.pop(m + ours + ".weight").t()
-        out[h + theirs + ".bias"] = state.pop(m + ours + ".bias")
-    return out
+    return export_tensors(gpt2_layer_rules(cfg), state, f"decoder.layers.{i}.", f"transformer.h.{i}.")
 
 
 def _llama_tensors(cfg: dict, state: dict, arch: str = "llama") -> dict:
-    """LlamaForCausalLM's tensors, or Mixtral's / Qwen2-MoE's (their MoE layers: hf_moe.py)."""
+    """LlamaForCausalLM's tensors, or Mixtral's / Qwen2-MoE's (their MoE layers: moe.py)."""
     out = llama_outer_tensors(cfg, state)
     for i in range(cfg["num_layers"]):
         out.update(llama_layer_tensors(cfg, state, i, arch))
@@ -138,41 +189,13 @@ def _llama_tensors(cfg: dict, state: dict, arch: str = "llama") -> dict:
 
 def llama_outer_tensors(cfg: dict, state: dict) -> dict:
     """A Llama-style model's tensors outside the layers (popped from `state`)."""
-    out = {"model.embed_tokens.weight": state.pop(WORD_EMBEDDING),
-           "model.norm.weight": state.pop("decoder.final_layernorm.weight")}
-    if cfg["untie_embeddings_and_output_weights"]:
-        out["lm_head.weight"] = state.pop("output_layer.weight")
-    return out
+    return _outer_tensors(cfg, state, llama_outer_rules(), "model.")
 
 
 def llama_layer_tensors(cfg: dict, state: dict, i: int, arch: str = "llama") -> dict:
     """A Llama-style model's tensors of layer i (popped from `state`; one layer's is enough)."""
-    heads, groups, hn, ffn = cfg["num_attention_heads"], cfg["num_query_groups"], cfg["kv_channels"], cfg["ffn_hidden_size"]
-    kinds = ("weight", "bias") if cfg["add_bias_linear"] else ("weight",)
-    qkv_kinds = ("weight", "bias") if cfg["add_bias_linear"] or cfg.get("add_qkv_bias") else ("weight",)
-    moe = moe_pattern(cfg)[i]
-    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-    out = {h + "input_layernorm.weight": state.pop(m + "input_layernorm.weight"),
-           h + "post_attention_layernorm.weight": state.pop(m + "pre_mlp_layernorm.weight")}
-    for kind in qkv_kinds:
-        q, k, v = split_qkv(state.pop(m + f"self_attention.linear_qkv.{kind}"), heads, groups, hn)
-        out[h + f"self_attn.q_proj.{kind}"], out[h + f"self_attn.k_proj.{kind}"] = q, k
-        out[h + f"self_attn.v_proj.{kind}"] = v
-    if cfg.get("qk_layernorm"):  # Qwen3's q_norm / k_norm: RMSNorm over head_dim (hf_config.py checks)
-        for ours, theirs in QK_NORMS:
-            out[h + theirs] = state.pop(m + ours)
-    if cfg.get("softmax_type") == "learnable":  # gpt-oss's sinks (hf_config.py checks)
-        out[h + SINKS[1]] = state.pop(m + SINKS[0])
-    if moe:
-        out.update(moe_mlp_tensors(cfg, arch, state, m, h))
-    for kind in kinds:
-        out[h + f"self_attn.o_proj.{kind}"] = state.pop(m + f"self_attention.linear_proj.{kind}")
-        if moe:
-            continue
-        fc1 = state.pop(m + f"mlp.linear_fc1.{kind}")  # [gate; up]
-        out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = fc1[:ffn], fc1[ffn:]
-        out[h + f"mlp.down_proj.{kind}"] = state.pop(m + f"mlp.linear_fc2.{kind}")
-    return out
+    rules = llama_layer_rules(cfg, moe_pattern(cfg)[i], arch, moe_prefix(cfg, arch))
+    return export_tensors(rules, state, f"decoder.layers.{i}.", f"model.layers.{i}.")
 
 
 def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=None) -> str:
@@ -274,50 +297,18 @@ def read_safetensors(in_dir: str) -> dict[str, torch.Tensor]:
 
 
 def _gpt2_state(cfg: dict, hf: dict) -> dict:
-    heads, hn = cfg["num_attention_heads"], cfg["kv_channels"]
-    hid = cfg["hidden_size"]
-    out = {WORD_EMBEDDING: hf.pop("wte.weight"), "embedding.position_embeddings.weight": hf.pop("wpe.weight"),
-           "decoder.final_layernorm.weight": hf.pop("ln_f.weight"), "decoder.final_layernorm.bias": hf.pop("ln_f.bias")}
+    out = import_tensors(gpt2_outer_rules(), hf)
     for i in range(cfg["num_layers"]):
-        m, h = f"decoder.layers.{i}.", f"h.{i}."
-        for kind in ("weight", "bias"):
-            out[m + f"input_layernorm.{kind}"] = hf.pop(h + f"ln_1.{kind}")
-            out[m + f"pre_mlp_layernorm.{kind}"] = hf.pop(h + f"ln_2.{kind}")
-        w, b = hf.pop(h + "attn.c_attn.weight").t(), hf.pop(h + "attn.c_attn.bias")
-        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(*w.split(hid), heads, heads, hn)
-        out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(*b.split(hid), heads, heads, hn)
-        for ours, theirs in GPT2_PROJECTIONS:
-            out[m + ours + ".weight"] = hf.pop(h + theirs + ".weight").t()
-            out[m + ours + ".bias"] = hf.pop(h + theirs + ".bias")
+        out.update(import_tensors(gpt2_layer_rules(cfg), hf, f"decoder.layers.{i}.", f"h.{i}."))
     return out
 
 
 def _llama_state(cfg: dict, hf: dict, arch: str = "llama") -> dict:
-    heads, groups, hn = cfg["num_attention_heads"], cfg["num_query_groups"], cfg["kv_channels"]
-    kinds = ("weight", "bias") if cfg["add_bias_linear"] else ("weight",)
-    qkv_kinds = ("weight", "bias") if cfg["add_bias_linear"] or cfg.get("add_qkv_bias") else ("weight",)
-    out = {WORD_EMBEDDING: hf.pop("embed_tokens.weight"), "decoder.final_layernorm.weight": hf.pop("norm.weight")}
+    out = import_tensors(llama_outer_rules(), hf)
     for i, moe in enumerate(moe_pattern(cfg)):
-        m, h = f"decoder.layers.{i}.", f"layers.{i}."
-        out[m + "input_layernorm.weight"] = hf.pop(h + "input_layernorm.weight")
-        out[m + "pre_mlp_layernorm.weight"] = hf.pop(h + "post_attention_layernorm.weight")
-        for kind in qkv_kinds:
-            q, k, v = (hf.pop(h + f"self_attn.{p}_proj.{kind}") for p in "qkv")
-            out[m + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, heads, groups, hn)
-        if cfg.get("qk_layernorm"):
-            for ours, theirs in QK_NORMS:
-                out[m + ours] = hf.pop(h + theirs)
-        if cfg.get("softmax_type") == "learnable":
-            out[m + SINKS[0]] = hf.pop(h + SINKS[1])
-        if moe:
-            out.update(moe_mlp_state(cfg, arch, hf, m, h))
-        for kind in kinds:
-            out[m + f"self_attention.linear_proj.{kind}"] = hf.pop(h + f"self_attn.o_proj.{kind}")
-            if moe:
-                continue
-            out[m + f"mlp.linear_fc1.{kind}"] = torch.cat([hf.pop(h + f"mlp.gate_proj.{kind}"),
-                                                           hf.pop(h + f"mlp.up_proj.{kind}")])
-            out[m + f"mlp.linear_fc2.{kind}"] = hf.pop(h + f"mlp.down_proj.{kind}")
+        h = f"layers.{i}."
+        rules = llama_layer_rules(cfg, moe, arch, moe_prefix(cfg, arch, hf, h) if moe else "mlp.")
+        out.update(import_tensors(rules, hf, f"decoder.layers.{i}.", h))
     return out
 
 
@@ -372,8 +363,8 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     if rows != cfg["vocab_size"]:
         raise ConversionError(f"--load-dir {in_dir}: vocab_size {cfg['vocab_size']} but the embedding has {rows} rows")
     cfg["padded_vocab_size"] = pad_vocab_size(cfg["vocab_size"], 128, 1)
-    from ..config import RunConfig, TokenizerConfig
-    from ..model import GPTConfig
+    from ...config import RunConfig, TokenizerConfig
+    from ...model import GPTConfig
     tokenizer = TokenizerConfig()
     if has_tokenizer_files(in_dir):
         tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(in_dir))

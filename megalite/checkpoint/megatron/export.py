@@ -1,7 +1,7 @@
 """Writing megalite weights as a Megatron-LM torch_dist checkpoint that megatron-core's
 `dist_checkpointing.load` reads into its own GPTModel (tools/checkpoint/convert.py --saver megatron).
 
-Each parameter becomes one chunk of its stacked global tensor (megatron_names.py): layer i of
+Each parameter becomes one chunk of its stacked global tensor (names.py): layer i of
 `decoder.layers.self_attention.linear_qkv.weight` is the chunk at offsets (i, 0, 0) of the
 [layers, qkv rows, h] tensor, expert e of layer i the chunk at (i, e, 0, 0) of
 `decoder.layers.mlp.experts.experts.linear_fc1.weight` [layers, experts, 2f, h]. Every linear
@@ -18,11 +18,11 @@ import shutil
 
 import torch
 
-from ..errors import CheckpointError
-from .files import TRACKER, iteration_dir
-from .megatron_format import write_metadata, write_rank_file
-from .megatron_index import VOCAB_TABLES
-from .megatron_names import index_depth, megatron_keys
+from ...errors import CheckpointError
+from ..paths import TRACKER, iteration_dir
+from .format import write_metadata, write_rank_file
+from .index import VOCAB_TABLES
+from .names import index_depth, megatron_keys
 
 # the linear layers whose megatron-core modules save an `_extra_state` object
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",

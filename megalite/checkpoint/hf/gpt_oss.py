@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from .tables import Rule, same
+
 GPT_OSS_CLASS = "GptOssForCausalLM"
 QUICK_GELU_ALPHA = 1.702  # megalite's quick_gelu (model/mlp.py)
 
@@ -76,18 +78,18 @@ def gpt_oss_architecture(cfg: dict, refuse) -> str:
 
 
 def _moe_pattern(cfg: dict) -> list[bool]:
-    from ..config.moe import moe_layer_pattern
+    from ...config.moe import moe_layer_pattern
     return moe_layer_pattern(cfg.get("moe_layer_freq", "1"), cfg["num_layers"])
 
 
 def _window(cfg: dict) -> tuple[int, int]:
-    from ..config.model import parse_window_size
+    from ...config.model import parse_window_size
     return parse_window_size(cfg["window_size"])
 
 
 def _layer_types(cfg: dict) -> tuple[list[str], int | None]:
     """(transformers' layer_types, sliding_window) of --window-size / --window-attn-skip-freq."""
-    from ..config.model import window_layer_pattern
+    from ...config.model import window_layer_pattern
     if cfg.get("window_size") is None:
         return ["full_attention"] * cfg["num_layers"], None
     windowed = window_layer_pattern(cfg.get("window_attn_skip_freq"), cfg["num_layers"])
@@ -149,38 +151,24 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=1).reshape(2 * gate.size(0), *gate.shape[1:])
 
 
-def gpt_oss_mlp_tensors(cfg: dict, state: dict, m: str, h: str) -> dict:
-    """GptOss tensors of layer prefix `h` ("model.layers.i.") from megalite's `state` (layer prefix
-    `m`), popping what they use."""
-    ours, theirs = m + "mlp.", h + "mlp."
-    out = {theirs + "router.weight": state.pop(ours + "router.weight"),
-           theirs + "router.bias": state.pop(ours + "router.bias")}
-    fc1_w, fc1_b, fc2_w, fc2_b = [], [], [], []
-    for e in range(cfg["num_experts"]):
-        expert = f"{ours}experts.local_experts.{e}."
-        fc1_w.append(_interleave(*state.pop(expert + "linear_fc1.weight").chunk(2)).t())
-        fc1_b.append(_interleave(*state.pop(expert + "linear_fc1.bias").chunk(2)))
-        fc2_w.append(state.pop(expert + "linear_fc2.weight").t())
-        fc2_b.append(state.pop(expert + "linear_fc2.bias"))
-    for name, parts in (("gate_up_proj", fc1_w), ("gate_up_proj_bias", fc1_b), ("down_proj", fc2_w),
-                        ("down_proj_bias", fc2_b)):
-        out[theirs + "experts." + name] = torch.stack(parts)
-    return out
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of _interleave: [2f, ...] gate_0, up_0, ... -> [gate; up]."""
+    return torch.cat([x[0::2], x[1::2]])
 
 
-def gpt_oss_mlp_state(cfg: dict, hf: dict, m: str, h: str) -> dict:
-    """megalite tensors of one gpt-oss MLP from Hugging Face's `hf` (prefix "model." stripped; `h`:
-    "layers.i."), popping what they use; KeyError names a missing tensor."""
-    ours, theirs = m + "mlp.", h + "mlp."
-    out = {ours + "router.weight": hf.pop(theirs + "router.weight"),
-           ours + "router.bias": hf.pop(theirs + "router.bias")}
-    gate_up, gate_up_b = hf.pop(theirs + "experts.gate_up_proj"), hf.pop(theirs + "experts.gate_up_proj_bias")
-    down, down_b = hf.pop(theirs + "experts.down_proj"), hf.pop(theirs + "experts.down_proj_bias")
-    for e in range(cfg["num_experts"]):
-        expert = f"{ours}experts.local_experts.{e}."
-        w = gate_up[e].t()  # [2f, h], rows interleaved
-        out[expert + "linear_fc1.weight"] = torch.cat([w[0::2], w[1::2]])
-        out[expert + "linear_fc1.bias"] = torch.cat([gate_up_b[e][0::2], gate_up_b[e][1::2]])
-        out[expert + "linear_fc2.weight"] = down[e].t()
-        out[expert + "linear_fc2.bias"] = down_b[e]
-    return out
+def gpt_oss_mlp_rules(cfg: dict) -> list[Rule]:
+    """The name table of one gpt-oss MLP, under `mlp.` on both sides: the biased router, and each of
+    the experts' four tensors stacked into one there (fc1's rows interleaved, weights transposed)."""
+    def experts(name: str) -> tuple[str, ...]:
+        return tuple(f"experts.local_experts.{e}.{name}" for e in range(cfg["num_experts"]))
+
+    def stacked(name: str, theirs: str, out, back) -> Rule:
+        return Rule(experts(name), (theirs,), lambda ts: [torch.stack([out(t) for t in ts])],
+                    lambda t: [back(x) for x in t[0]])
+
+    return [same("router.weight", "router.weight"), same("router.bias", "router.bias"),
+            stacked("linear_fc1.weight", "experts.gate_up_proj", lambda w: _interleave(*w.chunk(2)).t(),
+                    lambda w: _deinterleave(w.t())),
+            stacked("linear_fc1.bias", "experts.gate_up_proj_bias", lambda b: _interleave(*b.chunk(2)), _deinterleave),
+            stacked("linear_fc2.weight", "experts.down_proj", lambda w: w.t(), lambda w: w.t()),
+            stacked("linear_fc2.bias", "experts.down_proj_bias", lambda b: b, lambda b: b)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from .hf_config import ConversionError, update_json
+from .config import ConversionError, update_json
 
 _SP_NORMAL, _SP_USER = 1, 4  # SentencePiece piece types (sentencepiece_model.proto)
 SAMPLE_TEXT = ("Hello world! The quick brown fox jumps over the lazy dog.\n\nA second paragraph,  with two "

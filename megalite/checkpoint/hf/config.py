@@ -1,16 +1,16 @@
 """Hugging Face model configs: which transformers architecture a megalite model is
 (`hf_architecture`), its config.json and RoPE settings both ways, and the pretrain_gpt.py flags
-of an imported model. What maps, and what is refused, is in hf_conversion.py's docstring (and
-hf_moe.py's for the Mixture-of-Experts models)."""
+of an imported model. What maps, and what is refused, is in conversion.py's docstring (and
+moe.py's for the Mixture-of-Experts models)."""
 from __future__ import annotations
 
 import json
 
-from ..errors import InputError
-from .hf_gpt_oss import gpt_oss_architecture, gpt_oss_config_from_hf, is_gpt_oss
-from .hf_deepseek import (DEEPSEEK_CLASS, deepseek_architecture, deepseek_config_from_hf, deepseek_flags,
+from ...errors import InputError
+from .gpt_oss import gpt_oss_architecture, gpt_oss_config_from_hf, is_gpt_oss
+from .deepseek import (DEEPSEEK_CLASS, deepseek_architecture, deepseek_config_from_hf, deepseek_flags,
                           deepseek_hf_config, deepseek_yarn)
-from .hf_moe import HF_MOE_CLASSES, moe_architecture, moe_config_from_hf, moe_flags, moe_hf_config
+from .moe import HF_MOE_CLASSES, moe_architecture, moe_config_from_hf, moe_flags, moe_hf_config
 
 # megalite's name of each architecture -> the transformers class
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", **HF_MOE_CLASSES,
@@ -34,7 +34,7 @@ def hf_architecture(cfg: dict) -> str:
     if cfg.get("mtp_num_layers") and not cfg.get("multi_latent_attention"):
         refuse(f"--mtp-num-layers {cfg['mtp_num_layers']} without --multi-latent-attention",
                "every export but DeepseekV3ForCausalLM's (the one here that stores MTP modules)")
-    if is_gpt_oss(cfg):  # sinks, sliding windows, the clamped GLU: hf_gpt_oss.py
+    if is_gpt_oss(cfg):  # sinks, sliding windows, the clamped GLU: gpt_oss.py
         return gpt_oss_architecture(cfg, refuse)
     # the attention and MLP variants (docs/models.md) without a mapping yet: none of the classes below has them
     for key, flag, plain in (("window_size", "--window-size", None), ("softmax_type", "--softmax-type", "vanilla"),
@@ -42,7 +42,7 @@ def hf_architecture(cfg: dict) -> str:
                              ("activation_func_clamp_value", "--activation-func-clamp-value", None)):
         if cfg.get(key, plain) != plain:
             refuse(f"{flag} {cfg[key]}" if cfg[key] is not True else flag, "the GPT-2, Llama, Qwen3 and MoE exports")
-    if cfg.get("multi_latent_attention"):  # hf_deepseek.py
+    if cfg.get("multi_latent_attention"):  # deepseek.py
         return deepseek_architecture(cfg, refuse)
     if cfg["position_embedding_type"] == "learned_absolute":
         gpt2 = "a GPT-2 style model (--position-embedding-type learned_absolute) as GPT2LMHeadModel"
@@ -149,7 +149,7 @@ def hf_yarn(cfg: dict) -> dict:
     """transformers' rope_type "yarn" of --position-embedding-type yarn. The concentration factor is
     written out as attention_factor: transformers reads mscale / mscale_all_dim only when both are
     non-zero (Megatron-LM's --mscale-all-dim defaults to 0), so they alone could not say it."""
-    from ..model.attention import yarn_concentration
+    from ...model.attention import yarn_concentration
     factor, mscale, mscale_all_dim = (float(cfg[k]) for k in ("rotary_scaling_factor", "mscale", "mscale_all_dim"))
     return {"rope_type": "yarn", "factor": factor,
             "original_max_position_embeddings": int(cfg["yarn_original_max_position_embeddings"]),
@@ -164,7 +164,7 @@ def yarn_from_hf(d: dict, refuse) -> dict:
     mscale / mscale_all_dim when both are non-zero, else 0.1·ln(factor) + 1). An attention_factor
     that mscale / mscale_all_dim do not give is written as --mscale with --mscale-all-dim 0."""
     import math
-    from ..model.attention import yarn_concentration
+    from ...model.attention import yarn_concentration
     factor = float(d["factor"])
     mscale, mscale_all_dim = d.get("mscale"), d.get("mscale_all_dim")
     pair = (float(mscale), float(mscale_all_dim)) if (mscale and mscale_all_dim) else (1.0, 0.0)

@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 from .tensor_file import RangeReader, element_size
 
 INDEX = "index.jsonl"

@@ -1,7 +1,7 @@
 """Mixture-of-Experts models <-> Hugging Face: `MixtralForCausalLM`, `Qwen2MoeForCausalLM` and
 `Qwen3MoeForCausalLM`.
 
-All are Llama-style models (RoPE, RMSNorm, SwiGLU, GQA; hf_config.py maps those) whose MLP is,
+All are Llama-style models (RoPE, RMSNorm, SwiGLU, GQA; config.py maps those) whose MLP is,
 in some or all layers, a top-k routed set of SwiGLU experts (model/moe/):
 
     Mixtral     every layer MoE; softmax over the experts, top-k, renormalised, which is
@@ -13,7 +13,7 @@ in some or all layers, a top-k routed set of SwiGLU experts (model/moe/):
                 renormalised), true the renormalised softmax; q/k/v biases (`qkv_bias`,
                 --add-qkv-bias)
     Qwen3-MoE   Qwen2-MoE's routing and dense layers, without the shared expert or any bias, with
-                --qk-layernorm (`self_attn.q_norm` / `k_norm`, mapped in hf_conversion.py); its
+                --qk-layernorm (`self_attn.q_norm` / `k_norm`, mapped in conversion.py); its
                 head_dim may differ from hidden / heads (--kv-channels)
 
 Weights, per MoE layer (rows of an expert's fc1 are [gate; up], as the dense SwiGLU MLP's):
@@ -36,13 +36,12 @@ expert bias, a capacity factor, sliding windows, router jitter) is refused with 
 """
 from __future__ import annotations
 
-import torch
-
-from ..config.moe import moe_layer_pattern
-from .hf_gpt_oss import GPT_OSS_CLASS, gpt_oss_flags, gpt_oss_hf_config, gpt_oss_mlp_state, gpt_oss_mlp_tensors
+from ...config.moe import moe_layer_pattern
+from .gpt_oss import GPT_OSS_CLASS, gpt_oss_flags, gpt_oss_hf_config, gpt_oss_mlp_rules
+from .tables import Rule, expert_rules, glu, same, unfuse_experts
 
 HF_MOE_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": GPT_OSS_CLASS}  # gpt-oss: hf_gpt_oss.py
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": GPT_OSS_CLASS}  # gpt-oss: gpt_oss.py
 
 
 def moe_pattern(cfg: dict) -> list[bool]:
@@ -103,8 +102,8 @@ def moe_architecture(cfg: dict, refuse) -> str:
 def moe_hf_config(cfg: dict, arch: str, rope_model: dict, transformers_class):
     """The MixtralConfig / Qwen2MoeConfig / Qwen3MoeConfig of an MoE model_config; `rope_model`: the
     keyword arguments every Llama-style config shares (sizes, heads, RoPE, norms, vocabulary);
-    `transformers_class(name, architecture)`: hf_config's look-up of a class a transformers may lack
-    (passed in, as `refuse` elsewhere here: hf_config imports this module)."""
+    `transformers_class(name, architecture)`: config.py's look-up of a class a transformers may lack
+    (passed in, as `refuse` elsewhere here: config.py imports this module)."""
     from transformers import MixtralConfig, Qwen2MoeConfig
 
     if arch == "gpt_oss":
@@ -151,7 +150,7 @@ def moe_config_from_hf(c, refuse) -> dict:
                   moe_ffn_hidden_size=c.moe_intermediate_size,
                   moe_layer_freq="1" if all(pattern) else "[" + ",".join(str(int(m)) for m in pattern) + "]",
                   moe_router_pre_softmax=not c.norm_topk_prob)
-    if c.model_type == "qwen3_moe":  # its attention (QK-norm, no biases) is checked in hf_config.py
+    if c.model_type == "qwen3_moe":  # its attention (QK-norm, no biases) is checked in config.py
         return dict(sparse, qk_layernorm=True, add_qkv_bias=False)
     if not c.shared_expert_intermediate_size:
         refuse("shared_expert_intermediate_size 0 (--moe-shared-expert-intermediate-size must be >= 1)")
@@ -182,55 +181,32 @@ def moe_flags(cfg: dict) -> list:
 
 
 # -- weights of one MoE layer's MLP -----------------------------------------------------------------
-# (expert fc1's gate rows, its up rows, fc2) by architecture; the router and shared-expert names
+# (expert fc1's gate rows, its up rows, fc2) by architecture
 EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
                 "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
 
 
-def moe_mlp_tensors(cfg: dict, arch: str, state: dict, m: str, h: str) -> dict:
-    """Hugging Face tensors of layer prefix `h` ("model.layers.i.") from megalite's `state`
-    (layer prefix `m`), popping what they use."""
+def moe_mlp_rules(cfg: dict, arch: str) -> list[Rule]:
+    """The name table of one MoE layer's MLP, under megalite's `mlp.` and the prefix that
+    `moe_prefix` gives there: router, experts, and Qwen2-MoE's gated shared expert."""
     if arch == "gpt_oss":
-        return gpt_oss_mlp_tensors(cfg, state, m, h)
-    ours, theirs = m + "mlp.", h + ("block_sparse_moe." if arch == "mixtral" else "mlp.")
-    gate, up, down = EXPERT_NAMES[arch]
-    out = {theirs + "gate.weight": state.pop(ours + "router.weight")}
-    for e in range(cfg["num_experts"]):
-        expert = f"{ours}experts.local_experts.{e}."
-        g, u = state.pop(expert + "linear_fc1.weight").chunk(2)
-        out[f"{theirs}experts.{e}.{gate}.weight"], out[f"{theirs}experts.{e}.{up}.weight"] = g, u
-        out[f"{theirs}experts.{e}.{down}.weight"] = state.pop(expert + "linear_fc2.weight")
+        return gpt_oss_mlp_rules(cfg)
+    rules = [same("router.weight", "gate.weight")] + expert_rules(cfg["num_experts"], *EXPERT_NAMES[arch])
     if arch == "qwen2_moe":
-        g, u = state.pop(ours + "shared_experts.linear_fc1.weight").chunk(2)
-        out[theirs + "shared_expert.gate_proj.weight"], out[theirs + "shared_expert.up_proj.weight"] = g, u
-        out[theirs + "shared_expert.down_proj.weight"] = state.pop(ours + "shared_experts.linear_fc2.weight")
-        out[theirs + "shared_expert_gate.weight"] = state.pop(ours + "shared_experts.gate_weight")
-    return out
+        rules += [glu("shared_experts.linear_fc1.weight", "shared_expert.gate_proj.weight",
+                      "shared_expert.up_proj.weight"),
+                  same("shared_experts.linear_fc2.weight", "shared_expert.down_proj.weight"),
+                  same("shared_experts.gate_weight", "shared_expert_gate.weight")]
+    return rules
 
 
-def moe_mlp_state(cfg: dict, arch: str, hf: dict, m: str, h: str) -> dict:
-    """megalite tensors of one MoE layer from Hugging Face's `hf` (prefix "model." stripped; `h`:
-    "layers.i."), popping what they use; KeyError names a missing tensor."""
-    if arch == "gpt_oss":
-        return gpt_oss_mlp_state(cfg, hf, m, h)
-    theirs = h + "mlp."
-    if arch == "mixtral" and h + "block_sparse_moe.gate.weight" in hf:
-        theirs = h + "block_sparse_moe."
-    ours, (gate, up, down) = m + "mlp.", EXPERT_NAMES[arch]
-    out = {ours + "router.weight": hf.pop(theirs + "gate.weight")}
-    if theirs + "experts.gate_up_proj" in hf:  # transformers 5's fused experts
-        fc1, fc2 = hf.pop(theirs + "experts.gate_up_proj"), hf.pop(theirs + "experts.down_proj")
-        experts = [(fc1[e], fc2[e]) for e in range(cfg["num_experts"])]
-    else:
-        experts = [(torch.cat([hf.pop(f"{theirs}experts.{e}.{gate}.weight"),
-                               hf.pop(f"{theirs}experts.{e}.{up}.weight")]),
-                    hf.pop(f"{theirs}experts.{e}.{down}.weight")) for e in range(cfg["num_experts"])]
-    for e, (fc1, fc2) in enumerate(experts):
-        out[f"{ours}experts.local_experts.{e}.linear_fc1.weight"] = fc1
-        out[f"{ours}experts.local_experts.{e}.linear_fc2.weight"] = fc2
-    if arch == "qwen2_moe":
-        out[ours + "shared_experts.linear_fc1.weight"] = torch.cat(
-            [hf.pop(theirs + "shared_expert.gate_proj.weight"), hf.pop(theirs + "shared_expert.up_proj.weight")])
-        out[ours + "shared_experts.linear_fc2.weight"] = hf.pop(theirs + "shared_expert.down_proj.weight")
-        out[ours + "shared_experts.gate_weight"] = hf.pop(theirs + "shared_expert_gate.weight")
-    return out
+def moe_prefix(cfg: dict, arch: str, hf: dict | None = None, h: str = "") -> str:
+    """Where a layer's MoE MLP lies in Hugging Face's names: Mixtral's `block_sparse_moe.` (what the
+    export writes, and transformers 4 reads), else `mlp.`. On import (`hf`, layer prefix `h`) the
+    one present, with transformers 5's fused experts split into the per-expert names (tables.py)."""
+    if hf is None:
+        return "block_sparse_moe." if arch == "mixtral" else "mlp."
+    prefix = "block_sparse_moe." if arch == "mixtral" and h + "block_sparse_moe.gate.weight" in hf else "mlp."
+    if arch in EXPERT_NAMES:
+        unfuse_experts(hf, h + prefix, cfg["num_experts"], *EXPERT_NAMES[arch])
+    return prefix

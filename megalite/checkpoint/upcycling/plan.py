@@ -1,5 +1,5 @@
 """--moe-use-upcycling, the plan: which dense weight each MoE weight starts from, and the scale
-(torch-free: validation reads it before torch is imported; upcycle.py does the loading).
+(torch-free: validation reads it before torch is imported; load.py beside it does the loading).
 
 Sparse upcycling (Komatsuzaki et al. 2022) starts an MoE model from a dense checkpoint: every
 weight the two share is copied, each expert of an MoE layer starts as the layer's dense MLP,
@@ -56,7 +56,7 @@ def weight_scale(model: dict, granularity: int) -> float:
 def dense_ffn_problem(dense: dict, moe: dict, granularity: int) -> str | None:
     """Why the MoE run's sizes cannot come from this dense checkpoint, or None. `dense`, `moe`:
     model configs (GPTConfig.to_dict())."""
-    from ..config.moe import moe_layer_pattern
+    from ...config.moe import moe_layer_pattern
     F = dense["ffn_hidden_size"]
     expert = moe.get("moe_ffn_hidden_size") or moe["ffn_hidden_size"]
     E = moe["num_experts"]
