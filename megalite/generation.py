@@ -28,6 +28,7 @@ from .errors import CheckpointError
 from .errors import InputError
 from .model import GPTConfig, GPTModel, pad_vocab_size
 from .model.attention import SelfAttention
+from .model.gated_delta_net import DeltaNetState, GatedDeltaNet
 from .model.mla import MLASelfAttention
 
 
@@ -70,6 +71,14 @@ class KVCache:
     def __init__(self, max_len: int):
         self.max_len, self.length = max_len, 0
         self.k = self.v = None
+        self.index_k = None  # DeepSeek Sparse Attention's indexer keys [max_len, b, D] (model/dsa.py)
+
+    def update_index_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """Append the indexer keys of the positions `update` just added; return them all so far."""
+        if self.index_k is None:
+            self.index_k = k.new_empty((self.max_len, *k.shape[1:]))
+        self.index_k[self.length - k.size(0):self.length] = k
+        return self.index_k[:self.length]
 
     def update(self, k: torch.Tensor, v: torch.Tensor, attention_mask=None):
         """Append the new positions' k, v [s, b, ng, hn]; return all keys and values so far and the
@@ -90,10 +99,11 @@ class KVCache:
 
 @contextlib.contextmanager
 def kv_cache(model, max_len: int):
-    """Give every attention layer of `model` an empty KVCache for the duration of the block."""
-    layers = [m for m in model.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
+    """Give every attention layer of `model` an empty KVCache (a gated DeltaNet layer its
+    DeltaNetState: the convolution's last inputs and the recurrent state) for the block."""
+    layers = [m for m in model.modules() if isinstance(m, (SelfAttention, MLASelfAttention, GatedDeltaNet))]
     for layer in layers:
-        layer.inference_cache = KVCache(max_len)
+        layer.inference_cache = DeltaNetState(max_len) if isinstance(layer, GatedDeltaNet) else KVCache(max_len)
     try:
         yield layers
     finally:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from .attention_variant import LINEAR_VARIANTS, VARIANTS, linear_attention_pattern
 from .fields import AT_LEAST_1, NON_NEGATIVE, POSITIVE, PROBABILITY, derived, flag
 from .moe import moe_layer_pattern
 
@@ -191,6 +192,43 @@ class GPTConfig:
     qk_pos_emb_head_dim: int = flag("--qk-pos-emb-head-dim", 64, "MLA: per-head query/key channels with RoPE "
                                     "(the decoupled key; even, >= 2)", check=AT_LEAST_1)
     v_head_dim: int = flag("--v-head-dim", 128, "MLA: per-head value channels (>= 1)", check=AT_LEAST_1)
+    # -- attention variants (config/attention_variant.py; Megatron-LM's experimental_attention_variant)
+    # Qwen3-Next's gated attention: a sigmoid gate per query channel on the attention's output,
+    # its rows beside each group's queries in linear_qkv (Megatron-LM's attention_output_gate)
+    attention_output_gate: bool = flag(
+        "--attention-output-gate", False, "gate the softmax attention's output: o · sigmoid(x W_gate) per head "
+        "channel before the output projection (Qwen3-Next's gated attention)", action="store_true")
+    experimental_attention_variant: str | None = flag(
+        "--experimental-attention-variant", None, "gated_delta_net (or gdn): gated DeltaNet layers interleaved with "
+        "softmax attention by --linear-attention-freq (Qwen3-Next, Qwen3.5); dsa: DeepSeek Sparse Attention on "
+        "multi-latent attention (DeepSeek-V3.2)", choices=list(VARIANTS))
+    linear_attention_freq: str | None = flag(
+        "--linear-attention-freq", None, "gated_delta_net: N (N-1 DeltaNet layers, then one softmax layer, "
+        "repeated) or a Python list per layer, 1 DeltaNet and 0 softmax, e.g. '([1]*3+[0])*2'", type=str)
+    linear_conv_kernel_dim: int = flag("--linear-conv-kernel-dim", 4, "gated_delta_net: the causal short "
+                                       "convolution's width over q, k, v (>= 1)", check=AT_LEAST_1)
+    linear_key_head_dim: int = flag("--linear-key-head-dim", 128, "gated_delta_net: query/key head size (>= 1)",
+                                    check=AT_LEAST_1)
+    linear_value_head_dim: int = flag("--linear-value-head-dim", 128, "gated_delta_net: value/gate head size "
+                                      "(>= 1)", check=AT_LEAST_1)
+    linear_num_key_heads: int = flag("--linear-num-key-heads", 16, "gated_delta_net: query/key heads (>= 1)",
+                                     check=AT_LEAST_1)
+    linear_num_value_heads: int = flag("--linear-num-value-heads", 32, "gated_delta_net: value heads, a multiple "
+                                       "of --linear-num-key-heads (>= 1)", check=AT_LEAST_1)
+    dsa_indexer_n_heads: int | None = flag("--dsa-indexer-n-heads", None, "dsa: the indexer's heads (>= 1)",
+                                           type=int, check=AT_LEAST_1)
+    dsa_indexer_head_dim: int | None = flag("--dsa-indexer-head-dim", None, "dsa: the indexer's head size, its "
+                                            "first --qk-pos-emb-head-dim channels rotated (>= 1)", type=int,
+                                            check=AT_LEAST_1)
+    dsa_indexer_topk: int | None = flag("--dsa-indexer-topk", None, "dsa: keys each query attends to (>= 1)",
+                                        type=int, check=AT_LEAST_1)
+    dsa_indexer_loss_coeff: float | None = flag(
+        "--dsa-indexer-loss-coeff", None, "dsa: weight of the indexer's loss, KL(dense attention || indexer), "
+        "added to the objective (>= 0; none or 0: the indexer is not trained)", type=float, check=NON_NEGATIVE)
+    dsa_indexer_use_sparse_loss: bool = flag(
+        "--dsa-indexer-use-sparse-loss", False, "dsa: the indexer's loss over the selected keys only",
+        action="store_true")
+
     # -- multi-token prediction (DeepSeek-V3 Sec. 2.2; Megatron-LM's MultiTokenPredictionBlock) ---
     mtp_num_layers: int | None = flag(
         "--mtp-num-layers", None, "multi-token prediction: this many sequential MTP modules (>= 1) on the last "
@@ -279,6 +317,23 @@ class GPTConfig:
         """An MTP module's transformer layer is built as the last decoder layer is (Megatron-LM's
         get_gpt_mtp_block_spec takes the decoder's last layer spec): MoE when that layer is."""
         return self.is_moe_layer(self.num_layers - 1)
+
+    @property
+    def gated_delta_net(self) -> bool:
+        """--experimental-attention-variant gated_delta_net (or gdn)."""
+        return self.experimental_attention_variant in LINEAR_VARIANTS
+
+    @property
+    def dsa(self) -> bool:
+        """--experimental-attention-variant dsa."""
+        return self.experimental_attention_variant == "dsa"
+
+    def is_linear_attention_layer(self, layer_number: int) -> bool:
+        """Whether (0-based, global) layer `layer_number` is a gated DeltaNet layer. An MTP layer
+        (numbered past the decoder's) is softmax attention, as Qwen3-Next's MTP layer."""
+        if not self.gated_delta_net or layer_number >= self.num_layers:
+            return False
+        return linear_attention_pattern(self.linear_attention_freq, self.num_layers)[layer_number]
 
     @property
     def expert_ffn_hidden_size(self) -> int:

@@ -268,7 +268,10 @@ class SelfAttention(nn.Module):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.hn = config.kv_channels
         std, out_std = config.init_method_std, config.init_method_std / math.sqrt(2.0 * config.num_layers)
-        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.hn
+        # --attention-output-gate: each group's rows are [q heads, gate heads, k, v] (Megatron-LM's order)
+        self.output_gate = config.attention_output_gate
+        gates = config.num_attention_heads if self.output_gate else 0
+        qkv_size = (config.num_attention_heads + gates + 2 * config.num_query_groups) * self.hn
         common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=execution.sequence_parallel,
                       dtype=execution.params_dtype, device=device)
         # --add-qkv-bias: a bias on Q, K and V whatever --disable-bias-linear says (Megatron-LM's),
@@ -297,12 +300,18 @@ class SelfAttention(nn.Module):
         self.max_logits = None  # --qk-clip: a MaxLogitTracker (model/max_logit.py), set by optimizer/qk_clip.py
 
     def forward(self, x, rotary=None, attention_mask=None):
-        qkv = self.linear_qkv(x)  # [s, b, ng·(np/ng + 2)·hn] for this rank's groups
+        qkv = self.linear_qkv(x)  # [s, b, ng·(np/ng + 2)·hn] for this rank's groups (+ np/ng gates)
         s, b = qkv.shape[:2]
         # one split, not three slices: its backward concatenates the three gradients into one
         # new tensor, where each slice's would zero a qkv-sized tensor and the three be summed
-        q, k, v = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.hn).split(
-            [self.heads_per_group, 1, 1], dim=3)
+        hpg, gate = self.heads_per_group, None
+        parts = qkv.view(s, b, self.num_groups, -1, self.hn).split(
+            [hpg, hpg, 1, 1] if self.output_gate else [hpg, 1, 1], dim=3)
+        if self.output_gate:
+            q, gate, k, v = parts
+            gate = gate.reshape(s, b, self.num_heads * self.hn)
+        else:
+            q, k, v = parts
         q = q.reshape(s, b, self.num_heads, self.hn)
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng, hn]
         if self.q_layernorm is not None:  # before RoPE, as Megatron-LM and Qwen3
@@ -312,14 +321,22 @@ class SelfAttention(nn.Module):
         if self.inference_cache is not None:
             # the new tokens' keys/values join the cached ones; queries see every earlier position
             k, v, attention_mask = self.inference_cache.update(k, v, attention_mask)
+        return self.linear_proj(self._gated(self._context(q, k, v, attention_mask), gate))
+
+    @staticmethod
+    def _gated(ctx, gate):
+        """--attention-output-gate: ctx · sigmoid(gate), the gate in fp32 (Megatron-LM's _apply_output_gate)."""
+        return ctx if gate is None else (ctx * torch.sigmoid(gate.float())).to(ctx.dtype)
+
+    def _context(self, q, k, v, attention_mask):
+        """softmax(QKᵀ/√d)·V over this rank's heads, by the CP scheme: [s, b, np·hn]."""
         cp = comm.group_size(self.cp_group)
         if cp > 1 and self.cp_comm_type == "a2a":
-            return self.linear_proj(ulysses_attention(q, k, v, attention_mask, self.window, self.cp_group,
-                                                      self._attend))
+            return ulysses_attention(q, k, v, attention_mask, self.window, self.cp_group, self._attend)
         if cp > 1 and self.cp_comm_type in ("p2p", "a2a+p2p"):
             # each block's probabilities are rebuilt in backward already: nothing to recompute
             a2a, ring = (None, self.cp_group) if self.cp_comm_type == "p2p" else self.cp_levels
-            return self.linear_proj(ring_layer_attention(q, k, v, attention_mask, self.window, a2a, ring))
+            return ring_layer_attention(q, k, v, attention_mask, self.window, a2a, ring)
         if cp > 1:
             # the kv heads, before GQA expands them: c x less traffic than the expanded ones
             k, v = gather_kv(k, v, self.cp_group)  # [s, b, ng, hn], gathered key order
@@ -327,7 +344,7 @@ class SelfAttention(nn.Module):
             attention_mask = self._windowed(attention_mask, q.size(0), k.size(0), q.device)
         if self.max_logits is not None and self.training:
             self.max_logits.observe(q, k, attention_mask)
-        return self.linear_proj(self._attend(q, k, v, attention_mask))
+        return self._attend(q, k, v, attention_mask)
 
     def _attend(self, q, k, v, attention_mask):
         """Core attention, under selective recompute when asked: keep q, k, v; redo softmax(QKᵀ)·V

@@ -37,9 +37,13 @@ def full_tensor(param: nn.Parameter, name: str, seed: int, shape: tuple[int, ...
         return torch.zeros(shape)
     if kind == "ones":
         return torch.ones(shape)
+    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    if kind in ("uniform", "log_uniform"):  # gated DeltaNet's conv1d (uniform) and A_log (log_uniform)
+        lo, hi = info.init_range
+        values = torch.rand(shape, generator=gen).mul_(hi - lo).add_(lo)
+        return values.log_() if kind == "log_uniform" else values
     if kind != "normal":
         raise ValueError(f"parameter {name} has no initialisation rule (init={kind!r})")
-    gen = torch.Generator().manual_seed(name_seed(seed, name))
     rows = info.init_rows
     if rows is None or rows >= shape[0]:
         return torch.randn(shape, generator=gen).mul_(info.init_std)  # in place: one whole-tensor copy fewer

@@ -42,6 +42,7 @@ from ..tensor_parallel.mappings import copy_to_tp, gather_from_sp
 from ..tensor_parallel.param_info import param_info
 from .attention import CoreAttention, apply_rotary, yarn_concentration
 from .config import ExecutionConfig, GPTConfig
+from .dsa import DSAttention
 from .norm import Norm
 
 
@@ -99,8 +100,11 @@ class MLASelfAttention(nn.Module):
         self.linear_kv_down_proj = ReplicatedLinear(h, self.kv_lora_rank + self.pos_dim, execution, std, device)
         self.kv_layernorm = latent_norm(self.kv_lora_rank) if latent_norm else None
         self.linear_kv_up_proj = ColumnParallelLinear(self.kv_lora_rank, n * (self.qk_dim + self.v_dim), **column)
-        self.core_attention = CoreAttention(config.attention_dropout, execution, rng_tracker, self.num_heads,
-                                            config.softmax_type, std, device)
+        # --experimental-attention-variant dsa: DeepSeek Sparse Attention's indexer and sparse softmax (model/dsa.py)
+        self.dsa = config.dsa
+        self.core_attention = (DSAttention(config, execution, tp_group, device) if self.dsa else
+                               CoreAttention(config.attention_dropout, execution, rng_tracker, self.num_heads,
+                                             config.softmax_type, std, device))
         self.linear_proj = RowParallelLinear(n * self.v_dim, h, tp_group=tp_group, bias=config.add_bias_linear,
                                              sequence_parallel=execution.sequence_parallel,
                                              dtype=execution.params_dtype, device=device, init_std=out_std)
@@ -111,18 +115,21 @@ class MLASelfAttention(nn.Module):
         self.inference_cache = None
 
     def _queries(self, x, rotary):
-        """q [s, b, n/tp, d + dr], RoPE applied to its last dr channels."""
+        """(q [s, b, n/tp, d + dr], RoPE applied to its last dr channels; the normalised query latent
+        [s_local, b, q_lora_rank], DSA's indexer input, or None without --q-lora-rank)."""
+        c_q = None
         if self.q_lora_rank is None:
             q = self.linear_q_proj(x)
         else:
             c_q = self.linear_q_down_proj(x)  # [s_local, b, q_lora_rank]
-            q = self.linear_q_up_proj(self.q_layernorm(c_q) if self.q_layernorm is not None else c_q)
+            c_q = self.q_layernorm(c_q) if self.q_layernorm is not None else c_q
+            q = self.linear_q_up_proj(c_q)
         s, b = q.shape[:2]
         q = q.view(s, b, self.num_heads, self.qk_dim + self.pos_dim)
         if rotary is not None:
             q_c, q_r = q.split([self.qk_dim, self.pos_dim], dim=-1)
             q = torch.cat([q_c, apply_rotary(q_r, *rotary)], dim=-1)
-        return q * self.query_scale if self.query_scale != 1.0 else q
+        return (q * self.query_scale if self.query_scale != 1.0 else q), c_q
 
     def _latent(self, x, rotary):
         """(c_kv [s_local, b, kv_lora_rank] normalised, k_r [s, b, 1, dr] rotated and in the TP region)."""
@@ -142,7 +149,7 @@ class MLASelfAttention(nn.Module):
         return torch.cat([k_c, k_r.expand(-1, -1, self.num_heads, -1)], dim=-1), v
 
     def forward(self, x, rotary=None, attention_mask=None):
-        q = self._queries(x, rotary)
+        q, c_q = self._queries(x, rotary)
         c_kv, k_r = self._latent(x, rotary)
         if self.inference_cache is not None:
             if self.sequence_parallel:
@@ -151,6 +158,8 @@ class MLASelfAttention(nn.Module):
             # the latent and the rotated key join the cached ones: kv_lora_rank + dr values per token
             c_kv, k_r, attention_mask = self.inference_cache.update(c_kv, k_r, attention_mask)
         k, v = self.keys_values(c_kv, k_r)
+        if self.dsa:  # (validation refuses context parallelism with DSA)
+            return self.linear_proj(self.core_attention(q, k, v, x, c_q, rotary, self.inference_cache))
         if comm.group_size(self.cp_group) > 1:
             # every head's keys and values of the whole sequence, after RoPE (as SelfAttention's)
             k, v = gather_sequence(torch.cat([k, v], dim=-1), self.cp_group).split(

@@ -14,6 +14,7 @@ from torch import nn
 from ..recompute import recompute
 from .attention import SelfAttention
 from .config import ExecutionConfig, GPTConfig
+from .gated_delta_net import GatedDeltaNet
 from .mla import MLASelfAttention
 from .mlp import MLP
 from .moe import MoELayer
@@ -30,7 +31,8 @@ class TransformerLayer(nn.Module):
         self.sequence_parallel = execution.sequence_parallel
         self.rng_tracker = rng_tracker
         self.input_layernorm = Norm(config, execution, device)
-        attention = MLASelfAttention if config.multi_latent_attention else SelfAttention
+        attention = (GatedDeltaNet if config.is_linear_attention_layer(layer_number) else
+                     MLASelfAttention if config.multi_latent_attention else SelfAttention)
         self.self_attention = attention(config, execution, tp_group, rng_tracker, device, cp_group,
                                             layer_number)
         self.pre_mlp_layernorm = Norm(config, execution, device)

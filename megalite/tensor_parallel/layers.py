@@ -33,11 +33,13 @@ def set_tp_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) 
     info.tensor_parallel, info.partition_dim, info.partition_stride = True, partition_dim, stride
 
 
-def set_init(param: nn.Parameter, kind: str, std: float = 0.0, rows: int | None = None) -> None:
-    """Record how `param` is initialised: kind in {"normal", "zeros", "ones"}. `rows` limits the
-    random rows of a padded vocabulary (the padding stays zero)."""
+def set_init(param: nn.Parameter, kind: str, std: float = 0.0, rows: int | None = None,
+             bounds: tuple[float, float] | None = None) -> None:
+    """Record how `param` is initialised: kind in {"normal", "zeros", "ones", "uniform",
+    "log_uniform"} (the last two over `bounds`). `rows` limits the random rows of a padded
+    vocabulary (the padding stays zero)."""
     info = param_info(param)
-    info.init, info.init_std, info.init_rows = kind, std, rows
+    info.init, info.init_std, info.init_rows, info.init_range = kind, std, rows, bounds
 
 
 def _divide(n: int, d: int, what: str) -> int:

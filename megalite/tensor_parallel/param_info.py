@@ -38,11 +38,13 @@ class ParamInfo:
     # group: an MoE expert's place in its expert-tensor-parallel group (--expert-tensor-parallel-
     # size); None: the TP group's. Initialisation and checkpoints cut and reshard by it.
     split: tuple[int, int] | None = None
-    # initialisation: "normal" (with std), "zeros" or "ones"; `init_rows` limits the random rows
-    # of a padded vocabulary table (the padding stays zero)
+    # initialisation: "normal" (with std), "zeros", "ones", "uniform" (U(init_range)) or
+    # "log_uniform" (log U(init_range): gated DeltaNet's A_log); `init_rows` limits the random
+    # rows of a padded vocabulary table (the padding stays zero)
     init: str | None = None
     init_std: float = 0.0
     init_rows: int | None = None
+    init_range: tuple[float, float] | None = None
 
     def tp_place(self, tp_rank: int, tp_size: int) -> tuple[int, int]:
         """(rank, size) of the group this weight is split over, given the TP group's."""
