@@ -69,6 +69,9 @@ def get_args(argv=None):
     add_config_args(p, TokenizerConfig, "tokenizer",
                     "tokenizer for --saver hf (default: as saved in the checkpoint's configuration)")
     p.add_argument("--no-tokenizer", action="store_true", help="--saver hf: write the model only")
+    p.add_argument("--hf-architecture", choices=["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"],
+                   help="--saver hf: the transformers class where several compute the model (a gated DeltaNet MoE "
+                   "model: qwen3_next, the default, or qwen3_5_moe_text)")
     p.add_argument("--max-shard-size", default="5GB",
                    help="--loader megatron --saver hf: the largest safetensors file (transformers' spelling: "
                    "5GB, 500MB, 2GiB or bytes; default 5GB); more than one file gets model.safetensors.index.json")
@@ -170,7 +173,7 @@ def main(argv=None) -> int:
             if not args.no_tokenizer:
                 from megalite.data.saved_tokenizer import build_tokenizer_for
                 tokenizer = build_tokenizer_for(meta, args.tokenizer)
-            arch = to_hf(meta, state, args.save_dir, tokenizer)
+            arch = to_hf(meta, state, args.save_dir, tokenizer, args.hf_architecture)
             print(f"wrote {args.save_dir}: {HF_CLASSES[arch]}"
                   f"{' and ' + tokenizer.name + ' tokenizer' if tokenizer else ''}")
             return 0

@@ -11,10 +11,12 @@ from .gpt_oss import gpt_oss_architecture, gpt_oss_config_from_hf, is_gpt_oss
 from .deepseek import (DEEPSEEK_CLASS, deepseek_architecture, deepseek_config_from_hf, deepseek_flags,
                           deepseek_hf_config, deepseek_yarn)
 from .moe import HF_MOE_CLASSES, moe_architecture, moe_config_from_hf, moe_flags, moe_hf_config
+from .qwen3_next import (QWEN3_NEXT_CLASSES, is_gated_delta_net, qwen3_next_architecture, qwen3_next_config_from_hf,
+                         qwen3_next_flags, qwen3_next_hf_config)
 
 # megalite's name of each architecture -> the transformers class
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", **HF_MOE_CLASSES,
-              "deepseek_v3": DEEPSEEK_CLASS}
+              "deepseek_v3": DEEPSEEK_CLASS, **QWEN3_NEXT_CLASSES}
 # what transformers calls the q/k norms of --qk-layernorm, by architecture
 QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
 
@@ -24,11 +26,21 @@ class ConversionError(InputError):
 
 
 # -- which Hugging Face architecture a megalite model is ------------------------------------------
-def hf_architecture(cfg: dict) -> str:
-    """A key of HF_CLASSES for a megalite model_config; ConversionError naming the flag otherwise."""
+def hf_architecture(cfg: dict, prefer: str | None = None) -> str:
+    """A key of HF_CLASSES for a megalite model_config (`prefer`: convert.py's --hf-architecture, where
+    more than one class computes the model); ConversionError naming the flag otherwise."""
     def refuse(setting: str, target: str):
         raise ConversionError(f"cannot export to Hugging Face: {setting}, which {target} cannot express "
                               "(the export would be a different model)")
+    if is_gated_delta_net(cfg):  # Qwen3-Next / Qwen3.5: qwen3_next.py
+        return qwen3_next_architecture(cfg, refuse, prefer)
+    if prefer is not None:
+        refuse(f"--hf-architecture {prefer} for a model without gated DeltaNet layers", "the other exports")
+    if cfg.get("experimental_attention_variant") == "dsa":
+        raise ConversionError("cannot export to Hugging Face: --experimental-attention-variant dsa (DeepSeek-V3.2's "
+                              "DeepseekV32ForCausalLM is not mapped yet)")
+    if cfg.get("attention_output_gate"):
+        refuse("--attention-output-gate without gated DeltaNet layers", "the GPT-2, Llama, Qwen3 and MoE exports")
 
     heads, groups = cfg["num_attention_heads"], cfg.get("num_query_groups") or cfg["num_attention_heads"]
     if cfg.get("mtp_num_layers") and not cfg.get("multi_latent_attention"):
@@ -229,11 +241,11 @@ def rope_from_hf(raw: dict, model_type: str = "llama") -> dict:
     return parsed[0]
 
 
-def hf_config(cfg: dict, bos_id: int | None = None, eos_id: int | None = None):
+def hf_config(cfg: dict, bos_id: int | None = None, eos_id: int | None = None, arch: str | None = None):
     """The transformers config of a megalite model_config (raises if it has none)."""
     from transformers import GPT2Config, LlamaConfig
 
-    arch = hf_architecture(cfg)
+    arch = arch or hf_architecture(cfg)
     common = dict(vocab_size=cfg["vocab_size"], bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=None,
                   initializer_range=cfg.get("init_method_std", 0.02),
                   tie_word_embeddings=not cfg["untie_embeddings_and_output_weights"])
@@ -245,6 +257,8 @@ def hf_config(cfg: dict, bos_id: int | None = None, eos_id: int | None = None):
             layer_norm_epsilon=cfg["norm_epsilon"], resid_pdrop=cfg.get("hidden_dropout", 0.0),
             embd_pdrop=cfg.get("hidden_dropout", 0.0), attn_pdrop=cfg.get("attention_dropout", 0.0),
             architectures=["GPT2LMHeadModel"], **common)
+    if arch in QWEN3_NEXT_CLASSES:
+        return qwen3_next_hf_config(cfg, arch, common, transformers_class)
     rope_parameters, _ = hf_rope(cfg)
     if arch == "deepseek_v3":
         return deepseek_hf_config(cfg, common, rope_parameters, transformers_class)
@@ -326,6 +340,8 @@ def config_from_hf(c, raw: dict) -> dict:
         return {**_rope_model_from_hf(c, raw, refuse), **common, **gpt_oss_config_from_hf(c, refuse)}
     if c.model_type == "deepseek_v3":
         return dict(deepseek_config_from_hf(c, raw, rope_from_hf(raw, c.model_type), refuse), **common)
+    if c.model_type in QWEN3_NEXT_CLASSES:
+        return dict(qwen3_next_config_from_hf(c, raw, refuse), **common)
     if c.model_type in HF_MOE_CLASSES:
         return dict(_rope_model_from_hf(c, raw, refuse), add_bias_linear=False, **moe_config_from_hf(c, refuse),
                     **common)
@@ -379,4 +395,4 @@ def pretrain_flags(cfg: dict) -> list[str]:
         flags.append("--disable-bias-linear")
     if cfg["untie_embeddings_and_output_weights"]:
         flags.append("--untie-embeddings-and-output-weights")
-    return [str(f) for f in flags + moe_flags(cfg) + deepseek_flags(cfg)]
+    return [str(f) for f in flags + moe_flags(cfg) + deepseek_flags(cfg) + qwen3_next_flags(cfg)]

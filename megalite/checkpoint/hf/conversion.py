@@ -51,6 +51,7 @@ from .config import (HF_CLASSES, ConversionError, config_from_hf, hf_architectur
                         update_json)
 from .deepseek import deepseek_mtp_depth, deepseek_state, deepseek_tensors
 from .moe import moe_mlp_rules, moe_pattern, moe_prefix
+from .qwen3_next import QWEN3_NEXT_CLASSES, qwen3_next_state, qwen3_next_tensors
 from .tables import Rule, export_tensors, glu, import_tensors, mapped, same, transposed, under
 from .tokenizer import export_tokenizer, has_tokenizer_files, special_ids
 
@@ -198,20 +199,23 @@ def llama_layer_tensors(cfg: dict, state: dict, i: int, arch: str = "llama") -> 
     return export_tensors(rules, state, f"decoder.layers.{i}.", f"model.layers.{i}.")
 
 
-def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=None) -> str:
+def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=None,
+          architecture: str | None = None) -> str:
     """Write a Hugging Face model directory (config.json, generation_config.json,
     model.safetensors, and the tokenizer files when `tokenizer`, a megalite tokenizer, is given).
     Returns the architecture name, a key of HF_CLASSES ("gpt2", "llama", "qwen3", "mixtral", "qwen2_moe",
-    "qwen3_moe")."""
+    "qwen3_moe", ...); `architecture` picks one where several compute the model (--hf-architecture)."""
     from safetensors.torch import save_file
 
     cfg = meta["model_config"]
-    arch = export_architecture(cfg, tokenizer)  # refuse before writing anything
+    arch = export_architecture(cfg, tokenizer, architecture)  # refuse before writing anything
     state = dict(state)
-    if cfg.get("apply_layernorm_1p"):  # zero-centred norm weights (w - 1): Hugging Face stores w itself
+    if cfg.get("apply_layernorm_1p") and arch not in QWEN3_NEXT_CLASSES:
+        # zero-centred norm weights (w - 1): Hugging Face stores w itself (Qwen3-Next's tables say their own)
         state = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in state.items()}
     tensors = (_gpt2_tensors(cfg, state) if arch == "gpt2" else deepseek_tensors(cfg, state)
-               if arch == "deepseek_v3" else _llama_tensors(cfg, state, arch))
+               if arch == "deepseek_v3" else qwen3_next_tensors(cfg, state, arch) if arch in QWEN3_NEXT_CLASSES
+               else _llama_tensors(cfg, state, arch))
     if state:
         raise ConversionError(f"checkpoint {meta.get('dir', '')} has tensors the {arch} mapping does not place: "
                               f"{', '.join(sorted(state)[:5])}")
@@ -223,10 +227,10 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
     return arch
 
 
-def export_architecture(cfg: dict, tokenizer=None) -> str:
+def export_architecture(cfg: dict, tokenizer=None, prefer: str | None = None) -> str:
     """The Hugging Face architecture of a model_config, or a ConversionError naming what is not
     expressible (raised before anything is written)."""
-    arch = hf_architecture(cfg)
+    arch = hf_architecture(cfg, prefer)
     if tokenizer is not None and tokenizer.vocab_size > cfg["vocab_size"]:
         raise ConversionError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{cfg['vocab_size']} vocabulary rows (--vocab-size)")
@@ -237,9 +241,9 @@ def write_hf_files(cfg: dict, arch: str, out_dir: str, tokenizer=None) -> None:
     """config.json, generation_config.json and (with `tokenizer`) the tokenizer files."""
     from transformers import GenerationConfig
     bos, eos = special_ids(tokenizer)
-    config = hf_config(cfg, bos, eos)
+    config = hf_config(cfg, bos, eos, arch)
     config.save_pretrained(out_dir)
-    if arch != "gpt2":  # also the 4.x layout, which older transformers and other readers use
+    if arch != "gpt2" and arch not in QWEN3_NEXT_CLASSES:  # also the 4.x layout, which older transformers reads
         update_json(os.path.join(out_dir, "config.json"), rope_theta=float(cfg["rotary_base"]),
                     rope_scaling=hf_rope(cfg)[1])
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
@@ -331,7 +335,7 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
         raise ConversionError(f"--load-dir {in_dir}: config.json cannot be read ({type(e).__name__}: {e})") from None
-    if raw.get("model_type") in HF_CLASSES and raw["model_type"] != "gpt2":
+    if raw.get("model_type") in HF_CLASSES and raw["model_type"] not in ("gpt2", *QWEN3_NEXT_CLASSES):
         # refuse what megalite cannot compute before transformers validates (or drops) it
         rope_from_hf(raw, raw["model_type"])
     try:
@@ -348,7 +352,8 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
         cfg["mtp_num_layers"] = deepseek_mtp_depth(hf_cfg, hf, lambda what: _refuse_import(in_dir, what))
     try:
         state = (_gpt2_state(cfg, hf) if prefix == "transformer." else deepseek_state(cfg, hf, lm_head)
-                 if hf_cfg.model_type == "deepseek_v3" else _llama_state(cfg, hf, hf_cfg.model_type))
+                 if hf_cfg.model_type == "deepseek_v3" else qwen3_next_state(cfg, hf, hf_cfg.model_type)
+                 if hf_cfg.model_type in QWEN3_NEXT_CLASSES else _llama_state(cfg, hf, hf_cfg.model_type))
     except KeyError as e:
         raise ConversionError(f"--load-dir {in_dir}: weight {prefix}{e.args[0]} is missing") from None
     except ValueError as e:

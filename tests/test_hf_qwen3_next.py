@@ -1,0 +1,171 @@
+"""Gated DeltaNet hybrids to and from Hugging Face: Qwen3-Next (MoE, dense layers), Qwen3.5 (dense)
+and Qwen3.5-MoE (issue 44).
+
+A random transformers model imports with the same logits (fp32, 1e-5) and exports back to the same
+tensors; a random megalite model exports to a model transformers computes the same logits with, and
+imports back exactly; greedy generation (with the DeltaNet state and convolution cache) equals
+transformers' and megalite's uncached decoding token for token.
+"""
+import importlib.util
+import os
+import shlex
+
+import pytest
+import torch
+
+from dist_helpers import ROOT
+
+transformers = pytest.importorskip("transformers")
+if not all(hasattr(transformers, n) for n in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")):
+    pytest.skip("transformers without Qwen3-Next / Qwen3.5", allow_module_level=True)
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from megalite.checkpoint.offline import save_full_state_dict  # noqa: E402
+from megalite.config import RunConfig  # noqa: E402
+from megalite.generation import generate, load_model, next_token_logits  # noqa: E402
+from megalite.model import GPTConfig, GPTModel  # noqa: E402
+
+spec = importlib.util.spec_from_file_location("megalite_convert_q3n", os.path.join(ROOT, "tools/checkpoint/convert.py"))
+convert = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(convert)
+
+VOCAB = 96
+BASE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, intermediate_size=40, max_position_embeddings=64, rms_norm_eps=1e-6,
+            linear_conv_kernel_dim=3, linear_key_head_dim=6, linear_value_head_dim=5, linear_num_key_heads=2,
+            linear_num_value_heads=4, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                   "linear_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5})
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=16)
+HF_CASES = {  # class, config class, settings
+    "qwen3_next-moe-dense-layer": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
+                                   dict(MOE, mlp_only_layers=[2], decoder_sparse_step=1, norm_topk_prob=True,
+                                        tie_word_embeddings=False)),
+    "qwen3_next-pre-softmax-tied": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
+                                    dict(MOE, decoder_sparse_step=1, norm_topk_prob=False, tie_word_embeddings=True)),
+    "qwen3_5-dense": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(tie_word_embeddings=False)),
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", dict(MOE, tie_word_embeddings=False)),
+}
+
+
+def _hf_model(path, cls, config_cls, **kw):
+    config = getattr(transformers, config_cls)(**dict(BASE, **kw))
+    model = getattr(transformers, cls)(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # zero-centred (1 + w) norms and the plain gated one
+                p.copy_(torch.rand(p.shape, generator=g) * 0.5 + (0.75 if name.endswith("linear_attn.norm.weight")
+                                                                  else -0.25))
+            elif name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g).mul(3).add(0.5).log())
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+    model.eval().save_pretrained(path)
+    return model
+
+
+def _convert(loader, saver, src, dst, *extra):
+    assert convert.main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(src),
+                         "--save-dir", str(dst), *extra]) == 0
+    return str(dst)
+
+
+def _ids(seed=0, seq=40):
+    return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _safetensors(d):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(d, "model.safetensors"))
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_imports_with_equal_logits_exports_back_and_generates_the_same(case, tmp_path, capsys):
+    cls, config_cls, kw = HF_CASES[case]
+    reference = _hf_model(tmp_path / "hf", cls, config_cls, **kw)
+    ck = _convert("hf", "megalite", tmp_path / "hf", tmp_path / "ck")
+    printed = capsys.readouterr().out
+    model, meta = load_model(ck)
+    ids = _ids()
+    with torch.no_grad():
+        theirs = reference(ids).logits.float()
+    diff = (next_token_logits(model, ids) - theirs).abs().max().item()
+    print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e}")
+    assert diff < 1e-5, diff
+    # greedy decoding: cached (DeltaNet state, conv cache, KV cache) = uncached = transformers'
+    prompt = ids[0, :7].tolist()
+    ours = generate(model, prompt, 12, greedy=True)
+    assert ours == generate(model, prompt, 12, greedy=True, use_cache=False)
+    with torch.no_grad():
+        tokens = torch.tensor([prompt])  # (a 0 in the prompt is a token here, not padding)
+        hf_out = reference.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=12,
+                                    do_sample=False)
+    assert ours == hf_out[0, len(prompt):].tolist()
+    # the printed flags build this very model
+    from megalite.arguments import parse_config
+    flags = shlex.split(printed.split("pretrain_gpt.py ")[1].splitlines()[0].removesuffix(" ..."))
+    run = parse_config(flags + ["--mock-data", "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1",
+                                "--lr", "1e-3"], 1, check_files=False)
+    cfg = meta["model_config"]
+    for key in ("experimental_attention_variant", "linear_attention_freq", "linear_num_value_heads",
+                "attention_output_gate", "apply_layernorm_1p", "rotary_percent", "num_experts", "moe_layer_freq",
+                "moe_router_pre_softmax", "moe_shared_expert_gate", "kv_channels", "num_query_groups"):
+        assert getattr(run.model, key) == cfg[key], key
+    # and back: the same tensors under the same names
+    back = _convert("megalite", "hf", ck, tmp_path / "back", "--no-tokenizer",
+                    *(["--hf-architecture", "qwen3_5_moe_text"] if case == "qwen3_5_moe" else []))
+    original, exported = _safetensors(tmp_path / "hf"), _safetensors(back)
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    loaded = AutoModelForCausalLM.from_pretrained(back, local_files_only=True).eval()
+    assert type(loaded).__name__ == cls
+
+
+def _megalite_model(root, **kw):
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
+                kv_channels=8, vocab_size=VOCAB, padded_vocab_size=128, seq_length=64, max_position_embeddings=64,
+                hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1, position_embedding_type="rope",
+                rotary_percent=0.5, rotary_base=5000.0, normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True,
+                add_bias_linear=False, ffn_hidden_size=40, qk_layernorm=True, attention_output_gate=True,
+                experimental_attention_variant="gated_delta_net", linear_attention_freq="2", linear_conv_kernel_dim=4,
+                linear_key_head_dim=6, linear_value_head_dim=4, linear_num_key_heads=2, linear_num_value_heads=6,
+                untie_embeddings_and_output_weights=True)
+    config = GPTConfig(**dict(base, **kw))
+    model = GPTModel(config)
+    model.initialize(11)
+    g = torch.Generator().manual_seed(5)
+    state = {n: (torch.rand(p.shape, generator=g) * 0.5 - 0.25 if n.endswith("norm.weight") else p.detach().clone())
+             for n, p in model.global_named_parameters()}
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in state:  # (tied: no output layer)
+            state[name] = state[name][:VOCAB]
+    save_full_state_dict(str(root), state, config.to_dict(), RunConfig().to_dict())
+    return str(root)
+
+
+MEGALITE_CASES = {
+    "dense-1p": dict(apply_layernorm_1p=True),
+    "dense-plain-norms-tied": dict(untie_embeddings_and_output_weights=False),
+    "moe": dict(apply_layernorm_1p=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=12,
+                moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True, moe_layer_freq="[1,1,0,1]"),
+}
+
+
+@pytest.mark.parametrize("case", list(MEGALITE_CASES))
+def test_megalite_model_exports_with_equal_logits_and_imports_back(case, tmp_path):
+    ck = _megalite_model(tmp_path / "ck", **MEGALITE_CASES[case])
+    out = _convert("megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
+    theirs = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    ours = load_model(ck)[0]
+    ids = _ids(3)
+    with torch.no_grad():
+        diff = (next_token_logits(ours, ids) - theirs(ids).logits.float()).abs().max().item()
+    assert diff < 1e-5, diff
+    back = load_model(_convert("hf", "megalite", out, tmp_path / "back"))[0]
+    mine = dict(ours.global_named_parameters())
+    # imports are zero-centred (--apply-layernorm-1p); a plain-norm model comes back with w - 1 stored
+    shift = float(back.config.apply_layernorm_1p and not ours.config.apply_layernorm_1p)
+    for name, p in back.global_named_parameters():
+        want = mine[name] - shift if name.endswith("norm.weight") else mine[name]
+        assert torch.allclose(p, want, atol=1e-6, rtol=0), name
