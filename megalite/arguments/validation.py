@@ -175,13 +175,16 @@ def _check_layout(c: RunConfig) -> list[int]:
         p.virtual_pipeline_model_parallel_size = _check_stage_layout(c)
     elif layers % pp:
         fail(f"--num-layers ({layers}) is not divisible by --pipeline-model-parallel-size ({pp})")
-    elif k is not None:
-        if pp < 2:
-            fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
-        if (layers // pp) % k:
-            fail(f"--num-layers ({layers}) / --pipeline-model-parallel-size ({pp}) = {layers // pp} layers per "
-                 f"stage is not divisible by --num-layers-per-virtual-pipeline-stage ({k})")
-        p.virtual_pipeline_model_parallel_size = layers // (pp * k)
+    else:
+        if k is None and p.pipeline_schedule == V_SCHEDULE and pp >= 2:
+            k = _v_chunks(c)
+        if k is not None:
+            if pp < 2:
+                fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
+            if (layers // pp) % k:
+                fail(f"--num-layers ({layers}) / --pipeline-model-parallel-size ({pp}) = {layers // pp} layers per "
+                     f"stage is not divisible by --num-layers-per-virtual-pipeline-stage ({k})")
+            p.virtual_pipeline_model_parallel_size = layers // (pp * k)
     # (zbv's order, a list scheduler's, runs any number of micro-batches)
     if p.virtual_pipeline_model_parallel_size > 1 and p.pipeline_schedule in (None, "interleaved_1f1b"):
         for g in batch_sizes:
@@ -190,6 +193,25 @@ def _check_layout(c: RunConfig) -> list[int]:
                 fail(f"the interleaved schedule needs the number of micro-batches (global batch {g} / "
                      f"(--micro-batch-size x DP) = {m}) to be a multiple of --pipeline-model-parallel-size ({pp})")
     return batch_sizes
+
+
+# pipeline_parallel/schedules.py's schedule whose chunks stand in a V (named here: validation's
+# layout checks run before torch, which the schedules' module imports)
+V_SCHEDULE = "zbv"
+
+
+def _v_chunks(c: RunConfig) -> int:
+    """zbv without --num-layers-per-virtual-pipeline-stage: its two chunks per rank, said in a
+    notice; the layers per chunk it implies."""
+    p, layers = c.parallel, c.model.num_layers
+    chunks = 2 * p.pipeline_model_parallel_size
+    if layers % chunks:
+        fail(f"--pipeline-schedule {V_SCHEDULE} runs 2 model chunks per pipeline rank: --num-layers ({layers}) must be "
+             f"divisible by 2 x --pipeline-model-parallel-size ({chunks})")
+    p.num_layers_per_virtual_pipeline_stage = layers // chunks
+    c.notices.append(f"--pipeline-schedule {V_SCHEDULE}: 2 model chunks per pipeline rank in a V, "
+                     f"{layers // chunks} layer(s) each (--num-layers-per-virtual-pipeline-stage {layers // chunks})")
+    return layers // chunks
 
 
 def _check_stage_layout(c: RunConfig) -> int:
@@ -240,9 +262,6 @@ def _check_zero_bubble(c: RunConfig) -> None:
              f"(--delay-wgrad-compute) are not traced by torch.compile")
     if v_shape(name):
         m = c.model
-        if not m.untie_embeddings_and_output_weights:
-            fail(f"--pipeline-schedule {name} needs --untie-embeddings-and-output-weights: the embedding and the "
-                 f"output layer sit in rank 0's two chunks")
         if m.mtp_num_layers:
             fail(f"--pipeline-schedule {name} cannot run --mtp-num-layers (MTP sits with the loss, in rank 0's "
                  f"second chunk, which this layout does not build)")

@@ -158,8 +158,8 @@ def _load_weights(train_state: TrainState, reader: _OwnedReader) -> None:
     for _, _, _, t in stored:
         t.zero_()
     for p, lo, hi, _ in reader.owned:
-        if param_info(p).tied_copy:
-            continue  # arrives from the first stage over the embedding group
+        if param_info(p).tied_copy and not ps.v_shape:
+            continue  # arrives from the first stage over the embedding group (zbv: read here, beside it)
         kind = "master" if prefer_master and reader.has(names[id(p)], "master") else "param"
         t = opt.dp.param_slice(p, lo, hi)
         t.copy_(reader.read(p, kind, lo, hi).to(t.dtype))
@@ -240,7 +240,7 @@ def _sum_to_all(stored: list, ps, replicated_over_dp: bool) -> None:
         for p, t in stored:
             _sum(t, ps.replica_group(param_info(p).expert_parallel))
     for p, t in stored:
-        if param_info(p).embedding_group_sync:
+        if param_info(p).embedding_group_sync and not ps.v_shape:  # zbv: both copies read on one rank
             _sum(t, ps.embedding_group)
 
 

@@ -60,8 +60,8 @@ class ParallelConfig:
         "--pipeline-schedule", None, "the pipeline schedule by name: no_pipelining (PP 1), 1f1b (one model chunk "
         "per rank), interleaved_1f1b (--num-layers-per-virtual-pipeline-stage), zb_h1 (zero bubble ZB-H1: 1F1B's "
         "memory, weight gradients fill the bubble), zbv (ZB-V: 2 chunks per rank in a V, rank 0 holding the first "
-        "and the last; untied embeddings); both split each backward (--delay-wgrad-compute) and run on gloo; "
-        "default: the one the layout implies", type=str)
+        "and the last; --num-layers-per-virtual-pipeline-stage num-layers / (2 x PP) unless given); both split "
+        "each backward (--delay-wgrad-compute) and run on gloo; default: the one the layout implies", type=str)
     delay_wgrad_compute: bool = flag(
         "--delay-wgrad-compute", False, "split each backward into the input gradient (B) and the weight gradient "
         "(W), computed later from the kept input and output gradient, for a schedule to place W where the pipeline "
