@@ -235,8 +235,10 @@ def _saver(cfg: RunConfig):
     if not ck.save:
         return None
     if cfg.megatron.ckpt_format == "torch_dist":
-        return MegatronSaver(ck.save)
-    return CheckpointSaver(ck.save, ck.async_save, check_finite=cfg.training.check_for_nan_in_loss_and_grad)
+        return MegatronSaver(ck.save, ck.async_save, ck.ckpt_fully_parallel_save, ck.save_retain_interval,
+                             ck.verify_integrity)
+    return CheckpointSaver(ck.save, ck.async_save, check_finite=cfg.training.check_for_nan_in_loss_and_grad,
+                           fully_parallel=ck.ckpt_fully_parallel_save, retain_interval=ck.save_retain_interval)
 
 
 def _host_malloc(cfg: RunConfig, device) -> str | None:
@@ -330,7 +332,8 @@ def _load(state: TrainState, ck, seed: int) -> int:
         return load_upcycled(state, ck.load, ck.moe_upcycling_granularity, seed, finetune=ck.finetune,
                              load_rng=not ck.no_load_rng)
     return load_checkpoint(state, ck.load, finetune=ck.finetune, load_optim=not ck.no_load_optim,
-                           load_rng=not ck.no_load_rng)
+                           load_rng=not ck.no_load_rng, strictness=ck.dist_ckpt_strictness,
+                           verify_integrity=ck.verify_integrity)
 
 
 def log_startup(run: Run, malloc: str | None = None) -> None:

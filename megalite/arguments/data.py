@@ -21,6 +21,10 @@ def check_data(c: RunConfig) -> None:
              "turns off; drop one of them (Megatron-LM would silently attend across documents)")
     paths = {dest: getattr(d, dest) for dest in DATA_PATHS}
     given = [dest for dest, v in paths.items() if v is not None]
+    if tok.tokenizer_type is None and (tok.vocab_file or tok.merge_file or (given and not d.mock_data)):
+        # Megatron-LM's pretrain_gpt.py: args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}
+        tok.tokenizer_type = "GPT2BPETokenizer"
+        c.notices.append("--tokenizer-type not given: GPT2BPETokenizer, Megatron-LM's pretrain_gpt.py default")
     try:
         c.notices.extend(check_tokenizer_args(tok))
     except InputError as e:

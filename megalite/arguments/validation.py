@@ -22,7 +22,7 @@ import os
 from dataclasses import fields
 
 from ..config.fields import flagged_fields
-from ..config.megatron import FP8_FLAGS, KERNEL_NOTICES, REFUSED_FLAGS
+from ..config.megatron import FP8_FLAGS, KERNEL_NOTICES, PENDING, SCHEDULE_NOTICES
 from ..config.run import SECTIONS, RunConfig
 from ..config.sharding import get_strategy
 from .batch import check_batch_schedule, check_lr_schedule
@@ -90,10 +90,9 @@ def _check_refused(c: RunConfig) -> None:
     """Megatron-LM flags megalite does not implement, and values of accepted flags it cannot honour."""
     m = c.megatron
     by_name = {f.name: fl for f, fl in flagged_fields(type(m))}
-    for name in REFUSED_FLAGS:
-        if getattr(m, name) not in (None, False):
-            fl = by_name[name]
-            fail(f"{fl.name} is not supported: {fl.help.removeprefix('refused: ')}; drop it")
+    for name, missing in PENDING.items():
+        if getattr(m, name) != getattr(type(m)(), name):
+            fail(f"{by_name[name].name} is not supported: {missing}; drop it")
     fp8 = [f for f in FP8_FLAGS if getattr(m, f)]
     if fp8:
         fail(f"{flag(fp8[0])} is not supported: FP8 training needs Hopper-class (or newer) GPUs and NVIDIA "
@@ -104,21 +103,26 @@ def _check_refused(c: RunConfig) -> None:
              f"with rope, not {c.model.position_embedding_type})")
     _kernel_notices(c)
     if m.rerun_mode not in (None, "disabled"):
-        fail(f"--rerun-mode {m.rerun_mode} is not supported: megalite has no re-run state machine "
-             f"(give disabled, or drop the flag)")
+        fail(f"--rerun-mode {m.rerun_mode} is not supported: Megatron-LM's resilience machinery (the re-run state "
+             f"machine) is not built yet (give disabled, or drop the flag)")
 
 
 def _check_ckpt_format(c: RunConfig) -> None:
     """--ckpt-format: torch_dist is written (checkpoint/megatron_saver.py); --load reads it whatever the flag."""
-    fmt = c.megatron.ckpt_format
+    fmt, ck = c.megatron.ckpt_format, c.checkpoint
+    if ck.verify_integrity and fmt != "torch_dist":
+        fail("--verify-integrity needs --ckpt-format torch_dist (as in Megatron-LM, where the integrity manifest is "
+             "a torch_dist feature)")
+    if ck.ckpt_fully_parallel_save_deprecated:
+        c.notices.append("--ckpt-fully-parallel-save is deprecated in Megatron-LM: fully parallel save is the default "
+                         "(--no-ckpt-fully-parallel-save turns it off)")
+    if ck.ckpt_fully_parallel_load:
+        c.notices.append("--ckpt-fully-parallel-load: megalite's loads always work this way (each data-parallel "
+                         "replica reads its share of the checkpoint, the group sums bring it to the others)")
+    if ck.dist_ckpt_optim_fully_reshardable and fmt != "torch_dist":
+        c.notices.append("--dist-ckpt-optim-fully-reshardable: megalite's own format keeps the optimizer state "
+                         "reshardable over TP, PP, EP and DP always")
     if fmt is None or fmt == "torch_dist":
-        if fmt and c.checkpoint.async_save:
-            fail("--async-save with --ckpt-format torch_dist is not supported (torch_dist saves are synchronous "
-                 "here); drop one")
-        if fmt and get_strategy(c.ddp.data_parallel_sharding_strategy).shards_params:
-            fail("--ckpt-format torch_dist with --data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is not "
-                 "supported: its ranks hold slices of the parameters, not boxes of them; use ZeRO-1/2 or megalite's "
-                 "own format")
         return
     what = {"torch": "one pickled model_optim_rng.pt per model-parallel rank",
             "zarr": "Megatron-LM's zarr distributed checkpoints",
@@ -135,9 +139,14 @@ def _kernel_notices(c: RunConfig) -> None:
     if m.transformer_impl == "transformer_engine":
         c.notices.append("--transformer-impl transformer_engine: megalite's own layers run instead (the same "
                          "function; it does not use NVIDIA Transformer Engine)")
+    defaults = type(m)()
     for name, (given, instead) in KERNEL_NOTICES.items():
-        if getattr(m, name) != getattr(type(m)(), name):
+        if getattr(m, name) != getattr(defaults, name):
             c.notices.append(f"{given}: a Megatron-LM kernel choice; {instead} (the same function)")
+    for name, (given, instead) in SCHEDULE_NOTICES.items():
+        if getattr(m, name) not in (getattr(defaults, name), None):
+            c.notices.append(f"{given}: a Megatron-LM GPU overlap, graph or worker choice; {instead} (the same "
+                             f"function)")
     if p.moe_token_dispatcher_type == "flex":
         backend = m.moe_flex_dispatcher_backend or "deepep"
         c.notices.append(f"--moe-token-dispatcher-type flex ({backend} kernels): megalite's alltoall dispatcher "
@@ -358,7 +367,9 @@ def _check_with_torch(c: RunConfig, check_files: bool) -> None:
     if p.distributed_backend is None:
         p.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if p.distributed_backend == "nccl" and not torch.cuda.is_available():
-        fail("--distributed-backend nccl needs CUDA; use gloo on CPU")
+        # a backend choice: the same collectives, on the CPU's backend (Megatron-LM's scripts pass nccl)
+        c.notices.append("--distributed-backend nccl: no CUDA here, so the collectives run on gloo (the same function)")
+        p.distributed_backend = "gloo"
     if p.distributed_backend == "nccl" and p.pipeline_schedule in ("zb_h1", "zbv"):
         fail(f"--pipeline-schedule {p.pipeline_schedule} runs on --distributed-backend gloo only: its runtime posts "
              f"sends at once and receives when its order needs them, streams told apart by tag; NCCL ignores tags "

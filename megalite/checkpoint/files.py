@@ -143,3 +143,61 @@ def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> di
         if not os.path.isfile(data):
             raise CheckpointError(f"{flag} {root}: {data} is missing (its index {path} exists)")
     return meta
+
+
+# -- Megatron-LM's --save-retain-interval and --verify-integrity ------------------------------------
+INTEGRITY = "integrity.json"  # megatron-core's manifest: {"algorithm": "sha256", "files": {name: digest}}
+
+
+def retire_previous(root: str, previous: int | None, iteration: int, interval: int | None) -> int | None:
+    """--save-retain-interval, as Megatron-LM's iter_finalize_fn: once iteration `iteration` is
+    published, the checkpoint the latest pointer named before (`previous`) is deleted unless it is
+    a multiple of `interval` (or a symbolic link, or this one); returns the deleted iteration."""
+    if not interval or not previous or previous == iteration or previous % interval == 0:
+        return None
+    directory = iteration_dir(root, previous)
+    if os.path.islink(directory) or not os.path.isdir(directory):
+        return None
+    import shutil
+    shutil.rmtree(directory, ignore_errors=True)
+    return previous
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_integrity(directory: str) -> None:
+    """Hash every file of a finished checkpoint directory into integrity.json (megatron-core's
+    save_integrity_manifest)."""
+    files = {e.name: _sha256(e.path) for e in sorted(os.scandir(directory), key=lambda e: e.name)
+             if e.is_file() and e.name != INTEGRITY}
+    with open(os.path.join(directory, INTEGRITY), "w") as f:
+        json.dump({"algorithm": "sha256", "files": files}, f, indent=2)
+
+
+def verify_integrity(directory: str) -> int:
+    """Check the files of `directory` against its integrity.json; the number of files checked.
+    Raises CheckpointError naming each file that is missing or differs."""
+    path = os.path.join(directory, INTEGRITY)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--verify-integrity: {path} is missing (the checkpoint was saved without "
+                              "--verify-integrity)")
+    manifest = _read_json(path, "--verify-integrity", directory)
+    if manifest.get("algorithm", "sha256") != "sha256":
+        raise CheckpointError(f"{path}: hash algorithm {manifest.get('algorithm')!r}, expected 'sha256'")
+    bad = []
+    for name, digest in manifest.get("files", {}).items():
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            bad.append(f"{name} is missing")
+        elif _sha256(file) != digest:
+            bad.append(f"{name} differs from its hash")
+    if bad:
+        raise CheckpointError(f"--verify-integrity: {directory}: {'; '.join(bad)}")
+    return len(manifest.get("files", {}))
