@@ -16,7 +16,8 @@ context-parallel group, `dp_cp_group` (Megatron's get_data_parallel_group(with_c
 True)); the data sampler still splits samples over `dp_group` only.
 
 Mixture-of-Experts layers have a grid of their own over the same ranks, Megatron-LM's expert
-RankGenerator "tp-ep-dp-pp": expert tensor parallelism ETP (--expert-tensor-parallel-size, by
+RankGenerator "tp-ep-dp-pp" ("tp-ep-pp-dp" with --use-tp-pp-dp-mapping, where PP > 1 needs ETP x EP
+= TP x CP so that both grids keep the same pipeline groups): expert tensor parallelism ETP (--expert-tensor-parallel-size, by
 default TP) fastest, then expert parallelism EP, then the expert-data-parallel ranks, then PP:
 
     rank = etp + ETP·ep + ETP·EP·edp + ETP·EP·EDP·pp,   EDP = world / (ETP·EP·PP)
@@ -76,8 +77,11 @@ class RankGrid:
         if self.etp < 1 or self.ep < 1 or (self.tp * self.dp * self.cp) % (self.etp * self.ep):
             raise ValueError(f"--expert-tensor-parallel-size ({self.etp}) x --expert-model-parallel-size ({self.ep}) "
                              f"does not divide TP x DP x CP ({self.tp * self.dp * self.cp})")
-        if self.separate_expert_grid and self.order != "tp-cp-dp-pp":
-            raise ValueError("expert parallelism (EP > 1 or ETP != TP) needs the rank order tp-cp-dp-pp")
+        if self.separate_expert_grid and self.order != "tp-cp-dp-pp" and self.pp > 1 and self.edp != self.dp:
+            # Megatron-LM's assertion: the two grids' pipeline groups must be the same ranks
+            raise ValueError(f"with --use-tp-pp-dp-mapping (rank order tp-cp-pp-dp) and PP > 1 the expert grid's "
+                             f"data-parallel size ({self.edp} = world / (ETP x EP x PP)) must equal the dense "
+                             f"grid's ({self.dp}): ETP x EP must equal TP x CP")
 
     @property
     def dp(self) -> int:
@@ -94,11 +98,15 @@ class RankGrid:
         return self.ep > 1 or self.etp != self.tp
 
     def expert_coords(self, rank: int) -> dict[str, int]:
-        """(etp, ep, edp, pp) coordinates of `rank` in the expert grid (order tp-ep-dp-pp)."""
+        """(etp, ep, edp, pp) coordinates of `rank` in the expert grid (order tp-ep-dp-pp, or
+        tp-ep-pp-dp with --use-tp-pp-dp-mapping: Megatron-LM's expert RankGenerator)."""
+        dims = (("etp", self.etp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp))
+        if self.order == "tp-cp-pp-dp":
+            dims = dims[:2] + dims[3:] + dims[2:3]
         out = {}
-        for dim, size in (("etp", self.etp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp)):
+        for dim, size in dims:
             out[dim], rank = rank % size, rank // size
-        return out
+        return {d: out[d] for d in ("etp", "ep", "edp", "pp")}
 
     def expert_grid_groups(self, *dims: str) -> list[list[int]]:
         """The groups of ranks that vary along `dims` (of etp, ep, edp, pp) of the expert grid and

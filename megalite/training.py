@@ -182,7 +182,8 @@ def train_step(run: Run) -> dict:
         backward_scale = optimizer.loss_scale / (num_microbatches * state.ps.dp_size)
     moe = state.model_config.num_experts
     if moe:  # each micro-batch's router losses weigh as its share of the mean over micro-batches
-        moe_balance.start_iteration(run.model, optimizer.loss_scale / (num_microbatches * state.ps.dp_size))
+        moe_balance.start_iteration(run.model, optimizer.loss_scale / (num_microbatches * state.ps.dp_size),
+                                    state.ps.tp_dp_cp_group)
     stats = forward_backward(run, num_microbatches, backward_scale)
     check, guard = t.check_for_nan_in_loss_and_grad, run.spike_guard
     loss_sum, num_tokens, bad_loss, grad_max, rank_losses, mtp_losses = global_loss(

@@ -90,6 +90,22 @@ def check_glu(c: RunConfig) -> None:
         fail(f"--glu-linear-offset {m.glu_linear_offset} applies to a gated MLP (--swiglu or --quick-geglu)")
     if m.activation_func_clamp_value is not None and not m.quick_geglu:
         fail("--activation-func-clamp-value clamps --quick-geglu's inputs; it needs --quick-geglu")
+    if m.squared_relu and (m.gated_linear_unit or m.openai_gelu):
+        other = "--swiglu" if m.swiglu else "--quick-geglu" if m.quick_geglu else "--openai-gelu"
+        fail(f"--squared-relu is the MLP's activation; {other} is another (choose one; Megatron-LM asserts it)")
+    if m.rotary_interleaved and m.multi_latent_attention:
+        fail("--rotary-interleaved with --multi-latent-attention is not supported (MLA's decoupled RoPE keys are "
+             "rotated in halves here)")
+    if m.rotary_interleaved and not m.uses_rope:
+        c.notices.append(f"--rotary-interleaved has no effect with --position-embedding-type "
+                         f"{m.position_embedding_type} (no RoPE; Megatron-LM accepts it there)")
+    k = c.kernels
+    if k.apply_query_key_layer_scaling:
+        k.attention_softmax_in_fp32 = True  # as Megatron-LM's validate_args
+        if k.attention_backend != "local":
+            c.notices.append(f"--apply-query-key-layer-scaling acts on --attention-backend local (the scores megalite "
+                             f"computes); with {k.attention_backend}, SDPA's kernels keep Q·K^T in fp32 and need no "
+                             f"guard (the same function)")
 
 
 def check_rope(c: RunConfig) -> None:
@@ -296,6 +312,12 @@ def check_attention_backend(c: RunConfig) -> None:
     why = [w for w in (str(w.message).split(" (Triggered")[0].strip() for w in caught) if not w.endswith(":")]
     reason = "; ".join(dict.fromkeys(why + [str(error).strip().splitlines()[0] if str(error).strip()
                                             else type(error).__name__]))[:300]
+    if device.type == "cpu" and not k.use_flash_attn:  # a GPU kernel choice: the CPU's kernel computes the same
+        c.notices.append(f"--attention-backend {k.attention_backend}: a GPU kernel that cannot run on the CPU "
+                         f"({reason[:120]}); SDPA's CPU kernel runs instead (--attention-backend auto; the same "
+                         f"function)")
+        k.attention_backend = "auto"
+        return
     fail(f"--attention-backend {k.attention_backend} cannot run here ({device.type}, "
          f"{c.optimizer.params_dtype}, head size {m.kv_channels}"
          f"{', attention dropout ' + str(m.attention_dropout) if m.attention_dropout else ''}"

@@ -278,7 +278,7 @@ def _check_operations(c: RunConfig) -> None:
             fail("--deterministic-mode refuses --cross-entropy-loss-fusion, as Megatron-LM does")
     _check_dry_run(c)
     explicit_softmax = c.kernels.attention_backend == "local" or c.model.softmax_type != "vanilla"  # sinks: local's
-    if c.kernels.attention_softmax_in_fp32 and (not explicit_softmax or c.kernels.use_flash_attn):
+    if "kernels.attention_softmax_in_fp32" in c.explicit and (not explicit_softmax or c.kernels.use_flash_attn):
         c.notices.append(f"--attention-softmax-in-fp32 has no effect with --attention-backend "
                          f"{c.kernels.attention_backend}{' and --use-flash-attn' if c.kernels.use_flash_attn else ''}: "
                          f"SDPA's and flash-attn's kernels choose their own softmax precision (Megatron-LM accepts it "

@@ -35,6 +35,7 @@ MODEL_FLAGS = {
     "activation_func_clamp_value": "--activation-func-clamp-value",
     "multi_latent_attention": "--multi-latent-attention",
     "mtp_num_layers": "--mtp-num-layers",  # the MTP modules' weights
+    "squared_relu": "--squared-relu", "rotary_interleaved": "--rotary-interleaved",
 }
 # Mixture of Experts: the weights' shapes (which layers, how many experts, their sizes, the
 # shared expert, the expert bias) and the routing

@@ -100,7 +100,7 @@ class MLASelfAttention(nn.Module):
         self.kv_layernorm = latent_norm(self.kv_lora_rank) if latent_norm else None
         self.linear_kv_up_proj = ColumnParallelLinear(self.kv_lora_rank, n * (self.qk_dim + self.v_dim), **column)
         self.core_attention = CoreAttention(config.attention_dropout, execution, rng_tracker, self.num_heads,
-                                            config.softmax_type, std, device)
+                                            config.softmax_type, std, device, layer_number)
         self.linear_proj = RowParallelLinear(n * self.v_dim, h, tp_group=tp_group, bias=config.add_bias_linear,
                                              sequence_parallel=execution.sequence_parallel,
                                              dtype=execution.params_dtype, device=device, init_std=out_std)
