@@ -127,9 +127,10 @@ def check_rope(c: RunConfig) -> None:
             fail(f"{given[0]} sets YaRN, which needs --position-embedding-type yarn (got "
                  f"{m.position_embedding_type})")
         return
-    if m.yarn_original_max_position_embeddings is None:
-        fail("--position-embedding-type yarn needs --yarn-original-max-position-embeddings (the context length "
-             "the model was pretrained at)")
+    if m.yarn_original_max_position_embeddings is None:  # Megatron-LM's _set_yarn_config default
+        m.yarn_original_max_position_embeddings = 4096
+        c.notices.append("--position-embedding-type yarn without --yarn-original-max-position-embeddings: 4096, "
+                         "Megatron-LM's default")
     if m.rotary_percent != 1.0:
         fail(f"--position-embedding-type yarn rotates every head channel (Megatron-LM's YarnRotaryEmbedding); "
              f"--rotary-percent must be 1.0, got {m.rotary_percent}")
