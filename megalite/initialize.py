@@ -173,7 +173,8 @@ def build_datasets(cfg: RunConfig, model_vocab_size: int | None = None) -> list:
     --vocab-size N leaves out its eod id N)."""
     t, data = cfg.training, cfg.data
     train = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
-    num_samples = (train, t.eval_iters * t.global_batch_size, t.eval_iters * t.global_batch_size)
+    eval_batch = t.eval_global_batch_size or t.global_batch_size
+    num_samples = (train, t.eval_iters * eval_batch, t.eval_iters * eval_batch)
     if data.mock_data:
         from .data.mock import MockGPTDataset
         return [MockGPTDataset(n, data.seq_length, data.vocab_size, data.seed + i) if n else None
@@ -219,6 +220,14 @@ def _process_switches(cfg: RunConfig, closing: contextlib.ExitStack) -> None:
         torch.use_deterministic_algorithms(True)
     if cfg.kernels.disable_bf16_reduced_precision_matmul:
         _bf16_matmul_in_fp32(closing)
+    level = cfg.training.logging_level
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL", "").strip().isdigit():
+        level = int(os.environ["MEGATRON_LOGGING_LEVEL"])  # Megatron-LM's environment variable
+    if level is not None:  # --logging-level: Python's root logger, as Megatron-LM's setup_logging
+        import logging
+        root = logging.getLogger()
+        closing.callback(root.setLevel, root.level)
+        root.setLevel(level)
 
 
 def _compile(model: list, ps) -> None:

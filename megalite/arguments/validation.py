@@ -287,6 +287,12 @@ def _check_operations(c: RunConfig) -> None:
         for name in ("spike_factor", "spike_window", "spike_patience"):
             if f"training.{name}" in c.explicit:
                 fail(f"{flag(name)} needs --check-for-spiky-loss or --check-for-large-grads")
+    if t.test_mode and not c.model.qk_layernorm:
+        c.notices.append("--test-mode checks the --qk-layernorm weights' replicas; this model has none (Megatron-LM "
+                         "runs no test then either)")
+    if t.test_mode and get_strategy(c.ddp.data_parallel_sharding_strategy).shards_params:
+        fail("--test-mode compares whole parameters across ranks; under ZeRO-3 (--data-parallel-sharding-strategy "
+             "optim_grads_params) each rank holds slices of them")
     if not t.manual_gc and (t.manual_gc_interval or not t.manual_gc_eval):
         fail("--manual-gc-interval / --no-manual-gc-eval need --manual-gc")
 

@@ -91,6 +91,9 @@ class TrainingConfig:
     eval_interval: int = flag("--eval-interval", 1000, "iterations between evaluations (>= 1)", check=AT_LEAST_1)
     eval_iters: int = flag("--eval-iters", 100, "global batches per evaluation (>= 0; 0: none)",
                            check=at_least_0("0: no evaluation"))
+    eval_global_batch_size: int | None = flag(
+        "--eval-global-batch-size", None, "samples per evaluation iteration (>= 1, a multiple of micro x DP; "
+        "default --global-batch-size; Megatron-LM's)", type=int, check=AT_LEAST_1)
     exit_signal_handler: bool = flag("--exit-signal-handler", False, "on SIGTERM, save and exit cleanly",
                                      action="store_true")
     exit_interval: int | None = flag("--exit-interval", None, "exit (after saving) when the iteration is a multiple "
@@ -136,9 +139,18 @@ class TrainingConfig:
     manual_gc_interval: int = flag("--manual-gc-interval", 0, "with --manual-gc: collect every this many iterations "
                                    "(>= 0; 0: only around evaluations)",
                                    check=at_least_0("0: only around evaluations"))
+    logging_level: int | None = flag(
+        "--logging-level", None, "the level of Python's root logger (10 DEBUG ... 50 CRITICAL; default: "
+        "$MEGATRON_LOGGING_LEVEL, else unchanged), as Megatron-LM sets it: what torch and the libraries log; "
+        "megalite's own lines are printed", type=int)
+    test_mode: bool = flag(
+        "--test-mode", False, "Megatron-LM's real-time consistency test: each iteration the --qk-layernorm weights "
+        "are compared across the tensor- and data-parallel ranks, and a discrepancy stops the run naming the ranks",
+        action="store_true")
     manual_gc_eval: bool = flag("--no-manual-gc-eval", True, "with --manual-gc: do not collect at the start and end "
                                 "of each evaluation", action="store_false")
     num_microbatches: int = derived(1, "global batch / (micro batch x DP), at the final global batch")
+    eval_num_microbatches: int = derived(1, "evaluation global batch / (micro batch x DP)")
     profile_dir: str | None = derived(None, "--tensorboard-dir, else ./profile, with --profile")
     seq_length: int = derived(1024, copy_of="model.seq_length")
 
