@@ -112,7 +112,8 @@ def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None, mo
                                    timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size,
                                    ep=cfg.expert_model_parallel_size, moe=moe,
                                    etp=cfg.expert_tensor_parallel_size,
-                                   hierarchical_cp=cfg.hierarchical_context_parallel_sizes)
+                                   hierarchical_cp=cfg.hierarchical_context_parallel_sizes,
+                                   instances=cfg.num_distributed_optimizer_instances)
     # zbv: chunk 1 of rank r is virtual stage 2p-1-r, the loss on pipeline rank 0
     ps.v_shape = cfg.pipeline_schedule is not None and v_shape(cfg.pipeline_schedule)
     if closing is not None and not created:

@@ -207,6 +207,17 @@ class ParallelState:
     tp_dp_cp_group: object = None  # MoE: every rank of this pipeline stage (expert-bias token counts)
     tp_cp_group: object = None  # MoE: the ranks holding one micro-batch's tokens (TP under SP, x CP)
     hcp_groups: list = field(default_factory=list)  # --hierarchical-context-parallel-sizes: this rank's group per level
+    # --num-distributed-optimizer-instances N: each replica group (DP x CP, an expert's expert-DP)
+    # cut into N instances of consecutive ranks, the state sharded within an instance ("shard")
+    # and the instances replicas of each other ("across"); N = 1: the shard groups are the
+    # replica groups themselves and there is nothing across
+    instances: int = 1
+    dp_cp_shard_group: object = None
+    dp_cp_shard_ranks: list[int] = field(default_factory=lambda: [0])
+    dp_cp_across_group: object = None
+    expert_dp_shard_group: object = None
+    expert_dp_shard_ranks: list[int] = field(default_factory=lambda: [0])
+    expert_dp_across_group: object = None
     groups: list = field(default_factory=list)  # every group this rank is in, for destroy()
     pp_ranks: list[int] = field(default_factory=lambda: [0])
     tp_ranks: list[int] = field(default_factory=lambda: [0])
@@ -277,6 +288,29 @@ class ParallelState:
         """The ranks holding the same copy of a weight: DP x CP, or for an MoE expert's weight
         (`expert`) its expert-data-parallel group."""
         return self.expert_dp_group if expert and self.separate_expert_grid else self.dp_cp_group
+
+    def shard_group(self, expert: bool):
+        """The ranks over which the distributed optimizer shards a weight's state: its replica
+        group, or with --num-distributed-optimizer-instances this rank's instance of it."""
+        if self.instances == 1:
+            return self.replica_group(expert)
+        return self.expert_dp_shard_group if expert and self.separate_expert_grid else self.dp_cp_shard_group
+
+    def across_group(self, expert: bool):
+        """The same shard in the other instances (None: one instance)."""
+        if self.instances == 1:
+            return None
+        return self.expert_dp_across_group if expert and self.separate_expert_grid else self.dp_cp_across_group
+
+    def instance_rank(self, expert: bool) -> int:
+        """This rank's instance (0 with one)."""
+        if self.instances == 1:
+            return 0
+        size = len(self.replica_ranks(expert)) // self.instances
+        return self.replica_ranks(expert).index(self.rank) // size
+
+    def replica_ranks(self, expert: bool) -> list[int]:
+        return self.expert_dp_ranks if expert and self.separate_expert_grid else self.dp_cp_ranks
 
     def replica_rank(self, expert: bool) -> int:
         """This rank's place in `replica_group(expert)`."""
@@ -371,15 +405,29 @@ def single_process_state() -> ParallelState:
     return ParallelState(grid=RankGrid(1))
 
 
+def split_instances(groups: list[list[int]], n: int) -> list[list[int]]:
+    """Each group cut into `n` instances of consecutive members (Megatron-LM's intra-instance
+    partial data-parallel groups)."""
+    size = len(groups[0]) // n
+    return [g[i * size:(i + 1) * size] for g in groups for i in range(n)]
+
+
+def across_instances(groups: list[list[int]], n: int) -> list[list[int]]:
+    """The members at the same place of each instance (Megatron-LM's inter-instance groups)."""
+    size = len(groups[0]) // n
+    return [g[j::size] for g in groups for j in range(size)]
+
+
 def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp",
                timeout_minutes: float | None = None, cp: int = 1, ep: int = 1, moe: bool = False,
-               etp: int | None = None, hierarchical_cp: list[int] | None = None) -> ParallelState:
+               etp: int | None = None, hierarchical_cp: list[int] | None = None,
+               instances: int = 1) -> ParallelState:
     """Create every process group of the grid; torch.distributed must already be initialised
     (or the world must be a single process). `timeout_minutes` bounds each group's collectives
     (new groups do not inherit the default group's timeout: torch gives them its own default)."""
     if not dist.is_initialized():
         grid = RankGrid(1, tp, pp, order, cp, ep, etp)
-        return ParallelState(grid=grid, vpp=vpp)
+        return ParallelState(grid=grid, vpp=vpp)  # (one rank: one instance)
     world, rank = dist.get_world_size(), dist.get_rank()
     grid = RankGrid(world, tp, pp, order, cp, ep, etp)
     ps = ParallelState(grid=grid, rank=rank, vpp=vpp)
@@ -419,6 +467,14 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp
         ps.tp_cp_group = ps.tp_group if cp == 1 else ps.cp_group if tp == 1 else make(grid.groups("tp", "cp"))[0]
         ps.tp_dp_cp_group = make(grid.groups("tp", "dp", "cp"))[0]
     ps.hcp_groups = [make(level)[0] for level in grid.hierarchical_cp_groups(hierarchical_cp)]
+    if instances > 1:  # --num-distributed-optimizer-instances (Megatron-LM's intra/inter partial DP groups)
+        ps.instances = instances
+        ps.dp_cp_shard_group, ps.dp_cp_shard_ranks = make(split_instances(grid.groups("dp", "cp"), instances))
+        ps.dp_cp_across_group = make(across_instances(grid.groups("dp", "cp"), instances))[0]
+        if grid.separate_expert_grid:
+            experts = grid.expert_grid_groups("edp")
+            ps.expert_dp_shard_group, ps.expert_dp_shard_ranks = make(split_instances(experts, instances))
+            ps.expert_dp_across_group = make(across_instances(experts, instances))[0]
     emb = make(grid.embedding_groups())
     # ranks outside the first/last stage belong to no embedding group
     if emb is not None:

@@ -29,6 +29,7 @@ from .batch import check_batch_schedule, check_lr_schedule
 from .checkpoint_args import apply_checkpoint_args
 from .data import check_data
 from .errors import fail, flag
+from .fsdp import check_fsdp
 from .context_parallel import check_cp_comm_type
 from .model import check_attention_backend, check_context_parallel, check_model_shape, check_precision, \
     check_recompute
@@ -53,6 +54,7 @@ def validate(config: RunConfig, world_size: int | None = None, check_files: bool
     _check_layout(c)
     check_model_shape(c)
     check_moe(c)
+    check_fsdp(c)
     check_context_parallel(c)
     check_cp_comm_type(c)
     check_recompute(c)

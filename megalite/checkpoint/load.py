@@ -330,6 +330,9 @@ def _sum_to_all(stored: list, ps, replicated_over_dp: bool) -> None:
     if replicated_over_dp:
         for p, t in stored:
             _sum(t, ps.replica_group(param_info(p).expert_parallel))
+    elif ps.instances > 1:  # ZeRO-3 slices: the first instance read them, the others are its replicas
+        for p, t in stored:
+            _sum(t, ps.across_group(param_info(p).expert_parallel))
     for p, t in stored:
         if param_info(p).embedding_group_sync:
             _sum(t, ps.embedding_group)
@@ -346,6 +349,10 @@ def _sum_optimizer_state(pieces: list, ps, replicated_over_dp: bool) -> None:
         for p, tensors in pieces:
             for t in tensors:
                 _sum(t, ps.replica_group(param_info(p).expert_parallel))
+    elif ps.instances > 1:  # the first instance read the slices; the others are its replicas
+        for p, tensors in pieces:
+            for t in tensors:
+                _sum(t, ps.across_group(param_info(p).expert_parallel))
 
 
 def _sum(t: torch.Tensor, group) -> None:

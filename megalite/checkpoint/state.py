@@ -246,6 +246,8 @@ def owned_pieces(train_state: TrainState, spread: bool = True) -> list[tuple]:
     rule on every layout (see the module docstring)."""
     ps, opt = train_state.ps, train_state.optimizer
     pieces = opt.pieces()
+    if opt.distributed and ps.instances > 1:  # the first of the replicated instances saves and reads
+        pieces = [pc for pc in pieces if ps.instance_rank(param_info(pc[0]).expert_parallel) == 0]
     if not opt.distributed:
         # CP ranks are replicas like DP ranks: whole tensors spread over DP x CP, each written
         # once; under expert parallelism an expert's over its expert-DP group

@@ -68,6 +68,12 @@ class ParallelConfig:
         "would idle: on with --pipeline-schedule zb_h1 or zbv (which need it); without them refused (Megatron-LM "
         "uses it to overlap --overlap-moe-expert-parallel-comm's all-to-alls, which megalite has not)",
         action="store_true")
+    num_distributed_optimizer_instances: int = flag(
+        "--num-distributed-optimizer-instances", 1, "(>= 1) with a sharded strategy: the data-parallel (x CP) ranks "
+        "cut into this many instances of consecutive ranks, the optimizer state (and the sharded gradients and "
+        "parameters) sharded within each instance and replicated across them: gradients reduce-scattered within "
+        "the instance, then all-reduced across instances (Megatron-LM's partial distributed optimizer; with "
+        "--use-megatron-fsdp, HSDP); likewise an expert's expert-DP ranks", check=AT_LEAST_1)
     use_tp_pp_dp_mapping: bool = flag("--use-tp-pp-dp-mapping", False,
                                       "rank order TP-CP-PP-DP instead of Megatron's default TP-CP-DP-PP",
                                       action="store_true")
@@ -145,6 +151,29 @@ class DDPConfig:
         "next forward, just before they are used (ZeRO-3: prefetch the next layer's gather)", action="store_true")
     ddp_bucket_size: int = flag("--ddp-bucket-size", 40_000_000, "elements per gradient all-reduce bucket (>= 1)",
                                 check=AT_LEAST_1)
+    # Megatron-LM's FSDP flags, run on megalite's sharded strategies (arguments/fsdp.py)
+    use_megatron_fsdp: bool = flag(
+        "--use-megatron-fsdp", False, "Megatron FSDP: runs as megalite's --data-parallel-sharding-strategy "
+        "(optim_grads_params, ZeRO-3, unless given; Megatron-LM's default for it), with its dtype flags below",
+        action="store_true")
+    use_torch_fsdp2: bool = flag("--use-torch-fsdp2", False, "PyTorch FSDP2 (fully sharded): runs as megalite's "
+                                 "ZeRO-3 (optim_grads_params)", action="store_true")
+    megatron_fsdp_main_params_dtype: str = flag(
+        "--megatron-fsdp-main-params-dtype", "fp32", "--use-megatron-fsdp: the masters' dtype (auto: the "
+        "parameters'); megalite's --main-params-dtype", choices=["fp32", "bf16", "fp16", "auto"])
+    megatron_fsdp_main_grads_dtype: str = flag(
+        "--megatron-fsdp-main-grads-dtype", "auto", "--use-megatron-fsdp: the dtype gradients accumulate in (auto: "
+        "the parameters'; bf16 is megalite's --grad-reduce-in-bf16)", choices=["fp32", "bf16", "fp16", "auto"])
+    megatron_fsdp_grad_comm_dtype: str = flag(
+        "--megatron-fsdp-grad-comm-dtype", "auto", "--use-megatron-fsdp: the dtype gradients are reduced in (auto: "
+        "the main gradients'; megalite reduces in the dtype it accumulates in)", choices=["fp32", "fp16", "bf16", "auto"])
+    outer_dp_sharding_strategy: str = flag(
+        "--outer-dp-sharding-strategy", "no_shard", "--use-megatron-fsdp with --num-distributed-optimizer-instances "
+        "(HSDP): no_shard replicates across the instances (optim, sharding the optimizer across them too, is not "
+        "built)", choices=["no_shard", "optim"])
+    ddp_average_in_collective: bool = flag(
+        "--ddp-average-in-collective", False, "Megatron-LM divides by DP inside the reduction instead of before it "
+        "(megalite's gradients are divided before their sum: a notice; the same function)", action="store_true")
     grad_reduce_in_bf16: bool = flag(
         "--grad-reduce-in-bf16", False, "with --bf16: accumulate and data-parallel-reduce gradients in bf16 instead "
         "of fp32 (half the gradient memory and traffic; the fp32 master weights stay)", action="store_true")
