@@ -4,6 +4,7 @@ iterators, and the start-up report. `setup` returns the `Run` that the loop (tra
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -239,6 +240,15 @@ def _compile(model: list, ps) -> None:
         print(f"> compile: torch.compile of {n} transformer layers (Inductor)", flush=True)
 
 
+def _schedule(p):
+    """The pipeline schedule's function; the interleaved one with its micro-batch groups
+    (--microbatch-group-size-per-virtual-pipeline-stage)."""
+    run = get_schedule(p.pipeline_schedule)
+    if p.microbatch_group_size_per_vp_stage and p.pipeline_schedule == "interleaved_1f1b":
+        return functools.partial(run, microbatch_group_size=p.microbatch_group_size_per_vp_stage)
+    return run
+
+
 def _saver(cfg: RunConfig):
     """--save's writer: megalite's own format, or Megatron-LM's torch_dist (--ckpt-format torch_dist)."""
     ck = cfg.checkpoint
@@ -311,7 +321,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     run = Run(cfg=cfg, state=state, model=model, dp=dp, datasets=datasets, eod=eod,
               train_batches=batch_iterators(cfg, datasets[0], state.consumed_samples, ps, device, eod, straggler,
                                             timers),
-              forward_backward=get_schedule(cfg.parallel.pipeline_schedule),
+              forward_backward=_schedule(cfg.parallel),
               pipe_comm=PipeComm(ps, (s, cfg.data.micro_batch_size, model_config.hidden_size),
                                  execution.params_dtype, device),
               jsonl=JsonlWriter(cfg.training.log_jsonl if logging_rank else None),

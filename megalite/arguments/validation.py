@@ -30,6 +30,7 @@ from .checkpoint_args import apply_checkpoint_args
 from .data import check_data
 from .errors import fail, flag
 from .fsdp import check_fsdp
+from .pipeline_split import apply_pipeline_split
 from .context_parallel import check_cp_comm_type
 from .model import check_attention_backend, check_context_parallel, check_model_shape, check_precision, \
     check_recompute
@@ -172,6 +173,7 @@ def _check_layout(c: RunConfig) -> list[int]:
     p.rank_order = "tp-cp-pp-dp" if p.use_tp_pp_dp_mapping else "tp-cp-dp-pp"
     cp_text = f" x CP {cp}" if cp > 1 else ""
     batch_sizes = check_batch_schedule(c, f"data-parallel size ({dp} = world {world} / (TP {tp} x PP {pp}{cp_text}))")
+    apply_pipeline_split(c)
     layers = c.model.num_layers
     p.virtual_pipeline_model_parallel_size = 1
     k = p.num_layers_per_virtual_pipeline_stage
@@ -188,12 +190,27 @@ def _check_layout(c: RunConfig) -> list[int]:
         p.virtual_pipeline_model_parallel_size = layers // (pp * k)
     # (zbv's order, a list scheduler's, runs any number of micro-batches)
     if p.virtual_pipeline_model_parallel_size > 1 and p.pipeline_schedule in (None, "interleaved_1f1b"):
-        for g in batch_sizes:
-            m = g // (t.micro_batch_size * dp)
-            if m % pp:
-                fail(f"the interleaved schedule needs the number of micro-batches (global batch {g} / "
-                     f"(--micro-batch-size x DP) = {m}) to be a multiple of --pipeline-model-parallel-size ({pp})")
+        _check_microbatch_groups(c, batch_sizes)
+    elif p.microbatch_group_size_per_vp_stage is not None:
+        c.notices.append("--microbatch-group-size-per-virtual-pipeline-stage has no effect without virtual pipeline "
+                         "stages (the interleaved schedule; Megatron-LM accepts it there)")
     return batch_sizes
+
+
+def _check_microbatch_groups(c: RunConfig, batch_sizes: list[int]) -> None:
+    """The interleaved schedule runs micro-batches in groups of g (default PP) through each chunk
+    (Megatron-LM's get_schedule_table): PP <= g <= micro-batches, the last group 0 or >= PP."""
+    p, t = c.parallel, c.training
+    pp, dp = p.pipeline_model_parallel_size, p.data_parallel_size
+    g = p.microbatch_group_size_per_vp_stage or pp
+    name = "--microbatch-group-size-per-virtual-pipeline-stage" if p.microbatch_group_size_per_vp_stage else \
+        "--pipeline-model-parallel-size"
+    counts = sorted({b // (t.micro_batch_size * dp) for b in batch_sizes} | {t.eval_num_microbatches})
+    for m in counts:
+        if not pp <= g <= m or 0 < m % g < pp:
+            fail(f"the interleaved schedule runs the micro-batches in groups of {name} ({g}) through each model "
+                 f"chunk: it needs PP ({pp}) <= {g} <= the {m} micro-batches of an iteration (global batch / "
+                 f"(--micro-batch-size x DP)) and the last group's remainder ({m % g}) 0 or >= PP")
 
 
 def _check_stage_layout(c: RunConfig) -> int:

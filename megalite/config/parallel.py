@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fields import AT_LEAST_1, derived, flag, internal
+from .fields import AT_LEAST_0, AT_LEAST_1, derived, flag, internal
 from .sharding import NAMES as SHARDING_STRATEGIES
 from .sharding import default_strategy_name, get_strategy
 
@@ -23,6 +23,26 @@ class ParallelConfig:
         "(embedding), t (transformer layer), m (MTP layer), L (loss), '|' between stages, X*N and (...)*N repeat; "
         "PP x v stages give v virtual stages per rank (stage k: virtual stage k // PP of rank k mod PP), e.g. "
         "'Ettt|ttmL' or 'E(t|)*7tL' (docs/parallelism.md)", type=str)
+    # Megatron-LM's other splits of the layers over stages (arguments/pipeline_split.py makes them a layout)
+    num_virtual_stages_per_pipeline_rank: int | None = flag(
+        "--num-virtual-stages-per-pipeline-rank", None, "model chunks per pipeline rank (>= 1; interleaved 1F1B), "
+        "instead of --num-layers-per-virtual-pipeline-stage", type=int, check=AT_LEAST_1)
+    decoder_first_pipeline_num_layers: int | None = flag(
+        "--decoder-first-pipeline-num-layers", None, "transformer layers on the first pipeline rank (>= 0; the "
+        "middle ranks share the rest evenly; with VPP split evenly over its chunks)", type=int, check=AT_LEAST_0)
+    decoder_last_pipeline_num_layers: int | None = flag(
+        "--decoder-last-pipeline-num-layers", None, "transformer layers on the last pipeline rank (>= 0)", type=int,
+        check=AT_LEAST_0)
+    account_for_embedding_in_pipeline_split: bool = flag(
+        "--account-for-embedding-in-pipeline-split", False, "the embedding counts as a layer in the even split: the "
+        "first (virtual) stage holds one transformer layer fewer", action="store_true")
+    account_for_loss_in_pipeline_split: bool = flag(
+        "--account-for-loss-in-pipeline-split", False, "the loss counts as a layer in the even split: the last "
+        "(virtual) stage holds one transformer layer fewer", action="store_true")
+    microbatch_group_size_per_vp_stage: int | None = flag(
+        "--microbatch-group-size-per-virtual-pipeline-stage", None, "interleaved 1F1B: micro-batches run through "
+        "one model chunk before the next (default PP, depth-first; from PP to the micro-batches of an iteration; "
+        "the last group's remainder 0 or >= PP), Megatron-LM's tunable schedule", type=int, check=AT_LEAST_1)
     context_parallel_size: int = flag(
         "--context-parallel-size", 1,
         "CP (>= 1): each sequence split over this many ranks (2·CP chunks, rank r keeps chunks r and 2·CP-1-r); "

@@ -92,26 +92,39 @@ def forward_backward_1f1b(batches, model, num_microbatches: int, backward_scale:
     return step.stats
 
 
+def schedule_table(m: int, v: int, g: int) -> list[int]:
+    """The chunk of each virtual micro-batch (Megatron-LM's get_schedule_table): the micro-batches
+    in groups of g (--microbatch-group-size-per-virtual-pipeline-stage, default PP), each group
+    run through chunk 0, then chunk 1, ...; the last group takes what remains."""
+    out = []
+    for start in range(0, m, g):
+        size = g if start + g < m else m - start
+        out += [c for c in range(v) for _ in range(size)]
+    return out
+
+
 class _Interleaved:
     """The bookkeeping of one interleaved iteration on one rank: per chunk, the queues of
     input activations, outputs and output gradients, and which chunk virtual micro-batch k
     runs on. Its three phases are the schedule's warm-up, steady state and cool-down."""
 
-    def __init__(self, step: _Step, comm: PipeComm, v: int, m: int, forward_only: bool):
+    def __init__(self, step: _Step, comm: PipeComm, v: int, m: int, forward_only: bool, group: int | None = None):
         ps = comm.ps
         self.step, self.comm, self.forward_only = step, comm, forward_only
         self.p, self.v, self.total = ps.pp_size, v, m * v
+        g = group or self.p
+        self.table = schedule_table(m, v, g)
         self.first_rank, self.last_rank = ps.is_first_stage, ps.is_last_stage
-        self.all_warmup = forward_only or m == self.p
-        self.num_warmup = (self.total if self.all_warmup
-                           else min((self.p - ps.pp_rank - 1) * 2 + (v - 1) * self.p, self.total))
+        warmup = (self.p - ps.pp_rank - 1) * 2 + (v - 1) * g
+        self.all_warmup = forward_only or (m == self.p if g == self.p else warmup >= self.total)
+        self.num_warmup = self.total if self.all_warmup else min(warmup, self.total)
         self.num_steady = self.total - self.num_warmup
         self.inputs = [[] for _ in range(v)]
         self.outputs = [[] for _ in range(v)]
         self.output_grads = [[] for _ in range(v)]
 
     def chunk_of(self, k: int, forward: bool) -> int:
-        c = (k % (self.p * self.v)) // self.p
+        c = self.table[k % self.total]
         return c if forward else self.v - 1 - c
 
     def is_first_virtual(self, c: int) -> bool:
@@ -215,12 +228,13 @@ class _Interleaved:
 
 def forward_backward_interleaved(batches, model, num_microbatches: int, backward_scale: float,
                                  forward_only: bool = False, comm: PipeComm = None, microbatch_mean: bool = False,
-                                 timeline=None, **_):
+                                 timeline=None, microbatch_group_size: int | None = None, **_):
     """Interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2.2), following Megatron-LM's
     forward_backward_pipelining_with_interleaving. Virtual micro-batch k runs on chunk
-    (k // p) % v (reversed for backward); chunk c of rank p-1 feeds chunk c+1 of rank 0."""
+    (k // p) % v (reversed for backward; in groups of --microbatch-group-size-per-virtual-pipeline-stage
+    micro-batches where it is given, `schedule_table`); chunk c of rank p-1 feeds chunk c+1 of rank 0."""
     step = _Step(batches, model, backward_scale, forward_only, microbatch_mean, timeline)
-    run = _Interleaved(step, comm, len(model), num_microbatches, forward_only)
+    run = _Interleaved(step, comm, len(model), num_microbatches, forward_only, microbatch_group_size)
     run.warmup()
     run.steady()
     if not forward_only:
