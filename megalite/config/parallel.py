@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fields import AT_LEAST_0, AT_LEAST_1, derived, flag, internal
+from .fields import AT_LEAST_0, AT_LEAST_1, derived, flag, int_words, internal
 from .sharding import NAMES as SHARDING_STRATEGIES
 from .sharding import default_strategy_name, get_strategy
 
@@ -59,8 +59,8 @@ class ParallelConfig:
     hierarchical_context_parallel_sizes: list | None = flag(
         "--hierarchical-context-parallel-sizes", None, "the CP group as levels, e.g. '2 2' for CP 4: every 2 "
         "adjacent CP ranks form a first-level group (a2a), the CP ranks with the same place in it a second-level "
-        "group (p2p); the sizes multiply to --context-parallel-size (used by --cp-comm-type a2a+p2p)",
-        type=int, nargs="+")
+        "group (p2p); the sizes multiply to --context-parallel-size (used by --cp-comm-type a2a+p2p); one quoted "
+        "argument '2 2' is read as two", type=int_words, nargs="+")
     expert_model_parallel_size: int = flag(
         "--expert-model-parallel-size", 1, "EP (>= 1): each MoE layer's experts split over this many ranks, taken "
         "from the DP x CP ranks (which must divide by it); expert weights are data-parallel over the remaining "
