@@ -188,6 +188,28 @@ def check_attention_variants(c: RunConfig) -> None:
                  f"--attention-backend {k.attention_backend} excludes it: use auto, unfused or local")
 
 
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+def check_recompute_modules(c: RunConfig) -> None:
+    """--recompute-modules (Megatron-LM's selective recompute of chosen parts of each layer)."""
+    r, m = c.recompute, c.model
+    modules = r.recompute_modules
+    if "recompute.recompute_modules" not in c.explicit:
+        return
+    if r.recompute_granularity != "selective":
+        c.notices.append("--recompute-modules has no effect without --recompute-granularity selective (Megatron-LM "
+                         "accepts and ignores it there)")
+        return
+    bad = [x for x in modules if x not in RECOMPUTE_MODULES]
+    if bad:
+        fail(f"--recompute-modules {bad[0]} is not one of {', '.join(RECOMPUTE_MODULES)}")
+    if "mla_up_proj" in modules and not m.multi_latent_attention:
+        fail("--recompute-modules mla_up_proj needs --multi-latent-attention (as Megatron-LM)")
+    if not m.num_experts and any(x in modules for x in ("moe_act", "moe", "shared_experts")):
+        c.notices.append("--recompute-modules moe_act / moe / shared_experts have no effect on a dense model")
+
+
 def check_recompute(c: RunConfig) -> None:
     """Activation memory: recompute and sequence parallelism (Megatron-LM's rules)."""
     r, p = c.recompute, c.parallel
@@ -210,8 +232,11 @@ def check_recompute(c: RunConfig) -> None:
         if r.recompute_method is not None or r.recompute_num_layers is not None:
             fail("--recompute-method / --recompute-num-layers apply to --recompute-granularity full only, "
                  "not selective")
-    elif r.recompute_method is not None or r.recompute_num_layers is not None:
-        fail("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    elif r.recompute_method is not None or r.recompute_num_layers is not None:  # Megatron-LM ignores them then
+        c.notices.append("--recompute-method / --recompute-num-layers have no effect without --recompute-granularity "
+                         "full (Megatron-LM accepts and ignores them there)")
+        r.recompute_method = r.recompute_num_layers = None
+    check_recompute_modules(c)
     if p.sequence_parallel and tp == 1:
         # as Megatron-LM: without TP there is nothing to shard along the sequence
         p.sequence_parallel = False

@@ -133,6 +133,11 @@ class RecomputeConfig:
     recompute_num_layers: int | None = flag(
         "--recompute-num-layers", None, "layers per recomputed chunk (uniform) or recomputed layers per stage "
         "(block); from 1 to the layers per stage", type=int)
+    recompute_modules: list = flag(
+        "--recompute-modules", None, "with --recompute-granularity selective: the parts of each layer recomputed in "
+        "backward: core_attn (the default), layernorm (both norms), mlp (a dense MLP), moe (an MoE layer), "
+        "shared_experts, moe_act (the experts' activation), mla_up_proj (MLA's up projections and RoPE)",
+        type=str, nargs="+", default_factory=lambda: ["core_attn"])
     recompute_activations: bool = flag("--recompute-activations", False,
                                        "shorthand for --recompute-granularity selective", action="store_true")
 

@@ -107,6 +107,7 @@ class MLASelfAttention(nn.Module):
         # SDPA scales by 1/√(d + dr); YaRN's m² goes on the queries (the same logits)
         self.query_scale = mla_softmax_scale_factor(config)
         self.recompute_core_attention = False  # set by activation recompute ("selective")
+        self.recompute_up_proj = False  # --recompute-modules mla_up_proj: the up projections and RoPE
         # while generating: a cache of the latent c_kv and the rotated k_r (megalite.generation.KVCache)
         self.inference_cache = None
 
@@ -142,7 +143,8 @@ class MLASelfAttention(nn.Module):
         return torch.cat([k_c, k_r.expand(-1, -1, self.num_heads, -1)], dim=-1), v
 
     def forward(self, x, rotary=None, attention_mask=None):
-        q = self._queries(x, rotary)
+        up = self.recompute_up_proj and self.training and torch.is_grad_enabled()
+        q = recompute(self._queries, x, rotary) if up else self._queries(x, rotary)
         c_kv, k_r = self._latent(x, rotary)
         if self.inference_cache is not None:
             if self.sequence_parallel:
@@ -150,7 +152,7 @@ class MLASelfAttention(nn.Module):
                                  "sequence parallelism to generate")
             # the latent and the rotated key join the cached ones: kv_lora_rank + dr values per token
             c_kv, k_r, attention_mask = self.inference_cache.update(c_kv, k_r, attention_mask)
-        k, v = self.keys_values(c_kv, k_r)
+        k, v = recompute(self.keys_values, c_kv, k_r) if up else self.keys_values(c_kv, k_r)
         if comm.group_size(self.cp_group) > 1:
             # every head's keys and values of the whole sequence, after RoPE (as SelfAttention's)
             k, v = gather_sequence(torch.cat([k, v], dim=-1), self.cp_group).split(
