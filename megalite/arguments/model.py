@@ -210,6 +210,15 @@ def check_recompute_modules(c: RunConfig) -> None:
         c.notices.append("--recompute-modules moe_act / moe / shared_experts have no effect on a dense model")
 
 
+def check_offloading(c: RunConfig) -> None:
+    """--fine-grained-activation-offloading and --offload-modules (model/offload.py)."""
+    r = c.recompute
+    if r.fine_grained_activation_offloading and not r.offload_modules:
+        fail("--fine-grained-activation-offloading needs --offload-modules (the parts whose activations move)")
+    if r.offload_modules and not r.fine_grained_activation_offloading:
+        c.notices.append("--offload-modules has no effect without --fine-grained-activation-offloading")
+
+
 def check_recompute(c: RunConfig) -> None:
     """Activation memory: recompute and sequence parallelism (Megatron-LM's rules)."""
     r, p = c.recompute, c.parallel
@@ -237,6 +246,7 @@ def check_recompute(c: RunConfig) -> None:
                          "full (Megatron-LM accepts and ignores them there)")
         r.recompute_method = r.recompute_num_layers = None
     check_recompute_modules(c)
+    check_offloading(c)
     if p.sequence_parallel and tp == 1:
         # as Megatron-LM: without TP there is nothing to shard along the sequence
         p.sequence_parallel = False

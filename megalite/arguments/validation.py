@@ -409,6 +409,9 @@ def _check_with_torch(c: RunConfig, check_files: bool) -> None:
         algos = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
         if os.environ.get("NCCL_ALGO") not in algos:
             fail(f"--deterministic-mode needs NCCL_ALGO set to one of {', '.join(algos)} (as Megatron-LM)")
+    if c.recompute.fine_grained_activation_offloading and p.distributed_backend != "nccl":
+        c.notices.append("--fine-grained-activation-offloading: on the CPU the activations are in host memory "
+                         "already; nothing moves (it acts on CUDA)")
     if t.empty_unused_memory_level and p.distributed_backend != "nccl":
         c.notices.append(f"--empty-unused-memory-level {t.empty_unused_memory_level}: a no-op on CPU "
                          f"(it frees cached CUDA memory)")

@@ -8,6 +8,9 @@ from .fields import AT_LEAST_0, AT_LEAST_1, derived, flag, int_words, internal
 from .sharding import NAMES as SHARDING_STRATEGIES
 from .sharding import default_strategy_name, get_strategy
 
+# --offload-modules (model/offload.py maps them to modules)
+OFFLOAD_MODULES = ("attn_norm", "mlp_norm", "qkv_linear", "core_attn", "attn_proj", "expert_fc1", "moe_act")
+
 
 @dataclass
 class ParallelConfig:
@@ -138,6 +141,13 @@ class RecomputeConfig:
         "backward: core_attn (the default), layernorm (both norms), mlp (a dense MLP), moe (an MoE layer), "
         "shared_experts, moe_act (the experts' activation), mla_up_proj (MLA's up projections and RoPE)",
         type=str, nargs="+", default_factory=lambda: ["core_attn"])
+    fine_grained_activation_offloading: bool = flag(
+        "--fine-grained-activation-offloading", False, "keep what the --offload-modules parts of each layer save for "
+        "backward in host memory (on an accelerator; on the CPU it is there already)", action="store_true")
+    offload_modules: list = flag(
+        "--offload-modules", None, "with --fine-grained-activation-offloading: the parts whose saved activations "
+        "move to host memory (expert_fc1 and moe_act: the routed experts whole)", type=str, nargs="+",
+        choices=OFFLOAD_MODULES, default_factory=list)
     recompute_activations: bool = flag("--recompute-activations", False,
                                        "shorthand for --recompute-granularity selective", action="store_true")
 

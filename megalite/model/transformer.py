@@ -18,6 +18,7 @@ from .mla import MLASelfAttention
 from .mlp import MLP
 from .moe import MoELayer
 from .norm import Norm
+from .offload import attach_offloading
 
 
 class TransformerLayer(nn.Module):
@@ -93,6 +94,8 @@ class TransformerBlock(nn.Module):
         if self.recompute_granularity == "selective":
             for layer in self.layers:
                 layer.select_recompute(execution.recompute_modules)
+        # --fine-grained-activation-offloading (hooks held by the modules: no cycle to break)
+        attach_offloading(self.layers, execution.offload_modules)
         self.final_layernorm = Norm(config, execution, device) if post_process else None
 
     def _run(self, start: int, end: int):
