@@ -127,6 +127,19 @@ def _check_ckpt_format(c: RunConfig) -> None:
                          "reshardable over TP, PP, EP and DP always")
     if fmt is None or fmt == "torch_dist":
         return
+    if fmt == "fsdp_dtensor":  # Megatron FSDP's torch.distributed.checkpoint files: torch_dist is that container
+        c.megatron.ckpt_format = "torch_dist"
+        c.notices.append("--ckpt-format fsdp_dtensor: megalite writes torch_dist in its place (the same "
+                         "torch.distributed.checkpoint container, Megatron-LM's keys; megatron-core loads it, and so "
+                         "does --load), its FSDP parameter layout being megalite's ZeRO-3 slices")
+        return
+    if fmt == "torch":  # per-rank pickles bound to one layout: megalite's own per-rank files in their place
+        c.megatron.ckpt_format = None
+        c.notices.append("--ckpt-format torch: megalite writes its own format in its place (one file per rank with "
+                         "the weights, optimizer state, RNG and schedule, loadable on any layout; Megatron-LM's torch "
+                         "files are pickles bound to the saving layout; --load reads either, and tools/checkpoint/"
+                         "convert.py --saver megatron makes a torch_dist checkpoint of it)")
+        return
     what = {"torch": "one pickled model_optim_rng.pt per model-parallel rank",
             "zarr": "Megatron-LM's zarr distributed checkpoints",
             "torch_dcp": "torch.distributed.checkpoint files", "fsdp_dtensor": "FSDP DTensor checkpoints"}
