@@ -184,7 +184,11 @@ def build_datasets(cfg: RunConfig, model_vocab_size: int | None = None) -> list:
     from .data.builder import build_train_valid_test_datasets
     if model_vocab_size is not None:
         data = dataclasses.replace(data, vocab_size=model_vocab_size)
-    return list(build_train_valid_test_datasets(data, num_samples))
+    datasets = list(build_train_valid_test_datasets(data, num_samples))
+    if data.fim_data:  # fill-in-the-middle samples (data/fim.py)
+        from .data.fim import FIMDataset
+        datasets = [FIMDataset(d, data, cfg.tokenizer, i) if d is not None else None for i, d in enumerate(datasets)]
+    return datasets
 
 
 def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod, straggler=None, timers=None) -> list:

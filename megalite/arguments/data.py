@@ -29,6 +29,11 @@ def check_data(c: RunConfig) -> None:
         c.notices.extend(check_tokenizer_args(tok))
     except InputError as e:
         fail(str(e))
+    if d.fim_data and d.mock_data:
+        fail("--fim-data needs documents and a tokenizer (it cuts each document's text): give a dataset instead of "
+             "--mock-data")
+    if d.fim_data and (not d.fim_rate or not d.fim_spm_rate):
+        fail("--fim-data needs --fim-rate and --fim-spm-rate above 0 (Megatron-LM asserts them)")
     if d.mock_data:
         _check_mock(c, given)
         return
