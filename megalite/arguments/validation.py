@@ -367,8 +367,9 @@ def _check_outputs(c: RunConfig) -> None:
     for name in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
         if getattr(tr, name) and not tr.wandb_project:
             fail(f"{flag(name)} needs --wandb-project")
-    if ck.save_interval and not ck.save:
-        fail("--save-interval needs --save")
+    if ck.save_interval and not ck.save:  # Megatron-LM accepts it and saves nothing
+        c.notices.append("--save-interval has no effect without --save: no checkpoint is written (Megatron-LM accepts "
+                         "it there too)")
     if ck.async_save and not ck.save:
         fail("--async-save needs --save")
     if ck.finetune and not ck.load:

@@ -14,6 +14,8 @@ _RERUN = ("Megatron-LM's resilience machinery (the re-run state machine, error i
           "built yet")
 _ATTN = "the 2026 attention variants (gated DeltaNet, DeepSeek sparse attention) are not built yet"
 _KD = "knowledge distillation (Megatron-LM's ModelOpt teacher and KD losses) is not built"
+_MUP = ("the Maximal Update Parametrization (µP: width-scaled initialisation, learning rates, Adam epsilon, 1/d "
+        "attention and output logits) is not built")
 
 
 @dataclass
@@ -105,6 +107,8 @@ class MegatronCompatConfig:
     export_te_mcore_model: bool = flag("--export-te-mcore-model", False, "refused: " + _KD, action="store_true")
     export_kd_teacher_load: str | None = flag("--export-kd-teacher-load", None, "refused: " + _KD, type=str)
     export_kd_cfg: str | None = flag("--export-kd-cfg", None, "refused: " + _KD, type=str)
+    use_mup: bool = flag("--use-mup", False, "refused: " + _MUP, action="store_true")
+    mup_base_hidden_size: int | None = flag("--mup-base-hidden-size", None, "refused: " + _MUP, type=int)
     # Megatron-LM's GPU kernels, overlaps, CUDA graphs and backends: one notice each (NOTICES)
     tp_comm_overlap: bool = flag("--tp-comm-overlap", False, "Transformer Engine's TP communication overlapped with "
                                  "the GEMMs (megalite's TP collectives run unoverlapped: a notice)", action="store_true")
@@ -208,6 +212,7 @@ PENDING = {
                      "attention_output_gate", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
                      "dsa_indexer_loss_coeff"), _ATTN),
     **dict.fromkeys(("export_te_mcore_model", "export_kd_teacher_load", "export_kd_cfg"), _KD),
+    **dict.fromkeys(("use_mup", "mup_base_hidden_size"), _MUP),
 }
 FP8_FLAGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather", "fp8_recipe",
              "first_last_layers_bf16")
