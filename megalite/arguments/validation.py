@@ -263,7 +263,12 @@ def _check_zero_bubble(c: RunConfig) -> None:
     from ..pipeline_parallel.schedules import splits_backward, v_shape
     p, name = c.parallel, c.parallel.pipeline_schedule
     if not splits_backward(name):
-        if p.delay_wgrad_compute:
+        if p.delay_wgrad_compute and c.megatron.overlap_moe_expert_parallel_comm:  # an overlap: the same function
+            c.notices.append("--delay-wgrad-compute with --overlap-moe-expert-parallel-comm: Megatron-LM defers weight "
+                             "gradients to overlap the expert-parallel all-to-alls, which megalite runs in turn: the "
+                             "weight gradients are computed in each backward (the same function)")
+            p.delay_wgrad_compute = False
+        elif p.delay_wgrad_compute:
             fail(f"--delay-wgrad-compute defers weight gradients for a zero-bubble schedule to place: use "
                  f"--pipeline-schedule zb_h1 or zbv (got {name}; Megatron-LM's other use, "
                  f"--overlap-moe-expert-parallel-comm, is not built)")
