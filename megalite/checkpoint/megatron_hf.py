@@ -27,6 +27,7 @@ from .hf_config import ConversionError
 from .hf_conversion import (WORD_EMBEDDING, export_architecture, gpt2_layer_tensors, gpt2_outer_tensors,
                             llama_layer_tensors, llama_outer_tensors, staged_directory, write_hf_files)
 from .hf_shards import ShardedSafetensorsWriter
+from .hf_tokenizer import exportable
 from .megatron_index import MegatronIndex
 
 
@@ -126,7 +127,7 @@ def megatron_to_hf(load_dir: str, out_dir: str, tokenizer_overrides: dict | None
     tok = None
     if tokenizer:
         from ..generation import build_tokenizer_for
-        tok = build_tokenizer_for(meta, tokenizer_overrides)
+        tok = exportable(build_tokenizer_for(meta, tokenizer_overrides), load_dir)
     arch = export_architecture(cfg, tok)  # refuses before anything is written
     if arch not in ("gpt2", "llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):
         raise ConversionError(f"--loader megatron: the {arch} architecture is not streamed; convert with "

@@ -157,6 +157,10 @@ def megatron_metadata(index: MegatronIndex) -> dict:
     from ..model import GPTConfig
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     model_config = {k: v for k, v in args.items() if k in fields and v is not None}
+    if args.get("tokenizer_type") == "NullTokenizer" and args.get("vocab_size"):
+        # Megatron-LM's --vocab-size V is NullTokenizer's argument: ids 0..V-1 and the eod id V,
+        # V + 1 tokens in the model (as megalite counts them: data/tokenizers.py model_vocab_size)
+        model_config["vocab_size"] = args["vocab_size"] + 1
     derived = []
     if "vocab_size" not in model_config and args.get("padded_vocab_size"):
         # Megatron-LM records the tokenizer's vocabulary only as padded_vocab_size: the tools build
