@@ -48,8 +48,8 @@ def attach_offloading(layers, names) -> list:
 def _hook(module: nn.Module) -> list:
     stack = []
 
-    def enter(m, args):
-        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    def enter(m, inputs):
+        x = next((a for a in inputs if isinstance(a, torch.Tensor)), None)
         if m.training and torch.is_grad_enabled() and x is not None and x.device.type != "cpu":
             ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
             ctx.__enter__()
@@ -57,7 +57,7 @@ def _hook(module: nn.Module) -> list:
         else:
             stack.append(None)
 
-    def leave(m, args, out):
+    def leave(m, inputs, out):
         ctx = stack.pop()
         if ctx is not None:
             ctx.__exit__(None, None, None)
