@@ -48,3 +48,29 @@ def test_ci_command_line_rules():
     assert mc.substitute(argv[-1:], {"DATA_PATH": "/d"}) == ["/d/x"]
     assert mc.other_work("unrecognized arguments: --cross-entropy-fusion-impl native")
     assert mc.other_work("--fp8-format is not built") and not mc.other_work("--fp8-formatx is unknown")
+
+
+# Two of tools/megatron_sample.py's configurations, trained shrunk (6 iterations) on 4 gloo ranks as
+# their TEST_TYPE says: an MoE with sinkhorn routing, 2 distributed-optimizer instances and async
+# torch_dist saves, resumed half-way (exactly: the resumed losses equal the straight run's); and a
+# PP4 x 2 virtual stages run with the embedding and loss counted in the split. Cost: ~2 min (3 runs).
+TRAINED = ["moe/gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_multi_dist_optimizer_instances_1node",
+           "gpt/gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split_1node"]
+
+
+@pytest.fixture(scope="module")
+def sample_data(tmp_path_factory):
+    import megatron_sample
+    paths = megatron_sample.prepare_data(str(tmp_path_factory.mktemp("megatron-sample")))
+    return megatron_sample, paths, {c.name: c for c in megatron_sample.accepted_cases(paths) if c.name in TRAINED}
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("name", TRAINED)
+def test_a_configuration_trains_shrunk_as_its_test_type_says(sample_data, name, tmp_path):
+    sample, paths, cases = sample_data
+    case = cases[name]
+    record = sample.run_case(case, paths, str(tmp_path), timeout=600, iters=6)
+    assert record["finite"] and len(record["losses"]) == 6, record
+    if case.test_type == "ckpt-resume":
+        assert record["resume_exact"], (record["losses"], record["resumed"])

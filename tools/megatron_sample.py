@@ -154,7 +154,7 @@ def _value(argv, flag, default=None):
     return default
 
 
-def shrink(argv: list[str], world: int, paths: dict) -> list[str]:
+def shrink(argv: list[str], world: int, paths: dict, iters: int = ITERS) -> list[str]:
     """A run's arguments shrunk (module docstring): widths, sequence, batch and iteration counts;
     the number of micro-batches the smallest its layout validates."""
     pairs = _pairs(argv)
@@ -164,7 +164,7 @@ def shrink(argv: list[str], world: int, paths: dict) -> list[str]:
     ratio = max(1, heads // max(groups, 1))
     new_groups = next(g for g in (8 // ratio, 4, 2, 1, 8) if g >= 1 and 8 % g == 0 and g % tp == 0 or g == 8)
     iters_written = int(_value(argv, "--train-iters", "0") or 0)
-    scale = ITERS / iters_written if iters_written else None
+    scale = iters / iters_written if iters_written else None
     out = []
     for p in pairs:
         flag = p[0]
@@ -173,20 +173,20 @@ def shrink(argv: list[str], world: int, paths: dict) -> list[str]:
         elif flag == "--num-query-groups":
             p = [flag, str(new_groups)]
         elif flag == "--train-iters":
-            p = [flag, str(ITERS)]
+            p = [flag, str(iters)]
         elif flag == "--eval-iters" and int(p[1]) > 0:
             p = [flag, "1"]
         elif flag in ITERATION_FLAGS and len(p) > 1:
             v = int(p[1])
-            p = [flag, str(max(1, round(v * scale)) if scale and v > ITERS else min(v, ITERS))]
+            p = [flag, str(max(1, round(v * scale)) if scale and v > iters else min(v, iters))]
         elif flag in ("--global-batch-size", "--eval-global-batch-size", "--step-batch-size-schedule") + SAMPLE_FLAGS:
             continue  # set below, from the micro-batches that validate
         out.append(p)
     flat = [x for p in out for x in p]
-    return _with_batches(flat, argv, world, paths)
+    return _with_batches(flat, argv, world, paths, iters)
 
 
-def _with_batches(flat: list[str], written: list[str], world: int, paths: dict) -> list[str]:
+def _with_batches(flat: list[str], written: list[str], world: int, paths: dict, iters: int) -> list[str]:
     """The fewest micro-batches (global batch = that x DP x micro) the run's layout validates, and
     the sample-based and step-schedule flags scaled to it."""
     from megalite.arguments import parse_args, validate_args
@@ -208,8 +208,8 @@ def _with_batches(flat: list[str], written: list[str], world: int, paths: dict) 
             if _value(written, "--eval-global-batch-size"):
                 trial += ["--eval-global-batch-size", str(gbs)]
         for f, v in samples.items():
-            trial += [f, str(ITERS * final if f in ("--train-samples", "--lr-decay-samples") else
-                             (final if int(float(v)) > 0 else 0) if f == "--lr-warmup-samples" else ITERS * final // 2)]
+            trial += [f, str(iters * final if f in ("--train-samples", "--lr-decay-samples") else
+                             (final if int(float(v)) > 0 else 0) if f == "--lr-warmup-samples" else iters * final // 2)]
         if "--train-samples" in samples:
             trial = [x for x in _drop(trial, "--train-iters")]
         try:
@@ -278,12 +278,12 @@ def _set_latest(root: str, iteration: int, drop_after: bool = True) -> None:
         f.write(f"{iteration}\n")
 
 
-def run_case(case, paths: dict, work: str, timeout: float) -> dict:
-    """Train one configuration as its TEST_TYPE says; returns its result record."""
+def run_case(case, paths: dict, work: str, timeout: float, iters: int = ITERS) -> dict:
+    """Train one configuration as its TEST_TYPE says (`iters` iterations); returns its record."""
     base = os.path.join(work, case.name.replace("/", "__"))
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
-    half = ITERS // 2
+    half = iters // 2
 
     def run_paths(save: str, load: str) -> dict:
         return dict(paths, CHECKPOINT_SAVE_PATH=os.path.join(base, save), CHECKPOINT_LOAD_PATH=os.path.join(base, load),
@@ -291,7 +291,7 @@ def run_case(case, paths: dict, work: str, timeout: float) -> dict:
 
     def go(run, p: dict, name: str, extra: list[str] = ()) -> tuple[list[str], dict[int, float]]:
         os.makedirs(p["CHECKPOINT_LOAD_PATH"], exist_ok=True)
-        argv = shrink(run.argv, run.world_size, p)
+        argv = shrink(run.argv, run.world_size, p, iters)
         argv = mc.substitute(_drop_all(argv, [e for e in extra if e.startswith("--")]) + list(extra), p)
         return argv, losses(launch(argv, run.world_size, run.env, os.path.join(base, name + ".log"), timeout))
 
@@ -310,8 +310,8 @@ def run_case(case, paths: dict, work: str, timeout: float) -> dict:
         p2 = run_paths("save", "save") if case.test_type == "ckpt-resume" else run_paths("save2", "save")
         _, resumed = go(first, p2, "run2", save)
         record.update(argv=argv, losses=straight, resumed=resumed,
-                      resume_exact=all(resumed.get(i) == straight.get(i) for i in range(half + 1, ITERS + 1))
-                      and sorted(resumed) == list(range(half + 1, ITERS + 1)))
+                      resume_exact=all(resumed.get(i) == straight.get(i) for i in range(half + 1, iters + 1))
+                      and sorted(resumed) == list(range(half + 1, iters + 1)))
     elif case.test_type == "frozen-start":
         frozen = mc.substitute([_value(first.argv, "--load")], run_paths("save", "frozen"))[0]
         go(first, run_paths("frozen", "empty"), "frozen", ["--train-iters", str(half), "--save", frozen])
