@@ -12,7 +12,8 @@ How the CI turns a file into a command line (tests/functional_tests/shell_test_u
 _run_training.sh at Megatron-LM d98e8a6): each `MODEL_ARGS` key is a flag; `true` makes it bare; a
 value in `[...]` loses its brackets and splits at spaces into several arguments; any other value is
 one argument (quoted when it holds spaces, `|` or parentheses). `${VAR}` are the CI machine's paths
-(and ${REPEAT}, the repeat's number), replaced here by local ones. `ENV_VARS` are the run's
+(and ${REPEAT}, the repeat's number; the release files' $DATA_BLEND, a dataset blend of NVIDIA's
+release environment), replaced here by local ones. `ENV_VARS` are the run's
 environment. A file runs on one node of 8 GPUs (`h100/{gpt,moe}.yaml` recipes); a `_1node` file on
 one GB200 node of 4; a checkpoint-consistency file runs each `MODEL_ARGS_N` on
 `MODEL_ENV_VARS.MODEL_ARGS_N.GPUS_PER_NODE`.
@@ -122,8 +123,8 @@ def load_cases(folder: str = FOLDER) -> list[Case]:
 
 
 def substitute(argv: list[str], paths: dict[str, str]) -> list[str]:
-    """${VAR} -> paths[VAR] (a KeyError names a variable with no stand-in)."""
-    return [re.sub(r"\$\{(\w+)\}", lambda m: paths[m.group(1)], a) for a in argv]
+    """${VAR} and $VAR -> paths[VAR] (a KeyError names a variable with no stand-in)."""
+    return [re.sub(r"\$\{(\w+)\}|\$([A-Z_][A-Z0-9_]*)", lambda m: paths[m.group(1) or m.group(2)], a) for a in argv]
 
 
 def stand_in_paths(base: str, repeat: int = 1) -> dict[str, str]:
@@ -133,6 +134,9 @@ def stand_in_paths(base: str, repeat: int = 1) -> dict[str, str]:
     paths = {n: os.path.join(base, n.lower()) for n in names}
     paths["WANDB_EXPERIMENT"] = "megatron-configs"
     paths["REPEAT"] = str(repeat)
+    # the release files' $DATA_BLEND (set by NVIDIA's release environment): the one local dataset
+    paths["DATA_BLEND"] = os.path.join(paths["DATA_PATH"], "text", "common_pile", "v01_filtered_data",
+                                       "my-gpt3_00_text_document")
     return paths
 
 
