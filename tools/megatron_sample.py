@@ -314,7 +314,8 @@ def run_case(case, paths: dict, work: str, timeout: float, iters: int = ITERS) -
                       and sorted(resumed) == list(range(half + 1, iters + 1)))
     elif case.test_type == "frozen-start":
         frozen = mc.substitute([_value(first.argv, "--load")], run_paths("save", "frozen"))[0]
-        go(first, run_paths("frozen", "empty"), "frozen", ["--train-iters", str(half), "--save", frozen])
+        # the frozen checkpoint: the same run stopped half-way (its schedule the same)
+        go(first, run_paths("frozen", "empty"), "frozen", ["--exit-interval", str(half), "--save", frozen])
         argv, got = go(first, run_paths("save", "frozen"), "run")
         record.update(argv=argv, losses=got)
     elif case.test_type == "checkpoint-consistency":
@@ -390,6 +391,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", default=None, help="these configurations (gpt/NAME) instead of the sample")
     p.add_argument("--list", action="store_true", help="print the sample and stop")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--keep-passed", action="store_true", help="configurations the results JSON already records as "
+                   "passed are not run again (their records kept)")
     a = p.parse_args(argv)
     if not os.path.isdir(mc.FOLDER):
         print(f"error: {mc.FOLDER} is absent: Megatron-LM's configurations are not here")
@@ -403,8 +406,14 @@ def main(argv=None) -> int:
             print(f"{c.test_type:22s} {'/'.join(str(r.world_size) for r in c.runs):5s} {c.name}")
         print(f"{len(chosen)} configurations, {len(set().union(*(flags_of(c) for c in chosen)))} distinct flags")
         return 0
-    records = []
+    records, kept = [], {}
+    previous = os.path.splitext(a.results)[0] + ".json"
+    if a.keep_passed and os.path.exists(previous):
+        kept = {r["name"]: r for r in json.load(open(previous)) if ok(r)}
     for c in chosen:
+        if c.name in kept:
+            records.append(kept[c.name])
+            continue
         try:
             record = run_case(c, paths, work, a.timeout)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # recorded; the others still run
