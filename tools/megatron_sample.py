@@ -8,7 +8,8 @@ The sample: a greedy cover of every flag of the accepted configurations, with ev
 more configurations up to --count (30). Each is shrunk (`shrink`): widths (hidden 128, 8 heads,
 the FFN, expert, MLA and vocabulary sizes), sequence 64, micro-batch 1 and the fewest micro-batches
 its layout accepts, and iteration counts (--train-iters 16; the other iteration and sample counts
-scaled alike); every other flag and value is as written, the parallel layout and world size
+scaled alike, the learning-rate schedule's lengths at most the run's: decay over the 16 iterations,
+warmup over at most 4); every other flag and value is as written, the parallel layout and world size
 (8 ranks, 4 for a _1node file) included, on gloo. The CI's paths are local: a byte-level BPE of
 512 tokens trained on the bundled corpus (GPT-2's vocab.json / merges.txt; a SentencePiece model
 for the release files) and the corpus tokenized with it.
@@ -134,6 +135,10 @@ WIDTHS = {"--hidden-size": "128", "--ffn-hidden-size": "256", "--num-attention-h
 # iteration counts, scaled with --train-iters (at least 1)
 ITERATION_FLAGS = ("--save-interval", "--eval-interval", "--exit-interval", "--manual-gc-interval", "--lr-decay-iters",
                    "--lr-warmup-iters", "--lr-wsd-decay-iters", "--save-retain-interval")
+# the learning-rate schedule's lengths at most the run's (a decay over 320000 iterations, warmed up over
+# 1% of them, would keep a 16-iteration run at a learning rate near 0): flag -> its cap
+SCHEDULE_FLAGS = {"--lr-decay-iters": lambda n: n, "--lr-wsd-decay-iters": lambda n: n // 2,
+                  "--lr-warmup-iters": lambda n: max(1, n // 4)}
 SAMPLE_FLAGS = ("--train-samples", "--lr-decay-samples", "--lr-warmup-samples", "--lr-wsd-decay-samples")
 
 
@@ -178,7 +183,10 @@ def shrink(argv: list[str], world: int, paths: dict, iters: int = ITERS) -> list
             p = [flag, "1"]
         elif flag in ITERATION_FLAGS and len(p) > 1:
             v = int(p[1])
-            p = [flag, str(max(1, round(v * scale)) if scale and v > iters else min(v, iters))]
+            v = max(1, round(v * scale)) if scale and v > iters else min(v, iters)
+            if flag in SCHEDULE_FLAGS:  # the learning-rate schedule within the run, so that it trains
+                v = min(v, SCHEDULE_FLAGS[flag](iters))
+            p = [flag, str(v)]
         elif flag in ("--global-batch-size", "--eval-global-batch-size", "--step-batch-size-schedule") + SAMPLE_FLAGS:
             continue  # set below, from the micro-batches that validate
         out.append(p)
