@@ -389,8 +389,6 @@ def test_yarn_flags_reach_the_model_and_gpt_oss_preset():
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--position-embedding-type", "yarn"], "--position-embedding-type yarn needs "
-                                            "--yarn-original-max-position-embeddings"),
     (["--position-embedding-type", "rope", "--yarn-beta-fast", "16"],
      "--yarn-beta-fast sets YaRN, which needs --position-embedding-type yarn (got rope)"),
     (["--no-yarn-correction-range-round-to-int"], "--yarn-correction-range-round-to-int sets YaRN"),

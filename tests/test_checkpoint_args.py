@@ -176,6 +176,8 @@ MISMATCHES = [
     (dict(DENSE, quick_geglu=True), "glu_linear_offset", 1.0, "--glu-linear-offset", 0.0, 1.0),
     (dict(DENSE, quick_geglu=True), "activation_func_clamp_value", 7.0, "--activation-func-clamp-value", None, 7.0),
     (DENSE, "mtp_num_layers", 1, "--mtp-num-layers", None, 1),
+    (DENSE, "squared_relu", True, "--squared-relu", False, True),
+    (dict(DENSE, position_embedding_type="rope"), "rotary_interleaved", True, "--rotary-interleaved", False, True),
     (DENSE, "max_position_embeddings", 64, "--max-position-embeddings", 32, 64),
     (ROPE_MODEL, "rotary_base", 500000.0, "--rotary-base", 10000.0, 500000.0),
     (ROPE_MODEL, "use_rope_scaling", False, "--use-rope-scaling", True, False),

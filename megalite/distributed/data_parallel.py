@@ -83,6 +83,12 @@ class DataParallel:
         self.experts = experts
         self.group, self.group_size = ((ps.expert_dp_group, ps.expert_dp_size) if experts
                                        else (ps.dp_cp_group, ps.dp_cp_size))
+        # --num-distributed-optimizer-instances: shard within this rank's instance of the group, and
+        # sum each reduced shard with its copies in the other instances (`across`)
+        self.across = None
+        if strategy.shards_optimizer and ps.instances > 1:
+            self.group, self.across = ps.shard_group(experts), ps.across_group(experts)
+            self.group_size = comm.group_size(self.group)
         dp, group = self.group_size, self.group
         # --grad-reduce-in-bf16: gradients accumulate and are reduced in bf16 (half the bytes)
         grad_dtype = torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32
@@ -170,10 +176,12 @@ class DataParallel:
             self.grads.zero_missing()  # before the embedding copies' sum reads them
             self._sum_embedding_copies([self.main_grad(p) for p in self.embedding_params])
             self.grads.finish_grad_sync()
+            self._sum_across_instances()
             for p in self.sequence_parallel_params:
                 comm.all_reduce(self.main_grad(p), self.ps.tp_group)
             return
         self.grads.finish_grad_sync()
+        self._sum_across_instances()
         self._sum_embedding_copies([self.grads.grad_shard(b) for b in self._embedding_buckets])
         if self._sp_grad_views and self.ps.tp_size > 1:
             flat = torch.cat(self._sp_grad_views)
@@ -191,6 +199,18 @@ class DataParallel:
             return
         for g in grads:
             comm.all_reduce(g, self.ps.embedding_group)
+
+    def _sum_across_instances(self) -> None:
+        """--num-distributed-optimizer-instances: each instance reduce-scattered its own ranks'
+        gradients; the shards are summed with their copies in the other instances (Megatron-LM's
+        two-stage reduction), so every instance steps the whole batch's gradient."""
+        if self.across is None or comm.group_size(self.across) < 2:
+            return
+        if self.strategy.shards_grads:
+            comm.all_reduce(self.grads.shard, self.across)
+            return
+        for b in range(len(self.layout.buckets)):
+            comm.all_reduce(self.grads.grad_shard(b), self.across)
 
     def _on_round_complete(self, b: int, c: int) -> None:
         if self.zero3 is not None:
@@ -344,6 +364,8 @@ class DataParallel:
         if self.strategy.shards_optimizer:
             parts.append(f"{self.strategy.describe()} over DP {self.ps.dp_size}"
                          + (f" x CP {self.ps.cp_size}" if self.ps.cp_size > 1 else "")
+                         + (f" in {self.ps.instances} instances of {self.group_size}" if self.across is not None
+                            else "")
                          if not self.experts else f"experts over expert-DP {self.group_size}")
         if self.config.overlap_grad_reduce:
             parts.append("overlapped grad reduce")
