@@ -11,6 +11,7 @@ import torch
 
 from . import comm
 from .initialize import Run
+from .model.dsa import iteration_indexer_loss
 from .model.moe import balance as moe_balance
 from .pipeline_parallel.timeline import report as report_timeline
 from .runtime.metrics import console_line, memory_record, memory_string, num_floating_point_operations
@@ -73,6 +74,10 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
         record["expert_tokens_max"] = max(r["tokens_max"] for r in moe["moe_layers"])
         run.jsonl.write({"event": "moe", "iteration": state.iteration, "layers": moe["moe_layers"]})
         run.tracker.log(per_layer, state.iteration, "moe")
+    if state.model_config.dsa:  # the logged iteration's indexer loss (Megatron-LM's "indexer loss")
+        record["dsa_indexer_loss"] = iteration_indexer_loss(
+            run.model, out["global_batch_size"] // t.micro_batch_size, state.ps.tp_size, state.ps.dp_size,
+            state.device)
     if "max_attention_logit" in out:  # --qk-clip: the logged iteration's, before its clip
         record["max_attention_logit"] = out["max_attention_logit"]
     if "num_zeros_in_grad" in out:  # --log-num-zeros-in-grad: the logged iteration's

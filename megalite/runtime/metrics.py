@@ -128,6 +128,8 @@ def console_line(r: dict, train_iters: int, memory: str, eta_s: float, throughpu
     for key, label in (("load_balancing_loss", "load balancing loss"), ("z_loss", "z loss")):
         if r.get(key) is not None:  # MoE, as Megatron-LM names them
             parts.append(f"{label}: {r[key]:.6E}")
+    if r.get("dsa_indexer_loss") is not None:  # DSA, as Megatron-LM names it
+        parts.append(f"indexer loss: {r['dsa_indexer_loss']:.6E}")
     if r.get("expert_tokens_min") is not None:
         parts.append(f"expert tokens min/max: {r['expert_tokens_min']}/{r['expert_tokens_max']}")
     if r.get("max_attention_logit") is not None:  # --qk-clip

@@ -1,0 +1,77 @@
+"""A Qwen3-Next-shaped MoE model (gated DeltaNet layers between gated softmax attention) and a
+DeepSeek-V3.2-shaped model (DeepSeek Sparse Attention on MLA, its indexer trained by its own loss)
+train the same on each layout as on one process (issue 44, Done-when), on real text where the loss
+falls.
+
+Qwen3-Next (tiny): --linear-attention-freq 2 over 4 layers (DeltaNet, softmax, DeltaNet, softmax),
+2 key heads of 8 channels with 2 value heads each, conv width 4, --attention-output-gate with
+--qk-layernorm, zero-centred RMSNorms, partial RoPE, 4 experts top-2 with a gated shared expert.
+Layouts: TP 2 with SP (the DeltaNet's key heads split), PP 2 (uneven kinds per stage: the layout
+string 'Ettt|tL'), EP 2 (alltoall) under ZeRO-3, ZeRO-1 with full recompute.
+DeepSeek-V3.2 (tiny): MLA with query compression, DSA with 2 indexer heads of 12 channels, top-6 of
+the 32 keys (so the sparse choice matters), --dsa-indexer-loss-coeff 0.1; layouts TP 2 with SP (the
+indexer duplicated, its target summed over TP), PP 2, ZeRO-2 with selective recompute.
+Compared per iteration: lm loss, the DSA indexer loss and the gradient norm (rtol 1e-5); every
+parameter after the last step, by global name (atol 1e-5). Cost: ~120 s (two references, 7 layouts).
+"""
+import pytest
+
+from dist_helpers import assert_layout_matches, assert_loss_falls, per_iteration, run_reference, train_losses
+from tiny import tiny
+
+COMMON = ["--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--adam-eps", "1e-4",
+          "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+          "--position-embedding-type", "rope", "--clip-grad", "1.0"]
+QWEN3_NEXT = tiny(num_layers=4, hidden_size=32, seq_length=32, lr=1e-2, train_iters=6, log_interval=1,
+                  eval_iters=0) + COMMON + [
+    "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "8", "--rotary-percent", "0.5",
+    "--apply-layernorm-1p", "--qk-layernorm", "--attention-output-gate", "--ffn-hidden-size", "48",
+    "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
+    "--linear-conv-kernel-dim", "4", "--linear-key-head-dim", "8", "--linear-value-head-dim", "8",
+    "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+    "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "1e-2"]
+DSA = tiny(num_layers=2, hidden_size=32, seq_length=32, lr=1e-2, train_iters=6, log_interval=1, eval_iters=0) + \
+    COMMON + ["--ffn-hidden-size", "48", "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16",
+              "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
+              "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "2", "--dsa-indexer-head-dim", "12",
+              "--dsa-indexer-topk", "6", "--dsa-indexer-loss-coeff", "0.1"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+LAYOUTS = {  # id: (model, processes, flags)
+    "qwen3-next-tp2-sp": ("qwen3_next", 2, TP2_SP),
+    "qwen3-next-pp2-layout": ("qwen3_next", 2, ["--pipeline-model-parallel-size", "2",
+                                                "--pipeline-model-parallel-layout", "Ettt|tL"]),
+    "qwen3-next-ep2-zero3": ("qwen3_next", 2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                               "alltoall", "--ddp-bucket-size", "5000",
+                                               "--data-parallel-sharding-strategy", "optim_grads_params"]),
+    "qwen3-next-zero1-full-recompute": ("qwen3_next", 2, ["--use-distributed-optimizer", "--recompute-granularity",
+                                                          "full", "--recompute-method", "uniform",
+                                                          "--recompute-num-layers", "1"]),
+    "dsa-tp2-sp": ("dsa", 2, TP2_SP),
+    "dsa-pp2": ("dsa", 2, ["--pipeline-model-parallel-size", "2"]),
+    "dsa-zero2-selective": ("dsa", 2, ["--data-parallel-sharding-strategy", "optim_grads",
+                                       "--recompute-granularity", "selective"]),
+}
+RTOL = {"qwen3_next": {"lm_loss": 1e-5, "grad_norm": 1e-5},
+        "dsa": {"lm_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5}}
+FLAGS = {"qwen3_next": QWEN3_NEXT, "dsa": DSA}
+
+
+@pytest.fixture(scope="module")
+def references(corpus, tmp_path_factory):
+    refs = {}
+    for name, flags in FLAGS.items():
+        ref = run_reference(corpus + flags, tmp_path_factory.mktemp(name), save=True)
+        assert_loss_falls(train_losses(ref.records), 0.3)
+        refs[name] = ref
+    assert any(n.endswith("self_attention.A_log") for n in refs["qwen3_next"].params)
+    assert any(n.endswith("indexer.linear_wk.weight") for n in refs["dsa"].params)
+    indexer = per_iteration(refs["dsa"].records, "dsa_indexer_loss")
+    assert len(indexer) == 6 and min(indexer) > 0
+    return refs
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(references, tmp_path, layout):
+    model, nproc, flags = LAYOUTS[layout]
+    assert_layout_matches(references[model], nproc, flags, tmp_path, RTOL[model], params_atol=1e-5)
