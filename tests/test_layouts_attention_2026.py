@@ -8,7 +8,7 @@ Qwen3-Next (tiny): --linear-attention-freq 2 over 4 layers (DeltaNet, softmax, D
 --qk-layernorm, zero-centred RMSNorms, partial RoPE, 4 experts top-2 with a gated shared expert.
 Layouts: TP 2 with SP (the DeltaNet's key heads split), PP 2 (uneven kinds per stage: the layout
 string 'Ettt|tL'), EP 2 (alltoall) under ZeRO-3, ZeRO-1 with full recompute.
-DeepSeek-V3.2 (tiny): MLA with query compression, DSA with 2 indexer heads of 12 channels, top-6 of
+DeepSeek-V3.2 (tiny, init std 0.2): MLA with query compression, DSA with 2 indexer heads of 12 channels, top-6 of
 the 32 keys (so the sparse choice matters), --dsa-indexer-loss-coeff 0.1; layouts TP 2 with SP (the
 indexer duplicated, its target summed over TP), PP 2, ZeRO-2 with selective recompute.
 Compared per iteration: lm loss, the DSA indexer loss and the gradient norm (rtol 1e-5); every
@@ -32,7 +32,8 @@ QWEN3_NEXT = tiny(num_layers=4, hidden_size=32, seq_length=32, lr=1e-2, train_it
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
     "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "1e-2"]
 DSA = tiny(num_layers=2, hidden_size=32, seq_length=32, lr=1e-2, train_iters=6, log_interval=1, eval_iters=0) + \
-    COMMON + ["--ffn-hidden-size", "48", "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16",
+    COMMON + ["--init-method-std", "0.2", "--ffn-hidden-size", "48", "--multi-latent-attention", "--q-lora-rank", "24",
+              "--kv-lora-rank", "16",
               "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
               "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "2", "--dsa-indexer-head-dim", "12",
               "--dsa-indexer-topk", "6", "--dsa-indexer-loss-coeff", "0.1"]
@@ -67,7 +68,9 @@ def references(corpus, tmp_path_factory):
     assert any(n.endswith("self_attention.A_log") for n in refs["qwen3_next"].params)
     assert any(n.endswith("indexer.linear_wk.weight") for n in refs["dsa"].params)
     indexer = per_iteration(refs["dsa"].records, "dsa_indexer_loss")
-    assert len(indexer) == 6 and min(indexer) > 0
+    print("DSA indexer loss per iteration:", indexer)
+    # init std 0.2: peaked attention, so that the KL is far above fp32 rounding of its terms
+    assert len(indexer) == 6 and min(indexer) > 1e-3
     return refs
 
 
