@@ -10,13 +10,15 @@ from ...errors import InputError
 from .gpt_oss import gpt_oss_architecture, gpt_oss_config_from_hf, is_gpt_oss
 from .deepseek import (DEEPSEEK_CLASS, deepseek_architecture, deepseek_config_from_hf, deepseek_flags,
                           deepseek_hf_config, deepseek_yarn)
+from .deepseek_v32 import (DEEPSEEK_V32_CLASS, deepseek_v32_architecture, deepseek_v32_config_from_hf,
+                           deepseek_v32_flags, deepseek_v32_hf_config)
 from .moe import HF_MOE_CLASSES, moe_architecture, moe_config_from_hf, moe_flags, moe_hf_config
 from .qwen3_next import (QWEN3_NEXT_CLASSES, is_gated_delta_net, qwen3_next_architecture, qwen3_next_config_from_hf,
                          qwen3_next_flags, qwen3_next_hf_config)
 
 # megalite's name of each architecture -> the transformers class
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", **HF_MOE_CLASSES,
-              "deepseek_v3": DEEPSEEK_CLASS, **QWEN3_NEXT_CLASSES}
+              "deepseek_v3": DEEPSEEK_CLASS, "deepseek_v32": DEEPSEEK_V32_CLASS, **QWEN3_NEXT_CLASSES}
 # what transformers calls the q/k norms of --qk-layernorm, by architecture
 QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
 
@@ -36,9 +38,6 @@ def hf_architecture(cfg: dict, prefer: str | None = None) -> str:
         return qwen3_next_architecture(cfg, refuse, prefer)
     if prefer is not None:
         refuse(f"--hf-architecture {prefer} for a model without gated DeltaNet layers", "the other exports")
-    if cfg.get("experimental_attention_variant") == "dsa":
-        raise ConversionError("cannot export to Hugging Face: --experimental-attention-variant dsa (DeepSeek-V3.2's "
-                              "DeepseekV32ForCausalLM is not mapped yet)")
     if cfg.get("attention_output_gate"):
         refuse("--attention-output-gate without gated DeltaNet layers", "the GPT-2, Llama, Qwen3 and MoE exports")
 
@@ -56,8 +55,9 @@ def hf_architecture(cfg: dict, prefer: str | None = None) -> str:
                              ("rotary_interleaved", "--rotary-interleaved", False)):
         if cfg.get(key, plain) != plain:
             refuse(f"{flag} {cfg[key]}" if cfg[key] is not True else flag, "the GPT-2, Llama, Qwen3 and MoE exports")
-    if cfg.get("multi_latent_attention"):  # deepseek.py
-        return deepseek_architecture(cfg, refuse)
+    if cfg.get("multi_latent_attention"):  # deepseek.py; with DSA deepseek_v32.py
+        arch = deepseek_architecture(cfg, refuse)
+        return deepseek_v32_architecture(cfg, refuse) if cfg.get("experimental_attention_variant") == "dsa" else arch
     if cfg["position_embedding_type"] == "learned_absolute":
         gpt2 = "a GPT-2 style model (--position-embedding-type learned_absolute) as GPT2LMHeadModel"
         if cfg["normalization"] != "LayerNorm":
@@ -264,6 +264,8 @@ def hf_config(cfg: dict, bos_id: int | None = None, eos_id: int | None = None, a
     rope_parameters, _ = hf_rope(cfg)
     if arch == "deepseek_v3":
         return deepseek_hf_config(cfg, common, rope_parameters, transformers_class)
+    if arch == "deepseek_v32":
+        return deepseek_v32_hf_config(cfg, common, rope_parameters, transformers_class)
     rope_model = dict(  # what every Llama-style config takes
         hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_layers"],
         num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_query_groups"],
@@ -342,6 +344,8 @@ def config_from_hf(c, raw: dict) -> dict:
         return {**_rope_model_from_hf(c, raw, refuse), **common, **gpt_oss_config_from_hf(c, refuse)}
     if c.model_type == "deepseek_v3":
         return dict(deepseek_config_from_hf(c, raw, rope_from_hf(raw, c.model_type), refuse), **common)
+    if c.model_type == "deepseek_v32":
+        return dict(deepseek_v32_config_from_hf(c, raw, rope_from_hf(raw, c.model_type), refuse), **common)
     if c.model_type in QWEN3_NEXT_CLASSES:
         return dict(qwen3_next_config_from_hf(c, raw, refuse), **common)
     if c.model_type in HF_MOE_CLASSES:
@@ -397,4 +401,5 @@ def pretrain_flags(cfg: dict) -> list[str]:
         flags.append("--disable-bias-linear")
     if cfg["untie_embeddings_and_output_weights"]:
         flags.append("--untie-embeddings-and-output-weights")
-    return [str(f) for f in flags + moe_flags(cfg) + deepseek_flags(cfg) + qwen3_next_flags(cfg)]
+    flags += moe_flags(cfg) + deepseek_flags(cfg) + deepseek_v32_flags(cfg) + qwen3_next_flags(cfg)
+    return [str(f) for f in flags]

@@ -51,6 +51,7 @@ from .config import (HF_CLASSES, ConversionError, config_from_hf, hf_architectur
                         update_json)
 from .deepseek import deepseek_mtp_depth, deepseek_state, deepseek_tensors
 from .moe import moe_mlp_rules, moe_pattern, moe_prefix
+from .deepseek_v32 import deepseek_v32_state, deepseek_v32_tensors
 from .qwen3_next import QWEN3_NEXT_CLASSES, qwen3_next_state, qwen3_next_tensors
 from .tables import Rule, export_tensors, glu, import_tensors, mapped, same, transposed, under
 from .tokenizer import export_tokenizer, has_tokenizer_files, special_ids
@@ -213,9 +214,11 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
     if cfg.get("apply_layernorm_1p") and arch not in QWEN3_NEXT_CLASSES:
         # zero-centred norm weights (w - 1): Hugging Face stores w itself (Qwen3-Next's tables say their own)
         state = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in state.items()}
-    tensors = (_gpt2_tensors(cfg, state) if arch == "gpt2" else deepseek_tensors(cfg, state)
-               if arch == "deepseek_v3" else qwen3_next_tensors(cfg, state, arch) if arch in QWEN3_NEXT_CLASSES
-               else _llama_tensors(cfg, state, arch))
+    if arch in QWEN3_NEXT_CLASSES:
+        tensors = qwen3_next_tensors(cfg, state, arch)
+    else:
+        tensors = {"gpt2": _gpt2_tensors, "deepseek_v3": deepseek_tensors, "deepseek_v32": deepseek_v32_tensors}.get(
+            arch, lambda c, s: _llama_tensors(c, s, arch))(cfg, state)
     if state:
         raise ConversionError(f"checkpoint {meta.get('dir', '')} has tensors the {arch} mapping does not place: "
                               f"{', '.join(sorted(state)[:5])}")
@@ -352,7 +355,8 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
         cfg["mtp_num_layers"] = deepseek_mtp_depth(hf_cfg, hf, lambda what: _refuse_import(in_dir, what))
     try:
         state = (_gpt2_state(cfg, hf) if prefix == "transformer." else deepseek_state(cfg, hf, lm_head)
-                 if hf_cfg.model_type == "deepseek_v3" else qwen3_next_state(cfg, hf, hf_cfg.model_type)
+                 if hf_cfg.model_type == "deepseek_v3" else deepseek_v32_state(cfg, hf, lm_head)
+                 if hf_cfg.model_type == "deepseek_v32" else qwen3_next_state(cfg, hf, hf_cfg.model_type)
                  if hf_cfg.model_type in QWEN3_NEXT_CLASSES else _llama_state(cfg, hf, hf_cfg.model_type))
     except KeyError as e:
         raise ConversionError(f"--load-dir {in_dir}: weight {prefix}{e.args[0]} is missing") from None
