@@ -55,6 +55,8 @@ from __future__ import annotations
 import math
 
 from ..config.sharding import ShardingStrategy
+from .attention_variant import (dsa_activation_bytes_per_token, gdn_activation_bytes_per_token, gdn_params,
+                                indexer_params, linear_pattern, output_gate_params)
 from .context_parallel import cp_attention_terms
 from .mla import mla_activation_coefficients, mla_params
 from .schedule import is_post_process, loss_rank, zero_bubble_in_flight
@@ -63,10 +65,10 @@ from .moe import (chunk_layers, expert_params, expert_tp, local_expert_params, m
                   moe_mlp_activation_bytes, moe_pattern)
 
 # -- parameters --------------------------------------------------------------------------------
-def layer_params(c, moe: bool = False) -> tuple[int, int]:
+def layer_params(c, moe: bool = False, linear: bool = False) -> tuple[int, int]:
     """(elements sharded over TP, on one TP rank; elements replicated on every TP rank) of one
     transformer layer, as megalite builds it; of an MoE layer (`moe`) all but its routed experts
-    (planning/moe.py: local_expert_params)."""
+    (planning/moe.py: local_expert_params); of a gated DeltaNet layer (`linear`) its own attention."""
     h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
     bias = not (not c.model.add_bias_linear)
     norm = h * (2 if c.model.normalization == "LayerNorm" else 1)
@@ -80,9 +82,14 @@ def layer_params(c, moe: bool = False) -> tuple[int, int]:
     replicated = 2 * norm + (h if bias else 0)  # two norms; the projection's row-parallel bias is whole
     if c.model.qk_layernorm:  # the q and k norms, kv_channels wide, whole on every TP rank
         replicated += 2 * norm // h * c.model.kv_channels
-    if c.model.multi_latent_attention:  # its own projections and latent norms (planning/mla.py)
+    if c.model.multi_latent_attention:  # its own projections and latent norms (planning/mla.py), DSA's indexer
         sharded, replicated = mla_params(c)
+        replicated += 2 * norm + indexer_params(c)
+    elif linear:  # a gated DeltaNet layer (planning/attention_variant.py)
+        sharded, replicated = gdn_params(c)
         replicated += 2 * norm
+    else:  # --attention-output-gate's rows in linear_qkv
+        sharded += output_gate_params(c)
     if moe:
         mlp_sharded, mlp_replicated = moe_layer_params(c)
     else:
@@ -109,8 +116,8 @@ def stage_layer_params(c, pp_rank: int) -> tuple[int, int]:
     """(dense elements, expert elements) of the transformer layers on one GPU of stage `pp_rank`:
     expert weights are reduced and sharded over the expert-data-parallel group, the rest over
     DP x CP."""
-    pattern = moe_pattern(c)
-    dense = sum(sum(layer_params(c, pattern[n])) for chunk in chunk_layers(c, pp_rank) for n in chunk)
+    pattern, linear = moe_pattern(c), linear_pattern(c)
+    dense = sum(sum(layer_params(c, pattern[n], linear[n])) for chunk in chunk_layers(c, pp_rank) for n in chunk)
     experts = sum(pattern[n] for chunk in chunk_layers(c, pp_rank) for n in chunk) * (
         local_expert_params(c) if c.model.num_experts else 0)
     return dense, experts
@@ -146,10 +153,11 @@ def stage_param_split(c, pp_rank: int) -> tuple[int, int]:
 def stage_matrix_params(c, pp_rank: int) -> tuple[int, int]:
     """(dense, expert) elements of --optimizer muon's matrices on one GPU of stage `pp_rank`: every
     2-D weight of the transformer (and MTP) layers; the tables, norms and biases are the rest."""
-    pattern = moe_pattern(c)
+    pattern, linear = moe_pattern(c), linear_pattern(c)
     layers = [pattern[n] for chunk in chunk_layers(c, pp_rank) for n in chunk]
     experts_each = local_expert_params(c) - expert_vector_params(c) if c.model.num_experts else 0
-    dense = sum(sum(layer_params(c, moe)) - layer_vector_params(c, moe) for moe in layers)
+    dense = sum(sum(layer_params(c, pattern[n], linear[n])) - layer_vector_params(c, pattern[n])
+                for chunk in chunk_layers(c, pp_rank) for n in chunk)
     experts = sum(layers) * experts_each
     depth = c.model.mtp_num_layers or 0
     if depth and pp_rank == c.parallel.pipeline_model_parallel_size - 1:  # MTP: its layer and eh_proj
@@ -171,8 +179,8 @@ def total_params(c) -> int:
     h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
     pattern = moe_pattern(c)
     n = 0
-    for moe in pattern:
-        sharded, replicated = layer_params(c, moe)
+    for moe, linear in zip(pattern, linear_pattern(c)):
+        sharded, replicated = layer_params(c, moe, linear)
         n += sharded * t + replicated + (c.model.num_experts * expert_params(c) if moe else 0)
     sharded, replicated, _ = mtp_params(c)
     depth, moe = c.model.mtp_num_layers or 0, moe_pattern(c)[-1]
@@ -191,7 +199,7 @@ def recompute_setting(c) -> tuple[str | None, str | None, int]:
     return granularity, (method if granularity == "full" else None), k
 
 
-def layer_activation_bytes(c, moe: bool = False, cp_type: str | None = None) -> tuple[float, float]:
+def layer_activation_bytes(c, moe: bool = False, cp_type: str | None = None, linear: bool = False) -> tuple[float, float]:
     """(bytes one layer stores for one micro-batch, bytes of its input alone), Korthikanti et al.
     2022 Table 2, for this TP / SP / recompute setting; an MoE layer (`moe`) keeps its norms'
     and attention's part and planning/moe.py's for the MLP; `cp_type`: the layer's --cp-comm-type
@@ -214,6 +222,14 @@ def layer_activation_bytes(c, moe: bool = False, cp_type: str | None = None) -> 
     latents = 0.0
     if c.model.multi_latent_attention:  # planning/mla.py: per-head tensors, and the latents
         attention, latents = mla_activation_coefficients(c)
+    variant = 0.0  # bytes per token of the attention variants (planning/attention_variant.py)
+    if linear:  # a gated DeltaNet layer: its own tensors instead of softmax attention's
+        attention, keeps_scores = 0.0, False
+        variant = gdn_activation_bytes_per_token(c, granularity == "selective")
+    elif c.model.experimental_attention_variant == "dsa":  # no [s, s] scores: the indices, the indexer's
+        keeps_scores, variant = False, dsa_activation_bytes_per_token(c)
+    elif c.model.attention_output_gate:  # the gate's logits and sigmoid beside the context
+        attention += 4 * c.model.num_attention_heads * c.model.kv_channels / h
     # GeLU keeps fc1's output and GeLU's (4f/h in 16-bit); megalite's SwiGLU keeps fc1's [gate; up],
     # silu(gate) and their product (4f/h + 2f/h + 2f/h): twice GeLU's for the same f
     mlp = 4 * c.model.ffn_hidden_size / h * (2.0 if c.model.gated_linear_unit else 1.0)
@@ -231,7 +247,7 @@ def layer_activation_bytes(c, moe: bool = False, cp_type: str | None = None) -> 
     coeff = (replicated + latents + attention + mlp + scores) / t if sp else \
         replicated + latents + (attention + mlp + scores) / t
     scale = 1.0 if (c.optimizer.bf16 or c.optimizer.fp16) else 2.0  # the formula is for 16-bit
-    return s * b * h * coeff * scale + (moe_mlp_activation_bytes(c) if moe else 0.0), \
+    return s * b * h * coeff * scale + s * b * variant + (moe_mlp_activation_bytes(c) if moe else 0.0), \
         2 * s * b * h / (t if sp else 1) * scale
 
 
@@ -251,16 +267,17 @@ def in_flight_chunks(c, pp_rank: int) -> int:
 def chunk_activation_bytes(c, pp_rank: int) -> tuple[float, float]:
     """(what a forward of one of stage `pp_rank`'s model chunks keeps for backward, the mean over
     its chunks; the most one group of layers rebuilt by full recompute holds in backward)."""
-    pattern = moe_pattern(c)
+    pattern, linear = moe_pattern(c), linear_pattern(c)
     types = c.parallel.cp_comm_type
     _, checkpoint = layer_activation_bytes(c)
-    # per (MoE?, --cp-comm-type): one type, or one per layer
+    # per (MoE?, --cp-comm-type, DeltaNet?): one type, or one per layer
     kinds = {False, True} if any(pattern) else {False}
-    per = {(m, t): layer_activation_bytes(c, m, t)[0] for m in kinds for t in set(types)}
+    per = {(m, t, lin): layer_activation_bytes(c, m, t, lin)[0] for m in kinds for t in set(types)
+           for lin in set(linear)}
     granularity, method, k = recompute_setting(c)
     kept, transient = [], 0.0
     for chunk in chunk_layers(c, pp_rank):
-        full = [per[(bool(pattern[n]), types[min(n, len(types) - 1)])] for n in chunk]
+        full = [per[(bool(pattern[n]), types[min(n, len(types) - 1)], linear[n])] for n in chunk]
         n = len(full)
         if granularity == "full":
             if method == "block":
@@ -314,7 +331,8 @@ def unit_params(c, pp_rank: int) -> tuple[int, list[int]]:
     pos = c.model.max_position_embeddings * h if c.model.position_embedding_type == "learned_absolute" else 0
     tied = not c.model.untie_embeddings_and_output_weights
     pattern = moe_pattern(c)
-    own, units = 0, [sum(layer_params(c, pattern[n])) + (local_expert_params(c) if pattern[n] else 0)
+    linear = linear_pattern(c)
+    own, units = 0, [sum(layer_params(c, pattern[n], linear[n])) + (local_expert_params(c) if pattern[n] else 0)
                      for chunk in chunk_layers(c, pp_rank) for n in chunk]
     for chunk in range(v):
         pre, post = pp_rank == 0 and chunk == 0, is_post_process(c, pp_rank, chunk)

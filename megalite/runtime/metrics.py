@@ -32,7 +32,9 @@ def num_floating_point_operations(c, batch_size: int) -> float:
     their [h, 2h] eh_proj: 6·B·s·D·2h².
 
     With multi-latent attention the attention part is 6·B·s·(L + D)·(its weights per token +
-    s·a·(d + dr + dv)).
+    s·a·(d + dr + dv)); under DSA each query attends to min(k, s) keys and the indexer adds its own
+    (dsa_indexer_flops). Gated DeltaNet layers count their own (gated_delta_net_flops) instead of
+    softmax attention's, and --attention-output-gate adds the gate's [h, a·d] projection.
     """
     s, L, h = c.seq_length, c.num_layers, c.hidden_size
     a, g, d = c.num_attention_heads, c.num_query_groups, c.kv_channels
@@ -46,12 +48,44 @@ def num_floating_point_operations(c, batch_size: int) -> float:
                 + (1 if shared and c.moe_shared_expert_gate else 0)
         else:
             mlp += c.ffn_hidden_size * n
+    variant = getattr(c, "experimental_attention_variant", None)
     if getattr(c, "multi_latent_attention", False):  # MLA's projections and head sizes (model/mla.py)
-        attention = 6.0 * batch_size * s * (L + D) * (mla_weights_per_token(c) + s * a * (
+        keys = min(c.dsa_indexer_topk, s) if variant == "dsa" else s  # DSA: each query's top-k keys
+        attention = 6.0 * batch_size * s * (L + D) * (mla_weights_per_token(c) + keys * a * (
             c.qk_head_dim + c.qk_pos_emb_head_dim + c.v_head_dim))
+        if variant == "dsa":
+            attention += (L + D) * dsa_indexer_flops(c, batch_size)
     else:
-        attention = 12.0 * batch_size * s * (L + D) * h * h * (1 + g / a + s / h) * (a * d / h)
+        linear = sum(c.is_linear_attention_layer(n) for n in range(L)) if variant else 0
+        gate = 6.0 * batch_size * s * h * a * d if getattr(c, "attention_output_gate", False) else 0.0
+        attention = (L + D - linear) * (12.0 * batch_size * s * h * h * (1 + g / a + s / h) * (a * d / h) + gate)
+        attention += linear * gated_delta_net_flops(c, batch_size)
     return attention + 6.0 * batch_size * s * h * (c.padded_vocab_size * (1 + D) + mlp + D * 2 * h)
+
+
+def gated_delta_net_flops(c, batch_size: int, chunk: int = 64) -> float:
+    """One gated DeltaNet layer's FLOPs (forward + backward: 3x the forward's 2 per multiply-add):
+    in_proj and out_proj, the short convolution, and the chunked delta rule per value head and token:
+    C·(3·dk + 2·dv) within its chunk of C (K·Kᵀ, W, Q·Kᵀ; U, the intra-chunk product) and 3·dk·dv
+    against the state (W·S, its update, Q·S); the triangular solve's C³/3 per chunk is left out."""
+    s, h = c.seq_length, c.hidden_size
+    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    weights = h * (2 * nk * dk + 2 * nv * dv + 2 * nv) + nv * dv * h + (2 * nk * dk + nv * dv) * c.linear_conv_kernel_dim
+    rule = nv * (chunk * (3 * dk + 2 * dv) + 3 * dk * dv)
+    return 6.0 * batch_size * s * (weights + rule)
+
+
+def dsa_indexer_flops(c, batch_size: int) -> float:
+    """One DSA layer's indexer: its projections (forward and backward), the scores of every query
+    against every key (H·D per pair) for the top-k, and with --dsa-indexer-loss-coeff those scores
+    again with their backward and the dense attention's target (n·(d + dr) per pair, forward only)."""
+    s, h = c.seq_length, c.hidden_size
+    heads, dim = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
+    weights = heads * dim * c.q_lora_rank + dim * h + heads * h
+    scores = 2.0 * batch_size * s * s * heads * dim
+    loss = 3 * scores + 2.0 * batch_size * s * s * c.num_attention_heads * (c.qk_head_dim + c.qk_pos_emb_head_dim) \
+        if c.dsa_indexer_loss_coeff else 0.0
+    return 6.0 * batch_size * s * weights + scores + loss
 
 
 def mla_weights_per_token(c) -> int:
