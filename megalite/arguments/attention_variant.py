@@ -33,6 +33,9 @@ def check_attention_variant(c: RunConfig) -> None:
              + ("the delta rule's state runs through the sequence in order (handing it from rank to rank is not "
                 "built)" if variant != "dsa" else "DSA's indexer picks keys over the whole sequence (not built "
                                                   "over CP chunks)"))
+    if c.optimizer.optimizer == "muon":
+        fail(f"--optimizer muon with --experimental-attention-variant {variant}: not tested with the DeltaNet's "
+             "in_proj (rows by key head) or DSA's indexer; use adam")
     if c.data.reset_attention_mask:
         fail(f"--reset-attention-mask with --experimental-attention-variant {variant}: its layers do not stop "
              "at document boundaries (the result would differ from the mask's)")
