@@ -9,10 +9,11 @@ Qwen3-Next (tiny): --linear-attention-freq 2 over 4 layers (DeltaNet, softmax, D
 Layouts: TP 2 with SP (the DeltaNet's key heads split), PP 2 (uneven kinds per stage: the layout
 string 'Ettt|tL'), EP 2 (alltoall) under ZeRO-3, ZeRO-1 with full recompute.
 DeepSeek-V3.2 (tiny, init std 0.2): MLA with query compression, DSA with 2 indexer heads of 12 channels, top-6 of
-the 32 keys (so the sparse choice matters), --dsa-indexer-loss-coeff 0.1; layouts TP 2 with SP (the
-indexer duplicated, its target summed over TP), PP 2, ZeRO-2 with selective recompute.
+the 32 keys (so the sparse choice matters), --dsa-indexer-loss-coeff 0.1, DeepSeek-V3's MoE in the second
+layer (sigmoid top-2 of 4, expert bias, shared expert); layouts TP 2 with SP (the indexer duplicated, its
+target summed over TP), PP 2, ZeRO-2 with selective recompute, EP 2 (alltoall) under ZeRO-3.
 Compared per iteration: lm loss, the DSA indexer loss and the gradient norm (rtol 1e-5); every
-parameter after the last step, by global name (atol 1e-5). Cost: ~120 s (two references, 7 layouts).
+parameter after the last step, by global name (atol 1e-5). Cost: ~140 s (two references, 8 layouts).
 """
 import pytest
 
@@ -36,7 +37,12 @@ DSA = tiny(num_layers=2, hidden_size=32, seq_length=32, lr=1e-2, train_iters=6, 
               "--kv-lora-rank", "16",
               "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
               "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "2", "--dsa-indexer-head-dim", "12",
-              "--dsa-indexer-topk", "6", "--dsa-indexer-loss-coeff", "0.1"]
+              "--dsa-indexer-topk", "6", "--dsa-indexer-loss-coeff", "0.1",
+              # DeepSeek-V3's MoE: the first layer dense, sigmoid top-2 of 4 with an expert bias, a shared expert
+              "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-layer-freq",
+              "[0,1]", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+              "--moe-router-bias-update-rate", "1e-2", "--moe-shared-expert-intermediate-size", "16",
+              "--moe-aux-loss-coeff", "1e-2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 LAYOUTS = {  # id: (model, processes, flags)
     "qwen3-next-tp2-sp": ("qwen3_next", 2, TP2_SP),
@@ -52,6 +58,9 @@ LAYOUTS = {  # id: (model, processes, flags)
     "dsa-pp2": ("dsa", 2, ["--pipeline-model-parallel-size", "2"]),
     "dsa-zero2-selective": ("dsa", 2, ["--data-parallel-sharding-strategy", "optim_grads",
                                        "--recompute-granularity", "selective"]),
+    "dsa-ep2-zero3": ("dsa", 2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                                 "--ddp-bucket-size", "5000", "--data-parallel-sharding-strategy",
+                                 "optim_grads_params"]),
 }
 RTOL = {"qwen3_next": {"lm_loss": 1e-5, "grad_norm": 1e-5},
         "dsa": {"lm_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5}}
