@@ -107,8 +107,11 @@ def gated_delta_rule(q, k, v, g, beta, state: torch.Tensor | None = None, final_
     normalises nothing: q and k come normalised), else `chunked_delta_rule`. Returns (o, final
     state or None)."""
     if fla_chunk_gated_delta_rule is not None and q.is_cuda:  # pragma: no cover - needs a GPU and fla
-        o, S = fla_chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta, initial_state=state,
-                                          output_final_state=final_state, use_qk_l2norm_in_kernel=False)
-        return o, S
+        # (one dtype for every input, fp32 as the plain path computes; not run in this project's tests:
+        # no GPU with flash-linear-attention installed)
+        o, S = fla_chunk_gated_delta_rule(q.float(), k.float(), v.float(), g=g.float(), beta=beta.float(),
+                                          initial_state=state, output_final_state=final_state,
+                                          use_qk_l2norm_in_kernel=False)
+        return o.to(v.dtype), S
     o, S = chunked_delta_rule(q, k, v, g, beta, state)
     return o, (S if final_state else None)
