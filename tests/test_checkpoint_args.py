@@ -149,6 +149,10 @@ YARN_MODEL = dict(DENSE, position_embedding_type="yarn", rotary_scaling_factor=4
 MOE_MODEL = dict(DENSE, num_experts=4, moe_ffn_hidden_size=32)
 MLA_MODEL = dict(DENSE, position_embedding_type="rope", multi_latent_attention=True, rope_type="rope")
 # (the model saved, field, this run's value, flag, as the flag gives the checkpoint's value, this run's)
+GDN_MODEL = dict(DENSE, experimental_attention_variant="gated_delta_net", linear_attention_freq="2",
+                 linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+DSA_MODEL = dict(MLA_MODEL, experimental_attention_variant="dsa", dsa_indexer_n_heads=2, dsa_indexer_head_dim=12,
+                 dsa_indexer_topk=4)
 MISMATCHES = [
     (DENSE, "num_layers", 6, "--num-layers", 4, 6),
     (DENSE, "hidden_size", 128, "--hidden-size", 64, 128),
@@ -217,6 +221,19 @@ MISMATCHES = [
     (MLA_MODEL, "qk_pos_emb_head_dim", 8, "--qk-pos-emb-head-dim", 64, 8),
     (MLA_MODEL, "v_head_dim", 16, "--v-head-dim", 128, 16),
     (MLA_MODEL, "rope_type", None, "--rope-type", "rope", "yarn"),  # none: MLA's yarn
+    # the attention variants (issue 44)
+    (DENSE, "attention_output_gate", True, "--attention-output-gate", False, True),
+    (DENSE, "experimental_attention_variant", "gated_delta_net", "--experimental-attention-variant", None,
+     "gated_delta_net"),
+    (GDN_MODEL, "linear_attention_freq", "4", "--linear-attention-freq", "2", "4"),
+    (GDN_MODEL, "linear_conv_kernel_dim", 3, "--linear-conv-kernel-dim", 4, 3),
+    (GDN_MODEL, "linear_key_head_dim", 8, "--linear-key-head-dim", 16, 8),
+    (GDN_MODEL, "linear_value_head_dim", 8, "--linear-value-head-dim", 16, 8),
+    (GDN_MODEL, "linear_num_key_heads", 1, "--linear-num-key-heads", 2, 1),
+    (GDN_MODEL, "linear_num_value_heads", 2, "--linear-num-value-heads", 4, 2),
+    (DSA_MODEL, "dsa_indexer_n_heads", 4, "--dsa-indexer-n-heads", 2, 4),
+    (DSA_MODEL, "dsa_indexer_head_dim", 16, "--dsa-indexer-head-dim", 12, 16),
+    (DSA_MODEL, "dsa_indexer_topk", 8, "--dsa-indexer-topk", 4, 8),
 ]
 
 

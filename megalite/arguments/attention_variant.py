@@ -2,7 +2,10 @@
 and what it cannot be combined with (yet), one `error:` line each."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 from ..config.attention_variant import linear_attention_pattern
+from ..config.model import GPTConfig
 from ..config.run import RunConfig
 from .errors import fail
 
@@ -13,6 +16,8 @@ DSA_FLAGS = {"dsa_indexer_n_heads": "--dsa-indexer-n-heads", "dsa_indexer_head_d
              "dsa_indexer_topk": "--dsa-indexer-topk", "dsa_indexer_loss_coeff": "--dsa-indexer-loss-coeff",
              "dsa_indexer_use_sparse_loss": "--dsa-indexer-use-sparse-loss"}
 
+_DEFAULTS = {f.name: f.default for f in fields(GPTConfig)}
+
 
 def check_attention_variant(c: RunConfig) -> None:
     """A variant's flags without the variant; gated DeltaNet's and DSA's shapes and what they refuse."""
@@ -22,7 +27,8 @@ def check_attention_variant(c: RunConfig) -> None:
              "(Qwen3-Next's gated attention), not MLA's")
     variant = m.experimental_attention_variant
     for table, wanted in ((LINEAR_FLAGS, ("gated_delta_net", "gdn")), (DSA_FLAGS, ("dsa",))):
-        given = [f for key, f in table.items() if f"model.{key}" in c.explicit]
+        # (--use-checkpoint-args makes the checkpoint's values explicit: its defaults are no request)
+        given = [f for key, f in table.items() if f"model.{key}" in c.explicit and getattr(m, key) != _DEFAULTS[key]]
         if given and variant not in wanted:
             fail(f"{given[0]} shapes --experimental-attention-variant {wanted[0]}, which is not set")
     if variant is None:

@@ -57,6 +57,11 @@ FORCED = (
     "model.qk_pos_emb_head_dim", "model.v_head_dim", "model.rope_type",
     # multi-token prediction: the MTP modules' weights
     "model.mtp_num_layers",
+    # the 2026 attention variants: gated DeltaNet layers, the output gate, DSA's indexer
+    "model.attention_output_gate", "model.experimental_attention_variant", "model.linear_attention_freq",
+    "model.linear_conv_kernel_dim", "model.linear_key_head_dim", "model.linear_value_head_dim",
+    "model.linear_num_key_heads", "model.linear_num_value_heads", "model.dsa_indexer_n_heads",
+    "model.dsa_indexer_head_dim", "model.dsa_indexer_topk",
 )
 # The tokenizer file and its type: forced by default (Megatron-LM's
 # use_tokenizer_model_from_checkpoint_args). --no-use-tokenizer-model-from-checkpoint-args keeps

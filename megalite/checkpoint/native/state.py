@@ -37,6 +37,11 @@ MODEL_FLAGS = {
     "multi_latent_attention": "--multi-latent-attention",
     "mtp_num_layers": "--mtp-num-layers",  # the MTP modules' weights
     "squared_relu": "--squared-relu", "rotary_interleaved": "--rotary-interleaved",
+    # the attention variants (config/attention_variant.py): their weights' shapes and functions
+    **{key: "--" + key.replace("_", "-") for key in (
+        "attention_output_gate", "experimental_attention_variant", "linear_attention_freq", "linear_conv_kernel_dim",
+        "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+        "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")},
 }
 # Mixture of Experts: the weights' shapes (which layers, how many experts, their sizes, the
 # shared expert, the expert bias) and the routing
