@@ -74,7 +74,7 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
         record["expert_tokens_max"] = max(r["tokens_max"] for r in moe["moe_layers"])
         run.jsonl.write({"event": "moe", "iteration": state.iteration, "layers": moe["moe_layers"]})
         run.tracker.log(per_layer, state.iteration, "moe")
-    if state.model_config.dsa:  # the logged iteration's indexer loss (Megatron-LM's "indexer loss")
+    if state.model_config.dsa and state.model_config.dsa_indexer_loss_coeff:  # Megatron-LM's "indexer loss"
         record["dsa_indexer_loss"] = iteration_indexer_loss(
             run.model, out["global_batch_size"] // t.micro_batch_size, state.ps.tp_size, state.ps.dp_size,
             state.device)
