@@ -21,7 +21,9 @@ from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
 from .distributed import DataParallel, get_strategy
 from .distributed.expert_data_parallel import build_data_parallel
+from .fp8.context import FP8Context
 from .model import ExecutionConfig, GPTConfig, GPTModel, pad_vocab_size
+from .model.fp8 import attach_fp8
 from .model.init import initial_value
 from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
 from .optimizer import build_lr_scheduler, build_optimizer
@@ -67,6 +69,7 @@ class Run:
     wgrad_store: WgradStore | None = None  # zb_h1 / zbv (--delay-wgrad-compute): the deferred weight gradients
     timeline: Timeline | None = None  # --log-pipeline-timeline
     qk_clip: QKClip | None = None  # --qk-clip
+    fp8: FP8Context | None = None  # --fp8-format: the recipe, delayed scaling's history (megalite/fp8/)
     signal_received: list = field(default_factory=lambda: [False])
     spike_guard: SpikeGuard | None = None  # --check-for-spiky-loss / --check-for-large-grads
     # with the guard: the checkpoint due after an iteration, written once the next loss is no spike
@@ -268,6 +271,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     if zero3:  # DataParallel materialises the parameters; the buffers are made here
         for chunk in model:
             chunk.materialize_buffers(device)
+    fp8 = attach_fp8(model, cfg.fp8, ps, device)  # --fp8-format: the FP8 linears' sites (model/fp8.py)
     if cfg.training.compile:
         _compile(model, ps)
     named_params = [(n, p) for m in model for n, p in m.global_named_parameters()]
@@ -309,7 +313,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
               peak=peak_tflops(cfg.training.peak_tflops, execution.params_dtype), monitor=monitor, timers=timers,
               straggler=straggler, qk_clip=qk_clip, spike_guard=state.spike_guard, last_saved=state.iteration,
               wgrad_store=wgrad_store, timeline=Timeline(device) if t.log_pipeline_timeline else None,
-              closing=closing)
+              fp8=fp8, closing=closing)
     for opened in (run.jsonl, run.tracker, run.saver):
         if opened is not None:
             closing.callback(opened.close)
@@ -356,6 +360,8 @@ def log_startup(run: Run, malloc: str | None = None) -> None:
             f"per iteration (global batch {t.global_batch_size})")
     if run.batch.steps is not None or run.batch.rampup is not None:
         run.log(f"> batch schedule: {run.batch.describe()}; {t.train_iters} iterations")
+    if run.fp8 is not None:
+        run.log(f"> {run.fp8.describe()}")
     run.log(f"> model: {count_parameters(run.state) / 1e6:.2f}M parameters, {c.num_layers} layers, "
             f"hidden {c.hidden_size}, {c.num_attention_heads} heads, vocab {c.vocab_size} (padded "
             f"{c.padded_vocab_size}), seq {c.seq_length}, {run.cfg.optimizer.params_dtype}, attention: "

@@ -178,11 +178,15 @@ def forward_backward(run: Run, num_microbatches: int, backward_scale: float) -> 
     forward-backward timer holds both, as Megatron-LM's (whose schedule ends with the reduction)."""
     if run.timeline is not None:
         run.timeline.take()  # --log-pipeline-timeline: this iteration's passes only
+    if run.fp8 is not None:  # the iteration's casts record their amaxes (delayed scaling)
+        run.fp8.start_iteration()
     with run.timers("forward-backward"):
         stats = run.forward_backward(batches=run.train_batches, model=run.model, num_microbatches=num_microbatches,
                                      comm=run.pipe_comm, backward_scale=backward_scale,
                                      microbatch_mean=not run.cfg.training.calculate_per_token_loss,
                                      wgrad_store=run.wgrad_store, timeline=run.timeline)
+        if run.fp8 is not None:
+            run.fp8.finish_iteration()
         empty_unused_memory(run, 1)
         with run.timers("all-grads-sync"):
             run.dp.finish_grad_sync()

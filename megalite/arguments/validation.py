@@ -22,7 +22,7 @@ import os
 from dataclasses import fields
 
 from ..config.fields import flagged_fields
-from ..config.megatron import FP8_FLAGS, KERNEL_NOTICES, REFUSED_FLAGS
+from ..config.megatron import KERNEL_NOTICES, REFUSED_FLAGS
 from ..config.run import SECTIONS, RunConfig
 from ..config.sharding import get_strategy
 from .batch import check_batch_schedule, check_lr_schedule
@@ -30,6 +30,7 @@ from .checkpoint_args import apply_checkpoint_args
 from .data import check_data
 from .errors import fail, flag
 from .context_parallel import check_cp_comm_type
+from .fp8 import check_fp8
 from .model import check_attention_backend, check_context_parallel, check_model_shape, check_precision, \
     check_recompute
 from .moe import check_moe
@@ -61,6 +62,7 @@ def validate(config: RunConfig, world_size: int | None = None, check_files: bool
     check_precision(c)
     check_muon(c)
     check_optimizer_precision(c)
+    check_fp8(c)
     check_qk_clip(c)
     _check_operations(c)
     _check_outputs(c)
@@ -94,10 +96,6 @@ def _check_refused(c: RunConfig) -> None:
         if getattr(m, name) not in (None, False):
             fl = by_name[name]
             fail(f"{fl.name} is not supported: {fl.help.removeprefix('refused: ')}; drop it")
-    fp8 = [f for f in FP8_FLAGS if getattr(m, f)]
-    if fp8:
-        fail(f"{flag(fp8[0])} is not supported: FP8 training needs Hopper-class (or newer) GPUs and NVIDIA "
-             f"Transformer Engine, which megalite does not use; drop the --fp8-* flags (--bf16 is the nearest)")
     _check_ckpt_format(c)
     if not m.add_position_embedding and c.model.position_embedding_type != "rope":
         fail(f"--no-position-embedding is deprecated, use --position-embedding-type (Megatron-LM accepts it only "
@@ -130,7 +128,7 @@ def _check_ckpt_format(c: RunConfig) -> None:
 
 def _kernel_notices(c: RunConfig) -> None:
     """Megatron-LM's kernel-only choices: one notice line each saying what runs here instead (the
-    same function; FP8, which is not, is refused above)."""
+    same function; FP8, which is not, has its own section: arguments/fp8.py)."""
     m, p = c.megatron, c.parallel
     k = c.kernels
     if k.cross_entropy_fusion_impl == "te":

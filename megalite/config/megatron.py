@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 from .fields import flag
 
-_FP8 = ("FP8 training needs Hopper-class (or newer) GPUs and NVIDIA Transformer Engine, which megalite does not "
-        "use")
 _NOOP = "accepted, changes nothing: "
 
 
@@ -31,7 +29,7 @@ class MegatronCompatConfig:
         "--position-embedding-type)", action="store_false")
     transformer_impl: str | None = flag("--transformer-impl", None, "local is megalite's own layers; "
                                         "transformer_engine: megalite's own layers run instead, with a notice (its "
-                                        "FP8 is refused: --fp8-*)", choices=["local", "transformer_engine"])
+                                        "FP8: --fp8-*, through torchao)", choices=["local", "transformer_engine"])
     # Megatron-LM's kernel choices with no counterpart here: a notice says what runs (KERNEL_NOTICES)
     masked_softmax_fusion: bool = flag("--no-masked-softmax-fusion", True, "Megatron-LM's fused masked softmax off "
                                        "(megalite never fuses it: a notice)", action="store_false")
@@ -84,11 +82,6 @@ class MegatronCompatConfig:
         "LR schedule; megatron-core's dist_checkpointing.load reads it). --load reads either whatever this flag says; "
         "torch, zarr, torch_dcp and fsdp_dtensor are refused",
         choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"])
-    fp8_format: str | None = flag("--fp8-format", None, "refused: " + _FP8, choices=["e4m3", "hybrid"])
-    fp8_amax_history_len: int | None = flag("--fp8-amax-history-len", None, "refused: " + _FP8, type=int)
-    fp8_amax_compute_algo: str | None = flag("--fp8-amax-compute-algo", None, "refused: " + _FP8,
-                                             choices=["most_recent", "max"])
-    fp8_param_gather: bool = flag("--fp8-param-gather", False, "refused: " + _FP8, action="store_true")
 
 
 # kernel choices with no counterpart here: field -> (its flag as given, what runs instead); each set
@@ -105,6 +98,5 @@ KERNEL_NOTICES = {
 # the fields refused whenever they are set (to anything but their default); each flag's help says why
 REFUSED_FLAGS = ("apply_query_key_layer_scaling", "squared_relu", "save_retain_interval", "dist_ckpt_strictness",
                  "dist_ckpt_optim_fully_reshardable", "use_persistent_ckpt_worker")
-FP8_FLAGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
 
-__all__ = ["MegatronCompatConfig", "KERNEL_NOTICES", "REFUSED_FLAGS", "FP8_FLAGS"]
+__all__ = ["MegatronCompatConfig", "KERNEL_NOTICES", "REFUSED_FLAGS"]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from .fields import flagged_fields
 from .model import GPTConfig
 from .data import DataConfig, TokenizerConfig
+from .fp8 import FP8Config
 from .kernels import KernelConfig
 from .megatron import MegatronCompatConfig
 from .optimizer import OptimizerConfig
@@ -24,7 +25,7 @@ SECTIONS: dict[str, type] = {
     "model": GPTConfig, "kernels": KernelConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig,
     "training": TrainingConfig, "optimizer": OptimizerConfig, "ddp": DDPConfig, "data": DataConfig,
     "tokenizer": TokenizerConfig, "checkpoint": CheckpointConfig, "tracking": TrackingConfig,
-    "megatron": MegatronCompatConfig,
+    "fp8": FP8Config, "megatron": MegatronCompatConfig,
 }
 
 
@@ -45,6 +46,7 @@ class RunConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
     megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
     explicit: frozenset = frozenset()
     notices: list = field(default_factory=list)
