@@ -9,14 +9,17 @@ sharding strategy, the two measured design choices, the FSDP2 trial, and the mem
                                                               locally; ZeRO-3 under PP: re-gather vs keep
     python benchmarks/bench_zero.py fsdp2                     megalite's GPT under torch's fully_shard (FSDP2)
     python benchmarks/bench_zero.py memory-wall [--strategy optim_grads_params] [--iters 3]
-                                                              8 gloo ranks train a ~730M GPT (24 layers, hidden
-                                                              1536, vocab 32000, seq 128); per-rank peak RSS
+                                                              the plain torchrun pretrain_gpt.py command on 8
+                                                              gloo ranks, a ~730M GPT (24 layers, hidden 1536,
+                                                              vocab 32000, seq 128), megalite's defaults; each
+                                                              rank's peak RSS
 
-Each configuration runs pretrain_gpt.py's own setup/train under torchrun (gloo, CPU, one thread
-per rank) through this script's `worker` mode, which also writes one JSON line per run with every
+The first three run pretrain_gpt.py's own setup/train under torchrun (gloo, CPU, one thread per
+rank) through this script's `worker` mode, which also writes one JSON line per run with every
 rank's peak RSS (resource.getrusage), its RSS before the model was built, and DataParallel's
-counters. Results and the commands are in benchmarks/RESULTS_zero.md. Step times on a shared
-2-core machine are noisy: each is the median over the iterations after the first.
+counters. memory-wall runs pretrain_gpt.py itself, as a user does (`user-rank`: its main, then
+the process's peak RSS). Results and the commands are in benchmarks/RESULTS_zero.md. Step times
+on a shared 2-core machine are noisy: each is the median over the iterations after the first.
 """
 from __future__ import annotations
 
@@ -249,72 +252,91 @@ def bench_fsdp2() -> None:
 
 
 # -- the memory wall -------------------------------------------------------------------------------
-# fp32 (bf16 matmuls are slow on this CPU, and fp32 parameters are their own masters: 16 bytes
-# per parameter instead of 18); full recompute keeps ~20 MB of activations instead of ~330 MB per
-# rank. lr 1e-5 without warmup: Adam's first steps move every parameter by about +-lr, and at
-# 3e-4, 1e-4 and 3e-5 the third loss rose again (RESULTS_zero.md). Bucket size and the overlap
-# flags are options (--bucket-size, --overlap); their defaults are the smallest peak measured.
-WALL = ["--num-layers", "24", "--hidden-size", "1536", "--num-attention-heads", "16", "--seq-length", "128",
-        "--vocab-size", "32000", "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-5",
-        "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--seed", "1", "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-# glibc keeps freed blocks below its mmap threshold (which grows up to 32 MiB as large blocks are
-# freed) in the heap, counted in RSS: ~115 MiB of a rank's RSS was freed tensors. 256 KiB: every
-# tensor above it is mapped and unmapped, so freed memory goes back to the system at once
+# The command a user runs (docs/zero.md, issue 45): torchrun pretrain_gpt.py with megalite's
+# defaults (mock data, its dropouts, no bucket, overlap or malloc flag, nothing in the
+# environment) on a ~730M GPT: fp32 (bf16 matmuls are slow on this CPU, and fp32 parameters are
+# their own masters: 16 bytes per parameter instead of 18), full recompute (~20 MB of activations
+# instead of ~330 MB per rank). Each rank's peak RSS is that process's own (getrusage, as GNU
+# time reports it), written when pretrain_gpt.py's main returns (`user-rank`).
+WALL = ["--hidden-size", "1536", "--num-attention-heads", "16", "--seq-length", "128",
+        "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-4",
+        "--mock-data", "--vocab-size", "32000", "--eval-iters", "0", "--log-interval", "1",
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+# The recipe before megalite set these itself (--malloc-env): glibc's mmap threshold at 256 KiB
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144"}
+PEAKS_ENV = "BENCH_ZERO_PEAKS"
 
 
-def _corpus(tmp: str) -> list[str]:
-    """The bundled corpus, tokenized (SentencePiece, 1536 tokens) into `tmp`; the model's
-    vocabulary stays 32000 (--vocab-size), as a real tokenizer's would be."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    src = os.path.join(ROOT, "data", "corpus.jsonl")
-    for tool, args in (("train_tokenizer.py", ["--input", src, "--model-prefix", f"{tmp}/tok", "--vocab-size", "1536",
-                                               "--num-threads", "1"]),
-                       ("preprocess_data.py", ["--input", src, "--output-prefix", f"{tmp}/corpus", "--tokenizer-type",
-                                               "SentencePieceTokenizer", "--tokenizer-model", f"{tmp}/tok.model",
-                                               "--append-eod", "--workers", "1"])):
-        subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *args], check=True, capture_output=True,
-                       env=env)
-    return ["--data-path", f"{tmp}/corpus_text_document", "--split", "98,2,0", "--tokenizer-type",
-            "SentencePieceTokenizer", "--tokenizer-model", f"{tmp}/tok.model"]
+def user_rank(argv) -> None:
+    """One rank of the plain command: pretrain_gpt.py's main in this process (as torchrun runs
+    it), then this process's peak RSS appended to $BENCH_ZERO_PEAKS."""
+    import runpy
+    sys.argv = [os.path.join(ROOT, "pretrain_gpt.py"), *argv]
+    code = 0
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    finally:
+        with open(os.environ[PEAKS_ENV], "a") as f:
+            f.write(json.dumps({"rank": int(os.environ.get("RANK", 0)), "max_rss_bytes": _max_rss_bytes()}) + "\n")
+    sys.exit(code)
+
+
+def run_user_command(nproc: int, flags: list[str], tmp: str, env=None, timeout: float = 3600) -> dict:
+    """`torchrun --standalone --nproc_per_node nproc pretrain_gpt.py flags` (each rank through
+    `user-rank`); returns {"peaks": [bytes by rank], "records": [...jsonl...], "wall_s"}."""
+    jsonl, peaks = os.path.join(tmp, "log.jsonl"), os.path.join(tmp, "peaks.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.abspath(__file__), "user-rank", *flags, "--log-jsonl", jsonl]
+    env = dict(os.environ, PYTHONPATH=ROOT, **{PEAKS_ENV: peaks}, **(env or {}))
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    with open(jsonl) as f:
+        records = [json.loads(line) for line in f]
+    with open(peaks) as f:
+        by_rank = {r["rank"]: r["max_rss_bytes"] for r in map(json.loads, f)}
+    return {"peaks": [by_rank[r] for r in range(nproc)], "records": records, "wall_s": time.perf_counter() - start}
+
+
+def _commit() -> str | None:
+    proc = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return proc.stdout.strip() or None
 
 
 def bench_memory_wall(strategy: str, iters: int, out_path: str, num_layers: int = 24, bucket_size: int | None = None,
                       overlap: str = "none", malloc_env: bool = False) -> None:
-    """By default the model's flags, the strategy and full recompute alone: what megalite picks
-    itself (on gloo 4M-element buckets, glibc's mmap threshold) is what is measured. The options
-    set by hand what the recipe before those defaults set (--bucket-size 4000000 --overlap grads
-    --malloc-env)."""
+    """By default the plain command: what megalite picks itself (on gloo 4M-element buckets,
+    glibc's mmap threshold) is what is measured. The options set by hand what the recipe before
+    those defaults set (--bucket-size 4000000 --overlap grads --malloc-env)."""
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import plan
+    flags = ["--num-layers", str(num_layers)] + WALL + ["--train-iters", str(iters),
+                                                        "--data-parallel-sharding-strategy", strategy]
+    if bucket_size is not None:
+        flags += ["--ddp-bucket-size", str(bucket_size)]
+    if STRATEGIES[strategy].shards_optimizer:
+        flags += {"both": OVERLAP, "grads": OVERLAP[:1], "none": []}[overlap]
+    env = MALLOC_ENV if malloc_env else {}
     with tempfile.TemporaryDirectory() as tmp:
-        flags = _corpus(tmp) + WALL + ["--train-iters", str(iters), "--data-parallel-sharding-strategy", strategy,
-                                       "--num-layers", str(num_layers)]
-        if bucket_size is not None:
-            flags += ["--ddp-bucket-size", str(bucket_size)]
-        if STRATEGIES[strategy].shards_optimizer:
-            flags += {"both": OVERLAP, "grads": OVERLAP[:1], "none": []}[overlap]
-        env = MALLOC_ENV if malloc_env else {}
-        out = launch(8, flags, tmp, env=env)
-        # the plan of the buckets the run used (plan.py plans NCCL's 40M where none is given)
-        p = plan.make_plan(flags + ["--world-size", "8", "--gpu-memory-gb", "3"]
-                           + ([] if bucket_size is not None else ["--ddp-bucket-size", "4000000"]))
-    ranks = out["ranks"]
-    base = statistics.median(r["baseline_rss_bytes"] for r in ranks)
-    need = {s: 8 * (v["total"] * GIB + base) / GIB for s, v in p["memory_gb_by_strategy"].items()}
-    record = {"event": "memory_wall", "strategy": strategy, "world_size": 8, "flags": flags[8:], "env": env,
+        out = run_user_command(8, flags, tmp, env=env)
+    # the plan of the buckets the run used (plan.py plans NCCL's 40M where none is given)
+    p = plan.make_plan(flags + ["--world-size", "8", "--gpu-memory-gb", "3"]
+                       + ([] if bucket_size is not None else ["--ddp-bucket-size", "4000000"]))
+    peaks = out["peaks"]
+    record = {"event": "memory_wall", "strategy": strategy, "world_size": 8, "commit": _commit(),
+              "command": "torchrun --standalone --nproc_per_node 8 pretrain_gpt.py " + " ".join(flags), "env": env,
               "num_params": p["num_params_total"], "losses": losses(out["records"]),
               "step_s": [r["elapsed_ms"] / 1000 for r in out["records"] if "consumed_samples" in r],
-              "wall_s": out["wall_s"], "ranks": ranks,
-              "sum_peak_rss_gib": sum(r["max_rss_bytes"] for r in ranks) / GIB,
-              "baseline_rss_gib_per_rank": base / GIB,
-              "planned_gib_per_rank_by_strategy": {s: v["total"] for s, v in p["memory_gb_by_strategy"].items()},
-              "needed_gib_8_ranks_by_strategy": need}
+              "wall_s": out["wall_s"], "peak_rss_bytes_by_rank": peaks, "max_peak_rss_gb": max(peaks) / 1e9,
+              "sum_peak_rss_gib": sum(peaks) / GIB,
+              "planned_gib_per_rank_by_strategy": {s: v["total"] for s, v in p["memory_gb_by_strategy"].items()}}
     with open(out_path, "a") as f:
         f.write(json.dumps(record) + "\n")
-    print(json.dumps({k: v for k, v in record.items() if k != "ranks"}, indent=1))
-    print("per-rank peak RSS GiB:", [round(r["max_rss_bytes"] / GIB, 2) for r in ranks])
+    print(json.dumps(record, indent=1))
+    print("per-rank peak RSS GB:", [round(b / 1e9, 3) for b in peaks])
 
 
 def main(argv=None) -> None:
@@ -323,6 +345,8 @@ def main(argv=None) -> None:
         return worker(argv[1:])
     if argv and argv[0] == "fsdp2-rank":
         return fsdp2_trial_rank()
+    if argv and argv[0] == "user-rank":
+        return user_rank(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["strategies", "alternatives", "fsdp2", "memory-wall"])
     p.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8])

@@ -4,6 +4,7 @@ iterators, and the start-up report. `setup` returns the `Run` that the loop (tra
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -114,7 +115,8 @@ def initialize_distributed(cfg: ParallelConfig, fake_rank: int | None = None, mo
                                    timeout_minutes=cfg.distributed_timeout_minutes, cp=cfg.context_parallel_size,
                                    ep=cfg.expert_model_parallel_size, moe=moe,
                                    etp=cfg.expert_tensor_parallel_size,
-                                   hierarchical_cp=cfg.hierarchical_context_parallel_sizes)
+                                   hierarchical_cp=cfg.hierarchical_context_parallel_sizes,
+                                   instances=cfg.num_distributed_optimizer_instances)
     # zbv: chunk 1 of rank r is virtual stage 2p-1-r, the loss on pipeline rank 0
     ps.v_shape = cfg.pipeline_schedule is not None and v_shape(cfg.pipeline_schedule)
     if closing is not None and not created:
@@ -175,7 +177,8 @@ def build_datasets(cfg: RunConfig, model_vocab_size: int | None = None) -> list:
     --vocab-size N leaves out its eod id N)."""
     t, data = cfg.training, cfg.data
     train = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
-    num_samples = (train, t.eval_iters * t.global_batch_size, t.eval_iters * t.global_batch_size)
+    eval_batch = t.eval_global_batch_size or t.global_batch_size
+    num_samples = (train, t.eval_iters * eval_batch, t.eval_iters * eval_batch)
     if data.mock_data:
         from .data.mock import MockGPTDataset
         return [MockGPTDataset(n, data.seq_length, data.vocab_size, data.seed + i) if n else None
@@ -183,7 +186,11 @@ def build_datasets(cfg: RunConfig, model_vocab_size: int | None = None) -> list:
     from .data.builder import build_train_valid_test_datasets
     if model_vocab_size is not None:
         data = dataclasses.replace(data, vocab_size=model_vocab_size)
-    return list(build_train_valid_test_datasets(data, num_samples))
+    datasets = list(build_train_valid_test_datasets(data, num_samples))
+    if data.fim_data:  # fill-in-the-middle samples (data/fim.py)
+        from .data.fim import FIMDataset
+        datasets = [FIMDataset(d, data, cfg.tokenizer, i) if d is not None else None for i, d in enumerate(datasets)]
+    return datasets
 
 
 def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod, straggler=None, timers=None) -> list:
@@ -221,6 +228,14 @@ def _process_switches(cfg: RunConfig, closing: contextlib.ExitStack) -> None:
         torch.use_deterministic_algorithms(True)
     if cfg.kernels.disable_bf16_reduced_precision_matmul:
         _bf16_matmul_in_fp32(closing)
+    level = cfg.training.logging_level
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL", "").strip().isdigit():
+        level = int(os.environ["MEGATRON_LOGGING_LEVEL"])  # Megatron-LM's environment variable
+    if level is not None:  # --logging-level: Python's root logger, as Megatron-LM's setup_logging
+        import logging
+        root = logging.getLogger()
+        closing.callback(root.setLevel, root.level)
+        root.setLevel(level)
 
 
 def _compile(model: list, ps) -> None:
@@ -231,14 +246,25 @@ def _compile(model: list, ps) -> None:
         print(f"> compile: torch.compile of {n} transformer layers (Inductor)", flush=True)
 
 
+def _schedule(p):
+    """The pipeline schedule's function; the interleaved one with its micro-batch groups
+    (--microbatch-group-size-per-virtual-pipeline-stage)."""
+    run = get_schedule(p.pipeline_schedule)
+    if p.microbatch_group_size_per_vp_stage and p.pipeline_schedule == "interleaved_1f1b":
+        return functools.partial(run, microbatch_group_size=p.microbatch_group_size_per_vp_stage)
+    return run
+
+
 def _saver(cfg: RunConfig):
     """--save's writer: megalite's own format, or Megatron-LM's torch_dist (--ckpt-format torch_dist)."""
     ck = cfg.checkpoint
     if not ck.save:
         return None
     if cfg.megatron.ckpt_format == "torch_dist":
-        return MegatronSaver(ck.save)
-    return CheckpointSaver(ck.save, ck.async_save, check_finite=cfg.training.check_for_nan_in_loss_and_grad)
+        return MegatronSaver(ck.save, ck.async_save, ck.ckpt_fully_parallel_save, ck.save_retain_interval,
+                             ck.verify_integrity)
+    return CheckpointSaver(ck.save, ck.async_save, check_finite=cfg.training.check_for_nan_in_loss_and_grad,
+                           fully_parallel=ck.ckpt_fully_parallel_save, retain_interval=ck.save_retain_interval)
 
 
 def _host_malloc(cfg: RunConfig, device) -> str | None:
@@ -302,7 +328,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     run = Run(cfg=cfg, state=state, model=model, dp=dp, datasets=datasets, eod=eod,
               train_batches=batch_iterators(cfg, datasets[0], state.consumed_samples, ps, device, eod, straggler,
                                             timers),
-              forward_backward=get_schedule(cfg.parallel.pipeline_schedule),
+              forward_backward=_schedule(cfg.parallel),
               pipe_comm=PipeComm(ps, (s, cfg.data.micro_batch_size, model_config.hidden_size),
                                  execution.params_dtype, device),
               jsonl=JsonlWriter(cfg.training.log_jsonl if logging_rank else None),
@@ -333,7 +359,8 @@ def _load(state: TrainState, ck, seed: int) -> int:
         return load_upcycled(state, ck.load, ck.moe_upcycling_granularity, seed, finetune=ck.finetune,
                              load_rng=not ck.no_load_rng)
     return load_checkpoint(state, ck.load, finetune=ck.finetune, load_optim=not ck.no_load_optim,
-                           load_rng=not ck.no_load_rng)
+                           load_rng=not ck.no_load_rng, strictness=ck.dist_ckpt_strictness,
+                           verify_integrity=ck.verify_integrity)
 
 
 def log_startup(run: Run, malloc: str | None = None) -> None:

@@ -16,7 +16,8 @@ context-parallel group, `dp_cp_group` (Megatron's get_data_parallel_group(with_c
 True)); the data sampler still splits samples over `dp_group` only.
 
 Mixture-of-Experts layers have a grid of their own over the same ranks, Megatron-LM's expert
-RankGenerator "tp-ep-dp-pp": expert tensor parallelism ETP (--expert-tensor-parallel-size, by
+RankGenerator "tp-ep-dp-pp" ("tp-ep-pp-dp" with --use-tp-pp-dp-mapping, where PP > 1 needs ETP x EP
+= TP x CP so that both grids keep the same pipeline groups): expert tensor parallelism ETP (--expert-tensor-parallel-size, by
 default TP) fastest, then expert parallelism EP, then the expert-data-parallel ranks, then PP:
 
     rank = etp + ETP·ep + ETP·EP·edp + ETP·EP·EDP·pp,   EDP = world / (ETP·EP·PP)
@@ -76,8 +77,11 @@ class RankGrid:
         if self.etp < 1 or self.ep < 1 or (self.tp * self.dp * self.cp) % (self.etp * self.ep):
             raise ValueError(f"--expert-tensor-parallel-size ({self.etp}) x --expert-model-parallel-size ({self.ep}) "
                              f"does not divide TP x DP x CP ({self.tp * self.dp * self.cp})")
-        if self.separate_expert_grid and self.order != "tp-cp-dp-pp":
-            raise ValueError("expert parallelism (EP > 1 or ETP != TP) needs the rank order tp-cp-dp-pp")
+        if self.separate_expert_grid and self.order != "tp-cp-dp-pp" and self.pp > 1 and self.edp != self.dp:
+            # Megatron-LM's assertion: the two grids' pipeline groups must be the same ranks
+            raise ValueError(f"with --use-tp-pp-dp-mapping (rank order tp-cp-pp-dp) and PP > 1 the expert grid's "
+                             f"data-parallel size ({self.edp} = world / (ETP x EP x PP)) must equal the dense "
+                             f"grid's ({self.dp}): ETP x EP must equal TP x CP")
 
     @property
     def dp(self) -> int:
@@ -94,11 +98,15 @@ class RankGrid:
         return self.ep > 1 or self.etp != self.tp
 
     def expert_coords(self, rank: int) -> dict[str, int]:
-        """(etp, ep, edp, pp) coordinates of `rank` in the expert grid (order tp-ep-dp-pp)."""
+        """(etp, ep, edp, pp) coordinates of `rank` in the expert grid (order tp-ep-dp-pp, or
+        tp-ep-pp-dp with --use-tp-pp-dp-mapping: Megatron-LM's expert RankGenerator)."""
+        dims = (("etp", self.etp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp))
+        if self.order == "tp-cp-pp-dp":
+            dims = dims[:2] + dims[3:] + dims[2:3]
         out = {}
-        for dim, size in (("etp", self.etp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp)):
+        for dim, size in dims:
             out[dim], rank = rank % size, rank // size
-        return out
+        return {d: out[d] for d in ("etp", "ep", "edp", "pp")}
 
     def expert_grid_groups(self, *dims: str) -> list[list[int]]:
         """The groups of ranks that vary along `dims` (of etp, ep, edp, pp) of the expert grid and
@@ -199,6 +207,17 @@ class ParallelState:
     tp_dp_cp_group: object = None  # MoE: every rank of this pipeline stage (expert-bias token counts)
     tp_cp_group: object = None  # MoE: the ranks holding one micro-batch's tokens (TP under SP, x CP)
     hcp_groups: list = field(default_factory=list)  # --hierarchical-context-parallel-sizes: this rank's group per level
+    # --num-distributed-optimizer-instances N: each replica group (DP x CP, an expert's expert-DP)
+    # cut into N instances of consecutive ranks, the state sharded within an instance ("shard")
+    # and the instances replicas of each other ("across"); N = 1: the shard groups are the
+    # replica groups themselves and there is nothing across
+    instances: int = 1
+    dp_cp_shard_group: object = None
+    dp_cp_shard_ranks: list[int] = field(default_factory=lambda: [0])
+    dp_cp_across_group: object = None
+    expert_dp_shard_group: object = None
+    expert_dp_shard_ranks: list[int] = field(default_factory=lambda: [0])
+    expert_dp_across_group: object = None
     groups: list = field(default_factory=list)  # every group this rank is in, for destroy()
     pp_ranks: list[int] = field(default_factory=lambda: [0])
     tp_ranks: list[int] = field(default_factory=lambda: [0])
@@ -269,6 +288,29 @@ class ParallelState:
         """The ranks holding the same copy of a weight: DP x CP, or for an MoE expert's weight
         (`expert`) its expert-data-parallel group."""
         return self.expert_dp_group if expert and self.separate_expert_grid else self.dp_cp_group
+
+    def shard_group(self, expert: bool):
+        """The ranks over which the distributed optimizer shards a weight's state: its replica
+        group, or with --num-distributed-optimizer-instances this rank's instance of it."""
+        if self.instances == 1:
+            return self.replica_group(expert)
+        return self.expert_dp_shard_group if expert and self.separate_expert_grid else self.dp_cp_shard_group
+
+    def across_group(self, expert: bool):
+        """The same shard in the other instances (None: one instance)."""
+        if self.instances == 1:
+            return None
+        return self.expert_dp_across_group if expert and self.separate_expert_grid else self.dp_cp_across_group
+
+    def instance_rank(self, expert: bool) -> int:
+        """This rank's instance (0 with one)."""
+        if self.instances == 1:
+            return 0
+        size = len(self.replica_ranks(expert)) // self.instances
+        return self.replica_ranks(expert).index(self.rank) // size
+
+    def replica_ranks(self, expert: bool) -> list[int]:
+        return self.expert_dp_ranks if expert and self.separate_expert_grid else self.dp_cp_ranks
 
     def replica_rank(self, expert: bool) -> int:
         """This rank's place in `replica_group(expert)`."""
@@ -363,15 +405,29 @@ def single_process_state() -> ParallelState:
     return ParallelState(grid=RankGrid(1))
 
 
+def split_instances(groups: list[list[int]], n: int) -> list[list[int]]:
+    """Each group cut into `n` instances of consecutive members (Megatron-LM's intra-instance
+    partial data-parallel groups)."""
+    size = len(groups[0]) // n
+    return [g[i * size:(i + 1) * size] for g in groups for i in range(n)]
+
+
+def across_instances(groups: list[list[int]], n: int) -> list[list[int]]:
+    """The members at the same place of each instance (Megatron-LM's inter-instance groups)."""
+    size = len(groups[0]) // n
+    return [g[j::size] for g in groups for j in range(size)]
+
+
 def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp",
                timeout_minutes: float | None = None, cp: int = 1, ep: int = 1, moe: bool = False,
-               etp: int | None = None, hierarchical_cp: list[int] | None = None) -> ParallelState:
+               etp: int | None = None, hierarchical_cp: list[int] | None = None,
+               instances: int = 1) -> ParallelState:
     """Create every process group of the grid; torch.distributed must already be initialised
     (or the world must be a single process). `timeout_minutes` bounds each group's collectives
     (new groups do not inherit the default group's timeout: torch gives them its own default)."""
     if not dist.is_initialized():
         grid = RankGrid(1, tp, pp, order, cp, ep, etp)
-        return ParallelState(grid=grid, vpp=vpp)
+        return ParallelState(grid=grid, vpp=vpp)  # (one rank: one instance)
     world, rank = dist.get_world_size(), dist.get_rank()
     grid = RankGrid(world, tp, pp, order, cp, ep, etp)
     ps = ParallelState(grid=grid, rank=rank, vpp=vpp)
@@ -411,6 +467,14 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, order: str = "tp-cp-dp-pp
         ps.tp_cp_group = ps.tp_group if cp == 1 else ps.cp_group if tp == 1 else make(grid.groups("tp", "cp"))[0]
         ps.tp_dp_cp_group = make(grid.groups("tp", "dp", "cp"))[0]
     ps.hcp_groups = [make(level)[0] for level in grid.hierarchical_cp_groups(hierarchical_cp)]
+    if instances > 1:  # --num-distributed-optimizer-instances (Megatron-LM's intra/inter partial DP groups)
+        ps.instances = instances
+        ps.dp_cp_shard_group, ps.dp_cp_shard_ranks = make(split_instances(grid.groups("dp", "cp"), instances))
+        ps.dp_cp_across_group = make(across_instances(grid.groups("dp", "cp"), instances))[0]
+        if grid.separate_expert_grid:
+            experts = grid.expert_grid_groups("edp")
+            ps.expert_dp_shard_group, ps.expert_dp_shard_ranks = make(split_instances(experts, instances))
+            ps.expert_dp_across_group = make(across_instances(experts, instances))[0]
     emb = make(grid.embedding_groups())
     # ranks outside the first/last stage belong to no embedding group
     if emb is not None:

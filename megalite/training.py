@@ -23,6 +23,7 @@ from .errors import UserError
 from .initialize import Run, batch_iterators, setup
 from .model.moe import balance as moe_balance
 from .optimizer.clip_grads import max_abs
+from .runtime.consistency import check_replicas
 from .runtime.metrics import Timer, perplexity
 from .train_report import log_timers, report
 
@@ -209,7 +210,10 @@ def train_step(run: Run) -> dict:
         backward_scale = optimizer.loss_scale / (num_microbatches * state.ps.dp_size)
     moe = state.model_config.num_experts
     if moe:  # each micro-batch's router losses weigh as its share of the mean over micro-batches
-        moe_balance.start_iteration(run.model, optimizer.loss_scale / (num_microbatches * state.ps.dp_size))
+        moe_balance.start_iteration(run.model, optimizer.loss_scale / (num_microbatches * state.ps.dp_size),
+                                    state.ps.tp_dp_cp_group)
+    if t.test_mode:  # replicas of the query/key norms still equal (runtime/consistency.py)
+        check_replicas(run.model, state.ps, state.iteration)
     stats = forward_backward(run, num_microbatches, backward_scale)
     check, guard = t.check_for_nan_in_loss_and_grad, run.spike_guard
     g = global_loss(run, stats, optimizer.grad_flats if check else None, per_rank=guard is not None)
@@ -279,7 +283,7 @@ def evaluate(run: Run, split: str) -> dict | None:
     batches = batch_iterators(run.cfg, dataset, 0, state.ps, state.device, run.eod)
     totals = [0.0, 0.0]
     for _ in range(t.eval_iters):
-        stats = run.forward_backward(batches=batches, model=run.model, num_microbatches=t.num_microbatches,
+        stats = run.forward_backward(batches=batches, model=run.model, num_microbatches=t.eval_num_microbatches,
                                      comm=run.pipe_comm, backward_scale=0.0, forward_only=True)
         empty_unused_memory(run, 1)
         g = global_loss(run, stats)

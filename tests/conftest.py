@@ -118,7 +118,10 @@ FILE_SECONDS = {"test_compile.py": 150, "test_layouts_gpt_oss.py": 125, "test_me
                 "test_hf_deepseek.py": 45, "test_upcycling.py": 40, "test_zero_bubble.py": 20,
                 "test_layouts_muon.py": 25, "test_qk_clip.py": 45, "test_optimizer_precision.py": 25,
                 "test_megatron_hf.py": 25, "test_megatron_checkpoints.py": 60,
-                "test_cp_comm_types.py": 35, "test_bad_input.py": 35}
+                "test_cp_comm_types.py": 35, "test_bad_input.py": 35, "test_memory_wall.py": 20,
+                # Megatron-LM's configurations: 212 validations, then 3 shrunk trainings of 4 ranks
+                # (measured ~175 s with another job running; ~100 s alone estimated)
+                "test_megatron_configs.py": 100, "test_megatron_config_flags.py": 20}
 
 
 def _heaviest_files_first(items):

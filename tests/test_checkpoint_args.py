@@ -34,9 +34,11 @@ def write_checkpoint(root, argv, iteration=3) -> dict:
     sections = config(argv).to_dict()
     directory = os.path.join(root, f"iter_{iteration:07d}")
     os.makedirs(directory)
+    # the model as a run records it: the vocabulary filled from the tokenizer's
+    model = dict(sections["model"], vocab_size=sections["tokenizer"]["vocab_size"] or sections["model"]["vocab_size"])
     with open(os.path.join(directory, "metadata.json"), "w") as f:
         json.dump({"format_version": 2, "iteration": iteration, "layout": {}, "config_version": 2,
-                   "config": sections, "model_config": sections["model"]}, f)
+                   "config": sections, "model_config": model}, f)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(iteration))
     return sections
@@ -174,6 +176,8 @@ MISMATCHES = [
     (dict(DENSE, quick_geglu=True), "glu_linear_offset", 1.0, "--glu-linear-offset", 0.0, 1.0),
     (dict(DENSE, quick_geglu=True), "activation_func_clamp_value", 7.0, "--activation-func-clamp-value", None, 7.0),
     (DENSE, "mtp_num_layers", 1, "--mtp-num-layers", None, 1),
+    (DENSE, "squared_relu", True, "--squared-relu", False, True),
+    (dict(DENSE, position_embedding_type="rope"), "rotary_interleaved", True, "--rotary-interleaved", False, True),
     (DENSE, "max_position_embeddings", 64, "--max-position-embeddings", 32, 64),
     (ROPE_MODEL, "rotary_base", 500000.0, "--rotary-base", 10000.0, 500000.0),
     (ROPE_MODEL, "use_rope_scaling", False, "--use-rope-scaling", True, False),
@@ -331,6 +335,27 @@ def test_another_schedule_is_refused_naming_both_values(tmp_path, saved, run, me
     assert message in text, text
     assert text.count(" in the checkpoint and ") == message.count(" in the checkpoint and "), text  # no other
     assert "--use-checkpoint-opt_param-scheduler" in text and "--override-opt_param-scheduler" in text
+
+
+def test_model_and_schedule_differences_in_one_message_model_first(tmp_path):
+    """Another model (hidden size, layers, experts) and a longer run: one refusal names both, the
+    model's differences (which no schedule flag fixes) first, then the schedule's with its flags."""
+    ck = str(tmp_path / "ck")
+    write_checkpoint(ck, SCHED)
+    run = with_flags(SCHED, ["--train-iters", "40", "--hidden-size", "128", "--num-layers", "3",
+                             "--num-experts", "4"])
+    with pytest.raises(ArgumentError) as e:
+        settled(ck, run)
+    text = str(e.value)
+    model = text.index("does not match this model: --num-layers is 2 in the checkpoint and 3 in this run; "
+                       "--hidden-size is 64 in the checkpoint and 128 in this run; ")
+    assert text.index("--num-experts is None in the checkpoint and 4 in this run. --use-checkpoint-args") > model
+    schedule = text.index(f"The learning-rate schedule differs too: {DECAY} is 30 iterations in the checkpoint "
+                          "and 40 iterations in this run")
+    assert model < schedule < text.index("--use-checkpoint-opt_param-scheduler") < text.index("--override-opt_param")
+    assert "\n" not in text
+    # the model alone: the load refuses it (the schedule is not the message)
+    settled(ck, with_flags(SCHED, ["--hidden-size", "128"]))
 
 
 def test_schedule_flags_override_or_take_the_checkpoints(tmp_path):

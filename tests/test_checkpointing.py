@@ -37,7 +37,9 @@ def straight_with_dropout(corpus, tmp_path_factory):
     return run_pretrain(1, corpus + MODEL, tmp_path_factory.mktemp("straight"), "straight")[0]
 
 
-@pytest.mark.parametrize("extra", [[], ["--async-save"]], ids=["sync", "async"])
+@pytest.mark.parametrize("extra", [[], ["--async-save"], ["--ckpt-format", "torch_dist", "--async-save",
+                                                          "--save-retain-interval", "20"]],
+                         ids=["sync", "async", "torch_dist-async"])
 def test_resume_same_layout_is_exact_with_dropout(corpus, straight_with_dropout, tmp_path, extra):
     flags = corpus + MODEL
     straight = straight_with_dropout
@@ -45,8 +47,12 @@ def test_resume_same_layout_is_exact_with_dropout(corpus, straight_with_dropout,
     first, _ = run_pretrain(1, flags + ["--save", ck, "--save-interval", "10", "--exit-interval", "10"] + extra,
                             tmp_path, "first")
     assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read().strip() == "10"
-    second, _ = run_pretrain(1, flags + ["--load", ck], tmp_path, "second")
+    again = ["--save", ck, "--save-interval", "10"] + extra if "torch_dist" in extra else []
+    second, _ = run_pretrain(1, flags + ["--load", ck] + again, tmp_path, "second")
     assert_resume_matches(straight, first, second, 1e-6)
+    if "torch_dist" in extra:  # Megatron-LM's format resumes exactly too (optimizer state, RNG), and
+        # --save-retain-interval 20 deleted the half-way checkpoint once the final one was in place
+        assert sorted(os.listdir(ck)) == ["iter_0000020", "latest_checkpointed_iteration.txt"]
 
 
 def test_resume_across_layouts_with_distributed_optimizer(corpus, tmp_path):

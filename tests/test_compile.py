@@ -17,6 +17,7 @@ from megalite.model import GPTConfig, GPTModel
 from megalite.model.config import ExecutionConfig
 from megalite.model.compile import compile_layers, graph_breaks
 from tiny import mock, tiny
+from tolerances import assert_close_fp32, fp32_atol, model_rounding
 
 BASE = mock(1000) + tiny(global_batch_size=4, log_interval=1, eval_iters=0) + [
         "--group-query-attention", "--num-query-groups", "2",
@@ -87,5 +88,6 @@ def test_one_process_layer_compiles_without_graph_breaks(recompute):
         loss.backward()
         out[compiled] = (loss.item(), model.decoder.layers[0].mlp.linear_fc1.weight.grad.clone())
     assert graph_breaks() == 0
-    assert abs(out[True][0] - out[False][0]) <= 1e-5 * abs(out[False][0])
-    torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-4, atol=1e-6)
+    # Inductor fuses and reorders the layers' sums (tests/tolerances.py): 2 layers, a 1024-column loss
+    assert abs(out[True][0] - out[False][0]) <= fp32_atol(scale=abs(out[False][0]), **model_rounding(k=1024, layers=2))
+    assert_close_fp32(out[True][1], out[False][1], **model_rounding(k=1024, layers=2, backward=True))

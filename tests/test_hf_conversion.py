@@ -1,7 +1,7 @@
 """Checkpoint conversion: offline resharding, and export to / import from Hugging Face transformers.
 
 The exported directory must load with AutoModelForCausalLM / AutoTokenizer and compute the same
-function (logits within 1e-4, the same greedy continuation as tools/generate.py), for both
+function (logits within fp32 rounding of a deep chain, tests/tolerances.py; the same greedy continuation as tools/generate.py), for both
 architectures; the import must give the same weights back; models transformers cannot express
 must be refused, naming the setting.
 """
@@ -31,6 +31,7 @@ from megalite.generation import generate, load_model, next_token_logits
 from megalite.checkpoint.hf.config import ConversionError, hf_architecture, pretrain_flags
 from megalite.model import GPTConfig, GPTModel, pad_vocab_size
 from tiny import tiny
+from tolerances import logits_atol  # megalite's logits against transformers' for the same weights
 
 TINY = tiny(max_position_embeddings=64, global_batch_size=None, train_iters=2, log_interval=1, eval_iters=0) + [
         "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -120,15 +121,15 @@ def max_logit_diff(ck, hf_dir, seed=0):
     with torch.no_grad():
         ours, theirs = next_token_logits(model, ids), hf(ids).logits.float()
     assert ours.shape == theirs.shape
-    return (ours - theirs).abs().max().item(), hf
+    return (ours - theirs).abs().max().item() / logits_atol(theirs), hf  # within the bound: below 1
 
 
 def check_export(ck, out, arch, capsys):
     hf_dir = export(ck, out)
     diff, hf = max_logit_diff(ck, hf_dir)
-    print(f"{arch}: max |logit difference| megalite vs transformers = {diff:.3e}")
+    print(f"{arch}: max |logit difference| megalite vs transformers = {diff:.3e} of the rounding bound")
     assert type(hf).__name__ == arch
-    assert diff < 1e-4, diff
+    assert diff < 1, diff
     # the tokenizer: AutoTokenizer gives megalite's ids
     meta = read_metadata(ck)
     ours, theirs = build_tokenizer_for(meta), AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
@@ -263,8 +264,8 @@ ROPE = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True
 def test_variants_match_transformers(kw, tmp_path):
     ck = _random_checkpoint(tmp_path / "ck", _config(**kw))
     diff, hf = max_logit_diff(ck, export(ck, tmp_path / "hf", "--no-tokenizer"))
-    print(f"{type(hf).__name__} {kw}: max |logit difference| = {diff:.3e}")
-    assert diff < 1e-4, diff
+    print(f"{type(hf).__name__} {kw}: max |logit difference| = {diff:.3e} of the rounding bound")
+    assert diff < 1, diff
     back = str(tmp_path / "back")
     assert convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir",
                          str(tmp_path / "hf"), "--save-dir", back, "--target-pipeline-parallel-size", "2"]) == 0
@@ -349,11 +350,11 @@ def test_real_gpt2_imports_trains_and_exports(tmp_path, capsys):
     assert meta["model_config"]["openai_gelu"] is True
     diff = (next_token_logits(model, ids) - theirs).abs().max().item()
     print(f"GPT-2 (gelu_new) import: max |logit difference| = {diff:.3e}")
-    assert diff < 1e-5, diff
+    assert diff < logits_atol(theirs), diff
     # exact GeLU instead would be a different function: the comparison can fail
     for layer in model.decoder.layers:
         layer.mlp.activation = lambda y: torch.nn.functional.gelu(y, approximate="none")
-    assert (next_token_logits(model, ids) - theirs).abs().max().item() > 1e-4
+    assert (next_token_logits(model, ids) - theirs).abs().max().item() > 2 * logits_atol(theirs)
 
     # continue training it with the printed flags, on a small real corpus (the loss must fall)
     data = tmp_path / "corpus.jsonl"
@@ -382,7 +383,7 @@ def test_real_gpt2_imports_trains_and_exports(tmp_path, capsys):
     assert type(back).__name__ == "GPT2LMHeadModel" and back.config.activation_function == "gelu_new"
     ids, theirs = _hf_logits(back, size, 40, seed=1)
     diff = (next_token_logits(load_model(ft)[0], ids) - theirs).abs().max().item()
-    assert diff < 1e-5, diff
+    assert diff < logits_atol(theirs), diff
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -437,7 +438,7 @@ def test_llama3_rope_scaling_imports_in_both_config_layouts(tmp_path, capsys):
     model, meta = load_model(ck)
     diff = (next_token_logits(model, ids) - theirs).abs().max().item()
     print(f"Llama, rope theta 5e5 + llama3 scaling: max |logit difference| = {diff:.3e}")
-    assert diff < 1e-5, diff
+    assert diff < logits_atol(theirs), diff
     # the scaling matters at these positions: without it the logits differ
     model.rotary = type(model.rotary)(model.config.kv_channels, 1.0, 500000.0)
     assert (next_token_logits(model, ids) - theirs).abs().max().item() > 1e-3
@@ -465,7 +466,7 @@ def test_linear_rope_scaling_round_trips(tmp_path, capsys):
     ck, flags = _import(tmp_path / "hf", tmp_path / "ck", capsys)
     assert flags[flags.index("--rotary-seq-len-interpolation-factor") + 1] == "4.0"
     ids, theirs = _hf_logits(reference, 100, 60)
-    assert (next_token_logits(load_model(ck)[0], ids) - theirs).abs().max().item() < 1e-5
+    assert (next_token_logits(load_model(ck)[0], ids) - theirs).abs().max().item() < logits_atol(theirs)
     raw = json.load(open(os.path.join(export(ck, tmp_path / "back", "--no-tokenizer"), "config.json")))
     assert raw["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
 
@@ -492,7 +493,7 @@ def test_yarn_rope_imports_and_exports(rope, tmp_path, capsys):
     model, meta = load_model(ck)
     diff = (next_token_logits(model, ids) - theirs).abs().max().item()
     print(f"Llama with YaRN {rope}: max |logit difference| = {diff:.3e}")
-    assert diff < 1e-5, diff
+    assert diff < logits_atol(theirs), diff
     assert model.rotary.attention_scaling != 1.0  # the concentration factor is in play
     yarn = model.rotary
     model.rotary = type(yarn)(model.config.kv_channels, 1.0, 500000.0)  # plain RoPE: other logits
@@ -620,7 +621,7 @@ def test_qwen3_imports_with_equal_logits_and_exports_back(case, tmp_path, capsys
     model, meta = load_model(ck)
     diff = (next_token_logits(model, ids) - theirs).abs().max().item()
     print(f"Qwen3 {case} import: max |logit difference| = {diff:.3e}")
-    assert diff < 1e-5, diff
+    assert diff < logits_atol(theirs), diff
     cfg = meta["model_config"]
     assert cfg["qk_layernorm"] and cfg["kv_channels"] == reference.config.head_dim
     # the q/k norms matter: without them the logits differ
@@ -659,7 +660,7 @@ def test_qwen3_export_matches_transformers_and_imports_back(kw, tmp_path):
                             random_norms=True)
     diff, hf = max_logit_diff(ck, export(ck, tmp_path / "hf", "--no-tokenizer"))
     print(f"Qwen3 {kw} export: max |logit difference| = {diff:.3e}")
-    assert type(hf).__name__ == "Qwen3ForCausalLM" and diff < 1e-5, diff
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and diff < 1, diff
     back = str(tmp_path / "back")
     assert convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir",
                          str(tmp_path / "hf"), "--save-dir", back, "--target-tensor-parallel-size", "2"]) == 0

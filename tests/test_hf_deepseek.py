@@ -25,6 +25,7 @@ from megalite.checkpoint.offline import load_full_state_dict, save_full_state_di
 from megalite.config import RunConfig  # noqa: E402
 from megalite.generation import generate, kv_cache, load_model, next_token_logits  # noqa: E402
 from megalite.model import GPTConfig, GPTModel  # noqa: E402
+from tolerances import logits_atol  # megalite's logits against transformers' for the same weights
 
 spec = importlib.util.spec_from_file_location("megalite_convert_ds", os.path.join(ROOT, "tools/checkpoint/convert.py"))
 convert = importlib.util.module_from_spec(spec)
@@ -75,7 +76,7 @@ def _logit_diff(ck, hf_model, ids):
     with torch.no_grad():
         theirs = hf_model(ids).logits.float()
     ours = next_token_logits(load_model(ck)[0], ids)
-    return (ours - theirs).abs().max().item()
+    return (ours - theirs).abs().max().item() / logits_atol(theirs)  # of the rounding bound
 
 
 def _safetensors(d):
@@ -89,8 +90,8 @@ def test_deepseek_imports_with_equal_logits_and_exports_back(case, tmp_path, cap
     ck = _convert("hf", "megalite", tmp_path / "hf", tmp_path / "ck")
     printed = capsys.readouterr().out
     diff = _logit_diff(ck, reference, _ids())
-    print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e}")
-    assert diff < 1e-5, diff
+    print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e} of the rounding bound")
+    assert diff < 1, diff
     cfg = load_model(ck)[1]["model_config"]
     # transformers writes num_nextn_predict_layers 1 (its default) but no MTP weights: none imported
     assert reference.config.num_mtp_layers == 1 and cfg.get("mtp_num_layers") is None
@@ -206,8 +207,8 @@ def test_megalite_mla_exports_with_equal_logits_and_imports_back(case, tmp_path,
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"
     diff = _logit_diff(ck, hf, _ids())
     with capsys.disabled():
-        print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e}")
-    assert diff < 1e-5, diff
+        print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e} of the rounding bound")
+    assert diff < 1, diff
     # the MTP module under DeepSeek-V3's names, with copies of the embedding and the output layer
     (meta, a), exported = load_full_state_dict(ck), _safetensors(hf_dir)
     assert hf.config.num_mtp_layers == 1 and hf.config.to_dict()["num_nextn_predict_layers"] == 1
@@ -224,7 +225,7 @@ def test_megalite_mla_exports_with_equal_logits_and_imports_back(case, tmp_path,
         h_diff = (ours_h.transpose(0, 1)[:, :-1] - theirs_h).abs().max().item()
         with capsys.disabled():
             print(f"{case}: MTP loss megalite {ours:.7f} transformers {theirs:.7f}; max |h_1 difference| {h_diff:.3e}")
-        assert abs(ours - theirs) < 1e-5 * ours and h_diff < 1e-5
+        assert abs(ours - theirs) < logits_atol(torch.tensor(ours)) and h_diff < logits_atol(theirs_h)
     capsys.readouterr()
     back = _convert("hf", "megalite", hf_dir, tmp_path / "back", "--target-tensor-parallel-size", "2")
     assert "--mtp-num-layers 1" in capsys.readouterr().out

@@ -25,6 +25,7 @@ from megalite.checkpoint.offline import load_full_state_dict, save_full_state_di
 from megalite.config import RunConfig
 from megalite.generation import generate, load_model, next_token_logits
 from megalite.model import GPTConfig, GPTModel
+from tolerances import logits_atol  # megalite's logits against transformers' for the same weights
 
 spec = importlib.util.spec_from_file_location("megalite_convert_moe", os.path.join(ROOT, "tools/checkpoint/convert.py"))
 convert = importlib.util.module_from_spec(spec)
@@ -87,7 +88,7 @@ def _logit_diff(ck, hf_model, ids):
         theirs = hf_model(ids).logits.float()
     ours = next_token_logits(load_model(ck)[0], ids)
     assert ours.shape == theirs.shape
-    return (ours - theirs).abs().max().item()
+    return (ours - theirs).abs().max().item() / logits_atol(theirs)  # of the rounding bound
 
 
 def _safetensors(d):
@@ -119,8 +120,8 @@ def test_hf_moe_imports_with_equal_logits_and_exports_back(case, tmp_path, capsy
     printed = capsys.readouterr().out
     cfg = load_model(ck)[1]["model_config"]
     diff = _logit_diff(ck, reference, _ids())
-    print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e}")
-    assert diff < 1e-5, diff
+    print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e} of the rounding bound")
+    assert diff < 1, diff
 
     # the printed flags build this very model
     from megalite.arguments import parse_config
@@ -196,8 +197,8 @@ def test_megalite_moe_exports_with_equal_logits_and_imports_back(case, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     assert type(hf).__name__ == cls
     diff = _logit_diff(ck, hf, _ids())
-    print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e}")
-    assert diff < 1e-5, diff
+    print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e} of the rounding bound")
+    assert diff < 1, diff
     # imported back on another layout: the same tensors
     back = _convert("hf", "megalite", hf_dir, tmp_path / "back", "--target-tensor-parallel-size", "2",
                     "--target-pipeline-parallel-size", "3")

@@ -24,5 +24,10 @@ def test_layers_not_divisible_by_virtual_stages():
 
 
 def test_interleaved_needs_microbatches_multiple_of_pp():
+    """Megatron-LM's rule: groups of PP (or --microbatch-group-size-per-virtual-pipeline-stage)
+    micro-batches, the last group's remainder 0 or >= PP."""
     _check(["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1",
-            "--global-batch-size", "6"], 4, r"multiple of --pipeline-model-parallel-size \(4\)")
+            "--global-batch-size", "6"], 4, r"groups of --pipeline-model-parallel-size \(4\).*the 3 micro-batches")
+    _check(["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1",
+            "--global-batch-size", "6", "--microbatch-group-size-per-virtual-pipeline-stage", "5"], 4,
+           r"groups of --microbatch-group-size-per-virtual-pipeline-stage \(5\)")

@@ -6,6 +6,7 @@ and MoE, saved at TP2) give its logits in megalite on other layouts (PP2 x DP2 Z
 ZeRO-3), a resume takes its Adam moments (the first update is megatron-core's) and trains on, and
 what megalite writes in torch_dist (--save, convert.py --saver megatron) megatron-core loads with
 megalite's logits. The checkpoints are made once per module, by one megatron-core process."""
+import math
 import os
 import pickle
 
@@ -217,11 +218,13 @@ def test_megalite_torch_dist_output_loads_into_mcore_with_megalites_logits(mcore
         model, _ = load_model(str(tmp / name))
         with torch.no_grad():
             ours[name] = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens)).transpose(0, 1)
-    (d_iter, d_logits), (m_iter, m_logits), (_, tp1_logits) = ref.run_many([
+    (d_iter, d_logits), (m_iter, m_logits), (_, tp1_logits), _ = ref.run_many([
         (ref.Spec(**DENSE, seed=99), [ref.load_torch_dist(tmp / "dense_resumed"), ref.logits(tokens)]),
         (ref.Spec(**MOE, seed=99), [ref.load_torch_dist(tmp / "moe_back"), ref.logits(tokens)]),
         # (and, in the same process, a checkpoint saved at TP1 for the test below)
-        (ref.Spec(**DENSE, seed=5), [ref.save_torch_dist(tmp / "dense_tp1", 1, extra_args=ARGS), ref.logits(tokens)])])
+        (ref.Spec(**DENSE, seed=5), [ref.save_torch_dist(tmp / "dense_tp1", 1, extra_args=ARGS), ref.logits(tokens)]),
+        # (and a NullTokenizer run's checkpoint, Megatron-LM's args as they are, for the test at the end)
+        (ref.Spec(**DENSE, seed=11), [ref.save_torch_dist(tmp / "dense_null", 1)])])
     assert (d_iter, m_iter) == (TRAIN_ITERS, 2)
     for theirs, mine in ((d_logits, ours["dense_resumed"]), (m_logits, ours["moe_resumed"])):
         assert float((mine - theirs).abs().max() / mine.abs().max()) < 1e-5
@@ -242,3 +245,20 @@ def test_mcore_tp1_checkpoint_at_tp2_sp(mcore, corpus):
     loss = train_losses(records)[0]
     assert "loaded Megatron-LM torch_dist checkpoint" in proc.stdout
     assert abs(loss - _cross_entropy(mcore["tp1_logits"], mcore["batch"])) / loss < 1e-5
+
+
+def test_null_tokenizer_checkpoint_resumes_with_its_args(mcore, tmp_path):
+    """megatron-core's run with NullTokenizer --vocab-size V (V + 1 tokens with the end of document,
+    as Megatron-LM counts them) resumes with --use-checkpoint-args: its args give V, the model has
+    V + 1 on both sides (megalite compared V with V + 1 and refused)."""
+    from dist_helpers import run_pretrain, train_losses
+    ck = mcore["tmp"] / "dense_null"
+    if not ck.exists():
+        pytest.skip("needs test_megalite_torch_dist_output_loads_into_mcore_with_megalites_logits, which saves it")
+    flags = ["--use-checkpoint-args", "--load", str(ck), "--mock-data", "--micro-batch-size", "2", "--global-batch-size",
+             "8", "--train-iters", "3", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
+             "--use-checkpoint-opt_param-scheduler", "--no-load-optim"]
+    records, proc = run_pretrain(1, flags, tmp_path, "null_tokenizer")
+    assert "loaded Megatron-LM torch_dist checkpoint" in proc.stdout and "NullTokenizer" in proc.stdout
+    assert "vocab 512 " in proc.stdout  # Megatron-LM's args: NullTokenizer --vocab-size 511, its model 512 tokens
+    assert all(math.isfinite(x) for x in train_losses(records))

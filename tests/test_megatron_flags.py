@@ -17,6 +17,7 @@ from megalite.model import ExecutionConfig
 from megalite.num_microbatches_calculator import NumMicroBatchesCalculator, parse_step_schedule
 from megalite.optimizer import LRScheduler, build_lr_scheduler
 from tiny import mock, tiny
+from tolerances import assert_close_fp32
 
 BASE = mock(100) + tiny(hidden_size=32, seq_length=16, global_batch_size=None, train_iters=None, eval_iters=0)
 
@@ -220,15 +221,20 @@ def test_attention_backend_selects_the_kernel(monkeypatch, backend, allowed):
     out = CoreAttention(0.0, execution, None)(q, k, v)
     assert seen == ([allowed] if allowed else [])  # local never calls SDPA
     ref = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True, enable_gqa=True)
-    assert torch.allclose(out, ref.permute(2, 0, 1, 3).reshape(8, 2, 64), atol=1e-5)
+    # the local backend's own matmuls and softmax (tests/tolerances.py): 16-term QK^T, then 8 positions
+    assert_close_fp32(out, ref.permute(2, 0, 1, 3).reshape(8, 2, 64), k=16, chain=3)
 
 
-def test_attention_backend_refuses_what_the_cpu_cannot_run():
-    with pytest.raises(ArgumentError, match="--attention-backend fused cannot run here"):
-        args_of(["--train-iters", "1", "--attention-backend", "fused"])
-    with pytest.raises(ArgumentError, match="--attention-backend flash cannot run here.*dropout"):
-        args_of(["--train-iters", "1", "--attention-backend", "flash", "--attention-dropout", "0.1"])
-    assert args_of(["--train-iters", "1", "--attention-backend", "flash", "--attention-dropout", "0"])
+def test_attention_backend_the_cpu_cannot_run_falls_back_with_a_notice():
+    """A GPU kernel choice (Megatron-LM's scripts pass --attention-backend fused): on the CPU, SDPA's
+    CPU kernel runs instead, with the kernel's own reason in the notice."""
+    a = args_of(["--train-iters", "1", "--attention-backend", "fused"])
+    assert a.kernels.attention_backend == "auto" and any(n.startswith("--attention-backend fused: a GPU kernel")
+                                                         for n in a.notices)
+    a = args_of(["--train-iters", "1", "--attention-backend", "flash", "--attention-dropout", "0.1"])
+    assert a.kernels.attention_backend == "auto" and any("dropout" in n for n in a.notices)
+    assert args_of(["--train-iters", "1", "--attention-backend", "flash", "--attention-dropout", "0"]) \
+        .kernels.attention_backend == "flash"
 
 
 def test_decoupled_lr_groups_and_schedule():
@@ -398,12 +404,8 @@ def test_tiktokenizer(tmp_path):
     (["--train-samples", "40", "--lr-decay-iters", "3"], "with --train-samples give --lr-decay-samples"),
     (["--train-iters", "3", "--fp8-format", "hybrid"], "FP8 training needs Hopper-class.*Transformer Engine"),
     (["--train-iters", "3", "--fp8-param-gather"], "--fp8-param-gather is not supported"),
-    (["--train-iters", "3", "--ckpt-format", "torch_dist", "--async-save"],
-     "--async-save with --ckpt-format torch_dist is not supported"),
-    (["--train-iters", "3", "--ckpt-format", "torch_dist", "--data-parallel-sharding-strategy", "optim_grads_params"],
-     "--ckpt-format torch_dist with --data-parallel-sharding-strategy optim_grads_params .*ZeRO-3"),
     (["--train-iters", "3", "--ckpt-format", "zarr"], "--ckpt-format zarr .*is not supported.*torch_dist"),
-    (["--train-iters", "3", "--ckpt-format", "torch"], "--ckpt-format torch .*model_optim_rng.pt"),
+    (["--train-iters", "3", "--verify-integrity"], "--verify-integrity needs --ckpt-format torch_dist"),
     (["--train-iters", "3", "--context-parallel-size", "2"], r"world size 1 is not divisible .* x --context-parallel-size \(2\)"),
     (["--train-iters", "3", "--decoupled-min-lr", "1e-4"], "--decoupled-min-lr needs --decoupled-lr"),
     (["--train-iters", "3", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),

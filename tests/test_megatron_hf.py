@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import megatron_core_ref as ref
+from tolerances import logits_atol
 
 pytestmark = pytest.mark.skipif(not ref.available(), reason=ref.MISSING)
 
@@ -68,8 +69,8 @@ def test_converted_checkpoint_gives_megatron_core_logits_in_transformers(megatro
         theirs = model(tokens).logits
     ours = logits[name]
     assert theirs.shape == ours.shape == (2, 32, CASES[name].vocab_size)
-    rel = ((theirs - ours).abs().max() / ours.abs().max()).item()
-    assert rel < 1e-5, (name, rel)
+    diff = (theirs - ours).abs().max().item()  # transformers' logits against megatron-core's (tolerances.py)
+    assert diff < logits_atol(ours), (name, diff)
 
 
 @pytest.mark.launches
@@ -77,9 +78,11 @@ def test_refusals_name_the_problem(megatron_runs, tmp_path, capsys):
     tmp, _, _ = megatron_runs
     assert convert(tmp / "gpt2", tmp_path / "x", "--max-shard-size", "lots") == 2
     assert "--max-shard-size: not a size: 'lots'" in capsys.readouterr().err
-    # the checkpoint's args name the NullTokenizer: no Hugging Face tokenizer to write
+    # the checkpoint's args name the NullTokenizer: no Hugging Face tokenizer to write, so the
+    # weights go alone, with a notice (no --no-tokenizer needed)
     import convert as tool
     code = tool.main(["--model-type", "GPT", "--loader", "megatron", "--saver", "hf", "--load-dir", str(tmp / "gpt2"),
                       "--save-dir", str(tmp_path / "y")])
-    assert code == 2 and "NullTokenizer has no Hugging Face counterpart" in capsys.readouterr().err
-    assert not os.path.exists(tmp_path / "y") or not os.listdir(tmp_path / "y")
+    out = capsys.readouterr().out
+    assert code == 0 and "NullTokenizer of" in out and "exported without a tokenizer" in out
+    assert (tmp_path / "y" / "config.json").exists() and not (tmp_path / "y" / "tokenizer.json").exists()

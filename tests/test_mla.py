@@ -34,20 +34,30 @@ def test_mla_flags_and_megatron_defaults():
     assert model.rotary.dim == 64 and attention.query_scale == pytest.approx((0.1 * torch.tensor(4.0).log().item() + 1) ** 2)
 
 
+def test_megatron_lms_mla_defaults():
+    """Megatron-LM's: MLA beside its default learned absolute positions (both), YaRN's original
+    context 4096 (MLATransformerConfig's) where no flag gives it."""
+    c = validate_args(parse_args(tiny() + mock() + ["--multi-latent-attention", "--rotary-scaling-factor", "4"]))
+    assert c.model.position_embedding_type == "learned_absolute" and c.model.yarn()["original_max_position_embeddings"] \
+        == 4096
+    assert any("learned absolute positions are added" in n for n in c.notices)
+    model = GPTModel(type(c.model)(**dict(c.model.to_dict(), vocab_size=64, padded_vocab_size=64)))
+    assert model.embedding.position_embeddings is not None and model.rotary is not None
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--q-lora-rank", "8"], "--q-lora-rank sets multi-latent attention's shape; it needs --multi-latent-attention"),
     (["--kv-lora-rank", "8"], "--kv-lora-rank sets multi-latent attention's shape"),
     (["--v-head-dim", "8"], "--v-head-dim sets multi-latent attention's shape"),
     (["--rope-type", "yarn"], "for YaRN on this model use --position-embedding-type yarn"),
-    (["--multi-latent-attention"], "--multi-latent-attention needs --position-embedding-type rope"),
+    (["--multi-latent-attention", "--position-embedding-type", "yarn"], "--multi-latent-attention takes its YaRN "
+                                                                        "from --rope-type yarn"),
     (MLA + ["--tensor-model-parallel-size", "3", "--num-attention-heads", "4"],
      "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
     (MLA + ["--group-query-attention", "--num-query-groups", "2"], "--group-query-attention cannot be combined "
                                                                    "with --multi-latent-attention"),
     (MLA + ["--window-size", "8,0"], "--window-size cannot be combined with --multi-latent-attention"),
     (MLA + ["--qk-pos-emb-head-dim", "7"], "--qk-pos-emb-head-dim (7) must be even"),
-    (MLA + ["--rotary-scaling-factor", "4"], "--rope-type yarn with --rotary-scaling-factor > 1 needs "
-                                            "--yarn-original-max-position-embeddings"),
     (MLA + ["--use-rope-scaling"], "--use-rope-scaling cannot be combined with --multi-latent-attention"),
     (MLA + ["--rope-type", "rope", "--mscale", "0.5"], "--mscale sets YaRN, which needs --rope-type yarn with "
                                                       "--multi-latent-attention (got --rope-type rope)"),

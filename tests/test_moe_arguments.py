@@ -23,7 +23,8 @@ MOE = ["--num-experts", "4", "--disable-bias-linear"]
     (MOE + ["--expert-model-parallel-size", "3"], 3, r"--num-experts \(4\) is not divisible by "
                                                      r"--expert-model-parallel-size \(3\)"),
     (MOE + ["--expert-model-parallel-size", "4"], 2, r"--expert-model-parallel-size \(4\) must divide DP x CP"),
-    (MOE + ["--expert-model-parallel-size", "2", "--use-tp-pp-dp-mapping"], 2, r"--use-tp-pp-dp-mapping"),
+    (MOE + ["--expert-model-parallel-size", "2", "--use-tp-pp-dp-mapping", "--pipeline-model-parallel-size", "2"], 4,
+     r"--use-tp-pp-dp-mapping with PP > 1 needs --expert-tensor-parallel-size x --expert-model-parallel-size"),
     (MOE + ["--tensor-model-parallel-size", "2"], 2, r"needs --sequence-parallel"),
     (["--num-experts", "4", "--tensor-model-parallel-size", "4", "--sequence-parallel",
       "--expert-tensor-parallel-size", "2"], 4, r"--expert-tensor-parallel-size 2 with biased experts"),
@@ -46,20 +47,38 @@ MOE = ["--num-experts", "4", "--disable-bias-linear"]
     (MOE + ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-topk", "3"], 1,
      r"--moe-router-topk / --moe-router-group-topk \(3 / 1\) exceeds the 2 experts"),
     (MOE + ["--moe-router-topk-scaling-factor", "0"], 1, r"--moe-router-topk-scaling-factor must be a number > 0"),
-    (["--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
-     r"--expert-tensor-parallel-size needs --num-experts"),
     (MOE + ["--expert-tensor-parallel-size", "0"], 1, r"--expert-tensor-parallel-size must be an integer >= 1"),
     (MOE + ["--expert-tensor-parallel-size", "3"], 3, r"--ffn-hidden-size \(256\) is not divisible by "
                                                      r"--expert-tensor-parallel-size \(3\)"),
     (MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
             "--expert-model-parallel-size", "4"], 2,
      r"--expert-tensor-parallel-size \(1\) x --expert-model-parallel-size \(4\) must divide TP x DP x CP"),
-    (MOE + ["--expert-tensor-parallel-size", "2", "--use-tp-pp-dp-mapping"], 2,
-     r"--expert-tensor-parallel-size != TP with --use-tp-pp-dp-mapping"),
 ])
 def test_bad_moe_flags(extra, world, pattern):
     with pytest.raises(ArgumentError, match=pattern):
         validate_args(parse_args(OK + extra), world)
+
+
+def test_megatron_lms_lenient_moe_flags():
+    """What Megatron-LM accepts and ignores: --expert-tensor-parallel-size on a dense model,
+    --moe-router-pre-softmax beside sigmoid scores (a notice each)."""
+    c = validate_args(parse_args(OK + ["--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size", "2",
+                                       "--sequence-parallel"]), 2)
+    assert c.parallel.expert_tensor_parallel_size == 2 and any("--expert-tensor-parallel-size 1 has no effect" in n
+                                                                for n in c.notices)
+    c = validate_args(parse_args(OK + MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"]), 1)
+    assert not c.model.moe_router_pre_softmax and any("--moe-router-pre-softmax has no effect" in n for n in c.notices)
+
+
+def test_expert_grid_in_megatron_lms_tp_pp_dp_order():
+    """--use-tp-pp-dp-mapping: Megatron-LM's expert RankGenerator order tp-ep-pp-dp; with PP > 1 it
+    needs ETP x EP = TP x CP, so both grids keep the same pipeline groups."""
+    grid = RankGrid(8, tp=2, pp=2, order="tp-cp-pp-dp", cp=1, ep=2, etp=1)
+    assert grid.expert_grid_groups("ep") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert sorted({tuple(sorted(g)) for g in grid.expert_grid_groups("pp")}) == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    with pytest.raises(ValueError, match="ETP x EP must equal TP x CP"):
+        RankGrid(8, tp=2, pp=2, order="tp-cp-pp-dp", ep=2, etp=2)
 
 
 def test_biased_moe_is_megatron_lms_default():

@@ -18,6 +18,7 @@ from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.data.batch import build_batch
 from megalite.model import GPTModel, model_configs
 from megalite.tensor_parallel import seed_everything
+from tolerances import fp32_atol, model_rounding
 
 RECOMPUTE = {"none": {}, "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform",
                                                  recompute_num_layers=1),
@@ -128,10 +129,12 @@ def test_dropout_masks_differ_per_tp_rank_only_on_sequence_shards(ranks):
 
 @pytest.mark.parametrize("variant", ["base", "options"])
 def test_sp_gradients_match_tp(ranks, variant):
+    # sequence-sharded GEMMs and reduce-scatters sum in other orders than TP's (tests/tolerances.py):
+    # 3 layers, reductions up to 128 terms (the padded vocabulary, the MLP), relative to the scale
     for r in ranks:
-        assert r[f"sp_loss_rel_{variant}"] < 1e-6
+        assert r[f"sp_loss_rel_{variant}"] < fp32_atol(scale=1.0, **model_rounding(k=128, layers=3))
         worst = max(r[f"sp_grad_rel_{variant}"].items(), key=lambda kv: kv[1])
-        assert worst[1] < 1e-5, worst
+        assert worst[1] < fp32_atol(scale=1.0, **model_rounding(k=128, layers=3, backward=True)), worst
 
 
 def test_recompute_bit_identical_under_tp2_with_and_without_sp(ranks):

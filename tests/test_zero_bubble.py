@@ -118,9 +118,10 @@ def test_zero_bubble_schedules_switch_on_the_split_backward():
 @pytest.mark.parametrize("extra, pattern", [
     (["--delay-wgrad-compute"], r"--delay-wgrad-compute defers weight gradients for a zero-bubble schedule to "
                                 r"place: use --pipeline-schedule zb_h1 or zbv \(got 1f1b"),
-    (["--pipeline-schedule", "zbv", "--num-layers-per-virtual-pipeline-stage", "1"],
-     r"--pipeline-schedule zbv needs --untie-embeddings-and-output-weights"),
-    (["--pipeline-schedule", "zbv"], r"--pipeline-schedule zbv runs exactly 2 model chunks per pipeline rank"),
+    (["--pipeline-schedule", "zbv", "--num-layers-per-virtual-pipeline-stage", "2"],
+     r"--pipeline-schedule zbv runs exactly 2 model chunks per pipeline rank in a V, not 1"),
+    (["--pipeline-schedule", "zbv", "--num-layers", "6"], r"--pipeline-schedule zbv runs 2 model chunks per "
+     r"pipeline rank: --num-layers \(6\) must be divisible by 2 x --pipeline-model-parallel-size \(4\)"),
     (["--pipeline-schedule", "zb_h1", "--compile"], r"--pipeline-schedule zb_h1 cannot run with --compile"),
     (["--pipeline-schedule", "dualpipev"] + VPP, r"--pipeline-schedule dualpipev is not built"),
 ])
@@ -128,6 +129,43 @@ def test_layouts_a_zero_bubble_schedule_cannot_run_are_refused(extra, pattern):
     from megalite.arguments import ArgumentError
     with pytest.raises(ArgumentError, match=pattern):
         _config(extra)
+
+
+def test_zbv_picks_two_chunks_per_rank_and_says_so():
+    c = _config(["--pipeline-schedule", "zbv"])  # 4 layers on PP 2, tied embeddings
+    assert c.parallel.virtual_pipeline_model_parallel_size == 2
+    assert c.parallel.num_layers_per_virtual_pipeline_stage == 1
+    said = [n for n in c.notices if "--pipeline-schedule zbv" in n]
+    assert said == ["--pipeline-schedule zbv: 2 model chunks per pipeline rank in a V, 1 layer(s) each "
+                    "(--num-layers-per-virtual-pipeline-stage 1)"]
+    assert not any("zbv" in n for n in _config(["--pipeline-schedule", "zbv"] + VPP).notices)  # given: no word
+
+
+# zbv with tied embeddings: the embedding (rank 0's chunk 0) and the output layer (its chunk 1) are
+# one weight, whose two copies' gradients rank 0 sums itself. A dense model, 2 layers a chunk
+TIED = tiny(num_layers=8, lr=1e-2, train_iters=ITERS, log_interval=1, eval_iters=0) + [
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7", "--clip-grad", "0.5"]
+TIED_LAYOUTS = {  # id: (processes, flags): full gradients (no_shard), and sharded ones (ZeRO-2, DP 2)
+    "zbv-tied-pp2": (2, ["--pipeline-schedule", "zbv"] + PP2),
+    "zbv-tied-pp2-dp2-zero2": (4, ["--pipeline-schedule", "zbv"] + PP2 + ZERO + ["optim_grads"]),
+}
+
+
+@pytest.fixture(scope="module")
+def tied_reference(corpus, tmp_path_factory):
+    records, _ = run_pretrain(1, corpus + TIED, tmp_path_factory.mktemp("zbv-tied-reference"))
+    assert_loss_falls(train_losses(records), 0.2)
+    return records
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("layout", list(TIED_LAYOUTS))
+def test_zbv_with_tied_embeddings_matches_single_process(tied_reference, corpus, tmp_path, layout):
+    nproc, flags = TIED_LAYOUTS[layout]
+    records, proc = run_pretrain(nproc, corpus + TIED + flags, tmp_path)
+    assert "2 model chunks per pipeline rank in a V" in proc.stdout + proc.stderr
+    assert_losses_close(train_losses(tied_reference), train_losses(records), rtol=1e-5)
+    assert_losses_close(grad_norms(tied_reference), grad_norms(records), rtol=1e-4)
 
 
 def test_zero_bubble_schedules_refuse_nccl(monkeypatch):

@@ -54,6 +54,11 @@ def check_batch_schedule(c: RunConfig, dp_text: str) -> list[int]:
             what = f"--global-batch-size ({g})" if changing is None else f"global batch {g} of {changing}"
             fail(f"{what} is not divisible by --micro-batch-size ({t.micro_batch_size}) x {dp_text}")
     t.num_microbatches = t.global_batch_size // mdp
+    eval_gbs = t.eval_global_batch_size or t.global_batch_size  # Megatron-LM's default
+    if eval_gbs % mdp:
+        fail(f"--eval-global-batch-size ({eval_gbs}) is not divisible by --micro-batch-size ({t.micro_batch_size}) "
+             f"x {dp_text}")
+    t.eval_num_microbatches = eval_gbs // mdp
     if sample_based:
         t.train_iters = calc.iterations_for(t.train_samples)
         if t.train_iters == 0:

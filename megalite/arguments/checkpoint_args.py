@@ -49,8 +49,9 @@ FORCED = (
     "model.moe_router_group_topk", "model.moe_router_topk_scaling_factor", "model.moe_router_dtype",
     # attention variants: extra weights (q/k norms, sinks) or another function of the same weights
     "model.qk_layernorm", "model.window_size", "model.window_attn_skip_freq", "model.softmax_type",
-    # gpt-oss's MLP: another function of the same fc1 / fc2 weights
-    "model.quick_geglu", "model.glu_linear_offset", "model.activation_func_clamp_value",
+    # gpt-oss's MLP: another function of the same fc1 / fc2 weights (and Nemotron's squared ReLU)
+    "model.quick_geglu", "model.glu_linear_offset", "model.activation_func_clamp_value", "model.squared_relu",
+    "model.rotary_interleaved",
     # multi-latent attention: its weights' shapes and its RoPE
     "model.multi_latent_attention", "model.q_lora_rank", "model.kv_lora_rank", "model.qk_head_dim",
     "model.qk_pos_emb_head_dim", "model.v_head_dim", "model.rope_type",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ..config.fields import flat_ints
 from ..config.run import RunConfig
 from .errors import fail
 
@@ -17,7 +18,7 @@ def check_cp_comm_type(c: RunConfig) -> None:
     types = list(p.cp_comm_type)
     if len(types) not in (1, m.num_layers):
         fail(f"--cp-comm-type takes one type or one per layer (--num-layers {m.num_layers}); got {len(types)}")
-    sizes = p.hierarchical_context_parallel_sizes
+    sizes = p.hierarchical_context_parallel_sizes = flat_ints(p.hierarchical_context_parallel_sizes)
     if sizes is not None:
         if "a2a+p2p" not in types:
             fail("--hierarchical-context-parallel-sizes is used only by --cp-comm-type a2a+p2p; drop it or add that type")

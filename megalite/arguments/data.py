@@ -21,10 +21,19 @@ def check_data(c: RunConfig) -> None:
              "turns off; drop one of them (Megatron-LM would silently attend across documents)")
     paths = {dest: getattr(d, dest) for dest in DATA_PATHS}
     given = [dest for dest, v in paths.items() if v is not None]
+    if tok.tokenizer_type is None and (tok.vocab_file or tok.merge_file or (given and not d.mock_data)):
+        # Megatron-LM's pretrain_gpt.py: args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}
+        tok.tokenizer_type = "GPT2BPETokenizer"
+        c.notices.append("--tokenizer-type not given: GPT2BPETokenizer, Megatron-LM's pretrain_gpt.py default")
     try:
         c.notices.extend(check_tokenizer_args(tok))
     except InputError as e:
         fail(str(e))
+    if d.fim_data and d.mock_data:
+        fail("--fim-data needs documents and a tokenizer (it cuts each document's text): give a dataset instead of "
+             "--mock-data")
+    if d.fim_data and (not d.fim_rate or not d.fim_spm_rate):
+        fail("--fim-data needs --fim-rate and --fim-spm-rate above 0 (Megatron-LM asserts them)")
     if d.mock_data:
         _check_mock(c, given)
         return

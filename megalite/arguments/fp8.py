@@ -58,9 +58,10 @@ def check_fp8(c: RunConfig) -> None:
         if not get_strategy(c.ddp.data_parallel_sharding_strategy).shards_optimizer:
             fail("--fp8-param-gather needs --use-distributed-optimizer (or a --data-parallel-sharding-strategy other "
                  "than no_shard): it all-gathers FP8 weights after the sharded optimizer step, as in Megatron-LM")
-        if recipe == "blockwise":
-            fail("--fp8-param-gather with --fp8-recipe blockwise is not supported: the FP8 all-gather carries "
-                 "one scale per weight (tensorwise, delayed); drop --fp8-param-gather")
+        # Megatron-LM's flag moves the gathered weights as FP8 bytes, cast from the fp32 masters;
+        # here the gather carries the 16-bit weights and each GEMM casts them with the same recipe
+        c.notices.append("--fp8-param-gather: the sharded optimizer's all-gather carries the 16-bit weights (an FP8 "
+                         "all-gather is not built here); each GEMM casts them to FP8 with the same recipe")
     if c.model.num_experts and c.kernels.moe_grouped_gemm:
         c.notices.append("--moe-grouped-gemm with --fp8-format: the experts' FP8 GEMMs run one expert at a time "
                          "(a kernel choice: the same function)")

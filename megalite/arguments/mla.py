@@ -19,9 +19,12 @@ def check_mla(c: RunConfig) -> None:
         return
     if "model.kv_channels" not in c.explicit:  # the query/key head size (the attention-backend probe's)
         m.kv_channels = m.qk_head_dim + m.qk_pos_emb_head_dim
-    if m.position_embedding_type != "rope":
-        fail(f"--multi-latent-attention needs --position-embedding-type rope (its decoupled RoPE key; YaRN is "
-             f"--rope-type yarn), got {m.position_embedding_type}")
+    if m.position_embedding_type == "yarn":
+        fail("--multi-latent-attention takes its YaRN from --rope-type yarn, not --position-embedding-type yarn")
+    if m.position_embedding_type == "learned_absolute":  # Megatron-LM's default type: both, as its GPTModel
+        c.notices.append("--multi-latent-attention with --position-embedding-type learned_absolute (Megatron-LM's "
+                         "default): learned absolute positions are added to the embeddings and MLA's decoupled "
+                         "keys get their RoPE (--rope-type) as well, as in Megatron-LM's GPTModel")
     if m.num_attention_heads % tp:
         fail(f"--num-attention-heads ({m.num_attention_heads}) is not divisible by --tensor-model-parallel-size "
              f"({tp}): multi-latent attention splits its heads across TP")
@@ -42,5 +45,7 @@ def check_mla(c: RunConfig) -> None:
     if m.qk_pos_emb_head_dim % 2 or m.qk_pos_emb_head_dim < 2:
         fail(f"--qk-pos-emb-head-dim ({m.qk_pos_emb_head_dim}) must be even: RoPE rotates channel pairs")
     if m.mla_yarn and m.rotary_scaling_factor > 1 and m.yarn_original_max_position_embeddings is None:
-        fail("--rope-type yarn with --rotary-scaling-factor > 1 needs --yarn-original-max-position-embeddings "
-             "(the context length the model was pretrained at)")
+        # Megatron-LM's MLATransformerConfig.original_max_position_embeddings (its flag is not read for MLA)
+        m.yarn_original_max_position_embeddings = 4096
+        c.notices.append("--rope-type yarn without --yarn-original-max-position-embeddings: 4096, Megatron-LM's "
+                         "MLATransformerConfig default")

@@ -90,6 +90,22 @@ def check_glu(c: RunConfig) -> None:
         fail(f"--glu-linear-offset {m.glu_linear_offset} applies to a gated MLP (--swiglu or --quick-geglu)")
     if m.activation_func_clamp_value is not None and not m.quick_geglu:
         fail("--activation-func-clamp-value clamps --quick-geglu's inputs; it needs --quick-geglu")
+    if m.squared_relu and (m.gated_linear_unit or m.openai_gelu):
+        other = "--swiglu" if m.swiglu else "--quick-geglu" if m.quick_geglu else "--openai-gelu"
+        fail(f"--squared-relu is the MLP's activation; {other} is another (choose one; Megatron-LM asserts it)")
+    if m.rotary_interleaved and m.multi_latent_attention:
+        fail("--rotary-interleaved with --multi-latent-attention is not supported (MLA's decoupled RoPE keys are "
+             "rotated in halves here)")
+    if m.rotary_interleaved and not m.uses_rope:
+        c.notices.append(f"--rotary-interleaved has no effect with --position-embedding-type "
+                         f"{m.position_embedding_type} (no RoPE; Megatron-LM accepts it there)")
+    k = c.kernels
+    if k.apply_query_key_layer_scaling:
+        k.attention_softmax_in_fp32 = True  # as Megatron-LM's validate_args
+        if k.attention_backend != "local":
+            c.notices.append(f"--apply-query-key-layer-scaling acts on --attention-backend local (the scores megalite "
+                             f"computes); with {k.attention_backend}, SDPA's kernels keep Q·K^T in fp32 and need no "
+                             f"guard (the same function)")
 
 
 def check_rope(c: RunConfig) -> None:
@@ -111,9 +127,10 @@ def check_rope(c: RunConfig) -> None:
             fail(f"{given[0]} sets YaRN, which needs --position-embedding-type yarn (got "
                  f"{m.position_embedding_type})")
         return
-    if m.yarn_original_max_position_embeddings is None:
-        fail("--position-embedding-type yarn needs --yarn-original-max-position-embeddings (the context length "
-             "the model was pretrained at)")
+    if m.yarn_original_max_position_embeddings is None:  # Megatron-LM's _set_yarn_config default
+        m.yarn_original_max_position_embeddings = 4096
+        c.notices.append("--position-embedding-type yarn without --yarn-original-max-position-embeddings: 4096, "
+                         "Megatron-LM's default")
     if m.rotary_percent != 1.0:
         fail(f"--position-embedding-type yarn rotates every head channel (Megatron-LM's YarnRotaryEmbedding); "
              f"--rotary-percent must be 1.0, got {m.rotary_percent}")
@@ -171,6 +188,37 @@ def check_attention_variants(c: RunConfig) -> None:
                  f"--attention-backend {k.attention_backend} excludes it: use auto, unfused or local")
 
 
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+def check_recompute_modules(c: RunConfig) -> None:
+    """--recompute-modules (Megatron-LM's selective recompute of chosen parts of each layer)."""
+    r, m = c.recompute, c.model
+    modules = r.recompute_modules
+    if "recompute.recompute_modules" not in c.explicit:
+        return
+    if r.recompute_granularity != "selective":
+        c.notices.append("--recompute-modules has no effect without --recompute-granularity selective (Megatron-LM "
+                         "accepts and ignores it there)")
+        return
+    bad = [x for x in modules if x not in RECOMPUTE_MODULES]
+    if bad:
+        fail(f"--recompute-modules {bad[0]} is not one of {', '.join(RECOMPUTE_MODULES)}")
+    if "mla_up_proj" in modules and not m.multi_latent_attention:
+        fail("--recompute-modules mla_up_proj needs --multi-latent-attention (as Megatron-LM)")
+    if not m.num_experts and any(x in modules for x in ("moe_act", "moe", "shared_experts")):
+        c.notices.append("--recompute-modules moe_act / moe / shared_experts have no effect on a dense model")
+
+
+def check_offloading(c: RunConfig) -> None:
+    """--fine-grained-activation-offloading and --offload-modules (model/offload.py)."""
+    r = c.recompute
+    if r.fine_grained_activation_offloading and not r.offload_modules:
+        fail("--fine-grained-activation-offloading needs --offload-modules (the parts whose activations move)")
+    if r.offload_modules and not r.fine_grained_activation_offloading:
+        c.notices.append("--offload-modules has no effect without --fine-grained-activation-offloading")
+
+
 def check_recompute(c: RunConfig) -> None:
     """Activation memory: recompute and sequence parallelism (Megatron-LM's rules)."""
     r, p = c.recompute, c.parallel
@@ -193,8 +241,12 @@ def check_recompute(c: RunConfig) -> None:
         if r.recompute_method is not None or r.recompute_num_layers is not None:
             fail("--recompute-method / --recompute-num-layers apply to --recompute-granularity full only, "
                  "not selective")
-    elif r.recompute_method is not None or r.recompute_num_layers is not None:
-        fail("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    elif r.recompute_method is not None or r.recompute_num_layers is not None:  # Megatron-LM ignores them then
+        c.notices.append("--recompute-method / --recompute-num-layers have no effect without --recompute-granularity "
+                         "full (Megatron-LM accepts and ignores them there)")
+        r.recompute_method = r.recompute_num_layers = None
+    check_recompute_modules(c)
+    check_offloading(c)
     if p.sequence_parallel and tp == 1:
         # as Megatron-LM: without TP there is nothing to shard along the sequence
         p.sequence_parallel = False
@@ -296,6 +348,12 @@ def check_attention_backend(c: RunConfig) -> None:
     why = [w for w in (str(w.message).split(" (Triggered")[0].strip() for w in caught) if not w.endswith(":")]
     reason = "; ".join(dict.fromkeys(why + [str(error).strip().splitlines()[0] if str(error).strip()
                                             else type(error).__name__]))[:300]
+    if device.type == "cpu" and not k.use_flash_attn:  # a GPU kernel choice: the CPU's kernel computes the same
+        c.notices.append(f"--attention-backend {k.attention_backend}: a GPU kernel that cannot run on the CPU "
+                         f"({reason[:120]}); SDPA's CPU kernel runs instead (--attention-backend auto; the same "
+                         f"function)")
+        k.attention_backend = "auto"
+        return
     fail(f"--attention-backend {k.attention_backend} cannot run here ({device.type}, "
          f"{c.optimizer.params_dtype}, head size {m.kv_channels}"
          f"{', attention dropout ' + str(m.attention_dropout) if m.attention_dropout else ''}"

@@ -15,11 +15,12 @@ def check_moe(c: RunConfig) -> None:
              "is what each expert's input is padded to)")
     if not m.num_experts:
         given = sorted(k for k in c.explicit if k.startswith("model.moe_"))
-        etp_given = p.expert_tensor_parallel_size not in (None, tp)
-        if given or ep > 1 or etp_given:
-            name = "--expert-model-parallel-size" if ep > 1 else "--expert-tensor-parallel-size" if etp_given \
-                else "--" + given[0][len("model."):].replace("_", "-")
+        if given or ep > 1:
+            name = "--expert-model-parallel-size" if ep > 1 else "--" + given[0][len("model."):].replace("_", "-")
             fail(f"{name} needs --num-experts (an MoE model)")
+        if p.expert_tensor_parallel_size not in (None, tp):  # Megatron-LM builds the expert grid regardless
+            c.notices.append(f"--expert-tensor-parallel-size {p.expert_tensor_parallel_size} has no effect without "
+                             f"--num-experts (a dense model has no experts to split; Megatron-LM accepts it there)")
         p.expert_tensor_parallel_size = tp
         p.expert_data_parallel_size = dp_cp
         return
@@ -34,8 +35,14 @@ def check_moe(c: RunConfig) -> None:
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
         fail("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as Megatron-LM: the bias "
              "shifts sigmoid scores, which are not normalised over experts)")
-    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
-        fail("--moe-router-pre-softmax applies to --moe-router-score-function softmax")
+    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":  # Megatron-LM ignores it there
+        c.notices.append(f"--moe-router-pre-softmax has no effect with --moe-router-score-function "
+                         f"{m.moe_router_score_function} (it orders softmax and top-k; Megatron-LM accepts and "
+                         f"ignores it there)")
+        m.moe_router_pre_softmax = False
+    if m.moe_router_load_balancing_type == "sinkhorn" and m.moe_aux_loss_coeff:
+        fail(f"--moe-router-load-balancing-type sinkhorn balances by its routing, with no loss: --moe-aux-loss-coeff "
+             f"must be 0 (got {m.moe_aux_loss_coeff}; Megatron-LM asserts the same)")
     if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
         fail("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
     if tp > 1 and not p.sequence_parallel:
@@ -73,10 +80,11 @@ def check_expert_grid(c: RunConfig) -> None:
         fail(f"--expert-tensor-parallel-size {etp} with biased experts (no --disable-bias-linear) needs ETP 1 or "
              f"ETP = --tensor-model-parallel-size ({tp}): fc2's bias, whole on each ETP rank, has its gradient "
              f"summed over the TP group")
-    if (ep > 1 or etp != tp) and p.use_tp_pp_dp_mapping:
-        flag_name = "--expert-model-parallel-size > 1" if ep > 1 else "--expert-tensor-parallel-size != TP"
-        fail(f"{flag_name} with --use-tp-pp-dp-mapping is not supported: the expert grid "
-             "(TP-EP-DP-PP) must keep the dense grid's pipeline groups, which the TP-CP-PP-DP order does not")
+    if (ep > 1 or etp != tp) and p.use_tp_pp_dp_mapping and p.pipeline_model_parallel_size > 1 \
+            and etp * ep != tp * p.context_parallel_size:
+        fail(f"--use-tp-pp-dp-mapping with PP > 1 needs --expert-tensor-parallel-size x --expert-model-parallel-size "
+             f"({etp} x {ep}) = TP x CP ({tp} x {p.context_parallel_size}): the expert grid (TP-EP-PP-DP) must "
+             "keep the dense grid's pipeline groups (Megatron-LM asserts the same)")
     p.expert_data_parallel_size = tp * dp_cp // (etp * ep)
 
 

@@ -11,6 +11,10 @@ and both at once is refused (Megatron-LM asserts it). Without this, a resume wit
 --train-iters (the decay length when no --lr-decay-iters is given) would stretch the schedule
 under the step count it continues from, and the learning rate would jump.
 
+A refusal names every difference in one message: the model's first (another --hidden-size,
+--num-layers, --num-experts, ... that no schedule flag can fix, compared as the load will compare
+them, checkpoint/native/state.py), then the schedule's with its two flags.
+
 Settled by validation from the checkpoint's metadata.json (the validated config it records), so
 every rank refuses alike before any process group exists. Only where the load restores the
 schedule: not with --finetune or --no-load-optim (Megatron-LM loads the scheduler with the
@@ -87,7 +91,7 @@ def settle_schedule(c: RunConfig) -> None:
             c.notices.append(f"{chosen} has no effect: " + ("no checkpoint under --load yet" if saved is None else
                                                             "the checkpoint holds no optimizer state"))
         return
-    where, sections, _ = saved
+    where, sections, _, saved_model, foreign = saved
     old = sections.get("optimizer", {})
     differences = schedule_differences(old, dataclasses.asdict(c.optimizer))
     if not differences:
@@ -106,9 +110,26 @@ def settle_schedule(c: RunConfig) -> None:
         c.notices.append(f"{USE_CHECKPOINT}: the learning-rate schedule of {where} continues, over the command "
                          f"line's ({text})")
     else:
-        fail(f"--load {ck.load}: the learning-rate schedule differs from the checkpoint's ({where}): {text}. Give "
-             f"{USE_CHECKPOINT} to continue the checkpoint's schedule, or {OVERRIDE} to run this command line's "
-             "from the checkpoint's step on")
+        model = _model_mismatch(c, saved_model, foreign, where)
+        schedule = (f"the learning-rate schedule differs from the checkpoint's ({where}): {text}" if model is None
+                    else f"{model}. The learning-rate schedule differs too: {text}")
+        fail(f"--load {ck.load}: {schedule}. Give {USE_CHECKPOINT} to continue the checkpoint's schedule, or "
+             f"{OVERRIDE} to run this command line's from the checkpoint's step on")
+
+
+def _model_mismatch(c: RunConfig, saved: dict, foreign: bool, where: str) -> str | None:
+    """What the load will say of the checkpoint's model against this run's (checkpoint/native/state.py
+    check_model_config; a Megatron-LM checkpoint's args name some settings only, as there), or
+    None where they agree. The vocabulary is compared where validation knows it (--vocab-size); a
+    tokenizer file's is left to the load."""
+    from ..checkpoint.native.state import check_model_config
+    current = c.model.to_dict()
+    current["vocab_size"] = c.tokenizer.vocab_size or saved.get("vocab_size")
+    try:
+        check_model_config({**current, **saved} if foreign else saved, current, where)
+    except CheckpointError as e:
+        return str(e)
+    return None
 
 
 def _not_restored(c: RunConfig) -> str | None:
@@ -128,8 +149,9 @@ def _not_restored(c: RunConfig) -> str | None:
 
 
 def _saved(load: str):
-    """(directory, config sections, whether it holds optimizer state) of the latest checkpoint
-    under `load`; None when there is none yet."""
+    """(directory, config sections, whether it holds optimizer state, its model as the load
+    compares it, whether it is Megatron-LM's) of the latest checkpoint under `load`; None when
+    there is none yet."""
     from ..checkpoint.files import checked_metadata
     from ..checkpoint.paths import TRACKER
     if not os.path.isfile(os.path.join(load, TRACKER)):
@@ -138,7 +160,8 @@ def _saved(load: str):
         meta = checked_metadata(load, "--load")
     except CheckpointError as e:
         fail(str(e))
-    return meta["dir"], from_saved(meta), bool(meta.get("has_optimizer_state", True))
+    model = {k: v for k, v in meta.get("model_config", {}).items() if k not in meta.get("derived", ())}
+    return meta["dir"], from_saved(meta), bool(meta.get("has_optimizer_state", True)), model, "derived" in meta
 
 
 def _label(c: RunConfig, key: str) -> str:

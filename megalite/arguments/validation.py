@@ -22,13 +22,15 @@ import os
 from dataclasses import fields
 
 from ..config.fields import flagged_fields
-from ..config.megatron import KERNEL_NOTICES, REFUSED_FLAGS
+from ..config.megatron import KERNEL_NOTICES, PENDING, SCHEDULE_NOTICES
 from ..config.run import SECTIONS, RunConfig
 from ..config.sharding import get_strategy
 from .batch import check_batch_schedule, check_lr_schedule
 from .checkpoint_args import apply_checkpoint_args
 from .data import check_data
 from .errors import fail, flag
+from .fsdp import check_fsdp
+from .pipeline_split import apply_pipeline_split
 from .context_parallel import check_cp_comm_type
 from .fp8 import check_fp8
 from .model import check_attention_backend, check_context_parallel, check_model_shape, check_precision, \
@@ -54,6 +56,7 @@ def validate(config: RunConfig, world_size: int | None = None, check_files: bool
     _check_layout(c)
     check_model_shape(c)
     check_moe(c)
+    check_fsdp(c)
     check_context_parallel(c)
     check_cp_comm_type(c)
     check_recompute(c)
@@ -92,31 +95,48 @@ def _check_refused(c: RunConfig) -> None:
     """Megatron-LM flags megalite does not implement, and values of accepted flags it cannot honour."""
     m = c.megatron
     by_name = {f.name: fl for f, fl in flagged_fields(type(m))}
-    for name in REFUSED_FLAGS:
-        if getattr(m, name) not in (None, False):
-            fl = by_name[name]
-            fail(f"{fl.name} is not supported: {fl.help.removeprefix('refused: ')}; drop it")
+    for name, missing in PENDING.items():
+        if getattr(m, name) != getattr(type(m)(), name):
+            fail(f"{by_name[name].name} is not supported: {missing}; drop it")
     _check_ckpt_format(c)
     if not m.add_position_embedding and c.model.position_embedding_type != "rope":
         fail(f"--no-position-embedding is deprecated, use --position-embedding-type (Megatron-LM accepts it only "
              f"with rope, not {c.model.position_embedding_type})")
     _kernel_notices(c)
     if m.rerun_mode not in (None, "disabled"):
-        fail(f"--rerun-mode {m.rerun_mode} is not supported: megalite has no re-run state machine "
-             f"(give disabled, or drop the flag)")
+        fail(f"--rerun-mode {m.rerun_mode} is not supported: Megatron-LM's resilience machinery (the re-run state "
+             f"machine) is not built yet (give disabled, or drop the flag)")
 
 
 def _check_ckpt_format(c: RunConfig) -> None:
     """--ckpt-format: torch_dist is written (checkpoint/megatron/saver.py); --load reads it whatever the flag."""
-    fmt = c.megatron.ckpt_format
+    fmt, ck = c.megatron.ckpt_format, c.checkpoint
+    if ck.verify_integrity and fmt != "torch_dist":
+        fail("--verify-integrity needs --ckpt-format torch_dist (as in Megatron-LM, where the integrity manifest is "
+             "a torch_dist feature)")
+    if ck.ckpt_fully_parallel_save_deprecated:
+        c.notices.append("--ckpt-fully-parallel-save is deprecated in Megatron-LM: fully parallel save is the default "
+                         "(--no-ckpt-fully-parallel-save turns it off)")
+    if ck.ckpt_fully_parallel_load:
+        c.notices.append("--ckpt-fully-parallel-load: megalite's loads always work this way (each data-parallel "
+                         "replica reads its share of the checkpoint, the group sums bring it to the others)")
+    if ck.dist_ckpt_optim_fully_reshardable and fmt != "torch_dist":
+        c.notices.append("--dist-ckpt-optim-fully-reshardable: megalite's own format keeps the optimizer state "
+                         "reshardable over TP, PP, EP and DP always")
     if fmt is None or fmt == "torch_dist":
-        if fmt and c.checkpoint.async_save:
-            fail("--async-save with --ckpt-format torch_dist is not supported (torch_dist saves are synchronous "
-                 "here); drop one")
-        if fmt and get_strategy(c.ddp.data_parallel_sharding_strategy).shards_params:
-            fail("--ckpt-format torch_dist with --data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is not "
-                 "supported: its ranks hold slices of the parameters, not boxes of them; use ZeRO-1/2 or megalite's "
-                 "own format")
+        return
+    if fmt == "fsdp_dtensor":  # Megatron FSDP's torch.distributed.checkpoint files: torch_dist is that container
+        c.megatron.ckpt_format = "torch_dist"
+        c.notices.append("--ckpt-format fsdp_dtensor: megalite writes torch_dist in its place (the same "
+                         "torch.distributed.checkpoint container, Megatron-LM's keys; megatron-core loads it, and so "
+                         "does --load), its FSDP parameter layout being megalite's ZeRO-3 slices")
+        return
+    if fmt == "torch":  # per-rank pickles bound to one layout: megalite's own per-rank files in their place
+        c.megatron.ckpt_format = None
+        c.notices.append("--ckpt-format torch: megalite writes its own format in its place (one file per rank with "
+                         "the weights, optimizer state, RNG and schedule, loadable on any layout; Megatron-LM's torch "
+                         "files are pickles bound to the saving layout; --load reads either, and tools/checkpoint/"
+                         "convert.py --saver megatron makes a torch_dist checkpoint of it)")
         return
     what = {"torch": "one pickled model_optim_rng.pt per model-parallel rank",
             "zarr": "Megatron-LM's zarr distributed checkpoints",
@@ -140,9 +160,14 @@ def _kernel_notices(c: RunConfig) -> None:
     if m.transformer_impl == "transformer_engine":
         c.notices.append("--transformer-impl transformer_engine: megalite's own layers run instead (the same "
                          "function; it does not use NVIDIA Transformer Engine)")
+    defaults = type(m)()
     for name, (given, instead) in KERNEL_NOTICES.items():
-        if getattr(m, name) != getattr(type(m)(), name):
+        if getattr(m, name) != getattr(defaults, name):
             c.notices.append(f"{given}: a Megatron-LM kernel choice; {instead} (the same function)")
+    for name, (given, instead) in SCHEDULE_NOTICES.items():
+        if getattr(m, name) not in (getattr(defaults, name), None):
+            c.notices.append(f"{given}: a Megatron-LM GPU overlap, graph or worker choice; {instead} (the same "
+                             f"function)")
     if p.moe_token_dispatcher_type == "flex":
         backend = m.moe_flex_dispatcher_backend or "deepep"
         c.notices.append(f"--moe-token-dispatcher-type flex ({backend} kernels): megalite's alltoall dispatcher "
@@ -166,6 +191,7 @@ def _check_layout(c: RunConfig) -> list[int]:
     p.rank_order = "tp-cp-pp-dp" if p.use_tp_pp_dp_mapping else "tp-cp-dp-pp"
     cp_text = f" x CP {cp}" if cp > 1 else ""
     batch_sizes = check_batch_schedule(c, f"data-parallel size ({dp} = world {world} / (TP {tp} x PP {pp}{cp_text}))")
+    apply_pipeline_split(c)
     layers = c.model.num_layers
     p.virtual_pipeline_model_parallel_size = 1
     k = p.num_layers_per_virtual_pipeline_stage
@@ -173,21 +199,58 @@ def _check_layout(c: RunConfig) -> list[int]:
         p.virtual_pipeline_model_parallel_size = _check_stage_layout(c)
     elif layers % pp:
         fail(f"--num-layers ({layers}) is not divisible by --pipeline-model-parallel-size ({pp})")
-    elif k is not None:
-        if pp < 2:
-            fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
-        if (layers // pp) % k:
-            fail(f"--num-layers ({layers}) / --pipeline-model-parallel-size ({pp}) = {layers // pp} layers per "
-                 f"stage is not divisible by --num-layers-per-virtual-pipeline-stage ({k})")
-        p.virtual_pipeline_model_parallel_size = layers // (pp * k)
+    else:
+        if k is None and p.pipeline_schedule == V_SCHEDULE and pp >= 2:
+            k = _v_chunks(c)
+        if k is not None:
+            if pp < 2:
+                fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
+            if (layers // pp) % k:
+                fail(f"--num-layers ({layers}) / --pipeline-model-parallel-size ({pp}) = {layers // pp} layers per "
+                     f"stage is not divisible by --num-layers-per-virtual-pipeline-stage ({k})")
+            p.virtual_pipeline_model_parallel_size = layers // (pp * k)
     # (zbv's order, a list scheduler's, runs any number of micro-batches)
     if p.virtual_pipeline_model_parallel_size > 1 and p.pipeline_schedule in (None, "interleaved_1f1b"):
-        for g in batch_sizes:
-            m = g // (t.micro_batch_size * dp)
-            if m % pp:
-                fail(f"the interleaved schedule needs the number of micro-batches (global batch {g} / "
-                     f"(--micro-batch-size x DP) = {m}) to be a multiple of --pipeline-model-parallel-size ({pp})")
+        _check_microbatch_groups(c, batch_sizes)
+    elif p.microbatch_group_size_per_vp_stage is not None:
+        c.notices.append("--microbatch-group-size-per-virtual-pipeline-stage has no effect without virtual pipeline "
+                         "stages (the interleaved schedule; Megatron-LM accepts it there)")
     return batch_sizes
+
+
+# pipeline_parallel/schedules.py's schedule whose chunks stand in a V (named here: validation's
+# layout checks run before torch, which the schedules' module imports)
+V_SCHEDULE = "zbv"
+
+
+def _v_chunks(c: RunConfig) -> int:
+    """zbv without --num-layers-per-virtual-pipeline-stage: its two chunks per rank, said in a
+    notice; the layers per chunk it implies."""
+    p, layers = c.parallel, c.model.num_layers
+    chunks = 2 * p.pipeline_model_parallel_size
+    if layers % chunks:
+        fail(f"--pipeline-schedule {V_SCHEDULE} runs 2 model chunks per pipeline rank: --num-layers ({layers}) must be "
+             f"divisible by 2 x --pipeline-model-parallel-size ({chunks})")
+    p.num_layers_per_virtual_pipeline_stage = layers // chunks
+    c.notices.append(f"--pipeline-schedule {V_SCHEDULE}: 2 model chunks per pipeline rank in a V, "
+                     f"{layers // chunks} layer(s) each (--num-layers-per-virtual-pipeline-stage {layers // chunks})")
+    return layers // chunks
+
+
+def _check_microbatch_groups(c: RunConfig, batch_sizes: list[int]) -> None:
+    """The interleaved schedule runs micro-batches in groups of g (default PP) through each chunk
+    (Megatron-LM's get_schedule_table): PP <= g <= micro-batches, the last group 0 or >= PP."""
+    p, t = c.parallel, c.training
+    pp, dp = p.pipeline_model_parallel_size, p.data_parallel_size
+    g = p.microbatch_group_size_per_vp_stage or pp
+    name = "--microbatch-group-size-per-virtual-pipeline-stage" if p.microbatch_group_size_per_vp_stage else \
+        "--pipeline-model-parallel-size"
+    counts = sorted({b // (t.micro_batch_size * dp) for b in batch_sizes} | {t.eval_num_microbatches})
+    for m in counts:
+        if not pp <= g <= m or 0 < m % g < pp:
+            fail(f"the interleaved schedule runs the micro-batches in groups of {name} ({g}) through each model "
+                 f"chunk: it needs PP ({pp}) <= {g} <= the {m} micro-batches of an iteration (global batch / "
+                 f"(--micro-batch-size x DP)) and the last group's remainder ({m % g}) 0 or >= PP")
 
 
 def _check_stage_layout(c: RunConfig) -> int:
@@ -227,7 +290,12 @@ def _check_zero_bubble(c: RunConfig) -> None:
     from ..pipeline_parallel.schedules import splits_backward, v_shape
     p, name = c.parallel, c.parallel.pipeline_schedule
     if not splits_backward(name):
-        if p.delay_wgrad_compute:
+        if p.delay_wgrad_compute and c.megatron.overlap_moe_expert_parallel_comm:  # an overlap: the same function
+            c.notices.append("--delay-wgrad-compute with --overlap-moe-expert-parallel-comm: Megatron-LM defers weight "
+                             "gradients to overlap the expert-parallel all-to-alls, which megalite runs in turn: the "
+                             "weight gradients are computed in each backward (the same function)")
+            p.delay_wgrad_compute = False
+        elif p.delay_wgrad_compute:
             fail(f"--delay-wgrad-compute defers weight gradients for a zero-bubble schedule to place: use "
                  f"--pipeline-schedule zb_h1 or zbv (got {name}; Megatron-LM's other use, "
                  f"--overlap-moe-expert-parallel-comm, is not built)")
@@ -238,9 +306,6 @@ def _check_zero_bubble(c: RunConfig) -> None:
              f"(--delay-wgrad-compute) are not traced by torch.compile")
     if v_shape(name):
         m = c.model
-        if not m.untie_embeddings_and_output_weights:
-            fail(f"--pipeline-schedule {name} needs --untie-embeddings-and-output-weights: the embedding and the "
-                 f"output layer sit in rank 0's two chunks")
         if m.mtp_num_layers:
             fail(f"--pipeline-schedule {name} cannot run --mtp-num-layers (MTP sits with the loss, in rank 0's "
                  f"second chunk, which this layout does not build)")
@@ -274,7 +339,7 @@ def _check_operations(c: RunConfig) -> None:
             fail("--deterministic-mode refuses --cross-entropy-loss-fusion, as Megatron-LM does")
     _check_dry_run(c)
     explicit_softmax = c.kernels.attention_backend == "local" or c.model.softmax_type != "vanilla"  # sinks: local's
-    if c.kernels.attention_softmax_in_fp32 and (not explicit_softmax or c.kernels.use_flash_attn):
+    if "kernels.attention_softmax_in_fp32" in c.explicit and (not explicit_softmax or c.kernels.use_flash_attn):
         c.notices.append(f"--attention-softmax-in-fp32 has no effect with --attention-backend "
                          f"{c.kernels.attention_backend}{' and --use-flash-attn' if c.kernels.use_flash_attn else ''}: "
                          f"SDPA's and flash-attn's kernels choose their own softmax precision (Megatron-LM accepts it "
@@ -283,6 +348,12 @@ def _check_operations(c: RunConfig) -> None:
         for name in ("spike_factor", "spike_window", "spike_patience"):
             if f"training.{name}" in c.explicit:
                 fail(f"{flag(name)} needs --check-for-spiky-loss or --check-for-large-grads")
+    if t.test_mode and not c.model.qk_layernorm:
+        c.notices.append("--test-mode checks the --qk-layernorm weights' replicas; this model has none (Megatron-LM "
+                         "runs no test then either)")
+    if t.test_mode and get_strategy(c.ddp.data_parallel_sharding_strategy).shards_params:
+        fail("--test-mode compares whole parameters across ranks; under ZeRO-3 (--data-parallel-sharding-strategy "
+             "optim_grads_params) each rank holds slices of them")
     if not t.manual_gc and (t.manual_gc_interval or not t.manual_gc_eval):
         fail("--manual-gc-interval / --no-manual-gc-eval need --manual-gc")
 
@@ -325,8 +396,9 @@ def _check_outputs(c: RunConfig) -> None:
     for name in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
         if getattr(tr, name) and not tr.wandb_project:
             fail(f"{flag(name)} needs --wandb-project")
-    if ck.save_interval and not ck.save:
-        fail("--save-interval needs --save")
+    if ck.save_interval and not ck.save:  # Megatron-LM accepts it and saves nothing
+        c.notices.append("--save-interval has no effect without --save: no checkpoint is written (Megatron-LM accepts "
+                         "it there too)")
     if ck.async_save and not ck.save:
         fail("--async-save needs --save")
     if ck.finetune and not ck.load:
@@ -363,7 +435,9 @@ def _check_with_torch(c: RunConfig, check_files: bool) -> None:
     if p.distributed_backend is None:
         p.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if p.distributed_backend == "nccl" and not torch.cuda.is_available():
-        fail("--distributed-backend nccl needs CUDA; use gloo on CPU")
+        # a backend choice: the same collectives, on the CPU's backend (Megatron-LM's scripts pass nccl)
+        c.notices.append("--distributed-backend nccl: no CUDA here, so the collectives run on gloo (the same function)")
+        p.distributed_backend = "gloo"
     if p.distributed_backend == "nccl" and p.pipeline_schedule in ("zb_h1", "zbv"):
         fail(f"--pipeline-schedule {p.pipeline_schedule} runs on --distributed-backend gloo only: its runtime posts "
              f"sends at once and receives when its order needs them, streams told apart by tag; NCCL ignores tags "
@@ -378,6 +452,9 @@ def _check_with_torch(c: RunConfig, check_files: bool) -> None:
         algos = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
         if os.environ.get("NCCL_ALGO") not in algos:
             fail(f"--deterministic-mode needs NCCL_ALGO set to one of {', '.join(algos)} (as Megatron-LM)")
+    if c.recompute.fine_grained_activation_offloading and p.distributed_backend != "nccl":
+        c.notices.append("--fine-grained-activation-offloading: on the CPU the activations are in host memory "
+                         "already; nothing moves (it acts on CUDA)")
     if t.empty_unused_memory_level and p.distributed_backend != "nccl":
         c.notices.append(f"--empty-unused-memory-level {t.empty_unused_memory_level}: a no-op on CPU "
                          f"(it frees cached CUDA memory)")

@@ -10,7 +10,7 @@ import json
 import os
 
 from ..errors import CheckpointError
-from .paths import FORMAT_VERSION, TRACKER, iteration_dir, read_tracker
+from .paths import FORMAT_VERSION, INTEGRITY, TRACKER, iteration_dir, read_tracker, sha256
 
 _METADATA_KEYS = ("iteration", "model_config", "layout")
 
@@ -123,3 +123,25 @@ def inspect_checkpoint(root: str, flag: str, iteration: int | None = None) -> di
         if not os.path.isfile(data):
             raise CheckpointError(f"{flag} {root}: {data} is missing (its index {path} exists)")
     return meta
+
+
+def verify_integrity(directory: str) -> int:
+    """Check the files of `directory` against its integrity.json; the number of files checked.
+    Raises CheckpointError naming each file that is missing or differs."""
+    path = os.path.join(directory, INTEGRITY)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--verify-integrity: {path} is missing (the checkpoint was saved without "
+                              "--verify-integrity)")
+    manifest = _read_json(path, "--verify-integrity", directory)
+    if manifest.get("algorithm", "sha256") != "sha256":
+        raise CheckpointError(f"{path}: hash algorithm {manifest.get('algorithm')!r}, expected 'sha256'")
+    bad = []
+    for name, digest in manifest.get("files", {}).items():
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            bad.append(f"{name} is missing")
+        elif sha256(file) != digest:
+            bad.append(f"{name} differs from its hash")
+    if bad:
+        raise CheckpointError(f"--verify-integrity: {directory}: {'; '.join(bad)}")
+    return len(manifest.get("files", {}))

@@ -61,10 +61,12 @@ def open_checkpoint(root: str, iteration: int | None = None, io: RangeReader | N
 
 
 def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, load_optim: bool = True,
-                    load_rng: bool = True) -> int:
+                    load_rng: bool = True, strictness: str = "assume_ok_unexpected",
+                    verify_integrity: bool = False) -> int:
     """Load the latest checkpoint under `root` into `train_state`; returns its iteration (0 with
     --finetune). No checkpoint there: a notice, and training starts from scratch. What this rank
-    read is left in `train_state.load_stats`."""
+    read is left in `train_state.load_stats`. `strictness`: Megatron-LM's --dist-ckpt-strictness
+    (`mismatches`); `verify_integrity`: the files checked against their integrity.json first."""
     ps, opt = train_state.ps, train_state.optimizer
     if read_tracker(root) is None:
         train_state.log(f"> no checkpoint found under {root} ({TRACKER} missing): training from scratch")
@@ -73,6 +75,17 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
     io = RangeReader()
     meta, index = open_checkpoint(root, io=io)
     where = meta["dir"]
+    if verify_integrity:  # rank 0 hashes, every rank learns the outcome (Megatron-LM's verify_integrity_manifest)
+        from .files import verify_integrity as verify
+        outcome = [None]
+        if ps.rank == 0:
+            try:
+                verify(where)
+            except CheckpointError as e:
+                outcome = [str(e)]
+        outcome = comm.all_gather_object(outcome[0], comm.world_group())[0]
+        if outcome:
+            raise CheckpointError(outcome)
     current = train_state.model_config.to_dict()
     foreign = getattr(index, "foreign", None)
     # a Megatron-LM checkpoint's args name some settings only (none without args): those are
@@ -92,7 +105,7 @@ def load_checkpoint(train_state: TrainState, root: str, finetune: bool = False, 
     lay = meta["layout"]
     same_layout = ((lay["world_size"], lay["tp"], lay["pp"], lay.get("cp", 1))
                    == (ps.world_size, ps.tp_size, ps.pp_size, ps.cp_size))
-    reader = _OwnedReader(train_state, index)
+    reader = _OwnedReader(train_state, index, mismatches(train_state, index, strictness, where))
     index.prefetch([f"param/{reader.names[id(pc[0])]}" for pc in reader.owned]
                    + ([f"rank/{ps.rank}"] if same_layout else []))
     with torch.no_grad():
@@ -130,13 +143,44 @@ def _check_same_optimizer(meta: dict, current: dict) -> None:
                               f"{mine}: load it with --no-load-optim (its weights, a fresh optimizer state)")
 
 
-class _OwnedReader:
-    """Reads, from one checkpoint's index, the pieces this rank owns in this run."""
+def mismatches(train_state: TrainState, index, strictness: str, where: str) -> set:
+    """--dist-ckpt-strictness (Megatron-LM's StrictHandling, in its words "unexpected" keys: ones
+    this model asks for and the checkpoint lacks; "missing": ones the checkpoint holds and this
+    model does not ask for). Returns the parameters to leave as initialised: the ones the
+    checkpoint lacks, where the mode allows that; raises where it does not; logs where it says so."""
+    names = [n for n, _ in train_state.named_params]
+    lacking = [n for n in names if index.entry(n) is None]
+    if strictness in ("raise_all", "log_all"):  # the checkpoint's extra tensors, against every stage's
+        everyone = comm.all_gather_object(names, comm.world_group())
+        known = {n for part in everyone for n in part} | {n for n, _ in train_state.named_buffers}
+        extra = [n for n in index.names() if n not in known]
+        if extra and strictness == "raise_all":
+            raise CheckpointError(f"--dist-ckpt-strictness raise_all: {where} holds tensors this model does not have: "
+                                  f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+        if extra:
+            train_state.log(f"> --dist-ckpt-strictness log_all: {where} holds {len(extra)} tensors this model does "
+                            f"not have, not read: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+    if not lacking:
+        return set()
+    shown = f"{', '.join(lacking[:5])}{' ...' if len(lacking) > 5 else ''}"
+    if strictness in ("assume_ok_unexpected", "raise_unexpected", "raise_all"):
+        raise CheckpointError(f"{where} has no param for {shown} (--dist-ckpt-strictness {strictness}; "
+                              f"log_unexpected, log_all, return_* or ignore_all keep them as initialised)")
+    if strictness.startswith("log_"):
+        train_state.log(f"> --dist-ckpt-strictness {strictness}: {where} lacks {len(lacking)} parameters of this "
+                        f"model, kept as initialised: {shown}")
+    return set(lacking)
 
-    def __init__(self, train_state: TrainState, index):
+
+class _OwnedReader:
+    """Reads, from one checkpoint's index, the pieces this rank owns in this run (`absent`: the
+    parameters the checkpoint lacks, left as initialised by --dist-ckpt-strictness)."""
+
+    def __init__(self, train_state: TrainState, index, absent: set = frozenset()):
         self.index, self.ps = index, train_state.ps
         self.names = {id(p): n for n, p in train_state.named_params}
-        self.owned = owned_pieces(train_state)
+        self.absent = {id(p) for n, p in train_state.named_params if n in absent}
+        self.owned = [pc for pc in owned_pieces(train_state) if id(pc[0]) not in self.absent]
 
     def has(self, name: str, kind: str) -> bool:
         found = self.index.entry(name)
@@ -154,12 +198,12 @@ def _load_weights(train_state: TrainState, reader: _OwnedReader) -> None:
     disjoint parts, so nothing is summed over DP there)."""
     ps, opt, names = train_state.ps, train_state.optimizer, reader.names
     prefer_master = opt.fp32_params  # an fp32 run takes the fp32 masters of a 16-bit checkpoint
-    stored = opt.dp.param_pieces()
+    stored = [pc for pc in opt.dp.param_pieces() if id(pc[0]) not in reader.absent]
     for _, _, _, t in stored:
         t.zero_()
     for p, lo, hi, _ in reader.owned:
-        if param_info(p).tied_copy:
-            continue  # arrives from the first stage over the embedding group
+        if param_info(p).tied_copy and not ps.v_shape:
+            continue  # arrives from the first stage over the embedding group (zbv: read here, beside it)
         kind = "master" if prefer_master and reader.has(names[id(p)], "master") else "param"
         t = opt.dp.param_slice(p, lo, hi)
         t.copy_(reader.read(p, kind, lo, hi).to(t.dtype))
@@ -180,6 +224,8 @@ def _load_optimizer_state(train_state: TrainState, reader: _OwnedReader, restore
     owned_ids = {(id(p), lo) for p, lo, _, _ in reader.owned}
     to_sum = []
     for p, lo, hi, master in opt.pieces():
+        if id(p) in reader.absent:  # left as initialised: its master is the weight's, a fresh state
+            continue
         name, state = names[id(p)], opt.optimizer.state.get(master, {})
         mine = (id(p), lo) in owned_ids
         # fp32 runs: the master is the parameter (or a view of it), loaded with the weights, or a
@@ -239,8 +285,11 @@ def _sum_to_all(stored: list, ps, replicated_over_dp: bool) -> None:
     if replicated_over_dp:
         for p, t in stored:
             _sum(t, ps.replica_group(param_info(p).expert_parallel))
+    elif ps.instances > 1:  # ZeRO-3 slices: the first instance read them, the others are its replicas
+        for p, t in stored:
+            _sum(t, ps.across_group(param_info(p).expert_parallel))
     for p, t in stored:
-        if param_info(p).embedding_group_sync:
+        if param_info(p).embedding_group_sync and not ps.v_shape:  # zbv: both copies read on one rank
             _sum(t, ps.embedding_group)
 
 
@@ -255,6 +304,10 @@ def _sum_optimizer_state(pieces: list, ps, replicated_over_dp: bool) -> None:
         for p, tensors in pieces:
             for t in tensors:
                 _sum(t, ps.replica_group(param_info(p).expert_parallel))
+    elif ps.instances > 1:  # the first instance read the slices; the others are its replicas
+        for p, tensors in pieces:
+            for t in tensors:
+                _sum(t, ps.across_group(param_info(p).expert_parallel))
 
 
 def _sum(t: torch.Tensor, group) -> None:

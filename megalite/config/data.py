@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from .fields import AT_LEAST_1, at_least_0, derived, flag
 
+IN_0_1_CLOSED = (lambda v: 0 <= v <= 1, "a probability in [0, 1]")
+
 DEFAULT_SPLIT = "969, 30, 1"
 # every tool's --tokenizer-type choices: exactly the names of data/tokenizers.py's TOKENIZERS registry
 # (tests/test_bad_input.py holds the two equal); written here so that the configs import no data module
@@ -54,6 +56,24 @@ class DataConfig:
     mmap_bin_files: bool = flag(
         "--no-mmap-bin-files", True, "read each sample from the .bin files with a positioned read instead of "
         "memory-mapping them (as Megatron-LM; for file systems where mmap is slow)", action="store_false")
+    # fill-in-the-middle samples (data/fim.py; Megatron-LM's GPTFIMDataset)
+    fim_data: bool = flag("--fim-data", False, "fill-in-the-middle samples: each document, at --fim-rate, cut at "
+                          "two random characters into prefix, middle, suffix and reordered with sentinel tokens "
+                          "(PSM, or SPM at --fim-spm-rate), the sample's length kept", action="store_true")
+    fim_rate: float = flag("--fim-rate", 0.5, "--fim-data: probability of making a document FIM", check=IN_0_1_CLOSED)
+    fim_spm_rate: float = flag("--fim-spm-rate", 0.5, "--fim-data: probability of SPM over PSM", check=IN_0_1_CLOSED)
+    fim_split_sample: str | None = flag("--fim-split-sample", None, "--fim-data: a token whose fragments are made "
+                                        "FIM each (at --fim-fragment-rate)", type=str)
+    fim_fragment_rate: float | None = flag("--fim-fragment-rate", None, "--fim-data with --fim-split-sample: "
+                                           "probability per fragment", type=float, check=IN_0_1_CLOSED)
+    fim_no_prefix: str | None = flag("--fim-no-prefix", None, "--fim-data: documents whose text starts with this are "
+                                     "left as they are", type=str)
+    fim_prefix_token: str = flag("--fim-prefix-token", "<fim_prefix>", "--fim-data: the prefix sentinel")
+    fim_middle_token: str = flag("--fim-middle-token", "<fim_middle>", "--fim-data: the middle sentinel")
+    fim_suffix_token: str = flag("--fim-suffix-token", "<fim_suffix>", "--fim-data: the suffix sentinel")
+    fim_pad_token: str = flag("--fim-pad-token", "<fim_pad>", "--fim-data: what pads a sample that got shorter")
+    fim_eod_token: str = flag("--fim-eod-token", "<|endoftext|>", "--fim-data: the end-of-document token documents "
+                              "are split at")
     seq_length: int = derived(1024, copy_of="model.seq_length")
     seed: int = derived(1234, copy_of="training.seed")
     micro_batch_size: int = derived(1, copy_of="training.micro_batch_size")

@@ -59,6 +59,19 @@ def internal(default: Any = None, why: str = ""):
     return dataclasses.field(default=default, metadata={"internal": why})
 
 
+def int_words(text: str) -> list[int]:
+    """An argparse type for a list flag (nargs "+") whose values may also come as one quoted
+    argument, "2 2": the integers in it (a list; `flat_ints` joins the arguments' lists)."""
+    return [int(word) for word in text.split()]
+
+
+def flat_ints(values) -> list[int] | None:
+    """A list flag parsed with `int_words`: its arguments' integers in order (None stays None)."""
+    if values is None:
+        return None
+    return [x for v in values for x in (v if isinstance(v, list) else [v])]
+
+
 def builtin_type(default):
     return {bool: None, int: int, float: float, str: str}.get(type(default))
 

@@ -27,9 +27,9 @@ class FP8Config:
         "1x128 activation and gradient tiles, 128x128 weight blocks); mxfp8 needs Blackwell GPUs and custom a "
         "quantizer factory, both refused", choices=FP8_RECIPES)
     fp8_param_gather: bool = flag(
-        "--fp8-param-gather", False, "the sharded strategies all-gather the FP8 linears' weights as FP8 (1 byte an "
-        "element), cast straight from the fp32 masters; needs --use-distributed-optimizer or a sharded "
-        "--data-parallel-sharding-strategy", action="store_true")
+        "--fp8-param-gather", False, "Megatron-LM's all-gather of FP8 weights after the sharded optimizer step; here "
+        "the gather carries the 16-bit weights and each GEMM casts them (a notice); needs --use-distributed-optimizer "
+        "or a sharded --data-parallel-sharding-strategy", action="store_true")
     fp8_margin: int = flag("--fp8-margin", 0, "--fp8-recipe delayed: scales divided by 2^margin (headroom for "
                            "amaxes that grow)", check=(lambda v: v >= 0, "at least 0"))
     fp8_interval: int = flag("--fp8-interval", 1, "deprecated in Megatron-LM and ignored by Transformer Engine 1.8 "

@@ -47,6 +47,12 @@ class KernelConfig:
     moe_pad_expert_input_to_capacity: bool = flag(
         "--moe-pad-expert-input-to-capacity", False, "with --moe-expert-capacity-factor: each expert's input padded "
         "to exactly its capacity with zero-weight rows (static shapes; the same function)", action="store_true")
+    # Megatron-LM's fp16 overflow guard (DotProductAttention's coeff = layer number): the same function
+    apply_query_key_layer_scaling: bool = flag(
+        "--apply-query-key-layer-scaling", False, "Q·K^T scaled by 1/(sqrt(d) x layer number) in the activations' "
+        "dtype, then upcast to fp32 and multiplied back before the softmax (Megatron-LM's fp16 overflow guard; "
+        "turns on --attention-softmax-in-fp32). Acts on --attention-backend local, whose scores megalite computes; "
+        "SDPA's kernels keep their scores in fp32 already", action="store_true")
 
 
 __all__ = ["ATTENTION_BACKENDS", "KernelConfig"]

@@ -80,6 +80,10 @@ class GPTConfig:
                                  "ordinary attention takes only rope: use --position-embedding-type yarn for YaRN",
                                  choices=["rope", "yarn"])
     rotary_base: float = flag("--rotary-base", 10000.0, "RoPE base (> 0)", check=POSITIVE)
+    # RoFormer's pairing (Su et al. 2021): channels (2i, 2i+1) rotate together, not (i, i + d/2)
+    rotary_interleaved: bool = flag("--rotary-interleaved", False, "RoPE rotates pairs of even and odd channels "
+                                    "(RoFormer's, GPT-J's) instead of the first and second half (Llama's)",
+                                    action="store_true")
     rotary_percent: float = flag("--rotary-percent", 1.0, "fraction of head channels rotated by RoPE, in (0, 1]",
                                  check=(lambda v: 0 < v <= 1, "in (0, 1]"))
     normalization: str = flag("--normalization", "LayerNorm", choices=["LayerNorm", "RMSNorm"])
@@ -89,6 +93,9 @@ class GPTConfig:
     # x·sigmoid(1.702·x) (Hendrycks & Gimpel 2016, Sec. 2's sigmoid approximation)
     quick_geglu: bool = flag("--quick-geglu", False, "gated MLP with quick GeLU, x·sigmoid(1.702·x), on the gate "
                              "(gpt-oss's) instead of GeLU", action="store_true")
+    # Nemotron-4's MLP (So et al. 2021, Primer): relu(x)², not gated (Megatron-LM's --squared-relu)
+    squared_relu: bool = flag("--squared-relu", False, "squared ReLU MLP, relu(x)^2, instead of GeLU (not with "
+                              "--swiglu or --quick-geglu)", action="store_true")
     glu_linear_offset: float = flag("--glu-linear-offset", 0.0, "gated MLPs: act(gate) · (up + this) (gpt-oss: 1)")
     activation_func_clamp_value: float | None = flag(
         "--activation-func-clamp-value", None, "--quick-geglu: the gate clamped to at most this, the up half to "
@@ -214,7 +221,10 @@ class GPTConfig:
                                "a Python list of 0/1 per layer, e.g. '([0]+[1]*3)*2'", type=str)
     moe_router_load_balancing_type: str = flag(
         "--moe-router-load-balancing-type", "aux_loss", "aux_loss (Switch/GShard, over the micro-batch), "
-        "seq_aux_loss (per sequence, DeepSeek-V2) or none", choices=["aux_loss", "seq_aux_loss", "none"])
+        "seq_aux_loss (per sequence, DeepSeek-V2), global_aux_loss (the expert loads over the whole stage and the "
+        "iteration's micro-batches so far), sinkhorn (S-BASE: the top-k of the Sinkhorn-balanced scores, no loss; "
+        "--moe-aux-loss-coeff must be 0) or none",
+        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
     moe_aux_loss_coeff: float = flag("--moe-aux-loss-coeff", 0.0, "weight of the load-balancing loss (>= 0)",
                                      check=NON_NEGATIVE)
     moe_z_loss_coeff: float | None = flag("--moe-z-loss-coeff", None, "weight of the router z-loss (ST-MoE; >= 0)",

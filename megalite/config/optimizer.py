@@ -17,6 +17,9 @@ class OptimizerConfig:
     lr: float = flag("--lr", 1e-4, "peak learning rate (> 0; required)", check=POSITIVE, required=True)
     min_lr: float = flag("--min-lr", 0.0, "learning rate at the end of decay (>= 0, <= --lr)", check=NON_NEGATIVE)
     weight_decay: float = flag("--weight-decay", 0.01, "decoupled weight decay (>= 0)", check=NON_NEGATIVE)
+    apply_wd_to_qk_layernorm: bool = flag(
+        "--apply-wd-to-qk-layernorm", False, "weight decay on the query/key norms' weights too (Qwen3-Next's; "
+        "Megatron-LM's rule otherwise leaves every 1-D parameter and bias undecayed)", action="store_true")
     adam_beta1: float = flag("--adam-beta1", 0.9, "in [0, 1)", check=IN_0_1)
     adam_beta2: float = flag("--adam-beta2", 0.999, "in [0, 1)", check=IN_0_1)
     adam_eps: float = flag("--adam-eps", 1e-8, "> 0", check=POSITIVE)

@@ -91,6 +91,9 @@ class TrainingConfig:
     eval_interval: int = flag("--eval-interval", 1000, "iterations between evaluations (>= 1)", check=AT_LEAST_1)
     eval_iters: int = flag("--eval-iters", 100, "global batches per evaluation (>= 0; 0: none)",
                            check=at_least_0("0: no evaluation"))
+    eval_global_batch_size: int | None = flag(
+        "--eval-global-batch-size", None, "samples per evaluation iteration (>= 1, a multiple of micro x DP; "
+        "default --global-batch-size; Megatron-LM's)", type=int, check=AT_LEAST_1)
     exit_signal_handler: bool = flag("--exit-signal-handler", False, "on SIGTERM, save and exit cleanly",
                                      action="store_true")
     exit_interval: int | None = flag("--exit-interval", None, "exit (after saving) when the iteration is a multiple "
@@ -136,9 +139,18 @@ class TrainingConfig:
     manual_gc_interval: int = flag("--manual-gc-interval", 0, "with --manual-gc: collect every this many iterations "
                                    "(>= 0; 0: only around evaluations)",
                                    check=at_least_0("0: only around evaluations"))
+    logging_level: int | None = flag(
+        "--logging-level", None, "the level of Python's root logger (10 DEBUG ... 50 CRITICAL; default: "
+        "$MEGATRON_LOGGING_LEVEL, else unchanged), as Megatron-LM sets it: what torch and the libraries log; "
+        "megalite's own lines are printed", type=int)
+    test_mode: bool = flag(
+        "--test-mode", False, "Megatron-LM's real-time consistency test: each iteration the --qk-layernorm weights "
+        "are compared across the tensor- and data-parallel ranks, and a discrepancy stops the run naming the ranks",
+        action="store_true")
     manual_gc_eval: bool = flag("--no-manual-gc-eval", True, "with --manual-gc: do not collect at the start and end "
                                 "of each evaluation", action="store_false")
     num_microbatches: int = derived(1, "global batch / (micro batch x DP), at the final global batch")
+    eval_num_microbatches: int = derived(1, "evaluation global batch / (micro batch x DP)")
     profile_dir: str | None = derived(None, "--tensorboard-dir, else ./profile, with --profile")
     seq_length: int = derived(1024, copy_of="model.seq_length")
 
@@ -156,6 +168,38 @@ class CheckpointConfig:
     finetune: bool = flag("--finetune", False, "load weights only; start at iteration 0", action="store_true")
     no_load_optim: bool = flag("--no-load-optim", False, "do not load optimizer state", action="store_true")
     no_load_rng: bool = flag("--no-load-rng", False, "do not load RNG states", action="store_true")
+    # Megatron-LM's checkpoint machinery, acting on megalite's saves and loads (docs/megatron.md)
+    save_retain_interval: int | None = flag(
+        "--save-retain-interval", None, "(>= 1) after each save, delete the earlier checkpoints under --save whose "
+        "iteration is not a multiple of this; the latest is always kept (Megatron-LM's)", type=int, check=AT_LEAST_1)
+    ckpt_fully_parallel_save: bool = flag(
+        "--no-ckpt-fully-parallel-save", True, "a tensor every data-parallel rank holds whole is written by the "
+        "first replica instead of spread over the replicas by size (Megatron-LM's fully parallel save, on by "
+        "default); the distributed optimizer's slices are written by their owners either way",
+        action="store_false")
+    ckpt_fully_parallel_save_deprecated: bool = flag(
+        "--ckpt-fully-parallel-save", False, "deprecated: fully parallel save is the default (Megatron-LM's)",
+        action="store_true")
+    ckpt_fully_parallel_load: bool = flag(
+        "--ckpt-fully-parallel-load", False, "each data-parallel replica reads its share of the checkpoint and the "
+        "others get it over the group (Megatron-LM's flag; megalite's loads always work this way)",
+        action="store_true")
+    dist_ckpt_strictness: str = flag(
+        "--dist-ckpt-strictness", "assume_ok_unexpected", "a load's answer to parameters of this model the checkpoint "
+        "lacks (Megatron-LM's \"unexpected\" keys) and tensors it holds that this model lacks: assume_ok_unexpected "
+        "(the default) and raise_unexpected refuse the first, raise_all both; log_unexpected keeps them as "
+        "initialised with a notice, log_all also names the second; return_unexpected, return_all and ignore_all "
+        "keep them as initialised silently (Megatron-LM's StrictHandling)",
+        choices=["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                 "return_unexpected", "return_all", "ignore_all"])
+    dist_ckpt_optim_fully_reshardable: bool = flag(
+        "--dist-ckpt-optim-fully-reshardable", False, "with --ckpt-format torch_dist: the optimizer state saved "
+        "reshardable over TP, PP, EP and DP (Megatron-LM's; megalite writes it so always, and its own format too)",
+        action="store_true")
+    verify_integrity: bool = flag(
+        "--verify-integrity", False, "hash every checkpoint file at save (a SHA-256 manifest beside them) and check "
+        "the files against it when loading (Megatron-LM's; refused without --ckpt-format torch_dist, as there)",
+        action="store_true")
     # sparse upcycling (checkpoint/upcycling/): a dense checkpoint under --load becomes this MoE run
     moe_use_upcycling: bool = flag(
         "--moe-use-upcycling", False, "load the dense checkpoint under --load into this MoE model (--num-experts): "

@@ -18,7 +18,8 @@ Per iteration:
      1. the tied embedding's two copies (first and last stage), over the embedding group;
         before the reduction of a full buffer (the two stages' buffers are laid out
         differently), after it for sharded gradients (the embedding has a bucket of its own,
-        laid out alike on both stages, so each rank's slices line up);
+        laid out alike on both stages, so each rank's slices line up). Under zbv both ends of
+        the V are pipeline rank 0's two chunks: the copies are summed there, no collective;
      2. the DP reduction: all-reduce, or reduce-scatter onto each rank's slice;
      3. weights replicated across TP but fed sequence-sharded activations (norms, row-parallel
         biases under sequence parallelism), over TP. TP ranks share one buffer layout, so after a
@@ -82,6 +83,12 @@ class DataParallel:
         self.experts = experts
         self.group, self.group_size = ((ps.expert_dp_group, ps.expert_dp_size) if experts
                                        else (ps.dp_cp_group, ps.dp_cp_size))
+        # --num-distributed-optimizer-instances: shard within this rank's instance of the group, and
+        # sum each reduced shard with its copies in the other instances (`across`)
+        self.across = None
+        if strategy.shards_optimizer and ps.instances > 1:
+            self.group, self.across = ps.shard_group(experts), ps.across_group(experts)
+            self.group_size = comm.group_size(self.group)
         dp, group = self.group_size, self.group
         # --grad-reduce-in-bf16: gradients accumulate and are reduced in bf16 (half the bytes)
         grad_dtype = torch.bfloat16 if config.grad_reduce_in_bf16 else torch.float32
@@ -112,6 +119,8 @@ class DataParallel:
         self.embedding_params = [p for p in self.params if param_info(p).embedding_group_sync]
         self.sequence_parallel_params = [p for p in self.params if param_info(p).sequence_parallel]
         self._embedding_buckets = sorted({self.layout.param_bucket[p] for p in self.embedding_params})
+        # zbv (tied): the embedding (chunk 0) and its output-layer copy (chunk 1) both on this rank
+        self._local_tie = bool(getattr(ps, "v_shape", False)) and len(self.embedding_params) == 2
         self._sp_grad_views = [] if not strategy.shards_grads else [
             self.grads.grad_shard(b)[off:off + hi - lo] for b, p, lo, hi, off in self.shard_pieces()
             if param_info(p).sequence_parallel]
@@ -165,21 +174,43 @@ class DataParallel:
         """Every gradient sum of the iteration (see the module docstring), waited for."""
         if not self.strategy.shards_grads:
             self.grads.zero_missing()  # before the embedding copies' sum reads them
-            for p in self.embedding_params:
-                comm.all_reduce(self.main_grad(p), self.ps.embedding_group)
+            self._sum_embedding_copies([self.main_grad(p) for p in self.embedding_params])
             self.grads.finish_grad_sync()
+            self._sum_across_instances()
             for p in self.sequence_parallel_params:
                 comm.all_reduce(self.main_grad(p), self.ps.tp_group)
             return
         self.grads.finish_grad_sync()
-        for b in self._embedding_buckets:
-            comm.all_reduce(self.grads.grad_shard(b), self.ps.embedding_group)
+        self._sum_across_instances()
+        self._sum_embedding_copies([self.grads.grad_shard(b) for b in self._embedding_buckets])
         if self._sp_grad_views and self.ps.tp_size > 1:
             flat = torch.cat(self._sp_grad_views)
             comm.all_reduce(flat, self.ps.tp_group)
             torch._foreach_copy_(self._sp_grad_views, list(flat.split([v.numel() for v in self._sp_grad_views])))
         if self.strategy.shards_params:
             self.param_buffer.free_all()  # the optimizer is about to change the slices
+
+    def _sum_embedding_copies(self, grads: list[torch.Tensor]) -> None:
+        """The tied embedding's gradient (or slices of it), one tensor per copy this rank holds:
+        summed over the embedding group, or with each other where both copies are here (zbv)."""
+        if self._local_tie:
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+            return
+        for g in grads:
+            comm.all_reduce(g, self.ps.embedding_group)
+
+    def _sum_across_instances(self) -> None:
+        """--num-distributed-optimizer-instances: each instance reduce-scattered its own ranks'
+        gradients; the shards are summed with their copies in the other instances (Megatron-LM's
+        two-stage reduction), so every instance steps the whole batch's gradient."""
+        if self.across is None or comm.group_size(self.across) < 2:
+            return
+        if self.strategy.shards_grads:
+            comm.all_reduce(self.grads.shard, self.across)
+            return
+        for b in range(len(self.layout.buckets)):
+            comm.all_reduce(self.grads.grad_shard(b), self.across)
 
     def _on_round_complete(self, b: int, c: int) -> None:
         if self.zero3 is not None:
@@ -333,6 +364,8 @@ class DataParallel:
         if self.strategy.shards_optimizer:
             parts.append(f"{self.strategy.describe()} over DP {self.ps.dp_size}"
                          + (f" x CP {self.ps.cp_size}" if self.ps.cp_size > 1 else "")
+                         + (f" in {self.ps.instances} instances of {self.group_size}" if self.across is not None
+                            else "")
                          if not self.experts else f"experts over expert-DP {self.group_size}")
         if self.config.overlap_grad_reduce:
             parts.append("overlapped grad reduce")

@@ -1,9 +1,6 @@
-"""A run's FP8 state: the recipe, the delayed-scaling history, the weight scales the FP8
-parameter all-gather pinned, and whether casts record amaxes (training iterations only: an
-evaluation must not move the next iteration's scales)."""
+"""A run's FP8 state: the recipe, the delayed-scaling history, and whether casts record amaxes
+(training iterations only: an evaluation must not move the next iteration's scales)."""
 from __future__ import annotations
-
-import torch
 
 from . import backend
 from .delayed import AmaxHistory
@@ -20,7 +17,6 @@ class FP8Context:
         self.mm_config = mm_config(recipe.emulate)
         self.recording = False
         self.sites: list = []  # every GemmSite, in the order they were made (the same on every rank of a stage)
-        self._pinned: dict = {}  # id(weight parameter) -> the scale its gathered FP8 values were cast with
 
     def add_slots(self, dtypes) -> int:
         return self.history.add(dtypes)
@@ -42,16 +38,6 @@ class FP8Context:
         self.recording = False
         if self.recipe.delayed:
             self.history.finish_iteration(self.reduce_groups)
-
-    # -- FP8 parameter all-gather ------------------------------------------------------------------
-    def pin_scale(self, weight: torch.nn.Parameter, scale: torch.Tensor | None) -> None:
-        if scale is None:
-            self._pinned.pop(id(weight), None)
-        else:
-            self._pinned[id(weight)] = scale
-
-    def pinned_scale(self, weight) -> torch.Tensor | None:
-        return self._pinned.get(id(weight))
 
     def describe(self) -> str:
         return (f"FP8 (torchao {backend.version()}): {self.recipe.describe()}; {len(self.sites)} linear layers "

@@ -44,13 +44,12 @@ class Recipe:
     margin: int = 0  # delayed: scales divided by 2^margin
     history_len: int = 1  # delayed: iterations of amax history
     amax_compute_algo: str = "most_recent"  # delayed: max | most_recent
-    param_gather: bool = False  # the sharded strategies gather FP8 weights (distributed/fp8_param_gather.py)
     emulate: bool = True  # no FP8 tensor cores here: the same casts, an fp32 product
 
     @classmethod
     def from_config(cls, config: FP8Config, emulate: bool) -> "Recipe":
         return cls(config.fp8_recipe, config.fp8_format, config.fp8_wgrad, config.fp8_margin,
-                   config.fp8_amax_history_len, config.fp8_amax_compute_algo, config.fp8_param_gather, emulate)
+                   config.fp8_amax_history_len, config.fp8_amax_compute_algo, emulate)
 
     def dtype(self, role: Role) -> torch.dtype:
         return E5M2 if role is Role.GRAD_OUTPUT and self.fp8_format == "hybrid" else E4M3
@@ -69,7 +68,6 @@ class Recipe:
                "delayed": f"delayed scaling (amax history {self.history_len}, {self.amax_compute_algo}, "
                           f"margin {self.margin})"}[self.scaling]
         extras = [] if self.wgrad else ["weight gradients unscaled"]
-        extras += ["FP8 parameter all-gather"] if self.param_gather else []
         gemm = "emulated (fp32 products of the FP8 values)" if self.emulate else "torch._scaled_mm"
         return f"{fmt}, {how}{''.join(', ' + e for e in extras)}; GEMMs {gemm}"
 

@@ -13,9 +13,7 @@ output split; a group of one rank costs nothing. Data-parallel ranks hold other 
 whose tensors are other tensors in one process too: no reduction there.
 
 Tensorwise scales come from the operand itself; delayed ones from its slot's history (fp8/
-delayed.py; the first iteration, with none, scales tensorwise), weights possibly pinned by the
-FP8 parameter all-gather (distributed/fp8_param_gather.py: the scale the gathered FP8 weight was
-cast with); blockwise ones per tile (fp8/blockwise.py) in the whole tensor's coordinates."""
+delayed.py; the first iteration, with none, scales tensorwise); blockwise ones per tile (fp8/blockwise.py) in the whole tensor's coordinates."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -86,10 +84,6 @@ class GemmSite:
             ctx.history.record(slot, amax)
         return amax_to_scale(amax, dtype)
 
-    def weight_scale(self, w: torch.Tensor) -> torch.Tensor:
-        pinned = self.context.pinned_scale(self.weight)
-        return pinned if pinned is not None else self.scale(w, Role.WEIGHT)
-
     # -- casts -------------------------------------------------------------------------------------
     def quantize_input(self, x: torch.Tensor, extra_groups=()) -> Operand:
         """X [M, in] for the forward GEMM."""
@@ -102,7 +96,7 @@ class GemmSite:
         dtype = self.recipe.dtype(Role.WEIGHT)
         if self.recipe.blockwise:
             return blockwise.quantize(w, dtype, Role.WEIGHT, self.out_axis, self.in_axis)
-        return cast(w, self.weight_scale(w), dtype, Role.WEIGHT)
+        return cast(w, self.scale(w, Role.WEIGHT), dtype, Role.WEIGHT)
 
     def quantize_grad(self, dy: torch.Tensor) -> Operand:
         """dY [M, out] for the input-gradient GEMM (and, scaled per tensor, the weight gradient's)."""

@@ -114,6 +114,16 @@ def llama3_scale_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor
     return torch.where(medium, smoothed, scaled)
 
 
+def deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """--rotary-interleaved: the first `dim` channels of each head reordered even ones first, then
+    odd ones, so that `apply_rotary`'s halves are RoFormer's pairs (2i, 2i+1) at frequency i. Done
+    to queries and keys alike, it changes no q·k: interleaved RoPE is the rotate-half RoPE of the
+    reordered channels (Megatron-LM's _rotate_half with rotary_interleaved)."""
+    rot = t[..., :dim]
+    out = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
+    return torch.cat((out, t[..., dim:]), dim=-1) if t.size(-1) > dim else out
+
+
 def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """t [s, b, n, hn]: rotate the first `dim` channels of each head."""
     dim = cos.size(-1)
@@ -137,20 +147,27 @@ def sdpa_backends(backend: str):
 
 
 def local_attention(q, k, v, attention_mask=None, dropout_p: float = 0.0,
-                    softmax_in_fp32: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    softmax_in_fp32: bool = False, sinks: torch.Tensor | None = None,
+                    layer_coeff: int | None = None) -> torch.Tensor:
     """--attention-backend local: softmax(Q·Kᵀ/√d + mask)·V written out (Vaswani et al. 2017,
     Eq. 1), as Megatron-LM's local DotProductAttention: the scaling, masking and softmax of the
     scores in the activations' dtype, or in fp32 with `softmax_in_fp32` (--attention-softmax-in-fp32,
     Megatron-LM's FusedScaleMaskSoftmax upcast). q [b, n, s, hn],
     k/v [b, g, s, hn] (g query groups, each serving n/g heads); mask [b, 1, s, s] (True: may
     attend; or additive, 0 / -inf) or None for causal. `sinks` [n] (--softmax-type): one more logit
-    per head, a column beside the keys' in the softmax, dropped after it (it has no value)."""
+    per head, a column beside the keys' in the softmax, dropped after it (it has no value).
+    `layer_coeff` (--apply-query-key-layer-scaling): the scores are scaled by 1/(√d·coeff) in the
+    activations' dtype, then upcast and multiplied by coeff (Megatron-LM's DotProductAttention with
+    FusedScaleMaskSoftmax's scale), so 16-bit scores stay small."""
     if k.size(1) != q.size(1):
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     scores = torch.matmul(q, k.transpose(-2, -1))  # [b, n, s, s]
-    if softmax_in_fp32:  # Megatron-LM's FusedScaleMaskSoftmax: scale, mask and softmax in fp32
-        scores = scores.float()
-    scores = scores * (1.0 / math.sqrt(q.size(-1)))
+    if layer_coeff:
+        scores = (scores * (1.0 / (math.sqrt(q.size(-1)) * layer_coeff))).float() * layer_coeff
+    else:
+        if softmax_in_fp32:  # Megatron-LM's FusedScaleMaskSoftmax: scale, mask and softmax in fp32
+            scores = scores.float()
+        scores = scores * (1.0 / math.sqrt(q.size(-1)))
     if attention_mask is None:  # causal, aligned at the top left as SDPA's is_causal
         attention_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     if attention_mask.dtype == torch.bool:
@@ -177,8 +194,10 @@ class CoreAttention(nn.Module):
     """
 
     def __init__(self, attention_dropout: float, execution: ExecutionConfig, rng_tracker, num_heads: int = 0,
-                 softmax_type: str = "vanilla", init_std: float = 0.0, device=None):
+                 softmax_type: str = "vanilla", init_std: float = 0.0, device=None, layer_number: int = 0):
         super().__init__()
+        # --apply-query-key-layer-scaling: Megatron-LM's 1-based global layer number
+        self.layer_coeff = layer_number + 1 if execution.apply_query_key_layer_scaling else None
         self.dropout = attention_dropout
         self.use_flash = execution.use_flash_attn
         self.backend = execution.attention_backend
@@ -207,7 +226,8 @@ class CoreAttention(nn.Module):
                 return out.transpose(0, 1).reshape(s, b, -1)
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
             if self.backend == "local" or self.softmax_type != "vanilla":
-                out = local_attention(qb, kb, vb, attention_mask, p, self.softmax_in_fp32, self._sinks(qb))
+                out = local_attention(qb, kb, vb, attention_mask, p, self.softmax_in_fp32, self._sinks(qb),
+                                      self.layer_coeff)
             else:
                 with sdpa_backends(self.backend):
                     out = F.scaled_dot_product_attention(
@@ -276,7 +296,7 @@ class SelfAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, init_std=std,
                                                **dict(common, bias=config.add_bias_linear or config.add_qkv_bias))
         self.core_attention = CoreAttention(config.attention_dropout, execution, rng_tracker, self.num_heads,
-                                            config.softmax_type, std, device)
+                                            config.softmax_type, std, device, layer_number)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.hn, config.hidden_size,
                                              init_std=out_std, **common)
         # --qk-layernorm: Megatron-LM's q_layernorm / k_layernorm over each head's hn channels;
@@ -295,6 +315,7 @@ class SelfAttention(nn.Module):
         # while generating: a cache of this rank's keys and values (megalite.generation.KVCache)
         self.inference_cache = None
         self.max_logits = None  # --qk-clip: a MaxLogitTracker (model/max_logit.py), set by optimizer/qk_clip.py
+        self.rotary_interleaved = config.rotary_interleaved
 
     def forward(self, x, rotary=None, attention_mask=None):
         qkv = self.linear_qkv(x)  # [s, b, ng·(np/ng + 2)·hn] for this rank's groups
@@ -308,6 +329,8 @@ class SelfAttention(nn.Module):
         if self.q_layernorm is not None:  # before RoPE, as Megatron-LM and Qwen3
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
+            if self.rotary_interleaved:
+                q, k = deinterleave(q, rotary[0].size(-1)), deinterleave(k, rotary[0].size(-1))
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.inference_cache is not None:
             # the new tokens' keys/values join the cached ones; queries see every earlier position

@@ -20,9 +20,12 @@ class ExecutionConfig:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    recompute_modules: tuple = ("core_attn",)  # with "selective" (model/transformer.py)
+    offload_modules: tuple = ()  # --fine-grained-activation-offloading (model/offload.py)
     attention_backend: str = "auto"  # auto | flash | fused | unfused | local (model/attention.py)
     use_flash_attn: bool = False
     attention_softmax_in_fp32: bool = False  # --attention-backend local's softmax with 16-bit activations
+    apply_query_key_layer_scaling: bool = False  # --attention-backend local: scores / layer number, back in fp32
     cross_entropy_loss_fusion: bool = False
     moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall (model/moe/dispatcher.py)
     moe_grouped_gemm: bool = False  # model/moe/experts.py
@@ -40,8 +43,12 @@ class ExecutionConfig:
         return cls(params_dtype=getattr(torch, optimizer.params_dtype), sequence_parallel=parallel.sequence_parallel,
                    recompute_granularity=recompute.recompute_granularity,
                    recompute_method=recompute.recompute_method, recompute_num_layers=recompute.recompute_num_layers,
+                   recompute_modules=tuple(recompute.recompute_modules),
+                   offload_modules=tuple(recompute.offload_modules)
+                   if recompute.fine_grained_activation_offloading else (),
                    attention_backend=kernels.attention_backend, use_flash_attn=kernels.use_flash_attn,
                    attention_softmax_in_fp32=kernels.attention_softmax_in_fp32,
+                   apply_query_key_layer_scaling=kernels.apply_query_key_layer_scaling,
                    cross_entropy_loss_fusion=kernels.cross_entropy_loss_fusion,
                    moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
                    moe_grouped_gemm=kernels.moe_grouped_gemm,

@@ -46,13 +46,6 @@ def attach_fp8(chunks: list, config: FP8Config, ps, device) -> FP8Context | None
     return context
 
 
-def detach_fp8(chunks: list) -> None:
-    for chunk in chunks:
-        for module in chunk.modules():
-            if "fp8" in vars(module):
-                del module.fp8
-
-
 def _split_axis(weight, dim: int, group, device) -> Axis:
     """The axis of `weight` along `dim` as the whole tensor has it (tensor_parallel split)."""
     info = param_info(weight)
@@ -86,16 +79,4 @@ def _site(module, context: FP8Context, ps, sequence_parallel: bool, device, name
     return None
 
 
-def fp8_weights(chunks: list) -> dict:
-    """{weight parameter: its site} of every FP8 linear of `chunks` (the FP8 parameter all-gather)."""
-    out = {}
-    for chunk in chunks:
-        for module in chunk.modules():
-            site = vars(module).get("fp8")
-            if site is not None:
-                for w in site.weights():
-                    out[w] = site
-    return out
-
-
-__all__ = ["attach_fp8", "detach_fp8", "fp8_weights"]
+__all__ = ["attach_fp8"]

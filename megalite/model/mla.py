@@ -105,13 +105,14 @@ class MLASelfAttention(nn.Module):
         self.kv_layernorm = latent_norm(self.kv_lora_rank) if latent_norm else None
         self.linear_kv_up_proj = ColumnParallelLinear(self.kv_lora_rank, n * (self.qk_dim + self.v_dim), **column)
         self.core_attention = CoreAttention(config.attention_dropout, execution, rng_tracker, self.num_heads,
-                                            config.softmax_type, std, device)
+                                            config.softmax_type, std, device, layer_number)
         self.linear_proj = RowParallelLinear(n * self.v_dim, h, tp_group=tp_group, bias=config.add_bias_linear,
                                              sequence_parallel=execution.sequence_parallel,
                                              dtype=execution.params_dtype, device=device, init_std=out_std)
         # SDPA scales by 1/√(d + dr); YaRN's m² goes on the queries (the same logits)
         self.query_scale = mla_softmax_scale_factor(config)
         self.recompute_core_attention = False  # set by activation recompute ("selective")
+        self.recompute_up_proj = False  # --recompute-modules mla_up_proj: the up projections and RoPE
         # while generating: a cache of the latent c_kv and the rotated k_r (megalite.generation.KVCache)
         self.inference_cache = None
 
@@ -147,7 +148,8 @@ class MLASelfAttention(nn.Module):
         return torch.cat([k_c, k_r.expand(-1, -1, self.num_heads, -1)], dim=-1), v
 
     def forward(self, x, rotary=None, attention_mask=None):
-        q = self._queries(x, rotary)
+        up = self.recompute_up_proj and self.training and torch.is_grad_enabled()
+        q = recompute(self._queries, x, rotary) if up else self._queries(x, rotary)
         c_kv, k_r = self._latent(x, rotary)
         if self.inference_cache is not None:
             if self.sequence_parallel:
@@ -155,7 +157,7 @@ class MLASelfAttention(nn.Module):
                                  "sequence parallelism to generate")
             # the latent and the rotated key join the cached ones: kv_lora_rank + dr values per token
             c_kv, k_r, attention_mask = self.inference_cache.update(c_kv, k_r, attention_mask)
-        k, v = self.keys_values(c_kv, k_r)
+        k, v = recompute(self.keys_values, c_kv, k_r) if up else self.keys_values(c_kv, k_r)
         if comm.group_size(self.cp_group) > 1:
             # every head's keys and values of the whole sequence, after RoPE (as SelfAttention's)
             k, v = gather_sequence(torch.cat([k, v], dim=-1), self.cp_group).split(

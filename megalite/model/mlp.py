@@ -28,12 +28,14 @@ def glu(y: torch.Tensor, activation, offset: float = 0.0, clamp: float | None = 
 
 
 def activation(config: GPTConfig):
-    """fc1's output -> fc2's input for `config`'s MLP: SwiGLU, quick-GeGLU or GeLU (--openai-gelu:
-    the tanh approximation). Gated ones expect fc1's output as [gate; up] (2 x ffn wide)."""
+    """fc1's output -> fc2's input for `config`'s MLP: SwiGLU, quick-GeGLU, squared ReLU or GeLU
+    (--openai-gelu: the tanh approximation). Gated ones expect fc1's output as [gate; up] (2 x ffn wide)."""
     if config.swiglu:
         return lambda y: glu(y, F.silu, config.glu_linear_offset)
     if config.quick_geglu:
         return lambda y: glu(y, quick_gelu, config.glu_linear_offset, config.activation_func_clamp_value)
+    if config.squared_relu:  # Megatron-LM's activations.squared_relu
+        return lambda y: torch.pow(F.relu(y), 2)
     approximate = "tanh" if config.openai_gelu else "none"
     return lambda y: F.gelu(y, approximate=approximate)
 

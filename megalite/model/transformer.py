@@ -18,6 +18,7 @@ from .mla import MLASelfAttention
 from .mlp import MLP
 from .moe import MoELayer
 from .norm import Norm
+from .offload import attach_offloading
 
 
 class TransformerLayer(nn.Module):
@@ -37,6 +38,29 @@ class TransformerLayer(nn.Module):
         self.mlp = (MoELayer(config, execution, tp_group, ep_group, token_group, device, etp_group)
                     if (config.is_moe_layer(layer_number) if moe is None else moe)
                     else MLP(config, execution, tp_group, device))
+        self.recompute_parts: set = set()  # --recompute-modules (select_recompute)
+
+    def select_recompute(self, modules) -> None:
+        """--recompute-modules: which parts of this layer keep only their inputs and redo their
+        forward in backward (Megatron-LM's selective recompute; the same gradients)."""
+        self.recompute_parts = set()
+        if "core_attn" in modules:
+            self.self_attention.recompute_core_attention = True
+        if "layernorm" in modules:
+            self.recompute_parts |= {self.input_layernorm, self.pre_mlp_layernorm}
+        moe = isinstance(self.mlp, MoELayer)
+        if ("mlp" in modules and not moe) or ("moe" in modules and moe):
+            self.recompute_parts.add(self.mlp)
+        if moe:
+            self.mlp.recompute_shared = "shared_experts" in modules
+            self.mlp.experts.recompute_activation = "moe_act" in modules
+        if "mla_up_proj" in modules and hasattr(self.self_attention, "recompute_up_proj"):
+            self.self_attention.recompute_up_proj = True
+
+    def _part(self, module, x):
+        if module in self.recompute_parts and self.training and torch.is_grad_enabled():
+            return recompute(module, x, rng_tracker=self.rng_tracker)
+        return module(x)
 
     def _dropout(self, x):
         if not self.training or self.hidden_dropout == 0:
@@ -48,8 +72,8 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x, rotary=None, attention_mask=None):
         # x: [s, b, h] ([s/tp, b, h] under sequence parallelism)
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, attention_mask))
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        x = x + self._dropout(self.self_attention(self._part(self.input_layernorm, x), rotary, attention_mask))
+        return x + self._dropout(self._part(self.mlp, self._part(self.pre_mlp_layernorm, x)))
 
 
 class TransformerBlock(nn.Module):
@@ -69,7 +93,9 @@ class TransformerBlock(nn.Module):
                              token_group, etp_group) for i in range(n))
         if self.recompute_granularity == "selective":
             for layer in self.layers:
-                layer.self_attention.recompute_core_attention = True
+                layer.select_recompute(execution.recompute_modules)
+        # --fine-grained-activation-offloading (hooks held by the modules: no cycle to break)
+        attach_offloading(self.layers, execution.offload_modules)
         self.final_layernorm = Norm(config, execution, device) if post_process else None
 
     def _run(self, start: int, end: int):

@@ -125,9 +125,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return sum(t.numel() * t.element_size() for t in (self.master_data, self.host_master_data) if t is not None)
 
     def _reduce_stats(self, stats: torch.Tensor) -> None:
-        """Slices partition each model-parallel rank's buffer: sum over DP (x CP), then over TP x PP."""
+        """Slices partition each model-parallel rank's buffer: sum over DP (x CP), then over TP x PP.
+        With --num-distributed-optimizer-instances each instance holds every slice: the sum counts
+        each one once per instance."""
         comm.all_reduce(stats, self.ps.dp_cp_group)
         comm.all_reduce(stats, self.ps.mp_group)
+        if self.ps.instances > 1:
+            stats.div_(self.ps.instances)
 
     def _attach_grads(self) -> None:
         """Offloaded pieces get a host copy of their gradient (device to host). The flat

@@ -41,14 +41,14 @@ from .precision_adam import STORAGE_DTYPES, PrecisionAwareAdamW
 
 
 def _param_groups(named_masters, weight_decay: float):
-    """Megatron's rule: no weight decay on biases and norm weights (1-D tensors); and, with
+    """Megatron's rule: no weight decay on biases and norm weights (1-D tensors; with
+    --apply-wd-to-qk-layernorm the query/key norms decay too, Qwen3-Next's); and, with
     --decoupled-lr, the word embedding and output layer in groups of their own (`decoupled`).
-    `named_masters`: (tensor stepped, number of dimensions of the model parameter it belongs to,
-    whether it takes the decoupled learning rate)."""
+    `named_masters`: (tensor stepped, whether it decays, whether it takes the decoupled learning rate)."""
     groups = []
     for decoupled in (False, True):
         for decay in (True, False):
-            params = [m for m, ndim, d in named_masters if d == decoupled and (ndim > 1) == decay]
+            params = [m for m, wd, d in named_masters if d == decoupled and wd == decay]
             if params:
                 groups.append({"params": params, "weight_decay": weight_decay if decay else 0.0,
                                "decoupled": decoupled})
@@ -146,7 +146,11 @@ class MixedPrecisionOptimizer:
         self.skipped_iterations = 0  # steps skipped for overflow since the start of this run
         self._build_masters()
         decoupled = [config.decoupled_lr is not None and param_info(p).embedding_or_output for p, *_ in self.pieces()]
-        groups = _param_groups(list(zip(self.masters, self.master_ndims, decoupled)), config.weight_decay)
+        names = {id(p): n for n, p in named_params}
+        decays = [ndim > 1 or (config.apply_wd_to_qk_layernorm and ("q_layernorm." in names[id(p)]
+                                                                    or "k_layernorm." in names[id(p)]))
+                  for ndim, (p, *_) in zip(self.master_ndims, self.pieces())]
+        groups = _param_groups(list(zip(self.masters, decays, decoupled)), config.weight_decay)
         matrices = self._muon_matrices(named_params, config) if config.optimizer == "muon" else None
         self.optimizer, self.impl = build_inner_optimizer(groups, config, self.device, matrices=matrices)
         init_optimizer_state(self.optimizer)

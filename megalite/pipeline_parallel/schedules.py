@@ -92,26 +92,42 @@ def forward_backward_1f1b(batches, model, num_microbatches: int, backward_scale:
     return step.stats
 
 
+def schedule_table(m: int, v: int, g: int) -> list[tuple[int, int]]:
+    """(micro-batch, chunk) of each virtual micro-batch (Megatron-LM's get_schedule_table): the
+    micro-batches in groups of g (--microbatch-group-size-per-virtual-pipeline-stage, default PP),
+    each group run through chunk 0, then chunk 1, ...; the last group takes what remains."""
+    out = []
+    for start in range(0, m, g):
+        end = min(start + g, m) if start + g < m else m
+        out += [(mb, c) for c in range(v) for mb in range(start, end)]
+    return out
+
+
 class _Interleaved:
     """The bookkeeping of one interleaved iteration on one rank: per chunk, the queues of
     input activations, outputs and output gradients, and which chunk virtual micro-batch k
     runs on. Its three phases are the schedule's warm-up, steady state and cool-down."""
 
-    def __init__(self, step: _Step, comm: PipeComm, v: int, m: int, forward_only: bool):
+    def __init__(self, step: _Step, comm: PipeComm, v: int, m: int, forward_only: bool, group: int | None = None):
         ps = comm.ps
         self.step, self.comm, self.forward_only = step, comm, forward_only
         self.p, self.v, self.total = ps.pp_size, v, m * v
+        g = group or self.p
+        self.microbatch, self.table = zip(*schedule_table(m, v, g))
+        # inputs of a chunk released (popped) so far: a rank may hold several received inputs of a
+        # chunk ahead of its forwards (g > PP), indexed by micro-batch (Megatron-LM's offset)
+        self.released = [0] * v
         self.first_rank, self.last_rank = ps.is_first_stage, ps.is_last_stage
-        self.all_warmup = forward_only or m == self.p
-        self.num_warmup = (self.total if self.all_warmup
-                           else min((self.p - ps.pp_rank - 1) * 2 + (v - 1) * self.p, self.total))
+        warmup = (self.p - ps.pp_rank - 1) * 2 + (v - 1) * g
+        self.all_warmup = forward_only or (m == self.p if g == self.p else warmup >= self.total)
+        self.num_warmup = self.total if self.all_warmup else min(warmup, self.total)
         self.num_steady = self.total - self.num_warmup
         self.inputs = [[] for _ in range(v)]
         self.outputs = [[] for _ in range(v)]
         self.output_grads = [[] for _ in range(v)]
 
     def chunk_of(self, k: int, forward: bool) -> int:
-        c = (k % (self.p * self.v)) // self.p
+        c = self.table[k % self.total]
         return c if forward else self.v - 1 - c
 
     def is_first_virtual(self, c: int) -> bool:
@@ -125,17 +141,20 @@ class _Interleaved:
         inputs, outputs = self.inputs[c], self.outputs[c]
         if self.is_first_virtual(c) and len(inputs) == len(outputs):
             inputs.append(None)
-        y = self.step.forward(c, inputs[-1])
+        i = self.microbatch[k % self.total] - self.released[c]
+        y = self.step.forward(c, inputs[i])
         outputs.append(y)
         if self.forward_only:  # nothing to keep for a backward
-            inputs.pop()
+            inputs.pop(i)
             outputs.pop()
+            self.released[c] += 1
         return y
 
     def backward_k(self, k: int):
         c = self.chunk_of(k, False)
         if self.is_last_virtual(c) and not self.output_grads[c]:
             self.output_grads[c].append(None)
+        self.released[c] += 1
         return self.step.backward(self.inputs[c].pop(0), self.outputs[c].pop(0), self.output_grads[c].pop(0), c)
 
     def warmup(self):
@@ -144,8 +163,9 @@ class _Interleaved:
         self.inputs[0].append(None if self.first_rank else comm.communicate(recv_prev=True)[0])
         for k in range(self.num_warmup):
             y = self.forward_k(k)
-            c, next_c = self.chunk_of(k, True), self.chunk_of(k + 1, True)
-            recv_prev = not (self.first_rank and next_c == 0) and k != self.total - 1
+            c = self.chunk_of(k, True)
+            recv_prev, next_c = self.next_chunk(k, True)
+            recv_prev = recv_prev and k != self.total - 1
             send = None if self.is_last_virtual(c) else y
             if k == self.num_warmup - 1 and not self.all_warmup:
                 x, dy = comm.communicate(send_next=send, recv_prev=recv_prev, recv_next=not self.last_rank)
@@ -157,28 +177,19 @@ class _Interleaved:
             if recv_prev:
                 self.inputs[next_c].append(x)
 
-    def next_chunks(self, fk: int, bk: int) -> tuple[int, bool, int, bool]:
-        """After forward fk and backward bk of the steady state: the chunk of the next input
-        activation and whether one comes, and likewise for the next output gradient."""
+    def next_chunk(self, k: int, forward: bool) -> tuple[bool, int]:
+        """After virtual micro-batch k (forward, or backward): whether an activation (gradient)
+        comes from the previous stage (next one), and for which chunk (Megatron-LM's
+        recv_tensor_from_previous_stage). The leading rank (the first in forward, the last in
+        backward) runs p-1 virtual steps ahead of the ending one, whose chunk it continues."""
         p, v = self.p, self.v
-        recv_prev = True
-        if self.first_rank:
-            # rank 0's next input comes from rank p-1, which is p-1 virtual steps behind
-            next_fc = self.chunk_of(fk - (p - 1), True)
-            if next_fc == v - 1:
-                recv_prev = False
-            next_fc += 1
-        else:
-            next_fc = self.chunk_of(fk + 1, True)
-        recv_next = True
-        if self.last_rank:
-            next_bc = self.chunk_of(bk - (p - 1), False)
-            if next_bc == 0:
-                recv_next = False
-            next_bc -= 1
-        else:
-            next_bc = self.chunk_of(bk + 1, False)
-        return next_fc, recv_prev, next_bc, recv_next
+        leading = self.first_rank if forward else self.last_rank
+        if not leading:
+            return True, self.chunk_of(k + 1, forward)
+        if k < p - 1:  # the ending rank has produced nothing yet
+            return False, self.chunk_of(k + 1, forward)
+        c = self.chunk_of(k - (p - 1), forward)
+        return c != (v - 1 if forward else 0), c + 1 if forward else c - 1
 
     def steady(self):
         """One forward, one backward."""
@@ -188,7 +199,8 @@ class _Interleaved:
             dx = self.backward_k(bk)
             send_y = None if self.is_last_virtual(self.chunk_of(fk, True)) else y
             send_dx = None if self.is_first_virtual(self.chunk_of(bk, False)) else dx
-            next_fc, recv_prev, next_bc, recv_next = self.next_chunks(fk, bk)
+            recv_prev, next_fc = self.next_chunk(fk, True)
+            recv_next, next_bc = self.next_chunk(bk, False)
             if i == self.num_steady - 1:
                 recv_prev = False
             x, dy = self.comm.communicate(send_next=send_y, send_prev=send_dx, recv_prev=recv_prev,
@@ -206,8 +218,9 @@ class _Interleaved:
             self.output_grads[v - 1].append(None if self.last_rank else comm.communicate(recv_next=True)[1])
         for k in range(self.num_steady, self.total):
             dx = self.backward_k(k)
-            bc, next_bc = self.chunk_of(k, False), self.chunk_of(k + 1, False)
-            recv_next = not (self.last_rank and next_bc == v - 1) and k != self.total - 1
+            bc = self.chunk_of(k, False)
+            recv_next, next_bc = self.next_chunk(k, False)
+            recv_next = recv_next and k != self.total - 1
             _, dy = comm.communicate(send_prev=None if self.is_first_virtual(bc) else dx, recv_next=recv_next)
             if recv_next:
                 self.output_grads[next_bc].append(dy)
@@ -215,12 +228,13 @@ class _Interleaved:
 
 def forward_backward_interleaved(batches, model, num_microbatches: int, backward_scale: float,
                                  forward_only: bool = False, comm: PipeComm = None, microbatch_mean: bool = False,
-                                 timeline=None, **_):
+                                 timeline=None, microbatch_group_size: int | None = None, **_):
     """Interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2.2), following Megatron-LM's
     forward_backward_pipelining_with_interleaving. Virtual micro-batch k runs on chunk
-    (k // p) % v (reversed for backward); chunk c of rank p-1 feeds chunk c+1 of rank 0."""
+    (k // p) % v (reversed for backward; in groups of --microbatch-group-size-per-virtual-pipeline-stage
+    micro-batches where it is given, `schedule_table`); chunk c of rank p-1 feeds chunk c+1 of rank 0."""
     step = _Step(batches, model, backward_scale, forward_only, microbatch_mean, timeline)
-    run = _Interleaved(step, comm, len(model), num_microbatches, forward_only)
+    run = _Interleaved(step, comm, len(model), num_microbatches, forward_only, microbatch_group_size)
     run.warmup()
     run.steady()
     if not forward_only:

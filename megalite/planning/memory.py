@@ -385,12 +385,15 @@ def optimizer_bytes_per_param(o) -> int:
 def strategy_bytes(c, pp_rank: int, strategy: ShardingStrategy) -> dict:
     """Bytes per GPU of stage `pp_rank` under `strategy` (module docstring). ZeRO shards over
     DP x CP (context-parallel ranks hold the same parameters), expert weights over the expert-DP
-    group (DP x CP / EP: the ranks holding the same experts)."""
+    group (DP x CP / EP: the ranks holding the same experts); each divided into
+    --num-distributed-optimizer-instances instances."""
     d = c.parallel.data_parallel_size * c.parallel.context_parallel_size
     s_opt, s_grads, s_params = strategy.shards_optimizer, strategy.shards_grads, strategy.shards_params
     dense, experts = stage_param_split(c, pp_rank)
     p = c.parallel
     n, d_expert = dense + experts, p.tensor_model_parallel_size * d // (expert_tp(c) * p.expert_model_parallel_size)
+    if s_opt:  # --num-distributed-optimizer-instances: sharded within an instance, replicated across
+        d, d_expert = d // p.num_distributed_optimizer_instances, d_expert // p.num_distributed_optimizer_instances
 
     def per_rank(nbytes: float, shard: bool) -> float:  # `nbytes` per parameter, sharded or not
         return dense * nbytes / d + experts * nbytes / d_expert if shard else n * nbytes

@@ -168,8 +168,9 @@ def main(argv=None) -> int:
         if args.saver == "hf":
             tokenizer = None
             if not args.no_tokenizer:
+                from megalite.checkpoint.hf.tokenizer import exportable
                 from megalite.data.saved_tokenizer import build_tokenizer_for
-                tokenizer = build_tokenizer_for(meta, args.tokenizer)
+                tokenizer = exportable(build_tokenizer_for(meta, args.tokenizer), args.load_dir)
             arch = to_hf(meta, state, args.save_dir, tokenizer)
             print(f"wrote {args.save_dir}: {HF_CLASSES[arch]}"
                   f"{' and ' + tokenizer.name + ' tokenizer' if tokenizer else ''}")

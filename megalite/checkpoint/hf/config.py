@@ -39,7 +39,9 @@ def hf_architecture(cfg: dict) -> str:
     # the attention and MLP variants (docs/models.md) without a mapping yet: none of the classes below has them
     for key, flag, plain in (("window_size", "--window-size", None), ("softmax_type", "--softmax-type", "vanilla"),
                              ("quick_geglu", "--quick-geglu", False), ("glu_linear_offset", "--glu-linear-offset", 0.0),
-                             ("activation_func_clamp_value", "--activation-func-clamp-value", None)):
+                             ("activation_func_clamp_value", "--activation-func-clamp-value", None),
+                             ("squared_relu", "--squared-relu", False),
+                             ("rotary_interleaved", "--rotary-interleaved", False)):
         if cfg.get(key, plain) != plain:
             refuse(f"{flag} {cfg[key]}" if cfg[key] is not True else flag, "the GPT-2, Llama, Qwen3 and MoE exports")
     if cfg.get("multi_latent_attention"):  # deepseek.py

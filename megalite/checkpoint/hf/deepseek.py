@@ -194,6 +194,8 @@ def deepseek_architecture(cfg: dict, refuse) -> str:
         refuse("--multi-latent-attention without --normalization RMSNorm and --swiglu", target)
     if cfg["add_bias_linear"]:
         refuse("--multi-latent-attention without --disable-bias-linear (DeepSeek-V3 has no biases)", target)
+    if cfg.get("position_embedding_type") == "learned_absolute":
+        refuse("--multi-latent-attention with learned absolute positions (DeepSeek-V3 has RoPE only)", target)
     if not cfg.get("qk_layernorm"):
         refuse("--multi-latent-attention without --qk-layernorm (its q_a_layernorm / kv_a_layernorm always exist)",
                target)

@@ -14,6 +14,19 @@ SAMPLE_TEXT = ("Hello world! The quick brown fox jumps over the lazy dog.\n\nA s
                "<|endoftext|> <s> </s> <unk> trailing spaces   ")
 
 
+HF_COUNTERPARTS = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer")
+
+
+def exportable(tokenizer, where: str = "") -> object:
+    """`tokenizer` if Hugging Face has a counterpart of it; else None, with a notice that the
+    weights go without one (NullTokenizer's ids are the text: there is nothing to write)."""
+    if tokenizer is None or tokenizer.name in HF_COUNTERPARTS:
+        return tokenizer
+    print(f"> note: --tokenizer-type {tokenizer.name}{' of ' + where if where else ''} has no Hugging Face "
+          f"counterpart: the weights are exported without a tokenizer", flush=True)
+    return None
+
+
 def export_tokenizer(tokenizer, out_dir: str) -> None:
     """Save `tokenizer` (a megalite tokenizer) as Hugging Face files in `out_dir`, then load them
     back with AutoTokenizer and check they give megalite's ids on text."""

@@ -57,6 +57,9 @@ def megatron_args(model_config: dict, run_config: dict | None, extra: dict) -> a
         if isinstance(section, dict):
             fields.update(section)
     fields.update(model_config)
+    tokenizer = (run_config or {}).get("tokenizer") or {}
+    if tokenizer.get("tokenizer_type") == "NullTokenizer" and tokenizer.get("vocab_size"):
+        fields["vocab_size"] = tokenizer["vocab_size"]  # Megatron-LM's args.vocab_size: NullTokenizer's V, not V + 1
     fields["layernorm_epsilon"] = model_config.get("norm_epsilon")
     fields.update(extra)
     return argparse.Namespace(**fields)

@@ -7,9 +7,11 @@ chunks that overlap the elements it owns (format.py).
 Besides the weights: the iteration, consumed samples, the LR schedule's position
 (OptimizerParamScheduler.num_steps, in samples) and Megatron-LM's `args` (for
 --use-checkpoint-args and the model check) come from common.pt; Adam's moments (and fp32 masters)
-where a non-distributed optimizer saved them under `optimizer.state.<kind>.<key>`, with the
-optimizer's shared step (`common_step`). RNG states are not restored (Megatron-LM's are per
-TP x PP rank of its own layout and CUDA generator).
+where a non-distributed optimizer (or a fully reshardable distributed one, and megalite's
+torch_dist saves) saved them under `optimizer.state.<kind>.<key>`, with the optimizer's shared
+step (`common_step`). RNG states are restored from the `megalite_rng` objects of megalite's own
+torch_dist saves on the layout that wrote them; Megatron-LM's are not (per TP x PP rank of its own
+layout and CUDA generator).
 """
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ class MegatronIndex:
         self.common = self.dist.common()
         self.args = plain_args(self.common.get("args"))
         self.optimizer_step = _find_step(self.common.get("optimizer"))
-        self.has_moments = any(k.startswith(MOMENT_PREFIXES["exp_avg"]) for k in self.dist.tensors)
+        moments = tuple(v for k, v in MOMENT_PREFIXES.items() if k != "master")
+        self.has_moments = any(k.startswith(moments) for k in self.dist.tensors)
         self.metadata = megatron_metadata(self)
 
     def prefetch(self, keys) -> None:
@@ -125,7 +128,13 @@ class MegatronIndex:
         return sorted(out)
 
     def rank_state(self, rank: int):
-        return None
+        """(RNG values, RNG tensors) of `rank` where megalite's torch_dist saver wrote them, else None."""
+        world = self.metadata["layout"]["world_size"]
+        key = f"megalite_rng/shard_{rank}_{world}"
+        if key not in self.dist.objects:
+            return None
+        saved = self.dist.read_object(key)
+        return saved["values"], saved["tensors"]
 
 
 def megatron_metadata(index: MegatronIndex) -> dict:
@@ -138,6 +147,10 @@ def megatron_metadata(index: MegatronIndex) -> dict:
     from ...model import GPTConfig
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     model_config = {k: v for k, v in args.items() if k in fields and v is not None}
+    if args.get("tokenizer_type") == "NullTokenizer" and args.get("vocab_size"):
+        # Megatron-LM's --vocab-size V is NullTokenizer's argument: ids 0..V-1 and the eod id V,
+        # V + 1 tokens in the model (as megalite counts them: data/tokenizers.py model_vocab_size)
+        model_config["vocab_size"] = args["vocab_size"] + 1
     derived = []
     if "vocab_size" not in model_config and args.get("padded_vocab_size"):
         # Megatron-LM records the tokenizer's vocabulary only as padded_vocab_size: the tools build
@@ -152,6 +165,8 @@ def megatron_metadata(index: MegatronIndex) -> dict:
                        "vpp": args.get("virtual_pipeline_model_parallel_size") or 1, "dp": dp,
                        "distributed_optimizer": bool(args.get("use_distributed_optimizer"))},
             "scheduler": {"num_steps": int(sched["num_steps"]), "unit": "samples"} if "num_steps" in sched else None,
-            "grad_scaler": None, "optimizer": {"type": args.get("optimizer", "adam"), "fp32_params": True},
+            "grad_scaler": (common.get("megalite") or {}).get("grad_scaler"),
+            "spike_guard": (common.get("megalite") or {}).get("spike_guard"),
+            "optimizer": {"type": args.get("optimizer", "adam"), "fp32_params": True},
             "has_optimizer_state": index.has_moments, "dir": index.directory, "derived": derived}
 

@@ -34,7 +34,7 @@ _NORMS = {
 }
 # megalite's optimizer-state kinds -> the prefix of a non-distributed Megatron optimizer's keys
 MOMENT_PREFIXES = {"exp_avg": "optimizer.state.exp_avg.", "exp_avg_sq": "optimizer.state.exp_avg_sq.",
-                   "master": "optimizer.state.fp32_param."}
+                   "momentum_buffer": "optimizer.state.momentum_buffer.", "master": "optimizer.state.fp32_param."}
 
 
 def megatron_keys(name: str) -> list[tuple[str, tuple[int, ...]]]:

@@ -116,7 +116,7 @@ class _PickleModule:
 
     def __init__(self, source: str):
         self.Unpickler = _unpickler_for(source)
-        self.__name__ = "megalite.checkpoint.safe_pickle"
+        self.__name__ = "megalite.checkpoint.megatron.safe_pickle"
 
     def load(self, f, **kwargs):
         return self.Unpickler(f, **kwargs).load()

@@ -29,6 +29,7 @@ from ..hf.config import ConversionError
 from ..hf.conversion import (WORD_EMBEDDING, export_architecture, gpt2_layer_tensors, gpt2_outer_tensors,
                             llama_layer_tensors, llama_outer_tensors, staged_directory, write_hf_files)
 from ..hf.shards import ShardedSafetensorsWriter
+from ..hf.tokenizer import exportable
 from ..native.region import read_region
 from ..native.reshard import ShardLayout
 from ..paths import TRACKER, iteration_dir, read_tracker
@@ -140,7 +141,7 @@ def megatron_to_hf(load_dir: str, out_dir: str, tokenizer_overrides: dict | None
     meta = dict(meta, model_config=cfg)
     tok = None
     if tokenizer:
-        tok = build_tokenizer_for(meta, tokenizer_overrides)
+        tok = exportable(build_tokenizer_for(meta, tokenizer_overrides), load_dir)
     arch = export_architecture(cfg, tok)  # refuses before anything is written
     if arch not in ("gpt2", "llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):
         raise ConversionError(f"--loader megatron: the {arch} architecture is not streamed; convert with "

@@ -16,13 +16,13 @@ from ... import comm
 from ...errors import CheckpointError
 from ...config.run import CONFIG_VERSION
 from ...tensor_parallel.param_info import param_info
-from ..paths import FORMAT_VERSION, TRACKER, data_file, iteration_dir
+from ..paths import FORMAT_VERSION, TRACKER, data_file, iteration_dir, read_tracker, retire_previous
 from .index import INDEX, build_index
 from .state import STATE_KINDS, TrainState, owned_pieces, rng_state, shard_layout
 from .tensor_file import DTYPES, plan, write
 
 
-def collect_rank_state(train_state: TrainState) -> tuple[dict, dict]:
+def collect_rank_state(train_state: TrainState, fully_parallel: bool = True) -> tuple[dict, dict]:
     """This rank's tensors (host copies, safe to write from another thread) and its record for
     the global index: entries, with byte offsets in its file, and RNG states."""
     ps, opt = train_state.ps, train_state.optimizer
@@ -37,7 +37,7 @@ def collect_rank_state(train_state: TrainState) -> tuple[dict, dict]:
         entries.append({"key": key, "kind": kind, "name": name, "lo": lo, "hi": hi, "tied": tied,
                         "layout": shard_layout(p, ps.tp_rank, ps.tp_size, vocab_size)})
 
-    for p, lo, hi, master in owned_pieces(train_state):
+    for p, lo, hi, master in owned_pieces(train_state, spread=fully_parallel):
         name, tied = names[id(p)], param_info(p).tied_copy
         if not tied:  # the tied copy's weight is the first stage's; its optimizer state is saved
             add("param", name, p, lo, hi, opt.dp.param_slice(p, lo, hi), False)
@@ -108,10 +108,13 @@ def _write_text_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def publish(root: str, iteration: int) -> None:
+def publish(root: str, iteration: int, retain_interval: int | None = None) -> int | None:
     """Rank 0, after every rank has written: rename the temporary directory into place, then
-    move the latest pointer. A crash before the pointer moves leaves the previous one valid."""
+    move the latest pointer. A crash before the pointer moves leaves the previous one valid.
+    With --save-retain-interval the previous checkpoint is then deleted unless it is a multiple
+    of it (returned when it is)."""
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
+    previous = read_tracker(root)
     if os.path.isdir(final):  # re-saving an iteration: keep the old one until the new is in place
         old = f"{final}.old.{os.getpid()}"
         os.replace(final, old)
@@ -120,20 +123,23 @@ def publish(root: str, iteration: int) -> None:
     else:
         os.replace(tmp, final)
     _write_text_atomic(os.path.join(root, TRACKER), f"{iteration}\n")
+    return retire_previous(root, previous, iteration, retain_interval)
 
 
 class CheckpointSaver:
     """Synchronous or asynchronous (--async-save) atomic saves."""
 
-    def __init__(self, root: str, async_save: bool = False, check_finite: bool = True):
+    def __init__(self, root: str, async_save: bool = False, check_finite: bool = True, fully_parallel: bool = True,
+                 retain_interval: int | None = None):
         self.root, self.async_save, self.check_finite = root, async_save, check_finite
+        self.fully_parallel, self.retain_interval = fully_parallel, retain_interval
         self.pending: tuple[int, threading.Thread] | None = None
         self.error: BaseException | None = None
 
     def save(self, train_state: TrainState, iteration: int) -> None:
         self.finalize(blocking=True)  # at most one save in flight
         ps = train_state.ps
-        tensors, record = collect_rank_state(train_state)
+        tensors, record = collect_rank_state(train_state, self.fully_parallel)
         if self.check_finite:  # before anything is written: a diverged run keeps its last good checkpoint
             bad = comm.all_gather_object(non_finite(tensors)[:3], comm.world_group())
             if any(bad):
@@ -178,7 +184,10 @@ class CheckpointSaver:
             time.sleep(float(hook))
         comm.barrier(comm.world_group())
         if train_state.ps.rank == 0:
-            publish(self.root, iteration)
+            gone = publish(self.root, iteration, self.retain_interval)
+            if gone is not None:
+                train_state.log(f"> --save-retain-interval {self.retain_interval}: deleted the checkpoint of "
+                                f"iteration {gone}")
         comm.barrier(comm.world_group())
 
     def close(self) -> None:

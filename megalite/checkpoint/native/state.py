@@ -36,6 +36,7 @@ MODEL_FLAGS = {
     "activation_func_clamp_value": "--activation-func-clamp-value",
     "multi_latent_attention": "--multi-latent-attention",
     "mtp_num_layers": "--mtp-num-layers",  # the MTP modules' weights
+    "squared_relu": "--squared-relu", "rotary_interleaved": "--rotary-interleaved",
 }
 # Mixture of Experts: the weights' shapes (which layers, how many experts, their sizes, the
 # shared expert, the expert bias) and the routing
@@ -239,12 +240,15 @@ def _tp_owner(p, tp_rank: int) -> bool:
     return param_info(p).tensor_parallel or tp_rank == 0
 
 
-def owned_pieces(train_state: TrainState) -> list[tuple]:
+def owned_pieces(train_state: TrainState, spread: bool = True) -> list[tuple]:
     """(param, lo, hi, master) pieces this rank saves, and on load reads: with the distributed
     optimizer its own slices; with the plain one whole parameters, spread over the DP ranks by
-    size (`dp_owners`). The same rule on every layout (see the module docstring)."""
+    size (`dp_owners`; `spread=False`: all on the first, --no-ckpt-fully-parallel-save). The same
+    rule on every layout (see the module docstring)."""
     ps, opt = train_state.ps, train_state.optimizer
     pieces = opt.pieces()
+    if opt.distributed and ps.instances > 1:  # the first of the replicated instances saves and reads
+        pieces = [pc for pc in pieces if ps.instance_rank(param_info(pc[0]).expert_parallel) == 0]
     if not opt.distributed:
         # CP ranks are replicas like DP ranks: whole tensors spread over DP x CP, each written
         # once; under expert parallelism an expert's over its expert-DP group
@@ -253,7 +257,8 @@ def owned_pieces(train_state: TrainState) -> list[tuple]:
             groups = [([pc for pc in pieces if param_info(pc[0]).expert_parallel == expert],
                        comm.group_size(ps.replica_group(expert)), ps.replica_rank(expert)) for expert in (False, True)]
         pieces = [pc for group, size, rank in groups
-                  for pc, owner in zip(group, dp_owners([p.numel() for p, *_ in group], size)) if owner == rank]
+                  for pc, owner in zip(group, dp_owners([p.numel() for p, *_ in group], size if spread else 1))
+                  if owner == rank]
     return [pc for pc in pieces if _tp_owner(pc[0], ps.tp_rank)]
 
 

@@ -17,10 +17,13 @@ def moe_layers(model: list[nn.Module]) -> list:
     return [pair for chunk in model for pair in chunk.moe_layers()]
 
 
-def start_iteration(model: list[nn.Module], aux_loss_scale: float) -> None:
-    """Zero the routers' statistics; `aux_loss_scale`: d(objective)/d(router loss) of one micro-batch."""
+def start_iteration(model: list[nn.Module], aux_loss_scale: float, stage_group=None) -> None:
+    """Zero the routers' statistics; `aux_loss_scale`: d(objective)/d(router loss) of one micro-batch;
+    `stage_group`: the ranks of the pipeline stage (TP x CP x DP), over which global_aux_loss counts."""
     for _, layer in moe_layers(model):
         layer.aux_loss_scale = aux_loss_scale
+        if hasattr(layer.router.balancing, "reset"):
+            layer.router.balancing.reset(stage_group)
         layer.router.tokens_per_expert.zero_()
         layer.router.aux_loss_sum = layer.router.z_loss_sum = None
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import comm
+from ...recompute import recompute
 from ...tensor_parallel import set_init
 from ...tensor_parallel.layers import set_tp_attributes
 from ...tensor_parallel.param_info import param_info
@@ -95,7 +96,8 @@ class LocalExperts(nn.Module):
         self.add_fc2_bias = comm.group_rank(etp_group) == 0  # fc2's bias once per ETP sum (Expert)
         self.num_experts, self.num_local, self.etp_group = config.num_experts, config.num_experts // ep, etp_group
         self.first = ep_rank * self.num_local  # global index of the first local expert
-        self._activation = activation(config)  # the dense MLP's: SwiGLU, quick-GeGLU or GeLU
+        self._act = activation(config)  # the dense MLP's: SwiGLU, quick-GeGLU or GeLU
+        self.recompute_activation = False  # --recompute-modules moe_act: only its input is kept
         self.local_experts = nn.ModuleDict(
             {str(self.first + i): Expert(config, execution, tp, device) for i in range(self.num_local)})
         split = (comm.group_rank(etp_group), tp)
@@ -106,6 +108,11 @@ class LocalExperts(nn.Module):
         ffn = config.expert_ffn_hidden_size // tp
         self.grouped = execution.moe_grouped_gemm and grouped_mm_fits(config.hidden_size, ffn,
                                                                       execution.params_dtype)
+
+    def _activation(self, y: torch.Tensor) -> torch.Tensor:
+        if self.recompute_activation and self.training and torch.is_grad_enabled():
+            return recompute(self._act, y)
+        return self._act(y)
 
     def forward(self, x: torch.Tensor, counts: list[int], sources: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, h]: tokens sorted by local expert, counts[i] of them for expert i -> [N, h]

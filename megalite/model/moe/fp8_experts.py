@@ -86,9 +86,6 @@ class ExpertsFP8:
 
     def weight_scales(self, weights: list, proj: str) -> list[torch.Tensor]:
         ctx, slot = self.context, self._slot(proj, Role.WEIGHT)
-        pinned = [ctx.pinned_scale(w) for w in weights]
-        if all(p is not None for p in pinned):
-            return pinned
         amax = torch.stack([w.detach().abs().amax().float() for w in weights])
         if slot is not None and ctx.history.ready:
             if ctx.recording:

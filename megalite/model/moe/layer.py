@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...recompute import recompute
 from ...tensor_parallel import set_init
 from ...tensor_parallel.param_info import param_info
 from ..config import ExecutionConfig, GPTConfig
@@ -67,6 +68,7 @@ class MoELayer(nn.Module):
                 param_info(self.shared_experts.gate_weight).sequence_parallel = execution.sequence_parallel
         # d(objective)/d(router loss) of each micro-batch, set by the trainer every iteration
         self.aux_loss_scale = 1.0
+        self.recompute_shared = False  # --recompute-modules shared_experts
 
     def route(self, tokens: torch.Tensor, seq_shape: tuple[int, int]) -> Routing:
         """tokens [T, h] in [s, b] order -> each token's experts, weights and the router's losses."""
@@ -97,7 +99,10 @@ class MoELayer(nn.Module):
         rows, counts, handle = self.dispatch(tokens, routing)
         out = self.combine(self.run_experts(rows, counts, handle), handle).view(s, b, h)
         if self.shared_experts is not None:
-            out = out + self.shared_expert(x)
+            if self.recompute_shared and self.training and torch.is_grad_enabled():
+                out = out + recompute(self.shared_expert, x)
+            else:
+                out = out + self.shared_expert(x)
         if routing.loss is not None and torch.is_grad_enabled():
             out = _AttachLoss.apply(out, routing.loss, self.aux_loss_scale)
         return out

@@ -16,7 +16,14 @@ language-model loss, so a pipeline stage without the loss can train its router:
                 coeff · E / (T² k) · Σ_e P_e · f_e,  P_e = Σ_t p_te (all-expert scores), f_e = tokens sent to e
                 (before dropping; with an expert bias, the top-k of the scores without it)
   seq_aux_loss  the same per sequence, averaged over sequences (DeepSeek-V2, Eq. 12-14)
+  global_aux_loss  the same with f_e counted over the whole stage (TP x CP x DP) and averaged over
+                the iteration's micro-batches so far (Qiu et al. 2025, arXiv:2501.11873; Megatron-LM's
+                _apply_global_aux_loss)
   z-loss        coeff · mean_t logsumexp(logits_t)²  (ST-MoE, Zoph et al. 2022, Eq. 5)
+Sinkhorn routing (S-BASE, Clark et al. 2022; Megatron-LM's sinkhorn_load_balancing) replaces the
+score function and any loss: in training the top-k of the doubly normalised exp(logits) (no
+gradient), weighted by sigmoid (k = 1) or softmax (k > 1) of the logits; in evaluation the top-k of
+those weights.
 Under sequence or context parallelism each rank holds some of the tokens: f_e, T and the sequence
 length count the whole micro-batch (one all-reduce of the counts over the TP x CP group), the
 scores' sums only this rank's tokens, so the ranks' parts add up to the loss of the whole
@@ -192,13 +199,62 @@ class SequenceAuxLoss(BalancingLoss):
                                             s_local * comm.group_size(token_group), k, coeff)
 
 
+class GlobalAuxLoss(BalancingLoss):
+    """global_aux_loss: f_e over every rank of the stage (TP x CP x DP: `stage_group`), averaged
+    over this iteration's micro-batches so far (`reset` at each iteration's start)."""
+
+    def __init__(self):
+        self.stage_group, self.counts, self.steps = None, None, 0
+
+    def reset(self, stage_group) -> None:
+        self.stage_group, self.counts, self.steps = stage_group, None, 0
+
+    def __call__(self, scores, onehot, token_group, seq_shape, k, coeff):
+        s_local, b = seq_shape
+        counts = comm.all_reduce(onehot.sum(0), self.stage_group)
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.steps += 1
+        total = s_local * b * comm.group_size(self.stage_group)
+        return load_balancing_loss(scores, self.counts / self.steps, total, k, coeff)
+
+
 class NoBalancingLoss(BalancingLoss):
     """none: the routers are balanced by other means (the expert bias) or not at all."""
     enabled = False
 
 
+class SinkhornBalancing(NoBalancingLoss):
+    """sinkhorn: balanced by the routing itself (`sinkhorn_routing`), no loss."""
+
+
 LOAD_BALANCING: dict[str, type[BalancingLoss]] = {
-    "aux_loss": MicroBatchAuxLoss, "seq_aux_loss": SequenceAuxLoss, "none": NoBalancingLoss}
+    "aux_loss": MicroBatchAuxLoss, "seq_aux_loss": SequenceAuxLoss, "global_aux_loss": GlobalAuxLoss,
+    "sinkhorn": SinkhornBalancing, "none": NoBalancingLoss}
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Megatron-LM's moe_utils.sinkhorn: exp(cost) [T, E] scaled by row and column factors until
+    the columns' factors move by less than `tol` on average (each row then sums to 1/T, each
+    column to 1/E: the tokens spread evenly over the experts)."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+    error, d1_old = 1e9, d1
+    while error > tol:
+        d0 = (1 / d0.size(0)) / (torch.sum(d1 * cost, 1) + 1e-8)
+        d1 = (1 / d1.size(0)) / (torch.sum(d0.unsqueeze(1) * cost, 0) + 1e-8)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def sinkhorn_routing(logits: torch.Tensor, k: int, training: bool):
+    """(probs [T, k], indices [T, k]) of Megatron-LM's sinkhorn_load_balancing: the weights are
+    sigmoid (k = 1) or softmax over all experts (k > 1) of the logits, never renormalised."""
+    weights = torch.sigmoid(logits) if k == 1 else torch.softmax(logits, dim=-1)
+    with torch.no_grad():
+        indices = torch.topk(sinkhorn(logits.float()) if training else weights, k, dim=-1).indices
+    return weights.gather(1, indices), indices
 
 
 def _first_training_pass() -> bool:
@@ -249,8 +305,11 @@ class TopKRouter(nn.Module):
         the rest of the micro-batch's tokens (TP under sequence parallelism, x CP)."""
         bias = self.bias.to(self.dtype) if self.bias is not None else None
         logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype), bias)  # [T, E] in fp32 (or fp64)
-        probs, indices, scores = self.score_function(logits, self.topk, self.select, self.pre_softmax,
-                                                     self.expert_bias)
+        if isinstance(self.balancing, SinkhornBalancing):
+            (probs, indices), scores = sinkhorn_routing(logits, self.topk, self.training), None
+        else:
+            probs, indices, scores = self.score_function(logits, self.topk, self.select, self.pre_softmax,
+                                                         self.expert_bias)
         if self.scaling_factor:
             probs = probs * self.scaling_factor
         kept = capacity = None
