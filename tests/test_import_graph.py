@@ -64,6 +64,7 @@ FLOORS = [
     ["megalite", "checkpoint", "rendezvous", "recompute", "num_microbatches_calculator"],  # import nothing
     ["errors"],
     ["config", "comm"],
+    ["fp8"],  # FP8 casts and scales (torchao): read by tensor_parallel's and model's FP8 linears
     ["parallel_state", "runtime", "tensor_parallel", "context_parallel", "pipeline_parallel"],
     ["model", "data"],
     ["distributed", "optimizer"],
