@@ -43,13 +43,12 @@ class Axis:
             return cls(local)
         whole = local * size
         per_block, part = whole // stride, local // stride
-        j = torch.arange(local, device=device)
+        j = torch.arange(local)  # on the host: a few integers a dimension (and the meta device has no bincount)
         index = (j // part) * per_block + rank * part + j % part
-        tiles = index // BLOCK
-        counts = torch.bincount(tiles, minlength=-(-whole // BLOCK))
-        full = torch.clamp(whole - torch.arange(counts.numel(), device=device) * BLOCK, max=BLOCK)
+        counts = torch.bincount(index // BLOCK, minlength=-(-whole // BLOCK))
+        full = torch.clamp(whole - torch.arange(counts.numel()) * BLOCK, max=BLOCK)
         touched = counts > 0
-        return cls(whole, index, group, bool((counts[touched] == full[touched]).all()))
+        return cls(whole, index.to(device), group, bool((counts[touched] == full[touched]).all()))
 
     def tile_ids(self, local: int, device) -> torch.Tensor:
         index = self.index if self.index is not None else torch.arange(local, device=device)
