@@ -82,6 +82,13 @@ def gemm(a: Operand, b: Operand, mm_config, emulate: bool) -> torch.Tensor:
         return torch.zeros(a.data.size(0), b.data.size(1), dtype=out_dtype, device=a.data.device)
     axis_a = _torchao_axis(a.scale, *a.shape, along_rows=True)
     axis_b = _torchao_axis(b.scale, *b.shape, along_rows=False)
+    if not emulate and (axis_a is None) != (axis_b is None) and False not in (axis_a, axis_b):
+        # torch._scaled_mm takes two scalar scales or two vectors (rowwise): a scalar beside a
+        # vector (the experts' row scales against a weight's) is spread to a vector of its value
+        if axis_a is None:
+            a, axis_a = Operand(a.data, a.scale.reshape(1, 1).expand(a.shape[0], 1), a.role, a.orig_dtype), -1
+        else:
+            b, axis_b = Operand(b.data, b.scale.reshape(1, 1).expand(1, b.shape[1]), b.role, b.orig_dtype), 0
     if axis_a is not False and axis_b is not False:
         return torch.mm(_to_torchao(a, mm_config, axis_a), _to_torchao(b, mm_config, axis_b))
     # scales along the reduced dimension: the dequantized product (torchao's emulation formula)
