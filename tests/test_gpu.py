@@ -158,9 +158,12 @@ def test_fp8_linear_scaled_mm_equals_emulation():
 
 
 @needs_fp8_gpu
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
-def test_fp8_training_on_cuda_near_bf16(tmp_path, recipe):
-    flags = BASE + NO_DROPOUT + LLAMA + ["--bf16"]
+@pytest.mark.parametrize("recipe,extra", [
+    ("tensorwise", []), ("blockwise", []),
+    # the experts' rows scaled per (micro-batch, expert) against a weight's scalar scale
+    ("tensorwise", ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128"])])
+def test_fp8_training_on_cuda_near_bf16(tmp_path, recipe, extra):
+    flags = BASE + NO_DROPOUT + LLAMA + extra + ["--bf16"]
     ref, _ = run_pretrain(1, flags, tmp_path, "bf16")
     records, proc = run_pretrain(1, flags + ["--fp8-format", "hybrid", "--fp8-recipe", recipe], tmp_path, "fp8")
     assert "GEMMs torch._scaled_mm" in proc.stdout
