@@ -10,9 +10,9 @@ references, the flags' rules, and one process training in FP8.
   --fp8-amax-history-len iterations (max and most_recent);
 - refusals and notices (arguments/fp8.py), torchao's absence among them;
 - one process: each recipe trains on the bundled corpus (the loss falls), differs from fp32 (FP8
-  is applied) and stays within a few percent of it.
+  is applied) and stays within a few percent of it; --first-last-layers-bf16 keeps its layers out.
 
-Costs ~15 s (the four one-process runs; the rest is in-process).
+Costs ~18 s (the five one-process runs; the rest is in-process).
 """
 import pytest
 import torch
@@ -182,3 +182,15 @@ def test_one_process_trains_in_fp8_near_fp32(corpus, tmp_path):
         assert_loss_falls(got, 0.5)
         rel = [abs(a - b) / a for a, b in zip(ref, got)]
         assert 1e-5 < max(rel) < 0.03, (name, rel)
+
+
+@pytest.mark.launches
+def test_layers_kept_in_bf16_by_the_flags_stay_out_of_fp8(tmp_path):
+    """--first-last-layers-bf16 with 1 layer at the start and 2 at the end of 4: only layer 2 of
+    them (0-based 1) has FP8 linears (QKV, attention output, fc1, fc2: 4 sites)."""
+    flags = tiny(num_layers=4, train_iters=1, eval_iters=0) + ["--mock-data", "--vocab-size", "128", "--fp8-format",
+                                                               "hybrid", "--fp8-recipe", "tensorwise",
+                                                               "--first-last-layers-bf16",
+                                                               "--num-layers-at-end-in-bf16", "2"]
+    _, proc = run_pretrain(1, flags, tmp_path)
+    assert "; 4 linear layers in FP8 on this rank" in proc.stdout
