@@ -194,3 +194,22 @@ def test_layers_kept_in_bf16_by_the_flags_stay_out_of_fp8(tmp_path):
                                                                "--num-layers-at-end-in-bf16", "2"]
     _, proc = run_pretrain(1, flags, tmp_path)
     assert "; 4 linear layers in FP8 on this rank" in proc.stdout
+
+
+@pytest.mark.launches
+def test_bf16_runs_never_import_torchao():
+    """torchao is imported only when a run asks for FP8 (fp8/backend.py): building and stepping
+    a model in another precision leaves it out of sys.modules."""
+    import subprocess
+    import sys
+
+    from dist_helpers import ROOT
+    code = ("import sys; from megalite import initialize, training, dry_run; "
+            "from megalite.arguments import parse_args, validate_args; "
+            "validate_args(parse_args(['--train-iters', '1', '--num-layers', '2', '--hidden-size', '64', "
+            "'--num-attention-heads', '4', '--seq-length', '32', '--micro-batch-size', '2', '--mock-data', "
+            "'--vocab-size', '128', '--lr', '1e-3']), 1, check_files=False); "
+            "assert 'torchao' not in sys.modules, 'torchao imported'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-2000:]
