@@ -2,8 +2,9 @@
 examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh (its
 real-data and mock-data branches), as examples/megatron/run_cpu.sh passes them (only sizes shrunk;
 the other differences follow Megatron-LM's validation or the device), train with TP=2 (the
-commands run_cpu.sh passes to torchrun, on 2 ranks of the test pool); the scripts as written are
-refused with the reasons; batch ramp-ups and step schedules resume exactly; the per-token loss
+commands run_cpu.sh passes to torchrun, on 2 ranks of the test pool; the Llama script with its FP8
+flags, through torchao); the GPT-3 script as written is refused with Megatron-LM's own reason and
+the Llama script is accepted as written; batch ramp-ups and step schedules resume exactly; the per-token loss
 changes training when tokens are masked."""
 import json
 import math
