@@ -35,6 +35,7 @@ from .runtime.cpu import lean_malloc, steady_malloc
 from .runtime.metrics import JsonlWriter, peak_tflops
 from .runtime.monitor import CommMonitor
 from .runtime.profiling import Profiler
+from .runtime.rerun import RerunMachine
 from .runtime.spikes import SpikeGuard
 from .runtime.straggler import StragglerDetector
 from .runtime.timers import Timers
@@ -70,6 +71,7 @@ class Run:
     qk_clip: QKClip | None = None  # --qk-clip
     signal_received: list = field(default_factory=lambda: [False])
     spike_guard: SpikeGuard | None = None  # --check-for-spiky-loss / --check-for-large-grads
+    rerun: RerunMachine | None = None  # --rerun-mode validate_results / report_stats
     # with the guard: the checkpoint due after an iteration, written once the next loss is no spike
     pending_save: tuple | None = None  # (iteration, RNG states at its end)
     last_saved: int = -1  # the iteration of the latest checkpoint written by this run
@@ -336,6 +338,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
               straggler=straggler, qk_clip=qk_clip, spike_guard=state.spike_guard, last_saved=state.iteration,
               wgrad_store=wgrad_store, timeline=Timeline(device) if t.log_pipeline_timeline else None,
               closing=closing)
+    run.rerun = RerunMachine.build(cfg.resilience, t, ps, device, state.log, run.jsonl)
     for opened in (run.jsonl, run.tracker, run.saver):
         if opened is not None:
             closing.callback(opened.close)
