@@ -27,6 +27,8 @@ from .optimizer.clip_grads import max_abs
 from .runtime.consistency import check_replicas
 from .runtime.metrics import Timer, perplexity
 from .runtime.rerun import Hooks
+from .runtime.weight_hash import check_weight_hashes
+from .tensor_parallel.param_info import param_info
 from .train_report import log_timers, report
 
 
@@ -380,6 +382,15 @@ def final_checkpoint(run: Run) -> None:
     save_checkpoint(run)
 
 
+def check_weights(run: Run) -> None:
+    """--check-weight-hash-across-dp-replicas-interval: the replicas' weights still equal
+    (runtime/weight_hash.py); the parameters' all-gather of a sharded update is waited for first."""
+    run.dp.finish_param_sync()
+    params = [(n, p, param_info(p).expert_parallel) for n, p in run.state.named_params]
+    check_weight_hashes(params, run.state.ps, run.state.iteration, run.state.device)
+    run.log(f"> iteration {run.state.iteration}: weight hashes match across data-parallel replicas")
+
+
 def train(run: Run) -> None:
     t = run.cfg.training
     if t.exit_signal_handler:  # the process's handler is put back when the run closes
@@ -392,6 +403,8 @@ def train(run: Run) -> None:
             run.closing.callback(gc.enable)  # an in-process caller gets its collector back
         gc.disable()
         gc.collect()
+    if run.cfg.resilience.check_weight_hash_across_dp_replicas_interval:
+        check_weights(run)  # as Megatron-LM: once before the first iteration too
     train_loop(run)
 
 
@@ -424,6 +437,9 @@ def train_loop(run: Run) -> None:
         if t.manual_gc and t.manual_gc_interval and state.iteration % t.manual_gc_interval == 0:
             gc.collect()  # the same iterations on every rank
         state.consumed_samples += out["global_batch_size"]
+        hash_interval = run.cfg.resilience.check_weight_hash_across_dp_replicas_interval
+        if hash_interval and state.iteration % hash_interval == 0:
+            check_weights(run)  # before this iteration's checkpoint can be written
         run.profiler.after_iteration(state.iteration)
         window["iters"] += 1
         window["samples"] += out["global_batch_size"]

@@ -2,7 +2,7 @@
 model_config.yaml files) are accepted as written by pretrain_gpt.py's parsing and validation, each at
 its world size (tools/megatron_configs.py reads them the way Megatron-LM's CI does). A refusal fails
 the test, naming the file and the line, unless it names a capability another piece of work builds
-(FP8, resilience, the fused cross entropy's implementations, the 2026 attention variants): those are
+(FP8, the fused cross entropy's implementations, the 2026 attention variants): those are
 counted apart. Cost: ~15 s (212 validations in one process)."""
 import os
 import sys

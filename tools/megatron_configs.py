@@ -39,9 +39,6 @@ TEST_TYPES = ("regular", "ckpt-resume", "frozen-resume", "frozen-start", "checkp
 OTHER_WORK = {
     **{f: "FP8 training" for f in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather", "--fp8-amax-history-len",
                                    "--fp8-amax-compute-algo", "--first-last-layers-bf16")},
-    **{f: "resilience (re-run state machine, weight-hash checks)" for f in (
-        "--rerun-mode", "--error-injection-rate", "--error-injection-type",
-        "--check-weight-hash-across-dp-replicas-interval")},
     **{f: "the fused cross entropy's implementations" for f in ("--cross-entropy-fusion-impl",)},
     **{f: "the 2026 attention variants (gated DeltaNet, DeepSeek sparse attention)" for f in (
         "--experimental-attention-variant", "--linear-attention-freq", "--linear-conv-kernel-dim",
