@@ -16,6 +16,7 @@ from . import comm, parallel_state
 from .checkpoint.megatron import MegatronSaver
 from .checkpoint.load import load_checkpoint
 from .checkpoint.native import CheckpointSaver, TrainState
+from .checkpoint.non_persistent import NonPersistent
 from .checkpoint.upcycling.load import load_upcycled
 from .context_parallel.attention import set_hierarchy
 from .config import ParallelConfig, RunConfig
@@ -72,6 +73,7 @@ class Run:
     signal_received: list = field(default_factory=lambda: [False])
     spike_guard: SpikeGuard | None = None  # --check-for-spiky-loss / --check-for-large-grads
     rerun: RerunMachine | None = None  # --rerun-mode validate_results / report_stats
+    non_persistent: NonPersistent | None = None  # --non-persistent-ckpt-type
     # with the guard: the checkpoint due after an iteration, written once the next loss is no spike
     pending_save: tuple | None = None  # (iteration, RNG states at its end)
     last_saved: int = -1  # the iteration of the latest checkpoint written by this run
@@ -314,9 +316,14 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     state.log(f"> optimizer: {optimizer.describe()}")
     qk_clip = QKClip.build(model, cfg.optimizer, ps, device, state.log)
     ck = cfg.checkpoint
+    non_persistent = NonPersistent.build(cfg, ps)
     if ck.load:
         monitor.where = "in the checkpoint load"
         state.iteration = _load(state, ck, cfg.training.seed)
+        if non_persistent is not None and not (ck.finetune or ck.moe_use_upcycling):  # the newer of the two
+            state.iteration = non_persistent.resume_if_newer(
+                state, state.iteration, load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng,
+                strictness=ck.dist_ckpt_strictness)
         monitor.where = "at start-up"
     datasets = build_datasets(cfg, model_config.vocab_size)
     # activations between stages: this rank's s/c tokens (CP), split over TP under sequence parallelism
@@ -338,8 +345,9 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
               straggler=straggler, qk_clip=qk_clip, spike_guard=state.spike_guard, last_saved=state.iteration,
               wgrad_store=wgrad_store, timeline=Timeline(device) if t.log_pipeline_timeline else None,
               closing=closing)
+    run.non_persistent = non_persistent
     run.rerun = RerunMachine.build(cfg.resilience, t, ps, device, state.log, run.jsonl)
-    for opened in (run.jsonl, run.tracker, run.saver):
+    for opened in (run.jsonl, run.tracker, run.saver, run.non_persistent):
         if opened is not None:
             closing.callback(opened.close)
     closing.callback(run.profiler.stop)

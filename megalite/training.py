@@ -460,6 +460,9 @@ def train_loop(run: Run) -> None:
             run.saver.finalize(blocking=False)
             if run.cfg.checkpoint.save_interval and state.iteration % run.cfg.checkpoint.save_interval == 0:
                 checkpoint_due(run)
+        if run.non_persistent is not None and run.non_persistent.due(state.iteration) \
+                and run.last_saved != state.iteration:  # (a persistent save of this iteration holds it)
+            run.non_persistent.save(state, state.iteration)
         reason = exit_reason(run, start_time)
     run.profiler.stop()
     # --overlap-param-gather: the last step's gathers would otherwise be left in flight (stale

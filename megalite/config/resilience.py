@@ -37,6 +37,38 @@ class ResilienceConfig:
         "and the parameters and stops the run before any checkpoint of it", type=int,
         check=(lambda v: v >= 1, ">= 1"))
 
+    # non-persistent checkpoints (checkpoint/native/local.py): the latest state, for this job's next restart
+    non_persistent_save_interval: int | None = flag(
+        "--non-persistent-save-interval", None, "iterations between non-persistent saves (with "
+        "--non-persistent-ckpt-type); a resume with --load takes the newest of the persistent and non-persistent "
+        "checkpoints", type=int, check=(lambda v: v >= 1, ">= 1"))
+    non_persistent_ckpt_type: str | None = flag(
+        "--non-persistent-ckpt-type", None, "global: a full checkpoint under --non-persistent-global-ckpt-dir (default "
+        "<--save>/non_persistent), only the latest kept; local: each rank's own state in its own directory under "
+        "--non-persistent-local-ckpt-dir (node-local storage), same layout only, with --replication copies on peers; "
+        "in_memory is refused (it needs in-process restart, not built)", choices=["global", "local", "in_memory"])
+    non_persistent_global_ckpt_dir: str | None = flag(
+        "--non-persistent-global-ckpt-dir", None, "where --non-persistent-ckpt-type global saves (default "
+        "<--save>/non_persistent)", type=str)
+    non_persistent_local_ckpt_dir: str | None = flag(
+        "--non-persistent-local-ckpt-dir", None, "where --non-persistent-ckpt-type local saves: rank_RRRRR/ "
+        "below it for each rank (a node-local path)", type=str)
+    non_persistent_local_ckpt_algo: str = flag(
+        "--non-persistent-local-ckpt-algo", "fully_parallel", "Megatron-LM's choice of local saving strategy; "
+        "megalite's local save is one file per rank written atomically either way (a notice)",
+        choices=["fully_parallel", "atomic"])
+    replication: bool = flag(
+        "--replication", False, "with --non-persistent-ckpt-type local: each rank's local checkpoint is also "
+        "written by the other --replication-factor - 1 ranks of its group, --replication-jump ranks apart",
+        action="store_true")
+    replication_jump: int | None = flag(
+        "--replication-jump", None, "J: the ranks n, n+J, ..., n+(F-1)J (in blocks of J x F) hold each other's local "
+        "checkpoints (J = ranks per node puts every copy on another node)", type=int,
+        check=(lambda v: v >= 1, ">= 1"))
+    replication_factor: int = flag(
+        "--replication-factor", 2, "F: the ranks holding each local checkpoint (its own and F - 1 copies)",
+        check=(lambda v: v >= 2, ">= 2"))
+
     @property
     def validates(self) -> bool:
         return self.rerun_mode != "disabled"
