@@ -1,7 +1,10 @@
 """The re-run state machine's flags and the weight-hash check: each only where it acts."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 from ..config import RunConfig
+from ..config.resilience import INPROCESS
 from ..config.sharding import get_strategy
 from .errors import fail
 
@@ -9,6 +12,9 @@ from .errors import fail
 def check_resilience(c: RunConfig) -> None:
     """A setting that would change nothing is refused, not ignored (runtime/rerun.py, weight_hash.py)."""
     r, t = c.resilience, c.training
+    inprocess = [f.name for f in fields(r) if f.name.startswith("inprocess_") and getattr(r, f.name) not in (None, False)]
+    if inprocess:
+        fail(f"--{inprocess[0].replace('_', '-')} is not supported: {INPROCESS}")
     check_non_persistent(c)
     if r.error_injection_rate and r.rerun_mode != "validate_results":
         fail(f"--error-injection-rate needs --rerun-mode validate_results (this run: {r.rerun_mode}): only result "

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from .fields import flag
 
 
+INPROCESS = ("in-process restart (surviving ranks rebuilding their process groups with a replacement, restored "
+             "from in-memory copies) is not built yet; restart with torchrun --max-restarts and resume from "
+             "--non-persistent-ckpt-type local checkpoints (docs/operations.md)")
+
+
 @dataclass
 class ResilienceConfig:
     """Result validation by re-running an iteration, and silent-corruption checks (docs/operations.md)"""
@@ -69,9 +74,39 @@ class ResilienceConfig:
         "--replication-factor", 2, "F: the ranks holding each local checkpoint (its own and F - 1 copies)",
         check=(lambda v: v >= 2, ">= 2"))
 
+    # Megatron-LM's in-process restart (nvidia-resiliency-ext's Wrapper): not built, each flag refused
+    inprocess_restart: bool = flag("--inprocess-restart", False, "refused: " + INPROCESS, action="store_true")
+    inprocess_max_iterations: int | None = flag("--inprocess-max-iterations", None, "refused: " + INPROCESS, type=int)
+    inprocess_monitor_thread_interval: float | None = flag("--inprocess-monitor-thread-interval", None,
+                                                           "refused: " + INPROCESS, type=float)
+    inprocess_monitor_process_interval: float | None = flag("--inprocess-monitor-process-interval", None,
+                                                            "refused: " + INPROCESS, type=float)
+    inprocess_progress_watchdog_interval: float | None = flag("--inprocess-progress-watchdog-interval", None,
+                                                              "refused: " + INPROCESS, type=float)
+    inprocess_heartbeat_interval: float | None = flag("--inprocess-heartbeat-interval", None, "refused: " + INPROCESS,
+                                                      type=float)
+    inprocess_soft_timeout: float | None = flag("--inprocess-soft-timeout", None, "refused: " + INPROCESS, type=float)
+    inprocess_hard_timeout: float | None = flag("--inprocess-hard-timeout", None, "refused: " + INPROCESS, type=float)
+    inprocess_heartbeat_timeout: float | None = flag("--inprocess-heartbeat-timeout", None, "refused: " + INPROCESS,
+                                                     type=float)
+    inprocess_barrier_timeout: float | None = flag("--inprocess-barrier-timeout", None, "refused: " + INPROCESS,
+                                                   type=float)
+    inprocess_completion_timeout: float | None = flag("--inprocess-completion-timeout", None, "refused: " + INPROCESS,
+                                                      type=float)
+    inprocess_last_call_wait: float | None = flag("--inprocess-last-call-wait", None, "refused: " + INPROCESS,
+                                                  type=float)
+    inprocess_termination_grace_time: float | None = flag("--inprocess-termination-grace-time", None,
+                                                          "refused: " + INPROCESS, type=float)
+    inprocess_granularity: str | None = flag("--inprocess-granularity", None, "refused: " + INPROCESS,
+                                             choices=["node", "rank"])
+    inprocess_active_world_size: int | None = flag("--inprocess-active-world-size", None, "refused: " + INPROCESS,
+                                                   type=int)
+    inprocess_empty_cuda_cache: bool = flag("--inprocess-empty-cuda-cache", False, "refused: " + INPROCESS,
+                                            action="store_true")
+
     @property
     def validates(self) -> bool:
         return self.rerun_mode != "disabled"
 
 
-__all__ = ["ResilienceConfig"]
+__all__ = ["INPROCESS", "ResilienceConfig"]
