@@ -17,6 +17,7 @@ from .checkpoint.megatron import MegatronSaver
 from .checkpoint.load import load_checkpoint
 from .checkpoint.native import CheckpointSaver, TrainState
 from .checkpoint.non_persistent import NonPersistent
+from .checkpoint.paths import read_tracker
 from .checkpoint.upcycling.load import load_upcycled
 from .context_parallel.attention import set_hierarchy
 from .config import ParallelConfig, RunConfig
@@ -319,11 +320,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     non_persistent = NonPersistent.build(cfg, ps)
     if ck.load:
         monitor.where = "in the checkpoint load"
-        state.iteration = _load(state, ck, cfg.training.seed)
-        if non_persistent is not None and not (ck.finetune or ck.moe_use_upcycling):  # the newer of the two
-            state.iteration = non_persistent.resume_if_newer(
-                state, state.iteration, load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng,
-                strictness=ck.dist_ckpt_strictness)
+        state.iteration = _load(state, ck, cfg.training.seed, non_persistent)
         monitor.where = "at start-up"
     datasets = build_datasets(cfg, model_config.vocab_size)
     # activations between stages: this rank's s/c tokens (CP), split over TP under sequence parallelism
@@ -360,8 +357,14 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     return run
 
 
-def _load(state: TrainState, ck, seed: int) -> int:
-    """The checkpoint under --load into `state`; the iteration the run continues from."""
+def _load(state: TrainState, ck, seed: int, non_persistent: NonPersistent | None = None) -> int:
+    """The checkpoint under --load into `state`, or a newer non-persistent one (only the newer of
+    the two is read); the iteration the run continues from."""
+    if non_persistent is not None and not (ck.finetune or ck.moe_use_upcycling):
+        newer = non_persistent.newer(read_tracker(ck.load) or 0)
+        if newer is not None:
+            return non_persistent.load(state, newer, load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng,
+                                       strictness=ck.dist_ckpt_strictness)
     if ck.moe_use_upcycling:  # a dense checkpoint into this MoE model (checkpoint/upcycling/load.py)
         return load_upcycled(state, ck.load, ck.moe_upcycling_granularity, seed, finetune=ck.finetune,
                              load_rng=not ck.no_load_rng)

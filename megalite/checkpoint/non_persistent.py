@@ -54,17 +54,22 @@ class NonPersistent:
                 if re.fullmatch(r"iter_\d{7}", name) and int(name[5:]) != iteration:
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
-    def resume_if_newer(self, ts: TrainState, persistent: int, **load_args) -> int:
-        """The iteration the run continues from: the non-persistent checkpoint's where it is newer
-        than the persistent one (`persistent`, already loaded into `ts`)."""
+    def newer(self, persistent: int) -> tuple | None:
+        """The non-persistent checkpoint to resume from where it is newer than the persistent one
+        (iteration `persistent`), before either is read: (iteration, where), or None. A collective
+        for local checkpoints (which rank holds which state)."""
         if self.kind == "global":
             latest = read_tracker(self.root) if os.path.isdir(self.root) else None
-            if latest is None or latest <= persistent:
-                return persistent
-            ts.log(f"> the non-persistent checkpoint (iteration {latest}) is newer than --load's ({persistent})")
+            return (latest, None) if latest is not None and latest > persistent else None
+        found = self.local.newest()
+        return found if found is not None and found[0] > persistent else None
+
+    def load(self, ts: TrainState, found: tuple, **load_args) -> int:
+        """Resume from `newer`'s answer; returns the iteration."""
+        if self.kind == "global":
+            ts.log(f"> the non-persistent checkpoint (iteration {found[0]}) is newer than --load's")
             return load_checkpoint(ts, self.root, **load_args)
-        it = self.local.resume_newer(ts, persistent)
-        return persistent if it is None else it
+        return self.local.restore(ts, *found)
 
     def close(self) -> None:
         if self.kind == "global":

@@ -13,7 +13,7 @@ replication strategy), the ranks form groups of --replication-factor ranks --rep
 apart ({n, n+J, ..., n+(F-1)J} in blocks of J·F ranks: with J the ranks per node, every copy is on
 another node); each rank also writes the states of its group's other members, sent to it point to
 point at the save. A resume takes, for each rank, its own file or a group member's copy of it (sent
-back to it), at the newest iteration every rank can get (`resume_newer`).
+back to it), at the newest iteration every rank can get (`newest`, `restore`).
 """
 from __future__ import annotations
 
@@ -153,22 +153,23 @@ class LocalCheckpointer:
             return None, []
         return it, [r for r in self.group if os.path.isfile(self._file(it, r))]
 
-    def resume_newer(self, ts: TrainState, newer_than: int) -> int | None:
-        """Restore every rank from the newest iteration whose states are all held somewhere (each
-        from its own file, or sent by a group member holding a copy), if it is newer than
-        `newer_than`; its iteration, or None (nothing restored)."""
+    def newest(self) -> tuple[int, dict] | None:
+        """The newest iteration whose states are all held somewhere (one small all-gather), and for
+        each rank who supplies its state (itself, or a group member holding a copy); None: none."""
         everyone = comm.all_gather_object(self.held(), comm.world_group())
         holders = {}  # (owner, iteration) -> the ranks holding that state
         for rank, (it, owners) in enumerate(everyone):
             for owner in owners:
                 holders.setdefault((owner, it), []).append(rank)
         common = set.intersection(*({it for (o, it) in holders if o == r} for r in range(self.ps.world_size)))
-        if not common or max(common) <= newer_than:
+        if not common:
             return None
         it = max(common)
-        source = {r: (r if r in holders[(r, it)] else min(holders[(r, it)])) for r in range(self.ps.world_size)}
-        blob = self._fetch(it, source)
-        tensors, values = from_bytes(blob)
+        return it, {r: (r if r in holders[(r, it)] else min(holders[(r, it)])) for r in range(self.ps.world_size)}
+
+    def restore(self, ts: TrainState, it: int, source: dict) -> int:
+        """Every rank's state of iteration `it` put back (`newest`'s answer); returns `it`."""
+        tensors, values = from_bytes(self._fetch(it, source))
         if not fits(ts, values):
             raise CheckpointError(f"{self._file(it, self.ps.rank)}: a local checkpoint of another layout or model; "
                                   "local checkpoints resume the same job only (drop the directory to start from "
