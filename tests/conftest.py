@@ -121,7 +121,9 @@ FILE_SECONDS = {"test_compile.py": 150, "test_layouts_gpt_oss.py": 125, "test_me
                 "test_cp_comm_types.py": 35, "test_bad_input.py": 35, "test_memory_wall.py": 20,
                 # Megatron-LM's configurations: 212 validations, then 3 shrunk trainings of 4 ranks
                 # (measured ~175 s with another job running; ~100 s alone estimated)
-                "test_megatron_configs.py": 100, "test_megatron_config_flags.py": 20}
+                "test_megatron_configs.py": 100, "test_megatron_config_flags.py": 20,
+                # resilience (issue 42): estimated from their wall time on the shared machine
+                "test_rerun.py": 45, "test_non_persistent.py": 40, "test_weight_hash.py": 20}
 
 
 def _heaviest_files_first(items):
