@@ -28,11 +28,10 @@ from safetensors.torch import load as st_load, save as st_save
 
 from ... import comm
 from ...errors import CheckpointError, InputError
-from ..paths import iteration_dir, read_tracker
+from ..paths import TRACKER, iteration_dir, read_tracker
 from .save import _write_text_atomic
 from .state import TrainState, rng_state, set_rng_state
 
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def replication_groups(world: int, jump: int, factor: int) -> list[list[int]]:
