@@ -197,7 +197,9 @@ CASES = [
     ("tokenizer-type-unknown", "pretrain_gpt.py", MOCK + ["--tokenizer-type", "BertWordPieceLowerCase"], "--tokenizer-type"),
     ("null-tokenizer-no-vocab", "pretrain_gpt.py", ["--mock-data", "--tokenizer-type", "NullTokenizer"] + TINY,
      "NullTokenizer needs --vocab-size"),
-    ("vocab-file-without-type", "pretrain_gpt.py", MOCK + ["--vocab-file", "vocab.json"], "--vocab-file"),
+    # Megatron-LM's default --tokenizer-type GPT2BPETokenizer reads a vocabulary and merges
+    ("vocab-file-without-merge-file", "pretrain_gpt.py", MOCK + ["--vocab-file", "vocab.json"],
+     "GPT2BPETokenizer needs --merge-file"),
     ("merge-file-for-sentencepiece", "pretrain_gpt.py",
      ["--data-path", "data/good_text_document", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
       "garbage.model", "--merge-file", "merges.txt"] + TINY, "--merge-file is not read by"),

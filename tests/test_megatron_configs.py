@@ -2,7 +2,7 @@
 model_config.yaml files) are accepted as written by pretrain_gpt.py's parsing and validation, each at
 its world size (tools/megatron_configs.py reads them the way Megatron-LM's CI does). A refusal fails
 the test, naming the file and the line, unless it names a capability another piece of work builds
-(FP8, the fused cross entropy's implementations, the 2026 attention variants): those are
+(FP8, the 2026 attention variants): those are
 counted apart. Cost: ~15 s (212 validations in one process)."""
 import os
 import sys
@@ -31,13 +31,20 @@ def test_the_folder_holds_megatron_lm_configurations(outcomes):
 
 
 def test_every_configuration_is_accepted_as_written(outcomes):
-    refused = {name: why for name, (_, _, why) in outcomes.items() if why and not mc.other_work(why)}
-    others = {name: mc.other_work(why) for name, (_, _, why) in outcomes.items() if why and mc.other_work(why)}
-    accepted = len(outcomes) - len(refused) - len(others)
-    print(f"\n{accepted} accepted, {len(others)} refused for capabilities other work builds, {len(refused)} refused")
-    for what in sorted(set(others.values())):
-        print(f"  {sum(v == what for v in others.values())} need {what}")
+    whys = {name: why for name, (_, _, why) in outcomes.items() if why}
+    others = {name: mc.other_work(why) for name, why in whys.items() if mc.other_work(why)}
+    not_built = {name: mc.other_work(why, mc.NOT_BUILT) for name, why in whys.items()
+                 if name not in others and mc.other_work(why, mc.NOT_BUILT)}
+    refused = {name: why for name, why in whys.items() if name not in others and name not in not_built}
+    accepted = len(outcomes) - len(whys)
+    print(f"\n{accepted} accepted, {len(others)} refused for capabilities other work builds, "
+          f"{len(not_built)} for capabilities megalite does not build, {len(refused)} refused otherwise")
+    for what in sorted(set(others.values()) | set(not_built.values())):
+        print(f"  {sum(v == what for v in [*others.values(), *not_built.values()])} need {what}")
     assert not refused, "\n".join(f"{name}: {why}" for name, why in sorted(refused.items()))
+    # the issue's bar: at least 200 of the 212 as written once the other work lands; µP and
+    # distillation stay refused in one line each
+    assert len(not_built) <= 12, sorted(not_built)
 
 
 def test_ci_command_line_rules():
@@ -46,7 +53,8 @@ def test_ci_command_line_rules():
     assert argv == ["--bf16", "--recompute-modules", "layernorm", "mlp", "--moe-layer-freq", "([0]*1+[1]*3)",
                     "--step-batch-size-schedule", "0:384 200B:768", "--lr", "0.0003", "--data-path", "${DATA_PATH}/x"]
     assert mc.substitute(argv[-1:], {"DATA_PATH": "/d"}) == ["/d/x"]
-    assert mc.other_work("unrecognized arguments: --cross-entropy-fusion-impl native")
+    assert mc.other_work("unrecognized arguments: --experimental-attention-variant gdn")
+    assert mc.other_work("--use-mup is not supported: µP is not built", mc.NOT_BUILT)
     assert mc.other_work("--fp8-format is not built") and not mc.other_work("--fp8-formatx is unknown")
 
 

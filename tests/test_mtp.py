@@ -124,7 +124,7 @@ def test_layout_parses_megatron_strings_into_stage_layers():
     ("Etm|tL", ["--mtp-num-layers", "1"], "the MTP layers (m) sit on the last stage"),
     ("Et|mtL", ["--mtp-num-layers", "1"], "the MTP layers (m) sit on the last stage"),
     ("Ex|tL", [], "unknown symbol(s) x"),
-    ("Et|tL", ["--num-layers-per-virtual-pipeline-stage", "1"], "conflicts with --num-layers-per-virtual"),
+    ("Et|tL", ["--num-layers-per-virtual-pipeline-stage", "1"], "both set the virtual stages"),
     ("Et|tL", ["--pipeline-model-parallel-size", "1"], "virtual stages need --pipeline-model-parallel-size >= 2"),
 ])
 def test_layout_refusals_name_the_flag_in_one_line(layout, extra, message, monkeypatch):

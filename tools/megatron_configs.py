@@ -39,12 +39,20 @@ TEST_TYPES = ("regular", "ckpt-resume", "frozen-resume", "frozen-start", "checkp
 OTHER_WORK = {
     **{f: "FP8 training" for f in ("--fp8-format", "--fp8-recipe", "--fp8-param-gather", "--fp8-amax-history-len",
                                    "--fp8-amax-compute-algo", "--first-last-layers-bf16")},
-    **{f: "the fused cross entropy's implementations" for f in ("--cross-entropy-fusion-impl",)},
     **{f: "the 2026 attention variants (gated DeltaNet, DeepSeek sparse attention)" for f in (
         "--experimental-attention-variant", "--linear-attention-freq", "--linear-conv-kernel-dim",
         "--linear-key-head-dim", "--linear-value-head-dim", "--linear-num-key-heads", "--linear-num-value-heads",
         "--attention-output-gate", "--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk",
         "--dsa-indexer-loss-coeff")},
+}
+
+# capabilities megalite does not build (each refused naming it): flag -> that capability, in words
+NOT_BUILT = {
+    "--use-mup": "µP (the Maximal Update Parametrization)",
+    "--mup-base-hidden-size": "µP (the Maximal Update Parametrization)",
+    "--export-te-mcore-model": "knowledge distillation (ModelOpt)",
+    "--export-kd-teacher-load": "knowledge distillation (ModelOpt)",
+    "--export-kd-cfg": "knowledge distillation (ModelOpt)",
 }
 
 
@@ -169,14 +177,15 @@ def validate_run(run: Run, paths: dict[str, str]):
         return None, lines[-1] if lines else "argument parsing failed"
 
 
-def other_work(refusal: str) -> str | None:
-    """The capability another piece of work builds that a refusal is about, if any: every flag of
-    argparse's "unrecognized arguments" is one of OTHER_WORK's, or validation's line starts with one."""
+def other_work(refusal: str, table: dict = OTHER_WORK) -> str | None:
+    """The capability another piece of work builds (or, with table=NOT_BUILT, one megalite does not
+    build) that a refusal is about, if any: every flag of argparse's "unrecognized arguments" is one
+    of the table's, or validation's line starts with one."""
     text = refusal.split(": ", 1)[1] if refusal.startswith("MODEL_ARGS") else refusal
     unknown = re.match(r"unrecognized arguments: (.*?)(;|\(see|$)", text)
     names = [a for a in unknown.group(1).split() if a.startswith("--")] if unknown else \
         re.findall(r"^(--[\w-]+)", text)
-    whats = {OTHER_WORK.get(n) for n in names}
+    whats = {table.get(n) for n in names}
     return whats.pop() if len(whats) == 1 and None not in whats else (
         sorted(whats)[0] if names and None not in whats else None)
 

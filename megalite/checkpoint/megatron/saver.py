@@ -35,6 +35,7 @@ from ... import comm
 from ...errors import CheckpointError
 from ...model.init import global_shape
 from ...tensor_parallel.param_info import param_info
+from ..native.save import writers_done
 from ..native.state import STATE_KINDS, TrainState, owned_pieces, rng_state, shard_layout
 from ..paths import TRACKER, iteration_dir, read_tracker, retire_previous, write_integrity
 from .export import LINEARS, megatron_args
@@ -216,11 +217,8 @@ class MegatronSaver:
         if self.pending is None:
             return
         iteration, thread, train_state, common, start = self.pending
-        if not blocking:
-            done = torch.tensor([0.0 if thread.is_alive() else 1.0], device=train_state.device)
-            comm.all_reduce(done, comm.world_group(), op=torch.distributed.ReduceOp.MIN)
-            if done.item() < 1.0:
-                return
+        if not blocking and not writers_done(thread, train_state.device):
+            return
         thread.join()
         self.pending = None
         if isinstance(self.result, BaseException):

@@ -126,6 +126,14 @@ def publish(root: str, iteration: int, retain_interval: int | None = None) -> in
     return retire_previous(root, previous, iteration, retain_interval)
 
 
+
+def writers_done(thread, device) -> bool:
+    """Whether every rank's background writer has finished: one small all-reduce (MIN), so that
+    all ranks decide alike whether to publish now."""
+    done = torch.tensor([0.0 if thread.is_alive() else 1.0], device=device)
+    comm.all_reduce(done, comm.world_group(), op=torch.distributed.ReduceOp.MIN)
+    return done.item() >= 1.0
+
 class CheckpointSaver:
     """Synchronous or asynchronous (--async-save) atomic saves."""
 
@@ -204,11 +212,8 @@ class CheckpointSaver:
             return
         iteration, thread = self.pending
         train_state = self.train_state
-        if not blocking:
-            done = torch.tensor([0.0 if thread.is_alive() else 1.0], device=train_state.device)
-            comm.all_reduce(done, comm.world_group(), op=torch.distributed.ReduceOp.MIN)
-            if done.item() < 1.0:
-                return
+        if not blocking and not writers_done(thread, train_state.device):
+            return
         thread.join()
         if self.error is not None:
             raise CheckpointError(f"background save of iteration {iteration} failed: {self.error}") from self.error
