@@ -16,6 +16,8 @@ from . import comm, parallel_state
 from .checkpoint.megatron import MegatronSaver
 from .checkpoint.load import load_checkpoint
 from .checkpoint.native import CheckpointSaver, TrainState
+from .checkpoint.non_persistent import NonPersistent
+from .checkpoint.paths import read_tracker
 from .checkpoint.upcycling.load import load_upcycled
 from .context_parallel.attention import set_hierarchy
 from .config import ParallelConfig, RunConfig
@@ -37,6 +39,7 @@ from .runtime.cpu import lean_malloc, steady_malloc
 from .runtime.metrics import JsonlWriter, peak_tflops
 from .runtime.monitor import CommMonitor
 from .runtime.profiling import Profiler
+from .runtime.rerun import RerunMachine
 from .runtime.spikes import SpikeGuard
 from .runtime.straggler import StragglerDetector
 from .runtime.timers import Timers
@@ -73,6 +76,8 @@ class Run:
     fp8: FP8Context | None = None  # --fp8-format: the recipe, delayed scaling's history (megalite/fp8/)
     signal_received: list = field(default_factory=lambda: [False])
     spike_guard: SpikeGuard | None = None  # --check-for-spiky-loss / --check-for-large-grads
+    rerun: RerunMachine | None = None  # --rerun-mode validate_results / report_stats
+    non_persistent: NonPersistent | None = None  # --non-persistent-ckpt-type
     # with the guard: the checkpoint due after an iteration, written once the next loss is no spike
     pending_save: tuple | None = None  # (iteration, RNG states at its end)
     last_saved: int = -1  # the iteration of the latest checkpoint written by this run
@@ -316,9 +321,10 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     state.log(f"> optimizer: {optimizer.describe()}")
     qk_clip = QKClip.build(model, cfg.optimizer, ps, device, state.log)
     ck = cfg.checkpoint
+    non_persistent = NonPersistent.build(cfg, ps)
     if ck.load:
         monitor.where = "in the checkpoint load"
-        state.iteration = _load(state, ck, cfg.training.seed)
+        state.iteration = _load(state, ck, cfg.training.seed, non_persistent)
         monitor.where = "at start-up"
     datasets = build_datasets(cfg, model_config.vocab_size)
     # activations between stages: this rank's s/c tokens (CP), split over TP under sequence parallelism
@@ -340,7 +346,9 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
               straggler=straggler, qk_clip=qk_clip, spike_guard=state.spike_guard, last_saved=state.iteration,
               wgrad_store=wgrad_store, timeline=Timeline(device) if t.log_pipeline_timeline else None,
               fp8=fp8, closing=closing)
-    for opened in (run.jsonl, run.tracker, run.saver):
+    run.non_persistent = non_persistent
+    run.rerun = RerunMachine.build(cfg.resilience, t, ps, device, state.log, run.jsonl)
+    for opened in (run.jsonl, run.tracker, run.saver, run.non_persistent):
         if opened is not None:
             closing.callback(opened.close)
     closing.callback(run.profiler.stop)
@@ -353,8 +361,14 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     return run
 
 
-def _load(state: TrainState, ck, seed: int) -> int:
-    """The checkpoint under --load into `state`; the iteration the run continues from."""
+def _load(state: TrainState, ck, seed: int, non_persistent: NonPersistent | None = None) -> int:
+    """The checkpoint under --load into `state`, or a newer non-persistent one (only the newer of
+    the two is read); the iteration the run continues from."""
+    if non_persistent is not None and not (ck.finetune or ck.moe_use_upcycling):
+        newer = non_persistent.newer(read_tracker(ck.load) or 0)
+        if newer is not None:
+            return non_persistent.load(state, newer, load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng,
+                                       strictness=ck.dist_ckpt_strictness)
     if ck.moe_use_upcycling:  # a dense checkpoint into this MoE model (checkpoint/upcycling/load.py)
         return load_upcycled(state, ck.load, ck.moe_upcycling_granularity, seed, finetune=ck.finetune,
                              load_rng=not ck.no_load_rng)

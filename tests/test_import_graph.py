@@ -74,7 +74,7 @@ FLOORS = [
     ["checkpoint.megatron"],  # reads through native's pieces; streams to hf
     ["checkpoint.files"],  # the up-front checks of any format (torch-free until a format needs it)
     ["checkpoint.load"],  # opens any format
-    ["checkpoint.offline", "checkpoint.upcycling"],
+    ["checkpoint.offline", "checkpoint.upcycling", "checkpoint.non_persistent"],
     ["planning", "arguments", "generation"],
     ["initialize", "launch"],
     ["dry_run", "train_report"],

@@ -2,9 +2,9 @@
 model_config.yaml files) are accepted as written by pretrain_gpt.py's parsing and validation, each at
 its world size (tools/megatron_configs.py reads them the way Megatron-LM's CI does). A refusal fails
 the test, naming the file and the line, unless it names a capability another piece of work builds
-(resilience, the 2026 attention variants): those are
-counted apart. The FP8 configurations (through torchao) are accepted. Cost: ~15 s (212 validations in
-one process)."""
+(the 2026 attention variants): those are
+counted apart. The FP8 configurations (through torchao) and the resilience ones are accepted. Cost: ~15 s
+(212 validations in one process)."""
 import os
 import sys
 
@@ -54,7 +54,7 @@ def test_ci_command_line_rules():
     assert argv == ["--bf16", "--recompute-modules", "layernorm", "mlp", "--moe-layer-freq", "([0]*1+[1]*3)",
                     "--step-batch-size-schedule", "0:384 200B:768", "--lr", "0.0003", "--data-path", "${DATA_PATH}/x"]
     assert mc.substitute(argv[-1:], {"DATA_PATH": "/d"}) == ["/d/x"]
-    assert mc.other_work("unrecognized arguments: --rerun-mode disabled")
+    assert mc.other_work("unrecognized arguments: --experimental-attention-variant gdn")
     assert mc.other_work("--use-mup is not supported: µP is not built", mc.NOT_BUILT)
     assert mc.other_work("--rerun-mode is not built") and not mc.other_work("--rerun-modex is unknown")
 

@@ -37,9 +37,6 @@ TEST_TYPES = ("regular", "ckpt-resume", "frozen-resume", "frozen-start", "checkp
 
 # flags whose capability another piece of work builds: flag -> that capability, in words
 OTHER_WORK = {
-    **{f: "resilience (re-run state machine, weight-hash checks)" for f in (
-        "--rerun-mode", "--error-injection-rate", "--error-injection-type",
-        "--check-weight-hash-across-dp-replicas-interval")},
     **{f: "the 2026 attention variants (gated DeltaNet, DeepSeek sparse attention)" for f in (
         "--experimental-attention-variant", "--linear-attention-freq", "--linear-conv-kernel-dim",
         "--linear-key-head-dim", "--linear-value-head-dim", "--linear-num-key-heads", "--linear-num-value-heads",

@@ -31,6 +31,7 @@ from .data import check_data
 from .errors import fail, flag
 from .fsdp import check_fsdp
 from .pipeline_split import apply_pipeline_split
+from .resilience import check_resilience
 from .context_parallel import check_cp_comm_type
 from .fp8 import check_fp8
 from .model import check_attention_backend, check_context_parallel, check_model_shape, check_precision, \
@@ -67,6 +68,7 @@ def validate(config: RunConfig, world_size: int | None = None, check_files: bool
     check_optimizer_precision(c)
     check_fp8(c)
     check_qk_clip(c)
+    check_resilience(c)
     _check_operations(c)
     _check_outputs(c)
     check_upcycling(c, check_files)
@@ -103,9 +105,6 @@ def _check_refused(c: RunConfig) -> None:
         fail(f"--no-position-embedding is deprecated, use --position-embedding-type (Megatron-LM accepts it only "
              f"with rope, not {c.model.position_embedding_type})")
     _kernel_notices(c)
-    if m.rerun_mode not in (None, "disabled"):
-        fail(f"--rerun-mode {m.rerun_mode} is not supported: Megatron-LM's resilience machinery (the re-run state "
-             f"machine) is not built yet (give disabled, or drop the flag)")
 
 
 def _check_ckpt_format(c: RunConfig) -> None:

@@ -9,10 +9,12 @@ from .kernels import ATTENTION_BACKENDS, KernelConfig
 from .megatron import MegatronCompatConfig
 from .optimizer import OptimizerConfig
 from .parallel import SHARDING_STRATEGIES, DDPConfig, ParallelConfig, RecomputeConfig
+from .resilience import ResilienceConfig
 from .run import CONFIG_VERSION, SECTIONS, RunConfig, from_saved
 from .training import CheckpointConfig, TrackingConfig, TrainingConfig
 
 __all__ = ["ATTENTION_BACKENDS", "CONFIG_VERSION", "DEFAULT_SPLIT", "SECTIONS", "SHARDING_STRATEGIES",
-           "CheckpointConfig", "DDPConfig", "DataConfig", "FP8Config", "KernelConfig", "MegatronCompatConfig", "OptimizerConfig",
-           "ParallelConfig", "RecomputeConfig", "RunConfig", "TokenizerConfig", "TrackingConfig", "TrainingConfig",
+           "CheckpointConfig", "DDPConfig", "DataConfig", "FP8Config", "KernelConfig", "MegatronCompatConfig",
+           "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "ResilienceConfig", "RunConfig", "TokenizerConfig",
+           "TrackingConfig", "TrainingConfig",
            "from_saved"]

@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from .fields import flag
 
 _NOOP = "accepted, changes nothing: "
-_RERUN = ("Megatron-LM's resilience machinery (the re-run state machine, error injection, weight-hash checks) is not "
-          "built yet")
 _ATTN = "the 2026 attention variants (gated DeltaNet, DeepSeek sparse attention) are not built yet"
 _KD = "knowledge distillation (Megatron-LM's ModelOpt teacher and KD losses) is not built"
 _MUP = ("the Maximal Update Parametrization (µP: width-scaled initialisation, learning rates, Adam epsilon, 1/d "
@@ -63,21 +61,12 @@ class MegatronCompatConfig:
         "--auto-detect-ckpt-format", False, _NOOP + "megalite always detects the format of --load: its own and "
         "Megatron-LM's torch_dist are read, Megatron-LM's torch and zarr checkpoints are named and refused",
         action="store_true")
-    rerun_mode: str | None = flag("--rerun-mode", None, "disabled is accepted; megalite has no re-run state machine, "
-                                  "so the others are refused", choices=["disabled", "validate_results",
-                                                                        "report_stats"])
     ckpt_format: str | None = flag(
         "--ckpt-format", None, "the format --save writes: megalite's own (the default: per-rank shards, loadable on "
         "any layout, optimizer state included) or torch_dist, Megatron-LM's (weights, iteration, consumed samples, "
         "LR schedule; megatron-core's dist_checkpointing.load reads it). --load reads either whatever this flag says; "
         "torch, zarr, torch_dcp and fsdp_dtensor are refused",
         choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"])
-    # Megatron-LM's resilience machinery: not built yet (PENDING says what is missing)
-    error_injection_rate: int | None = flag("--error-injection-rate", None, "refused: " + _RERUN, type=int)
-    error_injection_type: str | None = flag("--error-injection-type", None, "refused: " + _RERUN,
-                                            choices=["correct_result", "transient_error", "persistent_error"])
-    check_weight_hash_across_dp_replicas_interval: int | None = flag(
-        "--check-weight-hash-across-dp-replicas-interval", None, "refused: " + _RERUN, type=int)
     # the 2026 attention variants (gated DeltaNet, DeepSeek sparse attention): not built yet
     experimental_attention_variant: str | None = flag("--experimental-attention-variant", None, "refused: " + _ATTN,
                                                       choices=["gdn", "gdn2", "dsa", "gated_delta_net"])
@@ -194,8 +183,6 @@ SCHEDULE_NOTICES = {
 # the fields refused whenever they are set (to anything but their default): field -> what is
 # missing (the capability other work builds, or that megalite does not have)
 PENDING = {
-    **dict.fromkeys(("error_injection_rate", "error_injection_type", "check_weight_hash_across_dp_replicas_interval"),
-                    _RERUN),
     **dict.fromkeys(("experimental_attention_variant", "linear_attention_freq", "linear_conv_kernel_dim",
                      "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
                      "attention_output_gate", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
