@@ -42,6 +42,7 @@ from .distributed import DataParallel
 from .distributed.expert_data_parallel import build_data_parallel
 from .initialize import build_model, initialize_distributed, resolve_vocab
 from .model import ExecutionConfig
+from .model.fp8 import attach_fp8
 from .optimizer import build_optimizer
 from .pipeline_parallel import get_schedule
 from .pipeline_parallel.p2p import PipeComm
@@ -191,6 +192,7 @@ def _dry_run(cfg: RunConfig, rank: int | None) -> DryRunReport:
     optimizer = build_optimizer(named, cfg.optimizer, dp, ps)
     store = WgradStore() if cfg.parallel.delay_wgrad_compute else None  # zb_h1 / zbv: the split backward
     wgrad_attach(model, store)
+    fp8 = attach_fp8(model, cfg.fp8, ps, META)  # --fp8-format: the FP8 linears keep FP8 inputs for backward
     built = time.perf_counter()
     # activations between stages: this rank's s/c tokens (CP), split over TP under sequence parallelism
     s = cfg.data.seq_length // ps.cp_size // (ps.tp_size if execution.sequence_parallel else 1)
@@ -200,12 +202,16 @@ def _dry_run(cfg: RunConfig, rank: int | None) -> DryRunReport:
     meter = LiveBytes(dp.params)
     hooks = meter.watch(model)
     with meter:
+        if fp8 is not None:
+            fp8.start_iteration()
         dp.set_num_microbatches(t.num_microbatches)
         dp.zero_grad()
         get_schedule(cfg.parallel.pipeline_schedule)(
             batches=[_micro_batches(cfg, ps, eod) for _ in model], model=model, num_microbatches=t.num_microbatches,
             comm=pipe, backward_scale=1.0 / (t.num_microbatches * ps.dp_size), microbatch_mean=True,
             wgrad_store=store)
+        if fp8 is not None:
+            fp8.finish_iteration()
         dp.finish_grad_sync()
         optimizer.step(cfg.optimizer.lr)
         dp.start_param_sync()

@@ -16,13 +16,17 @@ from . import comm, parallel_state
 from .checkpoint.megatron import MegatronSaver
 from .checkpoint.load import load_checkpoint
 from .checkpoint.native import CheckpointSaver, TrainState
+from .checkpoint.non_persistent import NonPersistent
+from .checkpoint.paths import read_tracker
 from .checkpoint.upcycling.load import load_upcycled
 from .context_parallel.attention import set_hierarchy
 from .config import ParallelConfig, RunConfig
 from .data.batch import micro_batches
 from .distributed import DataParallel, get_strategy
 from .distributed.expert_data_parallel import build_data_parallel
+from .fp8.context import FP8Context
 from .model import ExecutionConfig, GPTConfig, GPTModel, pad_vocab_size
+from .model.fp8 import attach_fp8
 from .model.init import initial_value
 from .num_microbatches_calculator import NumMicroBatchesCalculator, build_num_microbatches_calculator
 from .optimizer import build_lr_scheduler, build_optimizer
@@ -35,6 +39,7 @@ from .runtime.cpu import lean_malloc, steady_malloc
 from .runtime.metrics import JsonlWriter, peak_tflops
 from .runtime.monitor import CommMonitor
 from .runtime.profiling import Profiler
+from .runtime.rerun import RerunMachine
 from .runtime.spikes import SpikeGuard
 from .runtime.straggler import StragglerDetector
 from .runtime.timers import Timers
@@ -68,8 +73,11 @@ class Run:
     wgrad_store: WgradStore | None = None  # zb_h1 / zbv (--delay-wgrad-compute): the deferred weight gradients
     timeline: Timeline | None = None  # --log-pipeline-timeline
     qk_clip: QKClip | None = None  # --qk-clip
+    fp8: FP8Context | None = None  # --fp8-format: the recipe, delayed scaling's history (megalite/fp8/)
     signal_received: list = field(default_factory=lambda: [False])
     spike_guard: SpikeGuard | None = None  # --check-for-spiky-loss / --check-for-large-grads
+    rerun: RerunMachine | None = None  # --rerun-mode validate_results / report_stats
+    non_persistent: NonPersistent | None = None  # --non-persistent-ckpt-type
     # with the guard: the checkpoint due after an iteration, written once the next loss is no spike
     pending_save: tuple | None = None  # (iteration, RNG states at its end)
     last_saved: int = -1  # the iteration of the latest checkpoint written by this run
@@ -294,6 +302,7 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     if zero3:  # DataParallel materialises the parameters; the buffers are made here
         for chunk in model:
             chunk.materialize_buffers(device)
+    fp8 = attach_fp8(model, cfg.fp8, ps, device)  # --fp8-format: the FP8 linears' sites (model/fp8.py)
     if cfg.training.compile:
         _compile(model, ps)
     named_params = [(n, p) for m in model for n, p in m.global_named_parameters()]
@@ -312,9 +321,10 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     state.log(f"> optimizer: {optimizer.describe()}")
     qk_clip = QKClip.build(model, cfg.optimizer, ps, device, state.log)
     ck = cfg.checkpoint
+    non_persistent = NonPersistent.build(cfg, ps)
     if ck.load:
         monitor.where = "in the checkpoint load"
-        state.iteration = _load(state, ck, cfg.training.seed)
+        state.iteration = _load(state, ck, cfg.training.seed, non_persistent)
         monitor.where = "at start-up"
     datasets = build_datasets(cfg, model_config.vocab_size)
     # activations between stages: this rank's s/c tokens (CP), split over TP under sequence parallelism
@@ -335,8 +345,10 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
               peak=peak_tflops(cfg.training.peak_tflops, execution.params_dtype), monitor=monitor, timers=timers,
               straggler=straggler, qk_clip=qk_clip, spike_guard=state.spike_guard, last_saved=state.iteration,
               wgrad_store=wgrad_store, timeline=Timeline(device) if t.log_pipeline_timeline else None,
-              closing=closing)
-    for opened in (run.jsonl, run.tracker, run.saver):
+              fp8=fp8, closing=closing)
+    run.non_persistent = non_persistent
+    run.rerun = RerunMachine.build(cfg.resilience, t, ps, device, state.log, run.jsonl)
+    for opened in (run.jsonl, run.tracker, run.saver, run.non_persistent):
         if opened is not None:
             closing.callback(opened.close)
     closing.callback(run.profiler.stop)
@@ -349,8 +361,14 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     return run
 
 
-def _load(state: TrainState, ck, seed: int) -> int:
-    """The checkpoint under --load into `state`; the iteration the run continues from."""
+def _load(state: TrainState, ck, seed: int, non_persistent: NonPersistent | None = None) -> int:
+    """The checkpoint under --load into `state`, or a newer non-persistent one (only the newer of
+    the two is read); the iteration the run continues from."""
+    if non_persistent is not None and not (ck.finetune or ck.moe_use_upcycling):
+        newer = non_persistent.newer(read_tracker(ck.load) or 0)
+        if newer is not None:
+            return non_persistent.load(state, newer, load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng,
+                                       strictness=ck.dist_ckpt_strictness)
     if ck.moe_use_upcycling:  # a dense checkpoint into this MoE model (checkpoint/upcycling/load.py)
         return load_upcycled(state, ck.load, ck.moe_upcycling_granularity, seed, finetune=ck.finetune,
                              load_rng=not ck.no_load_rng)
@@ -383,6 +401,8 @@ def log_startup(run: Run, malloc: str | None = None) -> None:
             f"per iteration (global batch {t.global_batch_size})")
     if run.batch.steps is not None or run.batch.rampup is not None:
         run.log(f"> batch schedule: {run.batch.describe()}; {t.train_iters} iterations")
+    if run.fp8 is not None:
+        run.log(f"> {run.fp8.describe()}")
     run.log(f"> model: {count_parameters(run.state) / 1e6:.2f}M parameters, {c.num_layers} layers, "
             f"hidden {c.hidden_size}, {c.num_attention_heads} heads, vocab {c.vocab_size} (padded "
             f"{c.padded_vocab_size}), seq {c.seq_length}, {run.cfg.optimizer.params_dtype}, attention: "

@@ -7,6 +7,7 @@ touches. Checkpoints see only the TrainState inside it.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import signal
@@ -26,6 +27,9 @@ from .model.moe import balance as moe_balance
 from .optimizer.clip_grads import max_abs
 from .runtime.consistency import check_replicas
 from .runtime.metrics import Timer, perplexity
+from .runtime.rerun import Hooks
+from .runtime.weight_hash import check_weight_hashes
+from .tensor_parallel.param_info import param_info
 from .train_report import log_timers, report
 
 
@@ -175,16 +179,61 @@ def save_pending(run: Run) -> None:
         set_rng_state(run.state, *current)
 
 
+def iteration_pass(run: Run, num_microbatches: int, backward_scale: float, fault=None) -> tuple:
+    """One forward-backward of the iteration from zeroed gradients, and its GlobalLoss; `fault`
+    (--error-injection-*) changes this rank's micro-batch stats as an injected fault would."""
+    state, optimizer = run.state, run.state.optimizer
+    run.dp.zero_grad()
+    if state.model_config.num_experts:  # each micro-batch's router losses weigh as its share of the mean
+        moe_balance.start_iteration(run.model, optimizer.loss_scale / (num_microbatches * state.ps.dp_size),
+                                    state.ps.tp_dp_cp_group)
+    if state.model_config.dsa:  # DSA's indexer loss weighs as the router losses (Megatron-LM's auto-scaler)
+        dsa_start_iteration(run.model, optimizer.loss_scale / (num_microbatches * state.ps.dp_size))
+    stats = list(forward_backward(run, num_microbatches, backward_scale))
+    if fault is not None:
+        fault(stats)
+    check = run.cfg.training.check_for_nan_in_loss_and_grad
+    return global_loss(run, stats, optimizer.grad_flats if check else None,
+                       per_rank=run.spike_guard is not None or run.rerun is not None), stats
+
+
+def validated_pass(run: Run, run_pass, num_microbatches: int) -> GlobalLoss:
+    """The iteration's result through the re-run state machine: the loop's side of its hooks."""
+    from .checkpoint.native import rng_state, set_rng_state
+    state, check, guard = run.state, run.cfg.training.check_for_nan_in_loss_and_grad, run.spike_guard
+    start = rng_state(state)
+
+    def rewind(ps, ahead: int) -> None:
+        run.train_batches = batch_iterators(run.cfg, run.datasets[0], state.consumed_samples + ahead, ps,
+                                            state.device, run.eod, run.straggler, run.timers)
+
+    scaled = state.optimizer.scaler is not None  # fp16's overflows belong to the loss scaler (a skipped step)
+
+    def rejects(g: GlobalLoss) -> str | None:
+        if check and (any(g.bad_loss) or not math.isfinite(g.loss)):
+            return f"the loss is {g.loss}"
+        if check and not scaled and not all(map(math.isfinite, g.grad_max)):
+            return "the gradients hold NaN/Inf"
+        return guard.loss_spike(g.loss) if guard is not None else None
+
+    hooks = Hooks(run_pass, lambda: set_rng_state(state, *start), rewind, rejects)
+    return run.rerun.step(hooks, state.iteration + 1, num_microbatches, state.consumed_samples)
+
+
 def forward_backward(run: Run, num_microbatches: int, backward_scale: float) -> list:
     """The schedule over the iteration's micro-batches, then every gradient reduction: the
     forward-backward timer holds both, as Megatron-LM's (whose schedule ends with the reduction)."""
     if run.timeline is not None:
         run.timeline.take()  # --log-pipeline-timeline: this iteration's passes only
+    if run.fp8 is not None:  # the iteration's casts record their amaxes (delayed scaling)
+        run.fp8.start_iteration()
     with run.timers("forward-backward"):
         stats = run.forward_backward(batches=run.train_batches, model=run.model, num_microbatches=num_microbatches,
                                      comm=run.pipe_comm, backward_scale=backward_scale,
                                      microbatch_mean=not run.cfg.training.calculate_per_token_loss,
                                      wgrad_store=run.wgrad_store, timeline=run.timeline)
+        if run.fp8 is not None:
+            run.fp8.finish_iteration()
         empty_unused_memory(run, 1)
         with run.timers("all-grads-sync"):
             run.dp.finish_grad_sync()
@@ -199,23 +248,19 @@ def train_step(run: Run) -> dict:
     global_batch = run.batch.current_global_batch_size(state.consumed_samples)
     num_microbatches = global_batch // (t.micro_batch_size * state.ps.dp_size)
     run.dp.set_num_microbatches(num_microbatches)
-    run.dp.zero_grad()
     nominal_tokens = global_batch * run.cfg.data.seq_length
     if t.calculate_per_token_loss:  # d(sum of token losses)/d(tokens of the global batch)
         backward_scale = optimizer.loss_scale / nominal_tokens
     else:  # Megatron-LM's default: the mean over micro-batches (and DP ranks) of each one's token mean
         backward_scale = optimizer.loss_scale / (num_microbatches * state.ps.dp_size)
-    moe = state.model_config.num_experts
-    if moe:  # each micro-batch's router losses weigh as its share of the mean over micro-batches
-        moe_balance.start_iteration(run.model, optimizer.loss_scale / (num_microbatches * state.ps.dp_size),
-                                    state.ps.tp_dp_cp_group)
-    if state.model_config.dsa:  # DSA's indexer loss weighs as the router losses (Megatron-LM's auto-scaler)
-        dsa_start_iteration(run.model, optimizer.loss_scale / (num_microbatches * state.ps.dp_size))
     if t.test_mode:  # replicas of the query/key norms still equal (runtime/consistency.py)
         check_replicas(run.model, state.ps, state.iteration)
-    stats = forward_backward(run, num_microbatches, backward_scale)
     check, guard = t.check_for_nan_in_loss_and_grad, run.spike_guard
-    g = global_loss(run, stats, optimizer.grad_flats if check else None, per_rank=guard is not None)
+    run_pass = functools.partial(iteration_pass, run, num_microbatches, backward_scale)
+    if run.rerun is None:
+        g = run_pass()[0]
+    else:  # --rerun-mode: a rejected result is run again (runtime/rerun.py)
+        g = validated_pass(run, run_pass, num_microbatches)
     if g.num_tokens == 0:
         raise RuntimeError(f"iteration {state.iteration + 1}: the global batch has no token with loss "
                            "(every token masked by --eod-mask-loss?)")
@@ -257,7 +302,7 @@ def train_step(run: Run) -> dict:
             f"Lower --lr or set --clip-grad (--no-check-for-nan-in-loss-and-grad turns this check off)")
     if not update["skipped"]:  # a step skipped for fp16 overflow does not advance the schedule
         scheduler.step(global_batch if scheduler.unit == "samples" else 1)
-        if moe and state.model_config.moe_router_enable_expert_bias:
+        if state.model_config.num_experts and state.model_config.moe_router_enable_expert_bias:
             moe_balance.update_expert_bias(run.model, state.ps.tp_dp_cp_group,
                                            state.model_config.moe_router_bias_update_rate)
     empty_unused_memory(run, 2)
@@ -347,6 +392,15 @@ def final_checkpoint(run: Run) -> None:
     save_checkpoint(run)
 
 
+def check_weights(run: Run) -> None:
+    """--check-weight-hash-across-dp-replicas-interval: the replicas' weights still equal
+    (runtime/weight_hash.py); the parameters' all-gather of a sharded update is waited for first."""
+    run.dp.finish_param_sync()
+    params = [(n, p, param_info(p).expert_parallel) for n, p in run.state.named_params]
+    check_weight_hashes(params, run.state.ps, run.state.iteration, run.state.device)
+    run.log(f"> iteration {run.state.iteration}: weight hashes match across data-parallel replicas")
+
+
 def train(run: Run) -> None:
     t = run.cfg.training
     if t.exit_signal_handler:  # the process's handler is put back when the run closes
@@ -359,6 +413,8 @@ def train(run: Run) -> None:
             run.closing.callback(gc.enable)  # an in-process caller gets its collector back
         gc.disable()
         gc.collect()
+    if run.cfg.resilience.check_weight_hash_across_dp_replicas_interval:
+        check_weights(run)  # as Megatron-LM: once before the first iteration too
     train_loop(run)
 
 
@@ -391,6 +447,9 @@ def train_loop(run: Run) -> None:
         if t.manual_gc and t.manual_gc_interval and state.iteration % t.manual_gc_interval == 0:
             gc.collect()  # the same iterations on every rank
         state.consumed_samples += out["global_batch_size"]
+        hash_interval = run.cfg.resilience.check_weight_hash_across_dp_replicas_interval
+        if hash_interval and state.iteration % hash_interval == 0:
+            check_weights(run)  # before this iteration's checkpoint can be written
         run.profiler.after_iteration(state.iteration)
         window["iters"] += 1
         window["samples"] += out["global_batch_size"]
@@ -411,6 +470,9 @@ def train_loop(run: Run) -> None:
             run.saver.finalize(blocking=False)
             if run.cfg.checkpoint.save_interval and state.iteration % run.cfg.checkpoint.save_interval == 0:
                 checkpoint_due(run)
+        if run.non_persistent is not None and run.non_persistent.due(state.iteration) \
+                and run.last_saved != state.iteration:  # (a persistent save of this iteration holds it)
+            run.non_persistent.save(state, state.iteration)
         reason = exit_reason(run, start_time)
     run.profiler.stop()
     # --overlap-param-gather: the last step's gathers would otherwise be left in flight (stale

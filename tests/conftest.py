@@ -122,7 +122,12 @@ FILE_SECONDS = {"test_compile.py": 150, "test_layouts_gpt_oss.py": 125, "test_me
                 "test_layouts_attention_2026.py": 140, "test_hf_qwen3_next.py": 20, "test_plan_attention_2026.py": 30,
                 # Megatron-LM's configurations: 212 validations, then 3 shrunk trainings of 4 ranks
                 # (measured ~175 s with another job running; ~100 s alone estimated)
-                "test_megatron_configs.py": 100, "test_megatron_config_flags.py": 20}
+                "test_megatron_configs.py": 100, "test_megatron_config_flags.py": 20,
+                # FP8 (emulated): 8 layouts + 2 resumes + the TP layer checks, 4 references
+                # (~8 min under a load average of 12; ~2 min alone estimated); test_fp8's four runs
+                "test_layouts_fp8.py": 120, "test_fp8.py": 20,
+                # resilience (issue 42): estimated from their wall time on the shared machine
+                "test_rerun.py": 45, "test_non_persistent.py": 40, "test_weight_hash.py": 20}
 
 
 def _heaviest_files_first(items):

@@ -58,6 +58,10 @@ LAYOUTS = {  # id: (world size, flags)
     "moe-tp2-sp-etp1-ep2-alltoall": (4, SELECTIVE + MOE + [
         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
         "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall", "--swiglu"]),
+    # FP8 (through torchao, emulated on the meta device): its linears keep FP8 inputs for backward
+    "fp8-tensorwise-bf16": (1, SELECTIVE + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]),
+    "fp8-tp2-sp-swiglu-delayed": (2, SELECTIVE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                  "--swiglu", "--fp8-format", "hybrid"]),
     "moe-pp2-dp2-ep2-allgather-every-2nd": (4, SELECTIVE + MOE + [
         "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--moe-layer-freq", "2",
         "--moe-ffn-hidden-size", "512"]),

@@ -64,6 +64,7 @@ FLOORS = [
     ["megalite", "checkpoint", "rendezvous", "recompute", "num_microbatches_calculator"],  # import nothing
     ["errors"],
     ["config", "comm"],
+    ["fp8"],  # FP8 casts and scales (torchao): read by tensor_parallel's and model's FP8 linears
     ["parallel_state", "runtime", "tensor_parallel", "context_parallel", "pipeline_parallel"],
     ["model", "data"],
     ["distributed", "optimizer"],
@@ -73,7 +74,7 @@ FLOORS = [
     ["checkpoint.megatron"],  # reads through native's pieces; streams to hf
     ["checkpoint.files"],  # the up-front checks of any format (torch-free until a format needs it)
     ["checkpoint.load"],  # opens any format
-    ["checkpoint.offline", "checkpoint.upcycling"],
+    ["checkpoint.offline", "checkpoint.upcycling", "checkpoint.non_persistent"],
     ["planning", "arguments", "generation"],
     ["initialize", "launch"],
     ["dry_run", "train_report"],

@@ -2,8 +2,9 @@
 model_config.yaml files) are accepted as written by pretrain_gpt.py's parsing and validation, each at
 its world size (tools/megatron_configs.py reads them the way Megatron-LM's CI does). A refusal fails
 the test, naming the file and the line, unless it names a capability another piece of work builds
-(FP8, resilience): those are
-counted apart. Cost: ~15 s (212 validations in one process)."""
+(none at present): those are
+counted apart. The FP8 configurations (through torchao), the resilience ones and the 2026 attention
+variants' are accepted. Cost: ~15 s (212 validations in one process)."""
 import os
 import sys
 
@@ -53,9 +54,18 @@ def test_ci_command_line_rules():
     assert argv == ["--bf16", "--recompute-modules", "layernorm", "mlp", "--moe-layer-freq", "([0]*1+[1]*3)",
                     "--step-batch-size-schedule", "0:384 200B:768", "--lr", "0.0003", "--data-path", "${DATA_PATH}/x"]
     assert mc.substitute(argv[-1:], {"DATA_PATH": "/d"}) == ["/d/x"]
-    assert mc.other_work("unrecognized arguments: --rerun-mode disabled")
+    assert mc.other_work("unrecognized arguments: --foo 1", {"--foo": "foo"}) == "foo"
     assert mc.other_work("--use-mup is not supported: µP is not built", mc.NOT_BUILT)
-    assert mc.other_work("--fp8-format is not built") and not mc.other_work("--fp8-formatx is unknown")
+    assert mc.other_work("--foo is not built", {"--foo": "foo"}) and not mc.other_work("--foox is unknown", {"--foo": "foo"})
+
+
+def test_fp8_configurations_are_accepted(outcomes):
+    """The 8 configurations with --fp8-format (hybrid and e4m3; tensorwise, blockwise and the
+    default delayed recipe; --fp8-param-gather, --first-last-layers-bf16) validate as written."""
+    pytest.importorskip("torchao", reason="the fp8 extra (torchao) is not installed")
+    fp8 = {name: why for name, (case, _, why) in outcomes.items()
+           if any("--fp8-format" in run.argv for run in case.runs)}
+    assert len(fp8) == 8 and not any(fp8.values()), fp8
 
 
 # Two of tools/megatron_sample.py's configurations, trained shrunk (6 iterations) on 4 gloo ranks as

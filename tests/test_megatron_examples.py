@@ -2,8 +2,9 @@
 examples/gpt3/train_gpt3_175b_distributed.sh and examples/llama/train_llama3_8b_h100_fp8.sh (its
 real-data and mock-data branches), as examples/megatron/run_cpu.sh passes them (only sizes shrunk;
 the other differences follow Megatron-LM's validation or the device), train with TP=2 (the
-commands run_cpu.sh passes to torchrun, on 2 ranks of the test pool); the scripts as written are
-refused with the reasons; batch ramp-ups and step schedules resume exactly; the per-token loss
+commands run_cpu.sh passes to torchrun, on 2 ranks of the test pool; the Llama script with its FP8
+flags, through torchao); the GPT-3 script as written is refused with Megatron-LM's own reason and
+the Llama script is accepted as written; batch ramp-ups and step schedules resume exactly; the per-token loss
 changes training when tokens are masked."""
 import json
 import math
@@ -114,11 +115,9 @@ def test_flag_sets_are_megatron_lms_with_sizes_shrunk(script):
     assert set(gpt3) == set(GPT3_175B) - {"--global-batch-size"} | {"--tokenizer-type", "--log-jsonl"}
     assert gpt3["--tokenizer-type"] == "GPT2BPETokenizer" and gpt3["--tensor-model-parallel-size"] == "2"
     assert gpt3["--step-batch-size-schedule"] == "0:2 256:4 768:6"  # one argument, as Megatron-LM reads it
-    # Llama-3 8B: FP8 refused, --ckpt-format torch_dist left out (run_cpu.sh says why); the flags another
-    # branch adds when known
-    assert set(llama) == (set(LLAMA3_8B) - {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
-                                            "--fp8-param-gather", "--ckpt-format"} - (ELSEWHERE - have)
-                          | {"--log-jsonl"})
+    # Llama-3 8B: its FP8 flags as written (through torchao), --ckpt-format torch_dist left out (run_cpu.sh
+    # says why); the flags another branch adds when known
+    assert set(llama) == (set(LLAMA3_8B) - {"--ckpt-format"} - (ELSEWHERE - have) | {"--log-jsonl"})
     assert llama["--tensor-model-parallel-size"] == "2"
     # its mock-data branch: the data flags of that branch instead
     data_flags = {"--data-path", "--tokenizer-type", "--tokenizer-model", "--data-cache-path", "--split",
@@ -144,7 +143,6 @@ def argv_of(flags: dict, **changes) -> list[str]:
     # pretrain_gpt.py's default, GPT2BPETokenizer)
     (GPT3_175B, {"--step-batch-size-schedule": "0:16 100B:1536"}, 1024,
      "--global-batch-size cannot be combined with --step-batch-size-schedule"),
-    (LLAMA3_8B, {}, 8, "--fp8-format is not supported: FP8 training needs Hopper-class"),
 ])
 def test_scripts_as_written_are_refused_with_the_reason(script, changes, world, pattern):
     unknown = ELSEWHERE - known_flags()
@@ -153,14 +151,19 @@ def test_scripts_as_written_are_refused_with_the_reason(script, changes, world, 
         validate_args(parse_args(argv_of(flags, **changes)), world, check_files=False)
 
 
-def test_llama_script_without_fp8_is_accepted_as_written():
-    """Past FP8, nothing in the Llama-3 script is refused: its --ckpt-format torch_dist writes
-    Megatron-LM's checkpoints (docs/checkpoints.md)."""
+def test_llama_script_is_accepted_as_written():
+    """Nothing in the Llama-3 script is refused: its FP8 runs through torchao (delayed scaling,
+    Megatron-LM's default recipe, with the script's history of 1024 and max), its
+    --fp8-param-gather gets a notice (the gather carries 16-bit weights here), its --ckpt-format
+    torch_dist writes Megatron-LM's checkpoints (docs/checkpoints.md)."""
+    pytest.importorskip("torchao", reason="the fp8 extra (torchao) is not installed")
     flags = {f: v for f, v in LLAMA3_8B.items() if f not in ELSEWHERE - known_flags()}
-    fp8 = {"--fp8-format": None, "--fp8-amax-history-len": None, "--fp8-amax-compute-algo": None,
-           "--fp8-param-gather": None}
-    config = validate_args(parse_args(argv_of(flags, **fp8)), 8, check_files=False)
+    config = validate_args(parse_args(argv_of(flags)), 8, check_files=False)
     assert config.megatron.ckpt_format == "torch_dist"
+    f = config.fp8
+    assert (f.fp8_format, f.fp8_recipe, f.fp8_amax_history_len, f.fp8_amax_compute_algo) == \
+        ("hybrid", "delayed", 1024, "max")
+    assert any(n.startswith("--fp8-param-gather: ") for n in config.notices)
 
 
 def test_llama_mock_branch_flags_that_do_nothing_get_a_notice():
@@ -241,6 +244,7 @@ def test_both_flag_sets_train_on_cpu_with_tp2(script):
     assert "throughput per GPU (TFLOP/s/GPU)" in stdout  # --log-throughput
     assert "--empty-unused-memory-level 1: a no-op on CPU" in stdout
     assert {r["split"] for r in evals} == {"valid"}  # --split '99,1,0': no test split
+    assert "E4M3 forward, E5M2 gradients, delayed scaling (amax history 1024, max, margin 0)" in stdout  # FP8
 
     # Llama-3 8B's mock-data branch: trains on mock data; the flags that act on nothing there get a notice
     ranks, train, evals = records(tmp_path / "llama-mock" / "metrics.jsonl")

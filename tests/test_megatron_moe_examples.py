@@ -1,6 +1,6 @@
 """Megatron-LM's MoE launch scripts run on megalite: examples/gptoss/02_train.sh's flag set, as
-examples/gptoss/gpt_oss_cpu.sh passes it (only sizes and paths changed; FP8 and --use-flash-attn,
-device-only, dropped), trains on 2 CPU ranks (PP 2, as the script sets PP to the world size); its
+examples/gptoss/gpt_oss_cpu.sh passes it (only sizes and paths changed; --use-flash-attn, CUDA-only,
+dropped; its FP8 through torchao), trains on 2 CPU ranks (PP 2, as the script sets PP to the world size); its
 kernel-only choices get one notice each; the script as written is refused with the reason.
 """
 import importlib.util
@@ -51,8 +51,7 @@ GPT_OSS_02 = {
 }
 MOCK_ONLY = {"--mock-data", "--tiktoken-pattern"}
 REAL_DATA = {"--data-path": "DATA", "--tokenizer-type": "HuggingFaceTokenizer", "--tokenizer-model": "tok"}
-DEVICE_ONLY = {"--use-flash-attn", "--fp8-format", "--fp8-param-gather", "--fp8-amax-compute-algo",
-               "--fp8-amax-history-len"}
+DEVICE_ONLY = {"--use-flash-attn"}
 # sizes besides test_megatron_examples' (the window is a length in tokens, the experts' width a size)
 MOE_SIZES = SIZES | {"--window-size", "--moe-ffn-hidden-size", "--expert-model-parallel-size"}
 KERNEL_NOTICES = ("--transformer-impl transformer_engine: megalite's own layers run instead",
@@ -88,9 +87,8 @@ def test_gpt_oss_flag_set_is_megatron_lms_with_sizes_shrunk(tmp_path):
 
 
 @pytest.mark.parametrize("changes,pattern", [
-    ({}, "--fp8-format is not supported: FP8 training needs Hopper-class"),
     # (on 4 GPUs: 12 layers do not split over the 8 stages of its 8-GPU default, in Megatron-LM either)
-    ({**{f: None for f in DEVICE_ONLY - {"--use-flash-attn"}}, "--pipeline-model-parallel-size": "4"},
+    ({"--pipeline-model-parallel-size": "4"},
      "--window-size needs an explicit mask over the window, which megalite does not pass to --use-flash-attn"),
 ])
 def test_gpt_oss_script_as_written_is_refused_with_the_reason(changes, pattern):

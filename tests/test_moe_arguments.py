@@ -17,8 +17,7 @@ MOE = ["--num-experts", "4", "--disable-bias-linear"]
      r"--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
     (MOE + ["--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16", "--bf16"], 1,
      r"--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16"),
-    (MOE + ["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid"], 1,
-     r"--fp8-format is not supported: FP8 training needs"),
+    (MOE + ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], 1, r"--fp8-recipe mxfp8 is not supported"),
     (MOE + ["--moe-router-topk", "5"], 1, r"--moe-router-topk \(5\) exceeds --num-experts \(4\)"),
     (MOE + ["--expert-model-parallel-size", "3"], 3, r"--num-experts \(4\) is not divisible by "
                                                      r"--expert-model-parallel-size \(3\)"),

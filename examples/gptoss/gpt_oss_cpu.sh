@@ -2,8 +2,9 @@
 # Megatron-LM's examples/gptoss/02_train.sh (gpt-oss, its main branch of 2026-08) run with
 # megalite's pretrain_gpt.py on a CPU: its flag set as written there, with only model sizes, batch
 # sizes, sample counts and intervals shrunk (each marked with the script's value) and the choices a
-# CPU cannot make dropped (marked "megalite:"): FP8 (Hopper GPUs and Transformer Engine) and
-# --use-flash-attn (CUDA; gpt-oss's sinks run megalite's explicit softmax anyway). Its kernel-only
+# CPU cannot make dropped (marked "megalite:"): --use-flash-attn (CUDA; gpt-oss's sinks run
+# megalite's explicit softmax anyway). Its FP8 runs through torchao (the fp8 extra), emulated on a
+# CPU. Its kernel-only
 # choices (--transformer-impl transformer_engine, --moe-permute-fusion, --no-*-fusion,
 # --export-force-local-attention) get one notice line each saying what runs instead.
 # PP = the world size (2 gloo ranks), as the script sets it. The model is gpt-oss's: learned
@@ -145,8 +146,10 @@ MODEL_PARALLEL_ARGS=(
     --sequence-parallel
     --context-parallel-size 1
     --use-distributed-optimizer
-    # megalite: --fp8-format hybrid --fp8-param-gather --fp8-amax-compute-algo max
-    # --fp8-amax-history-len 1024 dropped (FP8 needs Hopper-class GPUs and Transformer Engine)
+    --fp8-format hybrid
+    --fp8-param-gather
+    --fp8-amax-compute-algo max
+    --fp8-amax-history-len 1024
 )
 LOGGING_ARGS=(
     --log-interval 1

@@ -22,7 +22,7 @@ import os
 from dataclasses import fields
 
 from ..config.fields import flagged_fields
-from ..config.megatron import FP8_FLAGS, KERNEL_NOTICES, PENDING, SCHEDULE_NOTICES
+from ..config.megatron import KERNEL_NOTICES, PENDING, SCHEDULE_NOTICES
 from ..config.run import SECTIONS, RunConfig
 from ..config.sharding import get_strategy
 from .attention_variant import check_attention_variant
@@ -32,7 +32,9 @@ from .data import check_data
 from .errors import fail, flag
 from .fsdp import check_fsdp
 from .pipeline_split import apply_pipeline_split
+from .resilience import check_resilience
 from .context_parallel import check_cp_comm_type
+from .fp8 import check_fp8
 from .model import check_attention_backend, check_context_parallel, check_model_shape, check_precision, \
     check_recompute
 from .moe import check_moe
@@ -66,7 +68,9 @@ def validate(config: RunConfig, world_size: int | None = None, check_files: bool
     check_precision(c)
     check_muon(c)
     check_optimizer_precision(c)
+    check_fp8(c)
     check_qk_clip(c)
+    check_resilience(c)
     _check_operations(c)
     _check_outputs(c)
     check_upcycling(c, check_files)
@@ -98,18 +102,11 @@ def _check_refused(c: RunConfig) -> None:
     for name, missing in PENDING.items():
         if getattr(m, name) != getattr(type(m)(), name):
             fail(f"{by_name[name].name} is not supported: {missing}; drop it")
-    fp8 = [f for f in FP8_FLAGS if getattr(m, f)]
-    if fp8:
-        fail(f"{flag(fp8[0])} is not supported: FP8 training needs Hopper-class (or newer) GPUs and NVIDIA "
-             f"Transformer Engine, which megalite does not use; drop the --fp8-* flags (--bf16 is the nearest)")
     _check_ckpt_format(c)
     if not m.add_position_embedding and c.model.position_embedding_type != "rope":
         fail(f"--no-position-embedding is deprecated, use --position-embedding-type (Megatron-LM accepts it only "
              f"with rope, not {c.model.position_embedding_type})")
     _kernel_notices(c)
-    if m.rerun_mode not in (None, "disabled"):
-        fail(f"--rerun-mode {m.rerun_mode} is not supported: Megatron-LM's resilience machinery (the re-run state "
-             f"machine) is not built yet (give disabled, or drop the flag)")
 
 
 def _check_ckpt_format(c: RunConfig) -> None:
@@ -152,7 +149,7 @@ def _check_ckpt_format(c: RunConfig) -> None:
 
 def _kernel_notices(c: RunConfig) -> None:
     """Megatron-LM's kernel-only choices: one notice line each saying what runs here instead (the
-    same function; FP8, which is not, is refused above)."""
+    same function; FP8, which is not, has its own section: arguments/fp8.py)."""
     m, p = c.megatron, c.parallel
     k = c.kernels
     if k.cross_entropy_fusion_impl == "te":

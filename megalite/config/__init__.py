@@ -4,14 +4,17 @@ validation (arguments/) and for what checkpoints record. The argparse Namespace 
 arguments/: everything past it takes the config it needs. The model's architecture is
 `model.GPTConfig`, a section like the others."""
 from .data import DEFAULT_SPLIT, DataConfig, TokenizerConfig
+from .fp8 import FP8Config
 from .kernels import ATTENTION_BACKENDS, KernelConfig
 from .megatron import MegatronCompatConfig
 from .optimizer import OptimizerConfig
 from .parallel import SHARDING_STRATEGIES, DDPConfig, ParallelConfig, RecomputeConfig
+from .resilience import ResilienceConfig
 from .run import CONFIG_VERSION, SECTIONS, RunConfig, from_saved
 from .training import CheckpointConfig, TrackingConfig, TrainingConfig
 
 __all__ = ["ATTENTION_BACKENDS", "CONFIG_VERSION", "DEFAULT_SPLIT", "SECTIONS", "SHARDING_STRATEGIES",
-           "CheckpointConfig", "DDPConfig", "DataConfig", "KernelConfig", "MegatronCompatConfig", "OptimizerConfig",
-           "ParallelConfig", "RecomputeConfig", "RunConfig", "TokenizerConfig", "TrackingConfig", "TrainingConfig",
+           "CheckpointConfig", "DDPConfig", "DataConfig", "FP8Config", "KernelConfig", "MegatronCompatConfig",
+           "OptimizerConfig", "ParallelConfig", "RecomputeConfig", "ResilienceConfig", "RunConfig", "TokenizerConfig",
+           "TrackingConfig", "TrainingConfig",
            "from_saved"]

@@ -7,11 +7,7 @@ from dataclasses import dataclass
 
 from .fields import flag
 
-_FP8 = ("FP8 training needs Hopper-class (or newer) GPUs and NVIDIA Transformer Engine, which megalite does not "
-        "use")
 _NOOP = "accepted, changes nothing: "
-_RERUN = ("Megatron-LM's resilience machinery (the re-run state machine, error injection, weight-hash checks) is not "
-          "built yet")
 _KD = "knowledge distillation (Megatron-LM's ModelOpt teacher and KD losses) is not built"
 _MUP = ("the Maximal Update Parametrization (µP: width-scaled initialisation, learning rates, Adam epsilon, 1/d "
         "attention and output logits) is not built")
@@ -36,7 +32,7 @@ class MegatronCompatConfig:
         "--position-embedding-type)", action="store_false")
     transformer_impl: str | None = flag("--transformer-impl", None, "local is megalite's own layers; "
                                         "transformer_engine: megalite's own layers run instead, with a notice (its "
-                                        "FP8 is refused: --fp8-*)", choices=["local", "transformer_engine"])
+                                        "FP8: --fp8-*, through torchao)", choices=["local", "transformer_engine"])
     # Megatron-LM's kernel choices with no counterpart here: a notice says what runs (KERNEL_NOTICES)
     masked_softmax_fusion: bool = flag("--no-masked-softmax-fusion", True, "Megatron-LM's fused masked softmax off "
                                        "(megalite never fuses it: a notice)", action="store_false")
@@ -64,30 +60,12 @@ class MegatronCompatConfig:
         "--auto-detect-ckpt-format", False, _NOOP + "megalite always detects the format of --load: its own and "
         "Megatron-LM's torch_dist are read, Megatron-LM's torch and zarr checkpoints are named and refused",
         action="store_true")
-    rerun_mode: str | None = flag("--rerun-mode", None, "disabled is accepted; megalite has no re-run state machine, "
-                                  "so the others are refused", choices=["disabled", "validate_results",
-                                                                        "report_stats"])
     ckpt_format: str | None = flag(
         "--ckpt-format", None, "the format --save writes: megalite's own (the default: per-rank shards, loadable on "
         "any layout, optimizer state included) or torch_dist, Megatron-LM's (weights, iteration, consumed samples, "
         "LR schedule; megatron-core's dist_checkpointing.load reads it). --load reads either whatever this flag says; "
         "torch, zarr, torch_dcp and fsdp_dtensor are refused",
         choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"])
-    fp8_format: str | None = flag("--fp8-format", None, "refused: " + _FP8, choices=["e4m3", "hybrid"])
-    fp8_amax_history_len: int | None = flag("--fp8-amax-history-len", None, "refused: " + _FP8, type=int)
-    fp8_amax_compute_algo: str | None = flag("--fp8-amax-compute-algo", None, "refused: " + _FP8,
-                                             choices=["most_recent", "max"])
-    fp8_param_gather: bool = flag("--fp8-param-gather", False, "refused: " + _FP8, action="store_true")
-    fp8_recipe: str | None = flag("--fp8-recipe", None, "refused: " + _FP8,
-                                  choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"])
-    first_last_layers_bf16: bool = flag("--first-last-layers-bf16", False, "refused: " + _FP8 + " (it keeps the "
-                                        "first and last layers of an FP8 run in bf16)", action="store_true")
-    # Megatron-LM's resilience machinery: not built yet (PENDING says what is missing)
-    error_injection_rate: int | None = flag("--error-injection-rate", None, "refused: " + _RERUN, type=int)
-    error_injection_type: str | None = flag("--error-injection-type", None, "refused: " + _RERUN,
-                                            choices=["correct_result", "transient_error", "persistent_error"])
-    check_weight_hash_across_dp_replicas_interval: int | None = flag(
-        "--check-weight-hash-across-dp-replicas-interval", None, "refused: " + _RERUN, type=int)
     # ModelOpt knowledge distillation: not built
     export_te_mcore_model: bool = flag("--export-te-mcore-model", False, "refused: " + _KD, action="store_true")
     export_kd_teacher_load: str | None = flag("--export-kd-teacher-load", None, "refused: " + _KD, type=str)
@@ -190,12 +168,8 @@ SCHEDULE_NOTICES = {
 # the fields refused whenever they are set (to anything but their default): field -> what is
 # missing (the capability other work builds, or that megalite does not have)
 PENDING = {
-    **dict.fromkeys(("error_injection_rate", "error_injection_type", "check_weight_hash_across_dp_replicas_interval"),
-                    _RERUN),
     **dict.fromkeys(("export_te_mcore_model", "export_kd_teacher_load", "export_kd_cfg"), _KD),
     **dict.fromkeys(("use_mup", "mup_base_hidden_size"), _MUP),
 }
-FP8_FLAGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather", "fp8_recipe",
-             "first_last_layers_bf16")
 
-__all__ = ["MegatronCompatConfig", "KERNEL_NOTICES", "SCHEDULE_NOTICES", "PENDING", "FP8_FLAGS"]
+__all__ = ["MegatronCompatConfig", "KERNEL_NOTICES", "SCHEDULE_NOTICES", "PENDING"]

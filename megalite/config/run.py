@@ -11,10 +11,12 @@ from dataclasses import dataclass, field, fields
 from .fields import flagged_fields
 from .model import GPTConfig
 from .data import DataConfig, TokenizerConfig
+from .fp8 import FP8Config
 from .kernels import KernelConfig
 from .megatron import MegatronCompatConfig
 from .optimizer import OptimizerConfig
 from .parallel import DDPConfig, ParallelConfig, RecomputeConfig
+from .resilience import ResilienceConfig
 from .training import CheckpointConfig, TrackingConfig, TrainingConfig
 
 CONFIG_VERSION = 2  # 1: a flat dict of the validated flags under "args"; 2: sections under "config"
@@ -24,7 +26,7 @@ SECTIONS: dict[str, type] = {
     "model": GPTConfig, "kernels": KernelConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig,
     "training": TrainingConfig, "optimizer": OptimizerConfig, "ddp": DDPConfig, "data": DataConfig,
     "tokenizer": TokenizerConfig, "checkpoint": CheckpointConfig, "tracking": TrackingConfig,
-    "megatron": MegatronCompatConfig,
+    "fp8": FP8Config, "resilience": ResilienceConfig, "megatron": MegatronCompatConfig,
 }
 
 
@@ -45,6 +47,8 @@ class RunConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
     explicit: frozenset = frozenset()
     notices: list = field(default_factory=list)

@@ -38,6 +38,7 @@ from .. import comm
 from ..context_parallel.attention import gather_sequence
 from ..recompute import recompute
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
+from ..tensor_parallel.fp8_linear import fp8_linear
 from ..tensor_parallel.mappings import copy_to_tp, gather_from_sp
 from ..tensor_parallel.param_info import param_info
 from .attention import CoreAttention, apply_rotary, yarn_concentration
@@ -50,6 +51,8 @@ class ReplicatedLinear(nn.Module):
     """y = x Wᵀ with W [out, in] whole on every TP rank (MLA's down-projections). Under sequence
     parallelism each rank sees other tokens: the gradient is marked for a TP all-reduce."""
 
+    fp8 = None  # --fp8-format: its FP8 GEMM site (model/fp8.py)
+
     def __init__(self, input_size: int, output_size: int, execution: ExecutionConfig, init_std: float, device=None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=execution.params_dtype, device=device))
@@ -57,6 +60,8 @@ class ReplicatedLinear(nn.Module):
         param_info(self.weight).sequence_parallel = execution.sequence_parallel
 
     def forward(self, x):
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, None, self.fp8)
         return torch.nn.functional.linear(x, self.weight)
 
 

@@ -38,7 +38,8 @@ Memory per GPU (Megatron-LM's accounting, bytes per parameter; d = DP size), for
              tensor in the logits' dtype). fp32 activations count double. Context parallelism
              (--context-parallel-size c) divides every term by c (s -> s/c per rank; the scores are
              [s/c, s]), and adds the K and V of the whole sequence that its all-gather keeps for
-             backward, 4·s·b·h·(groups/heads)/t per layer.
+             backward, 4·s·b·h·(groups/heads)/t per layer. An FP8 layer (--fp8-format, per-tensor
+             scales) keeps its linears' four inputs as 1-byte casts (fp8_saved_bytes).
 Parameter counts are exact for megalite's model (checked against the `memory_footprint`
 record of real runs in tests/test_plan.py): padded vocabulary, the tied embedding's copy on the
 last stage when PP > 1, position embeddings on the first stage, biases and norms per the flags;
@@ -251,6 +252,26 @@ def layer_activation_bytes(c, moe: bool = False, cp_type: str | None = None, lin
         2 * s * b * h / (t if sp else 1) * scale
 
 
+def fp8_saved_bytes(c, moe: bool = False) -> float:
+    """What an FP8 layer (--fp8-format) keeps less than layer_activation_bytes says: its linears
+    save their input as the FP8 cast (1 byte an element) instead of the 16-bit (or fp32) tensor:
+    the QKV and fc1 inputs (the norms' outputs), the attention output projection's input and
+    fc2's [s, b, f] input, as `--dry-run` measures. Block scaling and --no-fp8-wgrad keep the
+    unscaled input for the weight gradient (nothing less); MLA's projections and the routed
+    experts are not counted (their own terms stay 16-bit: an over-estimate)."""
+    f = c.fp8
+    if not f.enabled or f.fp8_recipe == "blockwise" or not f.fp8_wgrad or c.model.multi_latent_attention:
+        return 0.0
+    cp, t = c.parallel.context_parallel_size, c.parallel.tensor_model_parallel_size
+    s, b, h = c.model.seq_length // cp, c.training.micro_batch_size, c.model.hidden_size
+    sp = bool(c.parallel.sequence_parallel) and t > 1
+    replicated = 1 if moe else 2  # the QKV input, and the dense fc1's (an MoE layer has none)
+    split = 1 + (0 if moe else c.model.ffn_hidden_size / h)  # the context, fc2's input: split over TP
+    units = (replicated + split) / t if sp else replicated + split / t
+    scale = 1.0 if (c.optimizer.bf16 or c.optimizer.fp16) else 2.0
+    return s * b * h * units * (2 * scale - 1)
+
+
 def in_flight_chunks(c, pp_rank: int) -> int:
     """Model chunks' worth of micro-batch activations pipeline rank `pp_rank` holds at its peak:
     Megatron-LM's warm-up count plus one, at most all m·v of them."""
@@ -277,7 +298,9 @@ def chunk_activation_bytes(c, pp_rank: int) -> tuple[float, float]:
     granularity, method, k = recompute_setting(c)
     kept, transient = [], 0.0
     for chunk in chunk_layers(c, pp_rank):
-        full = [per[(bool(pattern[n]), types[min(n, len(types) - 1)], linear[n])] for n in chunk]
+        full = [per[(bool(pattern[n]), types[min(n, len(types) - 1)], linear[n])]
+                - (fp8_saved_bytes(c, bool(pattern[n])) if c.fp8.layer_in_fp8(n, c.model.num_layers) else 0.0)
+                for n in chunk]
         n = len(full)
         if granularity == "full":
             if method == "block":

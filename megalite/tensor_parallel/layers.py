@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
+from .fp8_linear import fp8_linear
 from .mappings import (copy_to_tp, gather_from_tp, linear_with_sp_gather, reduce_from_tp,
                        reduce_scatter_to_sp, scatter_to_tp)
 from .param_info import param_info
@@ -52,6 +53,7 @@ class ColumnParallelLinear(nn.Module):
     """Y = X·A + b with A's output dimension split across TP: [*, in] -> [*, out/tp]."""
 
     wgrad_store = None  # --delay-wgrad-compute: weight gradients wait for W (tensor_parallel/wgrad.py)
+    fp8 = None  # --fp8-format: this layer's FP8 GEMM site (megalite/fp8/site.py, attached by model/fp8.py)
 
     def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
                  gather_output: bool = False, init_std: float = 0.02, stride: int = 1,
@@ -72,7 +74,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
-        if self.sequence_parallel:  # [s/tp, b, h] gathered to [s, b, h], kept for backward as [s/tp, b, h]
+        if self.fp8 is not None:  # FP8 GEMMs (tensor_parallel/fp8_linear.py), the SP gather in FP8
+            sp = self.tp_group if self.sequence_parallel else None
+            y = fp8_linear(x if sp is not None else copy_to_tp(x, self.tp_group), weight, self.bias, self.fp8, sp,
+                           self.wgrad_store)
+        elif self.sequence_parallel:  # [s/tp, b, h] gathered to [s, b, h], kept for backward as [s/tp, b, h]
             y = linear_with_sp_gather(x, weight, self.bias, self.tp_group, self.wgrad_store)
         else:
             y = wgrad_linear(copy_to_tp(x, self.tp_group), weight, self.bias, self.wgrad_store)
@@ -85,6 +91,7 @@ class RowParallelLinear(nn.Module):
     once, after the reduction."""
 
     wgrad_store = None  # --delay-wgrad-compute (the bias's gradient stays in B: a sum over tokens)
+    fp8 = None  # --fp8-format: this layer's FP8 GEMM site (model/fp8.py)
 
     def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
                  input_is_parallel: bool = True, init_std: float = 0.02,
@@ -107,7 +114,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        y = wgrad_linear(x, self.weight, None, self.wgrad_store)
+        y = (fp8_linear(x, self.weight, None, self.fp8, None, self.wgrad_store) if self.fp8 is not None
+             else wgrad_linear(x, self.weight, None, self.wgrad_store))
         y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
         return y + self.bias if self.bias is not None else y
 

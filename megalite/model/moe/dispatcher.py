@@ -134,6 +134,10 @@ class TokenDispatcher:
         weighted sums of their experts' outputs."""
         raise NotImplementedError
 
+    def row_sources(self, handle) -> torch.Tensor:
+        """The EP rank each dispatched row came from ([N], the rows' order), for FP8 experts."""
+        raise NotImplementedError
+
     def _gather_tp(self, x: torch.Tensor, routing: Routing):
         probs, indices, kept = routing.probs, routing.indices, routing.kept
         if comm.group_size(self.tp_group) > 1:
@@ -174,6 +178,10 @@ class AllGatherDispatcher(TokenDispatcher):
         out = _combine(y, handle.order, handle.probs, handle.k, handle.num_tokens)
         return self._scatter_tp(reduce_scatter_to_sp(out, self.ep_group))
 
+    def row_sources(self, handle: _Rows) -> torch.Tensor:
+        # the gathered tokens are the EP ranks' blocks, end to end, of num_tokens / EP each
+        return torch.div(handle.order // handle.k, handle.num_tokens // self.ep, rounding_mode="floor")
+
 
 @dataclass
 class _Exchange(_Rows):
@@ -213,6 +221,13 @@ class AllToAllDispatcher(AllGatherDispatcher):
         counts_local = [sum(got[src][e] for src in range(ep)) for e in range(n_local)]
         handle = _Exchange(order, probs, k, x.size(0), perm, send_splits, recv_splits)
         return rows.index_select(0, perm), counts_local, handle
+
+    def row_sources(self, handle) -> torch.Tensor:
+        if self.ep == 1:
+            return super().row_sources(handle)
+        recv = torch.tensor(handle.recv_splits, device=handle.perm.device)
+        arrived = torch.repeat_interleave(torch.arange(self.ep, device=recv.device), recv, output_size=handle.perm.numel())
+        return arrived.index_select(0, handle.perm)
 
     def combine(self, y, handle):
         if self.ep == 1:  # dispatched by the all-gather path

@@ -88,12 +88,13 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 class LocalExperts(nn.Module):
     wgrad_store = None  # --delay-wgrad-compute: the weight gradients wait for W (tensor_parallel/wgrad.py)
+    fp8 = None  # --fp8-format: the experts' FP8 GEMMs (model/moe/fp8_experts.py, attached by model/fp8.py)
 
     def __init__(self, config: GPTConfig, execution: ExecutionConfig, etp_group, ep_group, device=None):
         super().__init__()
         ep, ep_rank, tp = comm.group_size(ep_group), comm.group_rank(ep_group), comm.group_size(etp_group)
         self.add_fc2_bias = comm.group_rank(etp_group) == 0  # fc2's bias once per ETP sum (Expert)
-        self.num_local = config.num_experts // ep
+        self.num_experts, self.num_local, self.etp_group = config.num_experts, config.num_experts // ep, etp_group
         self.first = ep_rank * self.num_local  # global index of the first local expert
         self._act = activation(config)  # the dense MLP's: SwiGLU, quick-GeGLU or GeLU
         self.recompute_activation = False  # --recompute-modules moe_act: only its input is kept
@@ -113,9 +114,11 @@ class LocalExperts(nn.Module):
             return recompute(self._act, y)
         return self._act(y)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: list[int], sources: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, h]: tokens sorted by local expert, counts[i] of them for expert i -> [N, h]
-        (a partial sum over TP)."""
+        (a partial sum over TP). `sources`: each row's EP rank, for FP8's per-micro-batch scales."""
+        if self.fp8 is not None:
+            return self.fp8.forward(x, counts, sources)
         experts = list(self.local_experts.values())
         if self.grouped and x.device.type in GROUPED_MM_DEVICES:
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)

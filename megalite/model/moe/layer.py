@@ -78,8 +78,10 @@ class MoELayer(nn.Module):
         """-> (rows [N, h] for this rank's experts, sorted by local expert; counts; handle)."""
         return self.dispatcher.dispatch(tokens, routing)
 
-    def run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return self.experts(rows, counts)
+    def run_experts(self, rows: torch.Tensor, counts: list[int], handle=None) -> torch.Tensor:
+        """`handle` (dispatch's): FP8 experts read each row's source rank from it (per-micro-batch scales)."""
+        sources = self.dispatcher.row_sources(handle) if self.experts.fp8 is not None and handle is not None else None
+        return self.experts(rows, counts, sources)
 
     def combine(self, y: torch.Tensor, handle) -> torch.Tensor:
         """The experts' outputs -> [T, h] each token's weighted sum of its experts' outputs."""
@@ -95,7 +97,7 @@ class MoELayer(nn.Module):
         tokens = x.reshape(s * b, h)
         routing = self.route(tokens, (s, b))
         rows, counts, handle = self.dispatch(tokens, routing)
-        out = self.combine(self.run_experts(rows, counts), handle).view(s, b, h)
+        out = self.combine(self.run_experts(rows, counts, handle), handle).view(s, b, h)
         if self.shared_experts is not None:
             if self.recompute_shared and self.training and torch.is_grad_enabled():
                 out = out + recompute(self.shared_expert, x)
