@@ -13,7 +13,7 @@ queries attend only to the top-k keys a lightweight indexer picks (model/dsa.py)
 Only the standard library is imported here: validation reads it before torch."""
 from __future__ import annotations
 
-from .moe import moe_layer_pattern
+from .moe import every_nth_pattern
 
 LINEAR_VARIANTS = ("gated_delta_net", "gdn")
 VARIANTS = LINEAR_VARIANTS + ("dsa",)
@@ -22,10 +22,4 @@ VARIANTS = LINEAR_VARIANTS + ("dsa",)
 def linear_attention_pattern(freq, num_layers: int) -> list[bool]:
     """Per layer, whether it is a linear-attention (gated DeltaNet) layer. Raises ValueError (with
     why) for a bad --linear-attention-freq."""
-    text = str(freq).strip().strip("'\"")
-    if text.lstrip("-").isdigit():
-        n = int(text)
-        if n < 1:
-            raise ValueError(f"an integer >= 1 or a list, got {n}")
-        return [(i + 1) % n != 0 for i in range(num_layers)]
-    return moe_layer_pattern(text, num_layers)  # the same list syntax: 1 linear, 0 softmax
+    return every_nth_pattern(freq, num_layers)

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, fields
 
 from .attention_variant import LINEAR_VARIANTS, VARIANTS, linear_attention_pattern
 from .fields import AT_LEAST_1, NON_NEGATIVE, POSITIVE, PROBABILITY, derived, flag
-from .moe import moe_layer_pattern
+from .moe import every_nth_pattern, moe_layer_pattern
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -34,13 +34,7 @@ def window_layer_pattern(freq, num_layers: int) -> list[bool]:
     ValueError (with why) for a bad value."""
     if freq is None:
         return [True] * num_layers
-    text = str(freq).strip().strip("'\"")
-    if text.lstrip("-").isdigit():
-        n = int(text)
-        if n < 1:
-            raise ValueError(f"an integer >= 1 or a list, got {n}")
-        return [(i + 1) % n != 0 for i in range(num_layers)]
-    return moe_layer_pattern(text, num_layers)  # the same list syntax, parsed, never evaluated
+    return every_nth_pattern(freq, num_layers)
 
 
 @dataclass

@@ -21,6 +21,18 @@ def _evaluate(node):
     raise ValueError("not a list of 0/1 built with [...], + and *")
 
 
+def every_nth_pattern(freq, num_layers: int) -> list[bool]:
+    """Per layer, True except for every N-th layer counted from 1 (an int N); a Python list of 0/1
+    per layer (moe_layer_pattern's syntax) gives each layer. Raises ValueError (with why)."""
+    text = str(freq).strip().strip("'\"")
+    if text.lstrip("-").isdigit():
+        n = int(text)
+        if n < 1:
+            raise ValueError(f"an integer >= 1 or a list, got {n}")
+        return [(i + 1) % n != 0 for i in range(num_layers)]
+    return moe_layer_pattern(text, num_layers)
+
+
 def moe_layer_pattern(freq, num_layers: int) -> list[bool]:
     """Per layer, whether it is an MoE layer. Raises ValueError (with why) for a bad value."""
     text = str(freq).strip().strip("'\"")

@@ -43,26 +43,11 @@ from ..tensor_parallel import set_init
 from ..tensor_parallel.param_info import param_info
 from .attention import apply_rotary
 from .config import ExecutionConfig, GPTConfig
+from .moe.layer import AttachLoss
 from .norm import Norm
 
 # the budget of one chunk's scores (fp32 elements): 16 Mi = 64 MiB
 CHUNK_ELEMENTS = 1 << 24
-
-
-class AttachLoss(torch.autograd.Function):
-    """The identity on the layer's output whose backward also starts the indexer's loss with
-    gradient `scale` (Megatron-LM's DSAIndexerLossAutoScaler; the MoE router's in moe/layer.py)."""
-
-    @staticmethod
-    def forward(ctx, out, loss, scale):
-        ctx.scale = scale
-        ctx.save_for_backward(loss)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, ctx.scale), None
 
 
 class _PrecomputedGrad(torch.autograd.Function):

@@ -24,10 +24,10 @@ from .experts import LocalExperts
 from .router import Routing, TopKRouter
 
 
-class _AttachLoss(torch.autograd.Function):
-    """The identity on the layer's output whose backward also starts the router's loss with
-    gradient `scale` (Megatron-LM's MoEAuxLossAutoScaler): the loss trains the router on every
-    pipeline stage without travelling to the last one."""
+class AttachLoss(torch.autograd.Function):
+    """The identity on the layer's output whose backward also starts a side loss with gradient
+    `scale` (Megatron-LM's MoEAuxLossAutoScaler; DSA's indexer loss uses it too, model/dsa.py): the
+    loss trains the router on every pipeline stage without travelling to the last one."""
 
     @staticmethod
     def forward(ctx, out, loss, scale):
@@ -104,5 +104,5 @@ class MoELayer(nn.Module):
             else:
                 out = out + self.shared_expert(x)
         if routing.loss is not None and torch.is_grad_enabled():
-            out = _AttachLoss.apply(out, routing.loss, self.aux_loss_scale)
+            out = AttachLoss.apply(out, routing.loss, self.aux_loss_scale)
         return out
