@@ -30,7 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
 
-from proc_helpers import children, kill_all, start_torchrun, workers  # noqa: E402
+from proc_helpers import kill_all, ranks_now, start_torchrun, workers  # noqa: E402
 
 MODEL = ["--mock-data", "--vocab-size", "1024", "--num-layers", "4", "--hidden-size", "256",
          "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "1", "--lr", "1e-4",
@@ -67,21 +67,6 @@ class Watch:
                     self.seen.append((r["iteration"], time.time()))
 
 
-def _ranks(proc) -> dict:
-    """{rank: PID} of torchrun's workers now (found by their RANK variable)."""
-    found = {}
-    for pid in children(proc.pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        except OSError:
-            continue
-        if b"RANK" in env:
-            found[int(env[b"RANK"])] = pid
-            proc.seen.add(pid)
-    return found
-
-
 def one(world: int, mode: str, fault: str, fault_at: int, save_interval: int, timeout_min: float) -> dict:
     tmp = tempfile.mkdtemp(prefix="bench_resilience_")
     proc, jsonl = start_torchrun(world, flags(mode, tmp, save_interval, timeout_min), tmp, "run",
@@ -103,7 +88,7 @@ def one(world: int, mode: str, fault: str, fault_at: int, save_interval: int, ti
             watch.poll()
             if proc.poll() is not None:
                 raise RuntimeError(open(f"{tmp}/run.err").read()[-3000:])
-            new = {r: p for r, p in _ranks(proc).items() if p not in first.values()}
+            new = {r: p for r, p in ranks_now(proc).items() if p not in first.values()}
             time.sleep(0.02)
         done = max(it for it, _ in watch.seen)  # what the first attempt completed
         n = len(watch.seen)

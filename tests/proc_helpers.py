@@ -53,20 +53,27 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def ranks_now(proc) -> dict[int, int]:
+    """{global rank: PID} of torchrun's workers now (found by their RANK variable), each PID
+    remembered in proc.seen so that a test can kill it later."""
+    found = {}
+    for pid in children(proc.pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env:
+            found[int(env[b"RANK"])] = pid
+    proc.seen.update(found.values())
+    return found
+
+
 def workers(proc, nproc: int, timeout: float = 120.0) -> dict[int, int]:
     """{global rank: PID} of torchrun's current workers, once all `nproc` are up."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        found = {}
-        for pid in children(proc.pid):
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            except OSError:
-                continue
-            if b"RANK" in env:
-                found[int(env[b"RANK"])] = pid
-        proc.seen.update(found.values())
+        found = ranks_now(proc)
         if len(found) == nproc:
             return found
         if proc.poll() is not None:
