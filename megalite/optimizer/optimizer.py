@@ -8,7 +8,12 @@ a step whose gradients overflowed is skipped on every rank.
 
 One step, after the data-parallel module has reduced the gradients: multiply by `grad_scale`
 (1 / loss scale, token renormalisation) -> one all-reduce of [squared norm, overflow count] ->
-skip on overflow -> clip -> update -> masters copied into the parameters.
+skip on overflow -> clip -> update -> masters copied into the parameters. Under torch's fused
+AdamW the two multiplications are no passes of their own: their product goes to the kernel as its
+`grad_scale` (by which it divides each gradient as it reads it, the hook torch.amp's GradScaler
+uses), and the norm is the unscaled gradients' times `grad_scale` -- two fewer reads and writes of
+every fp32 gradient in a step that clips or unscales (Megatron-LM's FusedAdam takes the clip
+factor the same way, as its `grad_scale`).
 distributed_optimizer.py shards the masters and the optimizer state over DP (ZeRO-1/2/3) and
 offloads them to host memory (--optimizer-cpu-offload).
 
@@ -91,6 +96,14 @@ def _adamw(groups, config: OptimizerConfig, use_fused: bool):
     return opt, "adam (torch AdamW, fused)" if use_fused else "adam (torch AdamW, unfused)"
 
 
+def folds_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the step's gradient factor can go into the update kernel as torch.amp's
+    `grad_scale`: torch's Adam/AdamW fused on every group (the foreach and single-tensor paths,
+    Muon, SGD and the precision-aware AdamW take no such factor)."""
+    return (type(optimizer) in (torch.optim.AdamW, torch.optim.Adam)
+            and all(g.get("fused") for g in optimizer.param_groups))
+
+
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Allocate the state a first step would allocate, now (zeros, step 0)."""
     if isinstance(optimizer, ChainedOptimizer):
@@ -154,6 +167,8 @@ class MixedPrecisionOptimizer:
         matrices = self._muon_matrices(named_params, config) if config.optimizer == "muon" else None
         self.optimizer, self.impl = build_inner_optimizer(groups, config, self.device, matrices=matrices)
         init_optimizer_state(self.optimizer)
+        self.fold_scale = folds_grad_scale(self.optimizer)
+        self._grad_scale = None  # the fused kernel's divisor, made at the first step that needs one
 
     # -- what is stepped -------------------------------------------------------------------------
     def _build_masters(self) -> None:
@@ -265,7 +280,8 @@ class MixedPrecisionOptimizer:
         reason, when skipped for one). `after_update(pieces)` (--qk-clip) changes the updated
         masters before they reach the parameters."""
         self.dp.finish_param_sync()
-        scale_(self.grad_flats, grad_scale)
+        if not self.fold_scale:
+            scale_(self.grad_flats, grad_scale)
         inject = self._inject_overflow(iteration)
         if inject and self.main_grads:
             self.main_grads[0].view(-1)[0] = float("inf")
@@ -280,11 +296,15 @@ class MixedPrecisionOptimizer:
             if found_inf:
                 self.skipped_iterations += 1
                 return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": True, **zeros}
-        grad_norm = math.sqrt(_host_value(stats[0]))
+        grad_norm = math.sqrt(_host_value(stats[0])) * (grad_scale if self.fold_scale else 1.0)
         spike = reject_grad_norm(grad_norm) if reject_grad_norm is not None else None
         if spike is not None:
             return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": True, "spike": spike, **zeros}
-        scale_(self.grad_flats, clip_coefficient(grad_norm, self.clip_grad))
+        factor = clip_coefficient(grad_norm, self.clip_grad)
+        if self.fold_scale:
+            self._kernel_grad_scale(factor * grad_scale)
+        else:
+            scale_(self.grad_flats, factor)
         for g in self.optimizer.param_groups:
             g["lr"] = decoupled_lr if g.get("decoupled") and decoupled_lr is not None else lr
         self._attach_grads()
@@ -295,6 +315,16 @@ class MixedPrecisionOptimizer:
             after_update(self.pieces())
         self._update_params()
         return {"grad_norm": grad_norm, "loss_scale": self.loss_scale, "skipped": False, **zeros}
+
+    def _kernel_grad_scale(self, factor: float) -> None:
+        """The fused kernel divides each gradient by optimizer.grad_scale (None: by nothing)."""
+        if factor == 1.0:
+            self.optimizer.grad_scale = None
+            return
+        if self._grad_scale is None:
+            self._grad_scale = torch.ones((), dtype=torch.float32, device=self.masters[0].device)
+        self._grad_scale.fill_(1.0 / factor)
+        self.optimizer.grad_scale = self._grad_scale
 
     def step_count(self) -> float | None:
         """Updates taken so far, wherever the inner optimizer counts them (per group or per
