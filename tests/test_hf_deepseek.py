@@ -6,14 +6,13 @@ same tensors; a random megalite MLA model exports to a model transformers comput
 and imports back to the same tensors; MLA's cached generation equals recomputation token for
 token and caches kv_lora_rank + qk_pos_emb_head_dim values per token and layer.
 """
-import importlib.util
 import os
 import shlex
 
 import pytest
 import torch
 
-from dist_helpers import ROOT
+from hf_helpers import convert_tool, run_convert, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3ForCausalLM"):
@@ -27,9 +26,7 @@ from megalite.generation import generate, kv_cache, load_model, next_token_logit
 from megalite.model import GPTConfig, GPTModel  # noqa: E402
 from tolerances import logits_atol  # megalite's logits against transformers' for the same weights
 
-spec = importlib.util.spec_from_file_location("megalite_convert_ds", os.path.join(ROOT, "tools/checkpoint/convert.py"))
-convert = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(convert)
+convert = convert_tool()
 
 VOCAB = 96
 BASE = dict(num_hidden_layers=3, hidden_size=48, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, vocab_size=VOCAB,
@@ -62,11 +59,6 @@ def _hf_model(path, **kw):
     return model
 
 
-def _convert(loader, saver, src, dst, *extra):
-    assert convert.main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(src),
-                         "--save-dir", str(dst), *extra]) == 0
-    return str(dst)
-
 
 def _ids(seed=0, seq=40):
     return torch.randint(0, VOCAB, (3, seq), generator=torch.Generator().manual_seed(seed))
@@ -79,15 +71,11 @@ def _logit_diff(ck, hf_model, ids):
     return (ours - theirs).abs().max().item() / logits_atol(theirs)  # of the rounding bound
 
 
-def _safetensors(d):
-    from safetensors.torch import load_file
-    return load_file(os.path.join(d, "model.safetensors"))
-
 
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_deepseek_imports_with_equal_logits_and_exports_back(case, tmp_path, capsys):
     reference = _hf_model(tmp_path / "hf", **HF_CASES[case])
-    ck = _convert("hf", "megalite", tmp_path / "hf", tmp_path / "ck")
+    ck = run_convert(convert, "hf", "megalite", tmp_path / "hf", tmp_path / "ck")
     printed = capsys.readouterr().out
     diff = _logit_diff(ck, reference, _ids())
     print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e} of the rounding bound")
@@ -107,8 +95,8 @@ def test_deepseek_imports_with_equal_logits_and_exports_back(case, tmp_path, cap
         assert getattr(run.model, key) == cfg[key], key
     assert run.model.yarn() == GPTConfig.from_dict(cfg).yarn()
     # and back: the same tensors under the same names
-    back = _convert("megalite", "hf", ck, tmp_path / "back", "--no-tokenizer")
-    original, exported = _safetensors(tmp_path / "hf"), _safetensors(back)
+    back = run_convert(convert, "megalite", "hf", ck, tmp_path / "back", "--no-tokenizer")
+    original, exported = safetensors_of(tmp_path / "hf"), safetensors_of(back)
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
     loaded = AutoModelForCausalLM.from_pretrained(back, local_files_only=True).eval()
@@ -202,7 +190,7 @@ def test_megalite_mla_exports_with_equal_logits_and_imports_back(case, tmp_path,
     """With an MTP module: DeepSeek-V3's layer num_layers (which DeepseekV3ForCausalLM skips), whose
     loss transformers' MtpModel computes the same, and which imports back exactly."""
     ck = _megalite_mla(tmp_path / "ck", mtp_num_layers=1, **MEGALITE_CASES[case])
-    hf_dir = _convert("megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
+    hf_dir = run_convert(convert, "megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"
     diff = _logit_diff(ck, hf, _ids())
@@ -210,7 +198,7 @@ def test_megalite_mla_exports_with_equal_logits_and_imports_back(case, tmp_path,
         print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e} of the rounding bound")
     assert diff < 1, diff
     # the MTP module under DeepSeek-V3's names, with copies of the embedding and the output layer
-    (meta, a), exported = load_full_state_dict(ck), _safetensors(hf_dir)
+    (meta, a), exported = load_full_state_dict(ck), safetensors_of(hf_dir)
     assert hf.config.num_mtp_layers == 1 and hf.config.to_dict()["num_nextn_predict_layers"] == 1
     moe = bool(meta["model_config"].get("num_experts"))
     for ours, theirs in MTP_SAME + (MTP_MOE if moe else []):
@@ -227,7 +215,7 @@ def test_megalite_mla_exports_with_equal_logits_and_imports_back(case, tmp_path,
             print(f"{case}: MTP loss megalite {ours:.7f} transformers {theirs:.7f}; max |h_1 difference| {h_diff:.3e}")
         assert abs(ours - theirs) < logits_atol(torch.tensor(ours)) and h_diff < logits_atol(theirs_h)
     capsys.readouterr()
-    back = _convert("hf", "megalite", hf_dir, tmp_path / "back", "--target-tensor-parallel-size", "2")
+    back = run_convert(convert, "hf", "megalite", hf_dir, tmp_path / "back", "--target-tensor-parallel-size", "2")
     assert "--mtp-num-layers 1" in capsys.readouterr().out
     meta_b, b = load_full_state_dict(back)
     assert meta_b["model_config"]["mtp_num_layers"] == 1

@@ -8,14 +8,12 @@ equals transformers' and megalite's uncached decoding token for token; a random 
 exports to a model transformers computes the same logits with, and imports back to the same
 tensors. Cost: ~10 s.
 """
-import importlib.util
-import os
 import shlex
 
 import pytest
 import torch
 
-from dist_helpers import ROOT
+from hf_helpers import convert_tool, run_convert, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV32ForCausalLM"):
@@ -27,9 +25,7 @@ from megalite.config import RunConfig  # noqa: E402
 from megalite.generation import generate, load_model, next_token_logits  # noqa: E402
 from megalite.model import GPTConfig, GPTModel  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("megalite_convert_v32", os.path.join(ROOT, "tools/checkpoint/convert.py"))
-convert = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(convert)
+convert = convert_tool()
 
 VOCAB = 96
 YARN = {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0, "original_max_position_embeddings": 16,
@@ -56,24 +52,15 @@ def _hf_model(path):
     return model
 
 
-def _convert(loader, saver, src, dst, *extra):
-    assert convert.main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(src),
-                         "--save-dir", str(dst), *extra]) == 0
-    return str(dst)
-
 
 def _ids(seed=0, seq=40):
     return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def _safetensors(d):
-    from safetensors.torch import load_file
-    return load_file(os.path.join(d, "model.safetensors"))
-
 
 def test_imports_with_equal_logits_exports_back_and_generates_the_same(tmp_path, capsys):
     reference = _hf_model(tmp_path / "hf")
-    ck = _convert("hf", "megalite", tmp_path / "hf", tmp_path / "ck")
+    ck = run_convert(convert, "hf", "megalite", tmp_path / "hf", tmp_path / "ck")
     printed = capsys.readouterr().out
     model, meta = load_model(ck)
     ids = _ids()
@@ -104,8 +91,8 @@ def test_imports_with_equal_logits_exports_back_and_generates_the_same(tmp_path,
     for key in ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
                 "q_lora_rank", "num_experts", "moe_layer_freq"):
         assert getattr(run.model, key) == cfg[key], key
-    back = _convert("megalite", "hf", ck, tmp_path / "back", "--no-tokenizer")
-    original, exported = _safetensors(tmp_path / "hf"), _safetensors(back)
+    back = run_convert(convert, "megalite", "hf", ck, tmp_path / "back", "--no-tokenizer")
+    original, exported = safetensors_of(tmp_path / "hf"), safetensors_of(back)
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
     assert type(AutoModelForCausalLM.from_pretrained(back, local_files_only=True)).__name__ == "DeepseekV32ForCausalLM"
@@ -128,14 +115,14 @@ def test_megalite_dsa_model_exports_with_equal_logits_and_imports_back(tmp_path)
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         state[name] = state[name][:VOCAB]
     save_full_state_dict(str(tmp_path / "ck"), state, config.to_dict(), RunConfig().to_dict())
-    out = _convert("megalite", "hf", tmp_path / "ck", tmp_path / "hf", "--no-tokenizer")
+    out = run_convert(convert, "megalite", "hf", tmp_path / "ck", tmp_path / "hf", "--no-tokenizer")
     theirs = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     ours = load_model(str(tmp_path / "ck"))[0]
     ids = _ids(3)
     with torch.no_grad():
         diff = (next_token_logits(ours, ids) - theirs(ids).logits.float()).abs().max().item()
     assert diff < 1e-5, diff
-    back = load_model(_convert("hf", "megalite", out, tmp_path / "back"))[0]
+    back = load_model(run_convert(convert, "hf", "megalite", out, tmp_path / "back"))[0]
     mine = dict(ours.global_named_parameters())
     for name, p in back.global_named_parameters():
         assert torch.equal(p, mine[name]), name

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dist_helpers import ROOT
+from hf_helpers import convert_tool, run_convert, safetensors_of
 
 import transformers
 from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
@@ -27,9 +28,7 @@ from megalite.generation import generate, load_model, next_token_logits
 from megalite.model import GPTConfig, GPTModel
 from tolerances import logits_atol  # megalite's logits against transformers' for the same weights
 
-spec = importlib.util.spec_from_file_location("megalite_convert_moe", os.path.join(ROOT, "tools/checkpoint/convert.py"))
-convert = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(convert)
+convert = convert_tool()
 spec = importlib.util.spec_from_file_location("megalite_generate_moe", os.path.join(ROOT, "tools/generate.py"))
 generate_cli = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(generate_cli)
@@ -73,11 +72,6 @@ def _hf_model(path, arch, **kw):
     return model
 
 
-def _convert(loader, saver, src, dst, *extra):
-    assert convert.main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(src),
-                         "--save-dir", str(dst), *extra]) == 0
-    return str(dst)
-
 
 def _ids(seed=0, seq=40):
     return torch.randint(0, VOCAB, (3, seq), generator=torch.Generator().manual_seed(seed))
@@ -90,10 +84,6 @@ def _logit_diff(ck, hf_model, ids):
     assert ours.shape == theirs.shape
     return (ours - theirs).abs().max().item() / logits_atol(theirs)  # of the rounding bound
 
-
-def _safetensors(d):
-    from safetensors.torch import load_file
-    return load_file(os.path.join(d, "model.safetensors"))
 
 
 HF_CASES = {
@@ -116,7 +106,7 @@ HF_CASES = {
 def test_hf_moe_imports_with_equal_logits_and_exports_back(case, tmp_path, capsys):
     arch, kw = HF_CASES[case]
     reference = _hf_model(tmp_path / "hf", arch, **kw)
-    ck = _convert("hf", "megalite", tmp_path / "hf", tmp_path / "ck")
+    ck = run_convert(convert, "hf", "megalite", tmp_path / "hf", tmp_path / "ck")
     printed = capsys.readouterr().out
     cfg = load_model(ck)[1]["model_config"]
     diff = _logit_diff(ck, reference, _ids())
@@ -135,8 +125,8 @@ def test_hf_moe_imports_with_equal_logits_and_exports_back(case, tmp_path, capsy
     assert [run.model.is_moe_layer(i) for i in range(3)] == [GPTConfig.from_dict(cfg).is_moe_layer(i) for i in range(3)]
 
     # and back: the same tensors under the same names, the same config where it matters
-    back = _convert("megalite", "hf", ck, tmp_path / "back", "--no-tokenizer")
-    original, exported = _safetensors(tmp_path / "hf"), _safetensors(back)
+    back = run_convert(convert, "megalite", "hf", ck, tmp_path / "back", "--no-tokenizer")
+    original, exported = safetensors_of(tmp_path / "hf"), safetensors_of(back)
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
     raw, raw_back = (json.load(open(os.path.join(d, "config.json"))) for d in (tmp_path / "hf", back))
@@ -193,14 +183,14 @@ MEGALITE_CASES = {
 def test_megalite_moe_exports_with_equal_logits_and_imports_back(case, tmp_path):
     cls, kw = MEGALITE_CASES[case]
     ck = _megalite_moe(tmp_path / "ck", **kw)
-    hf_dir = _convert("megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
+    hf_dir = run_convert(convert, "megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     assert type(hf).__name__ == cls
     diff = _logit_diff(ck, hf, _ids())
     print(f"{case}: max |logit difference| megalite vs transformers = {diff:.3e} of the rounding bound")
     assert diff < 1, diff
     # imported back on another layout: the same tensors
-    back = _convert("hf", "megalite", hf_dir, tmp_path / "back", "--target-tensor-parallel-size", "2",
+    back = run_convert(convert, "hf", "megalite", hf_dir, tmp_path / "back", "--target-tensor-parallel-size", "2",
                     "--target-pipeline-parallel-size", "3")
     (_, a), (_, b) = load_full_state_dict(ck), load_full_state_dict(back)
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
@@ -212,7 +202,7 @@ def test_kv_cached_generation_of_an_moe_model(arch, tmp_path, capsys):
     Qwen3-MoE model (QK-norm): with the key/value cache, recomputing every step, and transformers'
     generate agree token for token."""
     reference = _hf_model(tmp_path / "hf", arch, mlp_only_layers=[1])
-    ck = _convert("hf", "megalite", tmp_path / "hf", tmp_path / "ck")
+    ck = run_convert(convert, "hf", "megalite", tmp_path / "hf", tmp_path / "ck")
     model, _ = load_model(ck)
     assert not model.training and all(not layer.training for _, layer in model.moe_layers())
     prompt = [5, 17, 3, 88, 41, 9]
@@ -249,7 +239,7 @@ def test_moe_generation_under_tensor_parallelism(tmp_path):
     from dist_helpers import spawn
 
     _hf_model(tmp_path / "hf", "qwen2_moe", mlp_only_layers=[1])
-    ck = _convert("hf", "megalite", tmp_path / "hf", tmp_path / "ck", "--target-tensor-parallel-size", "2")
+    ck = run_convert(convert, "hf", "megalite", tmp_path / "hf", tmp_path / "ck", "--target-tensor-parallel-size", "2")
     expected = generate(load_model(ck)[0], [5, 17, 3, 88], 12, greedy=True, use_cache=False)
     for cached, recomputed in spawn(_tp_generate, 2, ck):
         assert cached == recomputed == expected

@@ -6,14 +6,12 @@ tensors; a random megalite model exports to a model transformers computes the sa
 imports back exactly; greedy generation (with the DeltaNet state and convolution cache) equals
 transformers' and megalite's uncached decoding token for token.
 """
-import importlib.util
-import os
 import shlex
 
 import pytest
 import torch
 
-from dist_helpers import ROOT
+from hf_helpers import convert_tool, run_convert, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 if not all(hasattr(transformers, n) for n in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")):
@@ -25,9 +23,7 @@ from megalite.config import RunConfig  # noqa: E402
 from megalite.generation import generate, load_model, next_token_logits  # noqa: E402
 from megalite.model import GPTConfig, GPTModel  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("megalite_convert_q3n", os.path.join(ROOT, "tools/checkpoint/convert.py"))
-convert = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(convert)
+convert = convert_tool()
 
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -65,26 +61,17 @@ def _hf_model(path, cls, config_cls, **kw):
     return model
 
 
-def _convert(loader, saver, src, dst, *extra):
-    assert convert.main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(src),
-                         "--save-dir", str(dst), *extra]) == 0
-    return str(dst)
-
 
 def _ids(seed=0, seq=40):
     return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seed))
 
-
-def _safetensors(d):
-    from safetensors.torch import load_file
-    return load_file(os.path.join(d, "model.safetensors"))
 
 
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_imports_with_equal_logits_exports_back_and_generates_the_same(case, tmp_path, capsys):
     cls, config_cls, kw = HF_CASES[case]
     reference = _hf_model(tmp_path / "hf", cls, config_cls, **kw)
-    ck = _convert("hf", "megalite", tmp_path / "hf", tmp_path / "ck")
+    ck = run_convert(convert, "hf", "megalite", tmp_path / "hf", tmp_path / "ck")
     printed = capsys.readouterr().out
     model, meta = load_model(ck)
     ids = _ids()
@@ -113,9 +100,9 @@ def test_imports_with_equal_logits_exports_back_and_generates_the_same(case, tmp
                 "moe_router_pre_softmax", "moe_shared_expert_gate", "kv_channels", "num_query_groups"):
         assert getattr(run.model, key) == cfg[key], key
     # and back: the same tensors under the same names
-    back = _convert("megalite", "hf", ck, tmp_path / "back", "--no-tokenizer",
+    back = run_convert(convert, "megalite", "hf", ck, tmp_path / "back", "--no-tokenizer",
                     *(["--hf-architecture", "qwen3_5_moe_text"] if case == "qwen3_5_moe" else []))
-    original, exported = _safetensors(tmp_path / "hf"), _safetensors(back)
+    original, exported = safetensors_of(tmp_path / "hf"), safetensors_of(back)
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
     loaded = AutoModelForCausalLM.from_pretrained(back, local_files_only=True).eval()
@@ -155,14 +142,14 @@ MEGALITE_CASES = {
 @pytest.mark.parametrize("case", list(MEGALITE_CASES))
 def test_megalite_model_exports_with_equal_logits_and_imports_back(case, tmp_path):
     ck = _megalite_model(tmp_path / "ck", **MEGALITE_CASES[case])
-    out = _convert("megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
+    out = run_convert(convert, "megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
     theirs = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     ours = load_model(ck)[0]
     ids = _ids(3)
     with torch.no_grad():
         diff = (next_token_logits(ours, ids) - theirs(ids).logits.float()).abs().max().item()
     assert diff < 1e-5, diff
-    back = load_model(_convert("hf", "megalite", out, tmp_path / "back"))[0]
+    back = load_model(run_convert(convert, "hf", "megalite", out, tmp_path / "back"))[0]
     mine = dict(ours.global_named_parameters())
     # imports are zero-centred (--apply-layernorm-1p); a plain-norm model comes back with w - 1 stored
     shift = float(back.config.apply_layernorm_1p and not ours.config.apply_layernorm_1p)
