@@ -29,7 +29,7 @@ QWEN3_NEXT = tiny(num_layers=4, hidden_size=32, seq_length=32, lr=1e-2, train_it
     "--apply-layernorm-1p", "--qk-layernorm", "--attention-output-gate", "--ffn-hidden-size", "48",
     "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
     "--linear-conv-kernel-dim", "4", "--linear-key-head-dim", "8", "--linear-value-head-dim", "8",
-    "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+    "--linear-num-key-heads", "4", "--linear-num-value-heads", "8",
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
     "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "1e-2"]
 DSA = tiny(num_layers=2, hidden_size=32, seq_length=32, lr=1e-2, train_iters=6, log_interval=1, eval_iters=0) + \
@@ -44,6 +44,7 @@ DSA = tiny(num_layers=2, hidden_size=32, seq_length=32, lr=1e-2, train_iters=6, 
               "--moe-router-bias-update-rate", "1e-2", "--moe-shared-expert-intermediate-size", "16",
               "--moe-aux-loss-coeff", "1e-2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+CP2 = ["--context-parallel-size", "2"]
 LAYOUTS = {  # id: (model, processes, flags)
     "qwen3-next-tp2-sp": ("qwen3_next", 2, TP2_SP),
     "qwen3-next-pp2-layout": ("qwen3_next", 2, ["--pipeline-model-parallel-size", "2",
@@ -54,6 +55,11 @@ LAYOUTS = {  # id: (model, processes, flags)
     "qwen3-next-zero1-full-recompute": ("qwen3_next", 2, ["--use-distributed-optimizer", "--recompute-granularity",
                                                           "full", "--recompute-method", "uniform",
                                                           "--recompute-num-layers", "1"]),
+    # CP: the DeltaNet layers head-parallel (all-to-all), the gated softmax layers (1 and 3) by two
+    # --cp-comm-types each run; TP2 x CP2 splits the 4 key heads over both (one per rank)
+    "qwen3-next-cp2-a2a-p2p": ("qwen3_next", 2, CP2 + ["--cp-comm-type", "allgather", "a2a", "allgather", "p2p"]),
+    "qwen3-next-tp2-sp-cp2-allgather-a2a+p2p": ("qwen3_next", 4, TP2_SP + CP2 + [
+        "--cp-comm-type", "a2a", "allgather", "a2a", "a2a+p2p", "--hierarchical-context-parallel-sizes", "1", "2"]),
     "dsa-tp2-sp": ("dsa", 2, TP2_SP),
     "dsa-pp2": ("dsa", 2, ["--pipeline-model-parallel-size", "2"]),
     "dsa-zero2-selective": ("dsa", 2, ["--data-parallel-sharding-strategy", "optim_grads",
@@ -61,6 +67,8 @@ LAYOUTS = {  # id: (model, processes, flags)
     "dsa-ep2-zero3": ("dsa", 2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
                                  "--ddp-bucket-size", "5000", "--data-parallel-sharding-strategy",
                                  "optim_grads_params"]),
+    "dsa-cp2": ("dsa", 2, CP2),
+    "dsa-tp2-sp-cp2": ("dsa", 4, TP2_SP + CP2),
 }
 RTOL = {"qwen3_next": {"lm_loss": 1e-5, "grad_norm": 1e-5},
         "dsa": {"lm_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5}}
