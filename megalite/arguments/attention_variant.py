@@ -82,9 +82,6 @@ def _check_dsa(c: RunConfig) -> None:
                and getattr(m, key) is None]
     if missing:
         fail(f"--experimental-attention-variant dsa needs {missing[0]}")
-    if c.parallel.context_parallel_size > 1:
-        fail(f"--context-parallel-size {c.parallel.context_parallel_size} with --experimental-attention-variant dsa: "
-             "DSA's indexer picks keys over the whole sequence (not built over CP chunks)")
     if m.dsa_indexer_head_dim < m.qk_pos_emb_head_dim:
         fail(f"--dsa-indexer-head-dim ({m.dsa_indexer_head_dim}) is below --qk-pos-emb-head-dim "
              f"({m.qk_pos_emb_head_dim}): the indexer rotates its first --qk-pos-emb-head-dim channels")

@@ -107,7 +107,7 @@ class MLASelfAttention(nn.Module):
         self.linear_kv_up_proj = ColumnParallelLinear(self.kv_lora_rank, n * (self.qk_dim + self.v_dim), **column)
         # --experimental-attention-variant dsa: DeepSeek Sparse Attention's indexer and sparse softmax (model/dsa.py)
         self.dsa = config.dsa
-        self.core_attention = (DSAttention(config, execution, tp_group, device) if self.dsa else
+        self.core_attention = (DSAttention(config, execution, tp_group, device, cp_group) if self.dsa else
                                CoreAttention(config.attention_dropout, execution, rng_tracker, self.num_heads,
                                              config.softmax_type, std, device, layer_number))
         self.linear_proj = RowParallelLinear(n * self.v_dim, h, tp_group=tp_group, bias=config.add_bias_linear,
@@ -165,12 +165,13 @@ class MLASelfAttention(nn.Module):
             # the latent and the rotated key join the cached ones: kv_lora_rank + dr values per token
             c_kv, k_r, attention_mask = self.inference_cache.update(c_kv, k_r, attention_mask)
         k, v = recompute(self.keys_values, c_kv, k_r) if up else self.keys_values(c_kv, k_r)
-        if self.dsa:  # (validation refuses context parallelism with DSA)
-            return self.linear_proj(self.core_attention(q, k, v, x, c_q, rotary, self.inference_cache))
         if comm.group_size(self.cp_group) > 1:
-            # every head's keys and values of the whole sequence, after RoPE (as SelfAttention's)
+            # every head's keys and values of the whole sequence, after RoPE (as SelfAttention's);
+            # DSA's indexer then picks among them by global position (model/dsa.py)
             k, v = gather_sequence(torch.cat([k, v], dim=-1), self.cp_group).split(
                 [self.qk_dim + self.pos_dim, self.v_dim], dim=-1)
+        if self.dsa:
+            return self.linear_proj(self.core_attention(q, k, v, x, c_q, rotary, self.inference_cache))
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             ctx = recompute(self.core_attention, q, k, v, attention_mask, rng_tracker=self.core_attention.rng_tracker)
         else:
