@@ -95,3 +95,18 @@ def references(corpus, tmp_path_factory):
 def test_layout_matches_single_process(references, tmp_path, layout):
     model, nproc, flags = LAYOUTS[layout]
     assert_layout_matches(references[model], nproc, flags, tmp_path, RTOL[model], params_atol=1e-5)
+
+
+def test_context_parallel_rules():
+    """CP's one refusal for the DeltaNet layers (key heads per TP rank that do not split over CP) and
+    the notice that their all-to-all ignores --cp-comm-type; DSA under CP runs MLA's allgather only."""
+    from megalite.arguments import ArgumentError, parse_args, validate_args
+    cp2 = CP2 + ["--mock-data", "--vocab-size", "100"]
+    c = validate_args(parse_args(QWEN3_NEXT + cp2), 2)
+    assert any("the gated DeltaNet layers always exchange heads by all-to-all" in n for n in c.notices)
+    with pytest.raises(ArgumentError, match=r"--linear-num-key-heads \(4\) / --tensor-model-parallel-size \(2\) = 2 "
+                                            r"key heads per rank cannot split over --context-parallel-size 4"):
+        validate_args(parse_args(QWEN3_NEXT + TP2_SP + ["--context-parallel-size", "4"] + cp2[2:]), 8)
+    assert validate_args(parse_args(DSA + cp2), 2).parallel.context_parallel_size == 2  # accepted
+    with pytest.raises(ArgumentError, match="multi-latent attention .* runs allgather only"):
+        validate_args(parse_args(DSA + cp2 + ["--cp-comm-type", "p2p"]), 2)

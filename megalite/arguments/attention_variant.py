@@ -65,6 +65,9 @@ def _check_gated_delta_net(c: RunConfig) -> None:
         fail(f"--linear-num-key-heads ({nk}) / --tensor-model-parallel-size ({tp}) = {nk // tp} key heads per rank "
              f"cannot split over --context-parallel-size {cp}: under CP each rank runs the whole sequence of 1/{cp} "
              "of them (the delta rule's state runs through the sequence in order)")
+    if cp > 1:
+        c.notices.append(f"--cp-comm-type applies to the softmax layers: under --context-parallel-size {cp} the gated "
+                         "DeltaNet layers always exchange heads by all-to-all (Megatron-LM's cp2hp / hp2cp)")
     if m.multi_latent_attention:
         fail("--experimental-attention-variant gated_delta_net with --multi-latent-attention: the softmax layers "
              "between DeltaNet layers are megalite's (gated) softmax attention, not MLA")
