@@ -4,14 +4,17 @@ train the same on each layout as on one process (issue 44, Done-when), on real t
 falls.
 
 Qwen3-Next (tiny): --linear-attention-freq 2 over 4 layers (DeltaNet, softmax, DeltaNet, softmax),
-2 key heads of 8 channels with 2 value heads each, conv width 4, --attention-output-gate with
+4 key heads of 8 channels with 2 value heads each, conv width 4, --attention-output-gate with
 --qk-layernorm, zero-centred RMSNorms, partial RoPE, 4 experts top-2 with a gated shared expert.
 Layouts: TP 2 with SP (the DeltaNet's key heads split), PP 2 (uneven kinds per stage: the layout
-string 'Ettt|tL'), EP 2 (alltoall) under ZeRO-3, ZeRO-1 with full recompute.
+string 'Ettt|tL'), EP 2 (alltoall) under ZeRO-3, ZeRO-1 with full recompute, CP 2 (the DeltaNet
+layers head-parallel; the two softmax layers a2a and p2p) and TP 2 + SP x CP 2 (4 ranks, one key head
+each; the softmax layers allgather and a2a+p2p).
 DeepSeek-V3.2 (tiny, init std 0.2): MLA with query compression, DSA with 2 indexer heads of 12 channels, top-6 of
 the 32 keys (so the sparse choice matters), --dsa-indexer-loss-coeff 0.1, DeepSeek-V3's MoE in the second
 layer (sigmoid top-2 of 4, expert bias, shared expert); layouts TP 2 with SP (the indexer duplicated, its
-target summed over TP), PP 2, ZeRO-2 with selective recompute, EP 2 (alltoall) under ZeRO-3.
+target summed over TP), PP 2, ZeRO-2 with selective recompute, EP 2 (alltoall) under ZeRO-3, CP 2 and
+TP 2 + SP x CP 2 (the keys and index keys gathered; top-6 of 32 ties often at the ReLU's 0).
 Compared per iteration: lm loss, the DSA indexer loss and the gradient norm (rtol 1e-5); every
 parameter after the last step, by global name (atol 1e-5). Cost: ~140 s (two references, 8 layouts).
 """
