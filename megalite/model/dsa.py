@@ -226,7 +226,7 @@ class DSAttention(nn.Module):
 
     def forward(self, q, k, v, x, qr, rotary, cache=None):
         """q [s, b, n, d] (scaled as the softmax wants it times √d), k [sk, b, n, d], v [sk, b, n, dv]
-        (sk > s while generating; under CP the whole sequence's, in the CP group's gathered order),
+        (sk > s while generating; under CP the whole sequence's, in sequence order: model/mla.py),
         x and qr the layer's input and normalised query latent ([s/tp, b, .] under
         sequence parallelism); `cache`: the layer's KVCache while generating."""
         x, qr = x.detach(), qr.detach()
@@ -237,7 +237,7 @@ class DSAttention(nn.Module):
             ik = cache.update_index_keys(ik)
         cp = comm.group_size(self.cp_group)
         if cp > 1:
-            k, v, ik = self._in_sequence_order(k, v, ik)
+            ik = self._gather_index_keys(ik)
         sk = k.size(0)
         k_pos = torch.arange(sk, device=q.device)
         q_pos = chunk_positions(sk, cp, comm.group_rank(self.cp_group), q.device) if cp > 1 else k_pos[sk - q.size(0):]
@@ -252,14 +252,14 @@ class DSAttention(nn.Module):
             out = AttachLoss.apply(out, loss, self.loss_scale)
         return out
 
-    def _in_sequence_order(self, k, v, ik):
-        """Context parallelism: the MLA keys and values (gathered by the layer) and this rank's index
-        keys, all-gathered here (D values a token; backward reduce-scatters), put in sequence order.
-        The order matters beyond the positions: the ReLU'd index scores tie (at 0) often, and the
-        top-k among ties goes by column, so only the one-process order picks one process's keys."""
-        order = torch.argsort(gathered_positions(k.size(0), comm.group_size(self.cp_group), k.device))
-        ik = gather_sequence(ik, self.cp_group)
-        return (t.index_select(0, order) for t in (k, v, ik))
+    def _gather_index_keys(self, ik):
+        """Context parallelism: the index keys of the whole sequence, all-gathered (D values a token;
+        backward reduce-scatters) and put in sequence order, as MLA puts the keys and values. The
+        order matters beyond the positions: the ReLU'd index scores tie (at 0) often, and the top-k
+        among ties goes by column, so only the one-process order picks one process's keys."""
+        c = comm.group_size(self.cp_group)
+        order = torch.argsort(gathered_positions(ik.size(0) * c, c, ik.device))
+        return gather_sequence(ik, self.cp_group).index_select(0, order)
 
 
 def dsa_layers(model: list[nn.Module]) -> list[DSAttention]:
