@@ -77,7 +77,7 @@ def report(run: Run, out: dict, window: dict, elapsed_s: float) -> None:
     if state.model_config.dsa and state.model_config.dsa_indexer_loss_coeff:  # Megatron-LM's "indexer loss"
         record["dsa_indexer_loss"] = iteration_indexer_loss(
             run.model, out["global_batch_size"] // t.micro_batch_size, state.ps.tp_size, state.ps.dp_size,
-            state.device)
+            state.device, state.ps.cp_size)
     if "max_attention_logit" in out:  # --qk-clip: the logged iteration's, before its clip
         record["max_attention_logit"] = out["max_attention_logit"]
     if "num_zeros_in_grad" in out:  # --log-num-zeros-in-grad: the logged iteration's

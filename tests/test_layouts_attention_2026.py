@@ -4,16 +4,20 @@ train the same on each layout as on one process (issue 44, Done-when), on real t
 falls.
 
 Qwen3-Next (tiny): --linear-attention-freq 2 over 4 layers (DeltaNet, softmax, DeltaNet, softmax),
-2 key heads of 8 channels with 2 value heads each, conv width 4, --attention-output-gate with
+4 key heads of 8 channels with 2 value heads each, conv width 4, --attention-output-gate with
 --qk-layernorm, zero-centred RMSNorms, partial RoPE, 4 experts top-2 with a gated shared expert.
 Layouts: TP 2 with SP (the DeltaNet's key heads split), PP 2 (uneven kinds per stage: the layout
-string 'Ettt|tL'), EP 2 (alltoall) under ZeRO-3, ZeRO-1 with full recompute.
+string 'Ettt|tL'), EP 2 (alltoall) under ZeRO-3, ZeRO-1 with full recompute, CP 2 (the DeltaNet
+layers head-parallel; the two softmax layers a2a and p2p) and TP 2 + SP x CP 2 (4 ranks, one key head
+each; the softmax layers allgather and a2a+p2p).
 DeepSeek-V3.2 (tiny, init std 0.2): MLA with query compression, DSA with 2 indexer heads of 12 channels, top-6 of
 the 32 keys (so the sparse choice matters), --dsa-indexer-loss-coeff 0.1, DeepSeek-V3's MoE in the second
 layer (sigmoid top-2 of 4, expert bias, shared expert); layouts TP 2 with SP (the indexer duplicated, its
-target summed over TP), PP 2, ZeRO-2 with selective recompute, EP 2 (alltoall) under ZeRO-3.
+target summed over TP), PP 2, ZeRO-2 with selective recompute, EP 2 (alltoall) under ZeRO-3, CP 2 and
+TP 2 + SP x CP 2 (the keys and index keys gathered; top-6 of 32 ties often at the ReLU's 0).
 Compared per iteration: lm loss, the DSA indexer loss and the gradient norm (rtol 1e-5); every
-parameter after the last step, by global name (atol 1e-5). Cost: ~140 s (two references, 8 layouts).
+parameter after the last step, by global name (atol 1e-5). Cost: two references, 12 layouts; alone on
+the shared 2 cores ~45 s, of which the four CP layouts ~20 s (the 4-rank ones ~12 s and ~5 s).
 """
 import pytest
 
@@ -29,7 +33,7 @@ QWEN3_NEXT = tiny(num_layers=4, hidden_size=32, seq_length=32, lr=1e-2, train_it
     "--apply-layernorm-1p", "--qk-layernorm", "--attention-output-gate", "--ffn-hidden-size", "48",
     "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
     "--linear-conv-kernel-dim", "4", "--linear-key-head-dim", "8", "--linear-value-head-dim", "8",
-    "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+    "--linear-num-key-heads", "4", "--linear-num-value-heads", "8",
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
     "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "1e-2"]
 DSA = tiny(num_layers=2, hidden_size=32, seq_length=32, lr=1e-2, train_iters=6, log_interval=1, eval_iters=0) + \
@@ -44,6 +48,7 @@ DSA = tiny(num_layers=2, hidden_size=32, seq_length=32, lr=1e-2, train_iters=6, 
               "--moe-router-bias-update-rate", "1e-2", "--moe-shared-expert-intermediate-size", "16",
               "--moe-aux-loss-coeff", "1e-2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+CP2 = ["--context-parallel-size", "2"]
 LAYOUTS = {  # id: (model, processes, flags)
     "qwen3-next-tp2-sp": ("qwen3_next", 2, TP2_SP),
     "qwen3-next-pp2-layout": ("qwen3_next", 2, ["--pipeline-model-parallel-size", "2",
@@ -54,6 +59,11 @@ LAYOUTS = {  # id: (model, processes, flags)
     "qwen3-next-zero1-full-recompute": ("qwen3_next", 2, ["--use-distributed-optimizer", "--recompute-granularity",
                                                           "full", "--recompute-method", "uniform",
                                                           "--recompute-num-layers", "1"]),
+    # CP: the DeltaNet layers head-parallel (all-to-all), the gated softmax layers (1 and 3) by two
+    # --cp-comm-types each run; TP2 x CP2 splits the 4 key heads over both (one per rank)
+    "qwen3-next-cp2-a2a-p2p": ("qwen3_next", 2, CP2 + ["--cp-comm-type", "allgather", "a2a", "allgather", "p2p"]),
+    "qwen3-next-tp2-sp-cp2-allgather-a2a+p2p": ("qwen3_next", 4, TP2_SP + CP2 + [
+        "--cp-comm-type", "a2a", "allgather", "a2a", "a2a+p2p", "--hierarchical-context-parallel-sizes", "1", "2"]),
     "dsa-tp2-sp": ("dsa", 2, TP2_SP),
     "dsa-pp2": ("dsa", 2, ["--pipeline-model-parallel-size", "2"]),
     "dsa-zero2-selective": ("dsa", 2, ["--data-parallel-sharding-strategy", "optim_grads",
@@ -61,6 +71,8 @@ LAYOUTS = {  # id: (model, processes, flags)
     "dsa-ep2-zero3": ("dsa", 2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
                                  "--ddp-bucket-size", "5000", "--data-parallel-sharding-strategy",
                                  "optim_grads_params"]),
+    "dsa-cp2": ("dsa", 2, CP2),
+    "dsa-tp2-sp-cp2": ("dsa", 4, TP2_SP + CP2),
 }
 RTOL = {"qwen3_next": {"lm_loss": 1e-5, "grad_norm": 1e-5},
         "dsa": {"lm_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5}}
@@ -87,3 +99,18 @@ def references(corpus, tmp_path_factory):
 def test_layout_matches_single_process(references, tmp_path, layout):
     model, nproc, flags = LAYOUTS[layout]
     assert_layout_matches(references[model], nproc, flags, tmp_path, RTOL[model], params_atol=1e-5)
+
+
+def test_context_parallel_rules():
+    """CP's one refusal for the DeltaNet layers (key heads per TP rank that do not split over CP) and
+    the notice that their all-to-all ignores --cp-comm-type; DSA under CP runs MLA's allgather only."""
+    from megalite.arguments import ArgumentError, parse_args, validate_args
+    cp2 = CP2 + ["--mock-data", "--vocab-size", "100"]
+    c = validate_args(parse_args(QWEN3_NEXT + cp2), 2)
+    assert any("the gated DeltaNet layers always exchange heads by all-to-all" in n for n in c.notices)
+    with pytest.raises(ArgumentError, match=r"--linear-num-key-heads \(4\) / --tensor-model-parallel-size \(2\) = 2 "
+                                            r"key heads per rank cannot split over --context-parallel-size 4"):
+        validate_args(parse_args(QWEN3_NEXT + TP2_SP + ["--context-parallel-size", "4"] + cp2[2:]), 8)
+    assert validate_args(parse_args(DSA + cp2), 2).parallel.context_parallel_size == 2  # accepted
+    with pytest.raises(ArgumentError, match="multi-latent attention .* runs allgather only"):
+        validate_args(parse_args(DSA + cp2 + ["--cp-comm-type", "p2p"]), 2)

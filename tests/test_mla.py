@@ -3,8 +3,8 @@
 - its flags: Megatron-LM's defaults, each refusal one line naming the flag;
 - tools/plan.py's parameter count equals the built model's;
 - a tiny MLA model (query compression, YaRN, QK-norm) trains the same on TP2 (heads split,
-  down-projections replicated) with and without SP, CP2 with selective recompute, PP2 with full
-  recompute and ZeRO-3 as on one process: loss, gradient norm and eval loss per iteration within
+  down-projections replicated) with and without SP, CP2 with selective recompute, TP2+SP x CP2 (the
+  latent gathered over CP; ~12 s), PP2 with full recompute and ZeRO-3 as on one process: loss, gradient norm and eval loss per iteration within
   1e-5, and the final weights (replicated ones from TP rank 0: a TP rank whose gradient differed
   would show);
 - the plan and the dry run count MLA; examples/deepseek_v3/deepseek_v3_cpu.sh validates and trains.
@@ -82,6 +82,8 @@ MLA_LAYOUTS = {  # TP 2 without SP too: the down-projections' gradients complete
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "cp2-selective-recompute": (2, ["--context-parallel-size", "2", "--recompute-activations"]),
+    # CP gathers the latent, which SP slices over TP: the up-projection's rows come TP slice by slice
+    "tp2-sp-cp2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"]),
     "pp2-full-recompute": (2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
                                "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
     "zero3": (2, ["--ddp-bucket-size", "5000", "--data-parallel-sharding-strategy", "optim_grads_params"]),

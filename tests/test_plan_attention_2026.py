@@ -1,7 +1,8 @@
 """The planner, the dry run and the FLOPs count know the 2026 attention (issue 44): a Qwen3-Next-
 shaped hybrid's and a DSA model's parameters per pipeline stage are the built model's, the dry run
 (the model on the meta device, its saved activations measured) agrees with the plan's bytes, and
-MFU's FLOPs count a DeltaNet layer's and DSA's own work. Cost: ~25 s."""
+MFU's FLOPs count a DeltaNet layer's and DSA's own work; under CP 2 the dry run agrees too, the DeltaNet
+keeps half per rank and DSA stays linear in the sequence. Cost: ~10 s alone (the CP checks ~4 s of it)."""
 import importlib.util
 import os
 
@@ -56,7 +57,9 @@ def test_plan_counts_the_built_model(model, pp):
     ("qwen3_next", 1, ["--recompute-activations"]),
     ("qwen3_next", 1, ["--bf16"]),
     ("dsa", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-], ids=["deltanet-tp2-sp", "deltanet-selective", "deltanet-bf16", "dsa-tp2-sp"])
+    ("qwen3_next", 2, ["--context-parallel-size", "2"]),
+    ("dsa", 2, ["--context-parallel-size", "2"]),
+], ids=["deltanet-tp2-sp", "deltanet-selective", "deltanet-bf16", "dsa-tp2-sp", "deltanet-cp2", "dsa-cp2"])
 def test_plan_matches_the_dry_run(model, world, flags):
     """Parameter, gradient and optimizer bytes exactly; activations within 10%."""
     argv = {"qwen3_next": QWEN3_NEXT_DENSE, "dsa": DSA}[model] + flags + ["--world-size", str(world)]
@@ -88,3 +91,20 @@ def test_flops_count_the_variants_own_work():
     want = num_floating_point_operations(dense, b) - keys * (s - 16) + dsa.model.num_layers * dsa_indexer_flops(dsa.model, b)
     assert num_floating_point_operations(dsa.model, b) == pytest.approx(want, rel=1e-12)
     assert dsa_indexer_flops(dsa.model, b) > 0
+
+
+def _dry_run_activations(argv, world):
+    config, _ = plan.parse(argv + ["--world-size", str(world)])
+    return plan.verify(config, plan.report.make_plan(config, 80.0))[0]["measured"]["activation_bytes"]
+
+
+def test_context_parallel_divides_the_variants_memory():
+    """Under CP 2 a DeltaNet layer (head-parallel: the whole sequence of half the heads) keeps half of
+    one process's activations per rank, and DSA's stay linear in the sequence (the dry run; an
+    [s/c, s] tensor kept would grow 16x from 128 to 512 tokens). Cost: ~8 s."""
+    cp2 = ["--context-parallel-size", "2"]
+    one, split = _dry_run_activations(QWEN3_NEXT_DENSE, 1), _dry_run_activations(QWEN3_NEXT_DENSE + cp2, 2)
+    assert abs(split / one - 0.5) < 0.01, (one, split)
+    longer = [a if a != "128" else "512" for a in DSA]
+    short, long = _dry_run_activations(DSA + cp2, 2), _dry_run_activations(longer + cp2, 2)
+    assert abs(long / short - 4.0) < 0.04, (short, long)

@@ -33,12 +33,6 @@ def check_attention_variant(c: RunConfig) -> None:
             fail(f"{given[0]} shapes --experimental-attention-variant {wanted[0]}, which is not set")
     if variant is None:
         return
-    p = c.parallel
-    if p.context_parallel_size > 1:
-        fail(f"--context-parallel-size {p.context_parallel_size} with --experimental-attention-variant {variant}: "
-             + ("the delta rule's state runs through the sequence in order (handing it from rank to rank is not "
-                "built)" if variant != "dsa" else "DSA's indexer picks keys over the whole sequence (not built "
-                                                  "over CP chunks)"))
     if c.optimizer.optimizer == "muon":
         fail(f"--optimizer muon with --experimental-attention-variant {variant}: not tested with the DeltaNet's "
              "in_proj (rows by key head) or DSA's indexer; use adam")
@@ -66,6 +60,14 @@ def _check_gated_delta_net(c: RunConfig) -> None:
     if nk % tp:
         fail(f"--linear-num-key-heads ({nk}) is not divisible by --tensor-model-parallel-size ({tp}): the DeltaNet "
              "layers split their key heads (each with its value heads) across TP")
+    cp = c.parallel.context_parallel_size
+    if (nk // tp) % cp:
+        fail(f"--linear-num-key-heads ({nk}) / --tensor-model-parallel-size ({tp}) = {nk // tp} key heads per rank "
+             f"cannot split over --context-parallel-size {cp}: under CP each rank runs the whole sequence of 1/{cp} "
+             "of them (the delta rule's state runs through the sequence in order)")
+    if cp > 1:
+        c.notices.append(f"--cp-comm-type applies to the softmax layers: under --context-parallel-size {cp} the gated "
+                         "DeltaNet layers always exchange heads by all-to-all (Megatron-LM's cp2hp / hp2cp)")
     if m.multi_latent_attention:
         fail("--experimental-attention-variant gated_delta_net with --multi-latent-attention: the softmax layers "
              "between DeltaNet layers are megalite's (gated) softmax attention, not MLA")

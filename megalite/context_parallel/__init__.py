@@ -32,6 +32,11 @@ within rounding) because allgather alone runs attention dropout, softmax sinks a
 planning/context_parallel.py. On gloo/CPU the ring posts the next block's transfer before
 computing on the current one (forward); its backward passes blocks synchronously.
 
+Beyond softmax attention: the gated DeltaNet layers (model/gated_delta_net.py) run Ulysses' all-
+to-all whatever the type (the state runs through the sequence in order: each rank takes the whole
+sequence of 1/c of the key heads), and DSA (model/dsa.py) runs on allgather's gathered keys, put in
+sequence order for its top-k.
+
 The gathered keys are laid out in rank order (rank 0's two chunks, then rank 1's, ...), not in
 sequence order: instead of permuting them, the mask's columns follow the same order
 (`gathered_positions`).

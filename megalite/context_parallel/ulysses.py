@@ -72,5 +72,13 @@ def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group):
 
 
 def gather_heads(out: torch.Tensor, group) -> torch.Tensor:
-    """Attention output [a·sl, b, n/a, hn] (gathered order) -> [sl, b, n, hn] of this rank's tokens."""
+    """Attention output [a·sl, b, n/a, hn] (gathered order) -> [sl, b, n, hn] of this rank's tokens
+    (Megatron-LM's hp2cp)."""
     return _HeadsToSeq.apply(out.contiguous(), group)
+
+
+def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[sl, b, H, d] (this rank's tokens, every head) -> [a·sl, b, H/a, d] in gathered order: the
+    whole sequence of this rank's 1/a heads (the gated DeltaNet's per-head inputs, Megatron-LM's
+    cp2hp all-to-all)."""
+    return _SeqToHeads.apply(x, group)

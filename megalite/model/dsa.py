@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
+from ..context_parallel.attention import gather_sequence
+from ..context_parallel.sharding import chunk_positions, gathered_positions
 from ..recompute import recompute
 from ..tensor_parallel import set_init
 from ..tensor_parallel.param_info import param_info
@@ -159,8 +161,9 @@ def _sparse_chunk(q, k, v, idx, q_pos, scale):
 
 
 def sparse_attention(q, k, v, idx, q_pos, scale: float):
-    """softmax over each query's selected keys: q [s, b, n, d], k [sk, b, n, d], v [sk, b, n, dv],
-    idx [b, s, K] -> [s, b, n·dv]; each chunk recomputed in backward (only its inputs are kept)."""
+    """softmax over each query's selected keys: q [s, b, n, d], k [sk, b, n, d], v [sk, b, n, dv]
+    (keys in sequence order), idx [b, s, K] -> [s, b, n·dv]; each chunk recomputed in backward
+    (only its inputs are kept)."""
     b, n, K = q.size(1), q.size(2), idx.size(-1)
     train = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     outs = []
@@ -170,11 +173,15 @@ def sparse_attention(q, k, v, idx, q_pos, scale: float):
     return torch.cat(outs, dim=0)
 
 
-def indexer_loss(iq, ik, iw, q, k, idx, q_pos, k_pos, scale: float, coeff: float, sparse: bool, tp_group):
+def indexer_loss(iq, ik, iw, q, k, idx, q_pos, k_pos, scale: float, coeff: float, sparse: bool, tp_group,
+                 queries: int | None = None):
     """coeff · mean over queries of KL(dense attention's head-summed probabilities || softmax of the
     index scores) (Megatron-LM's compute_dsa_indexer_loss), with a graph into iq, ik, iw only:
-    the gradient is computed here, chunk by chunk, and handed back in backward."""
+    the gradient is computed here, chunk by chunk, and handed back in backward. `queries`: the
+    mean's count (default this call's b·s; under CP the whole sequence's, so that the CP ranks'
+    partial sums add up to one process's mean)."""
     b, s = iq.size(1), iq.size(0)
+    queries = b * s if queries is None else queries
     leaves = [t.detach().requires_grad_() for t in (iq, ik, iw)]
     grads = [torch.zeros_like(t, dtype=torch.float32) for t in leaves]
     total = iq.new_zeros((), dtype=torch.float32)
@@ -196,7 +203,7 @@ def indexer_loss(iq, ik, iw, q, k, idx, q_pos, k_pos, scale: float, coeff: float
                 scores = scores.masked_fill(~selected, float("-inf"))
             p = torch.softmax(scores, dim=-1)
             kl = (target * (torch.log(target + 1e-10) - torch.log(p + 1e-10))).sum()
-            part = kl * (coeff / (b * s))
+            part = kl * (coeff / queries)
             for g, d in zip(grads, torch.autograd.grad(part, leaves)):
                 g += d
         total = total + part.detach()
@@ -207,9 +214,10 @@ class DSAttention(nn.Module):
     """MLA's core attention under --experimental-attention-variant dsa: the indexer's top-k, the
     sparse softmax over them, and (training) the indexer's loss attached to the output."""
 
-    def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, device=None):
+    def __init__(self, config: GPTConfig, execution: ExecutionConfig, tp_group, device=None, cp_group=None):
         super().__init__()
         self.indexer = DSAIndexer(config, execution, device)
+        self.cp_group = cp_group
         self.topk, self.coeff = config.dsa_indexer_topk, config.dsa_indexer_loss_coeff or 0.0
         self.sparse_loss = config.dsa_indexer_use_sparse_loss
         self.tp_group, self.sequence_parallel = tp_group, execution.sequence_parallel
@@ -218,26 +226,40 @@ class DSAttention(nn.Module):
 
     def forward(self, q, k, v, x, qr, rotary, cache=None):
         """q [s, b, n, d] (scaled as the softmax wants it times √d), k [sk, b, n, d], v [sk, b, n, dv]
-        (sk > s while generating), x and qr the layer's input and normalised query latent
-        ([s/tp, b, .] under sequence parallelism); `cache`: the layer's KVCache while generating."""
+        (sk > s while generating; under CP the whole sequence's, in sequence order: model/mla.py),
+        x and qr the layer's input and normalised query latent ([s/tp, b, .] under
+        sequence parallelism); `cache`: the layer's KVCache while generating."""
         x, qr = x.detach(), qr.detach()
         if self.sequence_parallel:
             x, qr = (comm.all_gather(t.contiguous(), self.tp_group, dim=0) for t in (x, qr))
         iq, ik, iw = self.indexer(x, qr, rotary)
         if cache is not None:
             ik = cache.update_index_keys(ik)
-        sk, s = k.size(0), q.size(0)
+        cp = comm.group_size(self.cp_group)
+        if cp > 1:
+            ik = self._gather_index_keys(ik)
+        sk = k.size(0)
         k_pos = torch.arange(sk, device=q.device)
-        q_pos = k_pos[sk - s:]
+        q_pos = chunk_positions(sk, cp, comm.group_rank(self.cp_group), q.device) if cp > 1 else k_pos[sk - q.size(0):]
         idx = select_topk(iq, ik, iw, q_pos, k_pos, self.topk)
         scale = 1.0 / math.sqrt(q.size(-1))
         out = sparse_attention(q, k, v, idx, q_pos, scale)
         if self.training and torch.is_grad_enabled() and self.coeff > 0:
+            # the mean over the whole sequence's queries: the CP ranks' parts add up to one process's
             loss = indexer_loss(iq, ik, iw, q, k, idx, q_pos, k_pos, scale, self.coeff, self.sparse_loss,
-                                self.tp_group)
+                                self.tp_group, queries=q.size(0) * q.size(1) * cp)
             self.loss_sum = loss.detach() + (0 if self.loss_sum is None else self.loss_sum)
             out = AttachLoss.apply(out, loss, self.loss_scale)
         return out
+
+    def _gather_index_keys(self, ik):
+        """Context parallelism: the index keys of the whole sequence, all-gathered (D values a token;
+        backward reduce-scatters) and put in sequence order, as MLA puts the keys and values. The
+        order matters beyond the positions: the ReLU'd index scores tie (at 0) often, and the top-k
+        among ties goes by column, so only the one-process order picks one process's keys."""
+        c = comm.group_size(self.cp_group)
+        order = torch.argsort(gathered_positions(ik.size(0) * c, c, ik.device))
+        return gather_sequence(ik, self.cp_group).index_select(0, order)
 
 
 def dsa_layers(model: list[nn.Module]) -> list[DSAttention]:
@@ -252,15 +274,16 @@ def start_iteration(model: list[nn.Module], loss_scale: float) -> None:
 
 @torch.no_grad()
 def iteration_indexer_loss(model: list[nn.Module], microbatches: int, tp_size: int, dp_size: int,
-                           device) -> float | None:
+                           device, cp_size: int = 1) -> float | None:
     """The last iteration's indexer loss as Megatron-LM logs it ("indexer loss"): coeff · KL, the mean
     over its `microbatches` global micro-batches and over the DSA layers. A collective on every rank
-    (each TP rank holds the same values, each DP rank its own micro-batches' values)."""
+    (each TP rank holds the same values, each DP rank its own micro-batches' values, each CP rank
+    its queries' part of them)."""
     t = torch.zeros(2, dtype=torch.float64, device=device)
     for layer in dsa_layers(model):
         if layer.loss_sum is not None:
             t[0] += float(layer.loss_sum)
         t[1] += 1.0
     comm.all_reduce(t, comm.world_group())
-    layers = float(t[1]) / (tp_size * dp_size)  # every layer is counted by each of its TP x DP ranks
+    layers = float(t[1]) / (tp_size * dp_size * cp_size)  # every layer is counted by each of its TP x DP x CP ranks
     return float(t[0]) / tp_size / microbatches / layers if layers else None

@@ -19,8 +19,16 @@ out_proj row-parallel, out_norm replicated (its gradient summed over TP: each ra
 its own heads). Under sequence parallelism in_proj gathers the sequence and out_proj
 reduce-scatters it, as any attention layer's projections.
 
-Memory: no [s, s] tensor anywhere; the chunked rule keeps O(s) (delta_rule.py). Context
-parallelism is refused at validation: the state runs through the sequence in order.
+Memory: no [s, s] tensor anywhere; the chunked rule keeps O(s) (delta_rule.py).
+
+Context parallelism (c ranks, each holding chunks r and 2c-1-r of the sequence): the state runs
+through the sequence in order, so instead of handing it from rank to rank the layer goes head-
+parallel, as Megatron-LM's GDN (cp2hp / hp2cp) and DeepSpeed-Ulysses: after in_proj one
+all-to-all gives each CP rank the whole sequence of 1/c of its key heads (q, k, v with β and a),
+reordered into sequence order; the convolution (its channels' weights sliced per CP rank) and the
+chunked rule run as on one process; the inverse all-to-all returns the output of every head for
+this rank's tokens, and the norm, gate and out_proj run on them. Exact; traffic O(s·channels/c)
+per rank; needs the key heads per TP rank to divide by c.
 Generation keeps `DeltaNetState`: the last (width - 1) conv inputs and the [dk, dv] state per
 value head, so each new token costs O(1) in the sequence length.
 """
@@ -37,6 +45,8 @@ from ..recompute import recompute
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
 from ..tensor_parallel.layers import set_tp_attributes
 from .config import ExecutionConfig, GPTConfig
+from ..context_parallel.sharding import gathered_positions
+from ..context_parallel.ulysses import gather_heads, scatter_sequence
 from .delta_rule import gated_delta_rule, l2norm, recurrent_delta_rule
 from .mlp import quick_gelu
 from .norm import Norm
@@ -71,8 +81,11 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"--linear-num-value-heads ({nv}) is not a multiple of --linear-num-key-heads ({nk})")
         if nk % tp:
             raise ValueError(f"--linear-num-key-heads ({nk}) is not divisible by --tensor-model-parallel-size ({tp})")
-        if comm.group_size(cp_group) > 1:
-            raise ValueError("gated DeltaNet layers do not run under context parallelism")
+        cp = comm.group_size(cp_group)
+        if (nk // tp) % cp:
+            raise ValueError(f"--linear-num-key-heads ({nk}) / TP ({tp}) is not divisible by --context-parallel-size "
+                             f"({cp}): each CP rank runs the whole sequence of 1/{cp} of the key heads")
+        self.cp_group = cp_group
         self.dk, self.dv, self.r = config.linear_key_head_dim, config.linear_value_head_dim, nv // nk
         self.groups = nk // tp  # key heads on this rank, each with r value heads
         self.width = config.linear_conv_kernel_dim
@@ -102,26 +115,58 @@ class GatedDeltaNet(nn.Module):
         self.inference_cache: DeltaNetState | None = None  # while generating (megalite.generation)
 
     def forward(self, x, rotary=None, attention_mask=None):
-        p = self.in_proj(x)  # [s, b, groups·per_group]
+        p = self.in_proj(x)  # [s, b, groups·per_group] (s/c tokens under CP)
         s, b = p.shape[:2]
         dk, dv, r = self.dk, self.dv, self.r
         p = p.view(s, b, self.groups, -1)
         qkv, z, beta, a = p.split([self.conv_per_group, r * dv, r, r], dim=-1)
-        qkv = self._conv(qkv.reshape(s, b, -1).permute(1, 2, 0))  # [b, channels, s]
-        q, k, v = qkv.transpose(1, 2).reshape(b, s, self.groups, -1).split([dk, dk, r * dv], dim=-1)
-        q, k = (l2norm(t.float()).repeat_interleave(r, dim=2) for t in (q, k))  # [b, s, nv_local, dk]
-        v = v.reshape(b, s, -1, dv)
-        beta = torch.sigmoid(beta.reshape(s, b, -1).transpose(0, 1).float())
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(s, b, -1).transpose(0, 1).float() + self.dt_bias.float())
-        o = self._rule(q, k, v, g, beta)  # [b, s, nv_local, dv]
+        cp = comm.group_size(self.cp_group)
+        if cp > 1:  # the whole sequence, in order, of this CP rank's 1/c key heads
+            qkv, beta, a, gathered = self._to_heads(qkv, beta, a)
+        sq, groups = qkv.shape[0], qkv.size(2)
+        conv_w, dt_bias, A_log = self._local_weights()
+        qkv = self._conv(qkv.reshape(sq, b, -1).permute(1, 2, 0), conv_w)  # [b, channels, sq]
+        q, k, v = qkv.transpose(1, 2).reshape(b, sq, groups, -1).split([dk, dk, r * dv], dim=-1)
+        q, k = (l2norm(t.float()).repeat_interleave(r, dim=2) for t in (q, k))  # [b, sq, heads, dk]
+        v = v.reshape(b, sq, -1, dv)
+        beta = torch.sigmoid(beta.reshape(sq, b, -1).transpose(0, 1).float())
+        g = -A_log.float().exp() * F.softplus(a.reshape(sq, b, -1).transpose(0, 1).float() + dt_bias.float())
+        o = self._rule(q, k, v, g, beta)  # [b, sq, heads, dv]
+        if cp > 1:  # back to this rank's tokens, every local head (Megatron-LM's hp2cp)
+            o = gather_heads(o.transpose(0, 1).index_select(0, gathered), self.cp_group).transpose(0, 1)
         z = z.reshape(s, b, -1, dv).transpose(0, 1)
         y = (self.out_norm(o) * self.act(z.float())).to(x.dtype)  # norm before the gate (Qwen3-Next's RMSNormGated)
         return self.out_proj(y.transpose(0, 1).reshape(s, b, -1))
 
-    def _conv(self, x):
-        """Causal depthwise convolution + activation over time: x [b, channels, s]."""
+    def _to_heads(self, qkv, beta, a):
+        """Context parallelism (Megatron-LM's GDN cp2hp): one all-to-all turns this rank's s/c tokens
+        of every key head ([s/c, b, groups, ...], chunks r and 2c-1-r) into the whole sequence of
+        groups/c key heads (with their value heads' β and a), put back in sequence order: the
+        convolution and the delta rule then run exactly as on one process, since both are per head
+        (the convolution per channel). Returns qkv, β, a [s, b, groups/c, ...] and the gathered
+        order's positions (index_select by them returns sequence order to the gathered one)."""
+        s = qkv.size(0) * comm.group_size(self.cp_group)
+        gathered = gathered_positions(s, comm.group_size(self.cp_group), qkv.device)
+        heads = scatter_sequence(torch.cat([qkv, beta, a], dim=-1), self.cp_group)
+        heads = heads.index_select(0, torch.argsort(gathered))  # [s, b, groups/c, ...] in sequence order
+        return (*heads.split([self.conv_per_group, self.r, self.r], dim=-1), gathered)
+
+    def _local_weights(self):
+        """conv1d's channels, dt_bias and A_log of the key heads this rank runs: all of this TP
+        rank's, or under CP the CP rank's 1/c of them (each CP rank's gradient lands in its own
+        slice; the data-parallel reduction, over DP x CP, sums the slices)."""
+        w, dt_bias, A_log = self.conv1d.weight, self.dt_bias, self.A_log
+        cp = comm.group_size(self.cp_group)
+        if cp == 1:
+            return w, dt_bias, A_log
+        rank, per = comm.group_rank(self.cp_group), self.groups // cp
+        return (w.view(self.groups, -1, 1, self.width)[rank * per:(rank + 1) * per].reshape(-1, 1, self.width),
+                dt_bias.view(self.groups, -1)[rank * per:(rank + 1) * per].reshape(-1),
+                A_log.view(self.groups, -1)[rank * per:(rank + 1) * per].reshape(-1))
+
+    def _conv(self, x, w):
+        """Causal depthwise convolution (weight w [channels, 1, width]) + activation over time: x [b, channels, s]."""
         cache = self.inference_cache
-        w = self.conv1d.weight
         if cache is None:
             return self.act(F.conv1d(F.pad(x, (self.width - 1, 0)), w, groups=w.size(0)))
         past = cache.conv if cache.conv is not None else x.new_zeros(x.size(0), x.size(1), self.width - 1)

@@ -274,9 +274,10 @@ class GPTModel(nn.Module):
                        else torch.arange(s, device=x.device))
                 position_ids = pos.unsqueeze(0).expand(x.size(1), s)
             rotary = self.rotary(position_ids)
-        if cp > 1 and attention_mask is None and "allgather" in self.execution.cp_comm_type:
+        if cp > 1 and attention_mask is None and "allgather" in self.execution.cp_comm_type and not self.config.dsa:
             # plain causal attention across the allgather CP group: causal in the global positions
-            # (a2a and p2p layers mask from the positions themselves, context_parallel/). Additive
+            # (a2a and p2p layers mask from the positions themselves, context_parallel/; DSA from
+            # its query and key positions, never an [s/c, s] tensor: model/dsa.py). Additive
             # (0 / -inf) in the activations' dtype, built once for every layer: SDPA would otherwise
             # convert a bool mask to this form in each layer and keep each copy for backward
             allowed = causal_mask(s, cp, cp_rank, x.device)

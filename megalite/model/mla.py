@@ -36,6 +36,7 @@ from torch import nn
 
 from .. import comm
 from ..context_parallel.attention import gather_sequence
+from ..context_parallel.sharding import chunk_positions, gathered_positions
 from ..recompute import recompute
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
 from ..tensor_parallel.fp8_linear import fp8_linear
@@ -107,7 +108,7 @@ class MLASelfAttention(nn.Module):
         self.linear_kv_up_proj = ColumnParallelLinear(self.kv_lora_rank, n * (self.qk_dim + self.v_dim), **column)
         # --experimental-attention-variant dsa: DeepSeek Sparse Attention's indexer and sparse softmax (model/dsa.py)
         self.dsa = config.dsa
-        self.core_attention = (DSAttention(config, execution, tp_group, device) if self.dsa else
+        self.core_attention = (DSAttention(config, execution, tp_group, device, cp_group) if self.dsa else
                                CoreAttention(config.attention_dropout, execution, rng_tracker, self.num_heads,
                                              config.softmax_type, std, device, layer_number))
         self.linear_proj = RowParallelLinear(n * self.v_dim, h, tp_group=tp_group, bias=config.add_bias_linear,
@@ -147,30 +148,55 @@ class MLASelfAttention(nn.Module):
         k_r = k_r.unsqueeze(2)
         return c_kv, (apply_rotary(k_r, *rotary) if rotary is not None else k_r)
 
-    def keys_values(self, c_kv, k_r):
-        """Per-head k [s, b, n/tp, d + dr] and v [s, b, n/tp, dv] from the latent and the rotated k_r."""
+    def keys_values(self, c_kv, k_r, rows=None):
+        """Per-head k [s, b, n/tp, d + dr] and v [s, b, n/tp, dv] from the latent and the rotated k_r
+        (whose rows follow the up-projection's); `rows` (CP): the order attention wants them in."""
         kv = self.linear_kv_up_proj(c_kv)
         s, b = kv.shape[:2]
         k_c, v = kv.view(s, b, self.num_heads, self.qk_dim + self.v_dim).split([self.qk_dim, self.v_dim], dim=-1)
-        return torch.cat([k_c, k_r.expand(-1, -1, self.num_heads, -1)], dim=-1), v
+        k = torch.cat([k_c, k_r.expand(-1, -1, self.num_heads, -1)], dim=-1)
+        if rows is None:
+            return k, v
+        return k.index_select(0, rows), v.index_select(0, rows)  # copies: the up-projection's output is freed
+
+    def _gather_latent(self, c_kv, k_r):
+        """Context parallelism: the whole sequence's normalised latent c_kv and rotated k_r
+        (kv_lora_rank + dr values a token, DeepSeek-V2 Sec. 2.1.2's small cache, instead of every
+        head's keys and values) all-gathered over the CP group (backward reduce-scatters); each CP
+        rank up-projects the whole sequence. Under sequence parallelism c_kv is this TP rank's slice
+        of the CP rank's tokens and the up-projection gathers the slices over TP after the CP
+        gather, so its rows come TP rank by TP rank; k_r (gathered over TP already) is put in that
+        order. Returns c_kv, k_r and `rows`, the order attention wants the keys in: the gathered
+        order (the CP mask's columns), or sequence order for DSA (its top-k among tied scores)."""
+        c = comm.group_size(self.cp_group)
+        s = k_r.size(0) * c
+        gathered = gathered_positions(s, c, k_r.device)
+        up = gathered
+        t = comm.group_size(self.tp_group)
+        if self.sequence_parallel and t > 1:  # rows: TP rank j's slice of each CP rank's tokens, j by j
+            n = s // (c * t)
+            up = torch.cat([chunk_positions(s, c, i, k_r.device)[j * n:(j + 1) * n] for j in range(t) for i in range(c)])
+        row_of = torch.argsort(gathered)  # row_of[p]: the gathered row holding position p
+        k_r = gather_sequence(k_r, self.cp_group).index_select(0, row_of[up])
+        target = torch.arange(s, device=k_r.device) if self.dsa else gathered
+        return gather_sequence(c_kv, self.cp_group), k_r, torch.argsort(up)[target]
 
     def forward(self, x, rotary=None, attention_mask=None):
         up = self.recompute_up_proj and self.training and torch.is_grad_enabled()
         q, c_q = recompute(self._queries, x, rotary) if up else self._queries(x, rotary)
         c_kv, k_r = self._latent(x, rotary)
+        rows = None
+        if comm.group_size(self.cp_group) > 1:  # the whole sequence's latent (DSA's indexer picks among its keys)
+            c_kv, k_r, rows = self._gather_latent(c_kv, k_r)
         if self.inference_cache is not None:
             if self.sequence_parallel:
                 raise ValueError("MLA's generation cache holds whole sequences; build the model without "
                                  "sequence parallelism to generate")
             # the latent and the rotated key join the cached ones: kv_lora_rank + dr values per token
             c_kv, k_r, attention_mask = self.inference_cache.update(c_kv, k_r, attention_mask)
-        k, v = recompute(self.keys_values, c_kv, k_r) if up else self.keys_values(c_kv, k_r)
-        if self.dsa:  # (validation refuses context parallelism with DSA)
+        k, v = recompute(self.keys_values, c_kv, k_r, rows) if up else self.keys_values(c_kv, k_r, rows)
+        if self.dsa:
             return self.linear_proj(self.core_attention(q, k, v, x, c_q, rotary, self.inference_cache))
-        if comm.group_size(self.cp_group) > 1:
-            # every head's keys and values of the whole sequence, after RoPE (as SelfAttention's)
-            k, v = gather_sequence(torch.cat([k, v], dim=-1), self.cp_group).split(
-                [self.qk_dim + self.pos_dim, self.v_dim], dim=-1)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             ctx = recompute(self.core_attention, q, k, v, attention_mask, rng_tracker=self.core_attention.rng_tracker)
         else:
