@@ -16,3 +16,4 @@ reduced to what a gloo or NCCL job on one node needs: one rank replaced at a tim
 
 LAUNCHER_ENV = "MEGALITE_INPROCESS_STORE"  # host:port of the launcher's store, set for its workers
 SLOT_ENV = "MEGALITE_INPROCESS_SLOT"  # the worker process's number (ranks move between processes; slots don't)
+REPLACEMENT_ENV = "MEGALITE_INPROCESS_REPLACEMENT"  # set for a process started to replace a dead rank mid-job

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from . import LAUNCHER_ENV, SLOT_ENV, membership
+from . import LAUNCHER_ENV, REPLACEMENT_ENV, SLOT_ENV, membership
 from .heartbeat import HeartbeatWatch
 from .worker import FINISHED
 
@@ -44,10 +44,12 @@ class Launcher:
         self.generation = self.restarts = 0
         self.watch = HeartbeatWatch(store, startup_s=r.inprocess_barrier_timeout)
 
-    def spawn(self) -> int:
+    def spawn(self, replacement: bool = False) -> int:
         slot, self.next_slot = self.next_slot, self.next_slot + 1
         env = dict(os.environ, WORLD_SIZE=str(self.active), MASTER_ADDR=self.addr, MASTER_PORT=str(self.store.port),
                    **{LAUNCHER_ENV: f"{self.addr}:{self.store.port}", SLOT_ENV: str(slot)})
+        if replacement:  # it joins this job's run: --save's checkpoints are its own (arguments/paths.py)
+            env[REPLACEMENT_ENV] = "1"
         env.pop("RANK", None)  # a worker learns its rank from the generation it joins
         self.procs[slot] = subprocess.Popen(self.command, env=env)
         self.watch.started(slot)
@@ -72,7 +74,8 @@ class Launcher:
         for slot, proc in list(self.procs.items()):
             rc = proc.poll()
             if rc is None:
-                age = self.watch.age(slot) if slot in training else 0.0
+                finished = self.store.check([membership.key(f"done/{slot}")])
+                age = self.watch.age(slot) if slot in training and not finished else 0.0
                 if age > self.r.inprocess_heartbeat_timeout:
                     log(f"rank {training[slot]} (slot {slot}, pid {proc.pid}): no heartbeat for {age:.1f} s "
                         f"(--inprocess-heartbeat-timeout {self.r.inprocess_heartbeat_timeout:g}): killed")
@@ -99,7 +102,7 @@ class Launcher:
             return self.end(1, f"rank {rank} died ({signal.Signals(signum).name}) after {limit} in-process restarts "
                                "(--inprocess-max-iterations)")
         spares = [s for s in self.procs if s not in self.rank_slot.values()]
-        new = spares[0] if spares else self.spawn()
+        new = spares[0] if spares else self.spawn(replacement=True)
         self.rank_slot[rank] = new
         self.generation += 1
         membership.publish(self.store, self.generation, {s: r for r, s in self.rank_slot.items()})
