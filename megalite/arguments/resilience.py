@@ -14,8 +14,8 @@ from .errors import fail
 def check_resilience(c: RunConfig) -> None:
     """A setting that would change nothing is refused, not ignored (runtime/rerun.py, weight_hash.py)."""
     r, t = c.resilience, c.training
-    check_inprocess(c)
     check_non_persistent(c)
+    check_inprocess(c)
     if r.error_injection_rate and r.rerun_mode != "validate_results":
         fail(f"--error-injection-rate needs --rerun-mode validate_results (this run: {r.rerun_mode}): only result "
              "validation sees the injected faults")
