@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 
+from ..config.resilience import REPLACEMENT_ENV
 from ..config.run import RunConfig
 from ..data.data_paths import parse_blend
 from ..data.reader import open_dataset
 from ..data.tokenizers import TOKENIZER_FILE_FLAGS
 from ..errors import UserError
-from ..inprocess import REPLACEMENT_ENV
 from .data import DATA_PATHS
 from .errors import fail, flag
 

@@ -5,9 +5,8 @@ import os
 from dataclasses import fields
 
 from ..config import RunConfig
-from ..config.resilience import NVRX_ONLY
+from ..config.resilience import LAUNCHER_ENV, NVRX_ONLY
 from ..config.sharding import get_strategy
-from ..inprocess import LAUNCHER_ENV
 from .errors import fail
 
 

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from .fields import flag
 
 
+# the environment megalite's in-process launcher (megalite/inprocess/launcher.py) gives its workers
+LAUNCHER_ENV = "MEGALITE_INPROCESS_STORE"  # host:port of the launcher's store
+SLOT_ENV = "MEGALITE_INPROCESS_SLOT"  # the worker process's number (a rank moves between processes; a slot doesn't)
+REPLACEMENT_ENV = "MEGALITE_INPROCESS_REPLACEMENT"  # set for a process started to replace a dead rank mid-job
+
 NVRX_ONLY = ("megalite's in-process restart (megalite/inprocess/) finds a failed rank by its exit or by a stale "
              "heartbeat (--inprocess-heartbeat-timeout) and replaces that one rank; nvidia-resiliency-ext's progress "
              "watchdog, monitor thread and completion barriers, which this flag tunes, have no counterpart here")
@@ -125,4 +130,4 @@ class ResilienceConfig:
         return self.rerun_mode != "disabled"
 
 
-__all__ = ["NVRX_ONLY", "ResilienceConfig"]
+__all__ = ["LAUNCHER_ENV", "NVRX_ONLY", "REPLACEMENT_ENV", "ResilienceConfig", "SLOT_ENV"]

@@ -13,7 +13,3 @@ snapshot (checkpoint/native/memory.py): its own, or for the replacement, the cop
 peer holds. This is Megatron-LM's in-process restart (nvidia-resiliency-ext's inprocess.Wrapper)
 reduced to what a gloo or NCCL job on one node needs: one rank replaced at a time.
 """
-
-LAUNCHER_ENV = "MEGALITE_INPROCESS_STORE"  # host:port of the launcher's store, set for its workers
-SLOT_ENV = "MEGALITE_INPROCESS_SLOT"  # the worker process's number (ranks move between processes; slots don't)
-REPLACEMENT_ENV = "MEGALITE_INPROCESS_REPLACEMENT"  # set for a process started to replace a dead rank mid-job

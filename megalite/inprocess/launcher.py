@@ -24,9 +24,10 @@ import subprocess
 import sys
 import time
 
-from . import LAUNCHER_ENV, REPLACEMENT_ENV, SLOT_ENV, membership
+from ..config.resilience import LAUNCHER_ENV, REPLACEMENT_ENV, SLOT_ENV
+from . import membership
 from .heartbeat import HeartbeatWatch
-from .worker import FINISHED
+from .membership import FINISHED
 
 
 def log(msg: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 PREFIX = "megalite/inprocess/"
+FINISHED = "finished"  # the `abort` key's value when every rank completed: workers exit with 0
 
 
 def key(name: str) -> str:
@@ -56,4 +57,4 @@ def wait_after(store, generation: int, timeout_s: float | None, poll_s: float = 
         time.sleep(poll_s)
 
 
-__all__ = ["Aborted", "PREFIX", "aborted", "current", "key", "publish", "rank_of", "wait_after"]
+__all__ = ["Aborted", "FINISHED", "PREFIX", "aborted", "current", "key", "publish", "rank_of", "wait_after"]

@@ -25,13 +25,11 @@ import torch.distributed as dist
 
 from .. import comm
 from ..checkpoint.native.memory import HostSnapshots
+from ..config.resilience import LAUNCHER_ENV, SLOT_ENV
 from ..errors import UserError
 from ..training import pretrain
-from . import LAUNCHER_ENV, SLOT_ENV, membership
+from . import membership
 from .heartbeat import Heartbeat
-
-FINISHED = "finished"  # the launcher's abort reason when every rank completed
-
 
 def connect(timeout_s: float) -> dist.Store:
     host, port = os.environ[LAUNCHER_ENV].rsplit(":", 1)
@@ -64,7 +62,7 @@ def train_restarting(cfg) -> None:
             try:
                 generation = membership.wait_after(store, generation, None)
             except membership.Aborted as e:
-                if str(e) == FINISHED:
+                if str(e) == membership.FINISHED:
                     return
                 raise SystemExit(f"megalite.inprocess: the launcher ended the job: {e}") from None
             rank = membership.rank_of(store, generation, slot)
@@ -103,4 +101,4 @@ def one_generation(cfg, store, generation: int, rank: int, memory: HostSnapshots
             torch.cuda.empty_cache()
 
 
-__all__ = ["FINISHED", "train_restarting"]
+__all__ = ["train_restarting"]
