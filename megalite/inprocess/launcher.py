@@ -17,7 +17,6 @@ seconds:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -129,28 +128,16 @@ class Launcher:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megalite.inprocess", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True)
-    ap.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
-    ap.add_argument("--master-port", "--master_port", type=int, default=0, help="the store's port (0: a free one)")
-    ap.add_argument("script")
-    ap.add_argument("script_args", nargs=argparse.REMAINDER)
-    a = ap.parse_args(argv)
-    from megalite.arguments import parse_args
-    from megalite.arguments.parser import configs_from_namespace
-    r = configs_from_namespace(parse_args(a.script_args)).resilience
-    if not r.inprocess_restart:
-        ap.error(f"{a.script} runs under python -m megalite.inprocess with --inprocess-restart only")
-    if (r.inprocess_active_world_size or a.nproc_per_node) > a.nproc_per_node:
-        ap.error(f"--inprocess-active-world-size {r.inprocess_active_world_size} is more than --nproc-per-node "
-                 f"{a.nproc_per_node}")
     import datetime
 
     import torch.distributed as dist
+
+    from ..arguments.inprocess_launcher import parse_launcher_args
+    a = parse_launcher_args(argv)
+    r = a.resilience
     store = dist.TCPStore(a.master_addr, a.master_port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=r.inprocess_barrier_timeout))
-    launcher = Launcher(store, a.master_addr, [sys.executable, a.script, *a.script_args], a.nproc_per_node, r)
-    return launcher.run()
+    return Launcher(store, a.master_addr, [sys.executable, *a.command], a.nproc, r).run()
 
 
 __all__ = ["Launcher", "main"]
