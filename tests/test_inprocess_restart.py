@@ -47,6 +47,27 @@ def test_inprocess_flags_refused_where_they_cannot_act(extra, message):
         validate_args(parse_args(BASE + extra), 4)
 
 
+def test_megatron_lm_in_process_settings_accepted_under_the_launcher(monkeypatch):
+    """Megatron-LM's --inprocess-* flags at its defaults (arguments.py), as its users pass them."""
+    monkeypatch.setenv("MEGALITE_INPROCESS_STORE", "127.0.0.1:1")
+    megatron = ["--inprocess-restart", "--inprocess-max-iterations", "3", "--inprocess-heartbeat-interval", "30",
+                "--inprocess-heartbeat-timeout", "60", "--inprocess-barrier-timeout", "120",
+                "--inprocess-monitor-process-interval", "1.0", "--inprocess-granularity", "rank",
+                "--inprocess-active-world-size", "4", "--inprocess-empty-cuda-cache"]
+    r = validate_args(parse_args(BASE + megatron + IN_MEMORY), 4).resilience
+    assert (r.inprocess_restart, r.inprocess_heartbeat_timeout, r.inprocess_active_world_size) == (True, 60.0, 4)
+
+
+def test_the_launcher_runs_in_process_restart_only():
+    from megalite.arguments.inprocess_launcher import parse_launcher_args
+    a = parse_launcher_args(["--nproc-per-node", "5", "pretrain_gpt.py"] + BASE + INPROCESS
+                            + ["--inprocess-active-world-size", "4"])
+    assert (a.nproc, a.command[0], a.resilience.inprocess_active_world_size) == (5, "pretrain_gpt.py", 4)
+    for bad in (BASE, BASE + INPROCESS + ["--inprocess-active-world-size", "6"]):
+        with pytest.raises(SystemExit):
+            parse_launcher_args(["--nproc-per-node", "5", "pretrain_gpt.py"] + bad)
+
+
 def test_host_snapshots_keep_the_newest_two():
     m = HostSnapshots()
     for it in (3, 4, 5):
