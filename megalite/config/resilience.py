@@ -99,9 +99,9 @@ class ResilienceConfig:
         "--inprocess-heartbeat-timeout", 60.0, "a rank whose last heartbeat is older than this is frozen: the "
         "launcher kills it (SIGKILL) and replaces it", check=(lambda v: v > 0, "> 0"))
     inprocess_barrier_timeout: float = flag(
-        "--inprocess-barrier-timeout", 120.0, "seconds a restart's rendezvous may take (the new generation's "
-        "process group, a replacement's start-up), and a worker waits for the launcher's verdict after a failed "
-        "collective", check=(lambda v: v > 0, "> 0"))
+        "--inprocess-barrier-timeout", 120.0, "seconds a worker waits for the launcher's verdict after a failed "
+        "collective (no new generation: the error is its own) and for the launcher's store, and a new process may "
+        "take to its first heartbeat (imports, start-up)", check=(lambda v: v > 0, "> 0"))
     inprocess_active_world_size: int | None = flag(
         "--inprocess-active-world-size", None, "the ranks that train (WORLD_SIZE under the launcher); the launcher's "
         "other processes (--nproc-per-node minus this) wait as warm spares, each taking a failed rank's place "

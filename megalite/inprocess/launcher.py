@@ -65,6 +65,9 @@ class Launcher:
                 if status is not None:
                     return status
                 time.sleep(self.r.inprocess_monitor_process_interval)
+        except BaseException as e:  # Ctrl-C, SIGTERM (main's handler), a bug: the workers are told first
+            self.end(1, f"the launcher stopped ({type(e).__name__})")
+            raise
         finally:
             self.stop_all()
 
@@ -117,8 +120,14 @@ class Launcher:
         return status
 
     def stop_all(self, grace_s: float = 10.0) -> None:
-        """Every worker gone: spares and finished ones exit on the abort key; the rest are killed."""
+        """Every worker gone: spares and finished ones exit on the abort key; after a failure the
+        ones still training are sent SIGTERM (as torchrun); any left after `grace_s` are killed."""
         deadline = time.monotonic() + grace_s
+        if membership.aborted(self.store) != FINISHED:
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGCONT)  # a stopped worker acts on SIGTERM only once continued
+                    proc.terminate()
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -137,7 +146,12 @@ def main(argv=None) -> int:
     r = a.resilience
     store = dist.TCPStore(a.master_addr, a.master_port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=r.inprocess_barrier_timeout))
+    signal.signal(signal.SIGTERM, _terminated)  # as SIGINT: the workers stopped, not orphaned
     return Launcher(store, a.master_addr, [sys.executable, *a.command], a.nproc, r).run()
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 __all__ = ["Launcher", "main"]

@@ -59,18 +59,16 @@ def train_restarting(cfg) -> None:
     memory, generation = HostSnapshots(), -1
     try:
         while True:
-            try:
-                generation = membership.wait_after(store, generation, None)
-            except membership.Aborted as e:
-                if str(e) == membership.FINISHED:
-                    return
-                raise SystemExit(f"megalite.inprocess: the launcher ended the job: {e}") from None
+            generation = membership.wait_after(store, generation, None)
             rank = membership.rank_of(store, generation, slot)
             if rank is None:
                 continue  # a spare in this generation
             if one_generation(cfg, store, generation, rank, memory):
                 store.set(membership.key(f"done/{slot}"), "1")
                 return
+    except membership.Aborted as e:  # the launcher's last word: the job finished, or failed elsewhere
+        if str(e) != membership.FINISHED:
+            raise SystemExit(f"megalite.inprocess: slot {slot}: the launcher ended the job: {e}") from None
     finally:
         beat.stop()
 
