@@ -78,9 +78,9 @@ def check_non_persistent(c: RunConfig) -> None:
     kind = r.non_persistent_ckpt_type
     given = lambda name: f"resilience.{name}" in c.explicit  # noqa: E731
     if kind == "in_memory" and not r.inprocess_restart:
-        fail("--non-persistent-ckpt-type in_memory needs --inprocess-restart: an in-memory copy outlives a failure only "
-             "in a surviving process (a restarted job starts with empty memory); use local (with --replication) or "
-             "global")
+        fail("--non-persistent-ckpt-type in_memory needs --inprocess-restart: an in-memory copy outlives a failure "
+             "only in a surviving process (a restarted job starts with empty memory); use local (with --replication) "
+             "or global")
     if kind == "in_memory" and not r.replication:
         fail("--non-persistent-ckpt-type in_memory needs --replication (with --replication-jump): a killed rank's "
              "only copy of its state would die with it")
