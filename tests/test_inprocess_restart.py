@@ -58,6 +58,13 @@ def test_megatron_lm_in_process_settings_accepted_under_the_launcher(monkeypatch
     assert (r.inprocess_restart, r.inprocess_heartbeat_timeout, r.inprocess_active_world_size) == (True, 60.0, 4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="without CUDA, --distributed-backend nccl runs on gloo")
+def test_nccl_is_refused_under_the_launcher(monkeypatch):
+    monkeypatch.setenv("MEGALITE_INPROCESS_STORE", "127.0.0.1:1")
+    with pytest.raises(ArgumentError, match="--inprocess-restart runs on --distributed-backend gloo only"):
+        validate_args(parse_args(BASE + INPROCESS + ["--distributed-backend", "nccl"]), 4, check_files=False)
+
+
 def test_the_launcher_runs_in_process_restart_only():
     from megalite.arguments.inprocess_launcher import parse_launcher_args
     a = parse_launcher_args(["--nproc-per-node", "5", "pretrain_gpt.py"] + BASE + INPROCESS

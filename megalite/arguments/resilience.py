@@ -53,6 +53,9 @@ def check_inprocess(c: RunConfig) -> None:
         if given:
             fail(f"--{given[0].replace('_', '-')} needs --inprocess-restart")
         return
+    if r.inprocess_empty_cuda_cache:
+        c.notices.append("--inprocess-empty-cuda-cache: in-process restart runs on gloo, on the CPU: there is no "
+                         "CUDA cache to empty")
     if r.inprocess_granularity == "node":
         fail("--inprocess-granularity node is not supported: megalite's launcher (python -m megalite.inprocess) runs "
              "one node and replaces the failed rank only; use rank")
@@ -70,6 +73,15 @@ def check_inprocess(c: RunConfig) -> None:
     if r.inprocess_heartbeat_timeout <= r.inprocess_heartbeat_interval:
         fail(f"--inprocess-heartbeat-timeout {r.inprocess_heartbeat_timeout:g} must exceed "
              f"--inprocess-heartbeat-interval {r.inprocess_heartbeat_interval:g} (else a healthy rank is killed)")
+
+
+def check_inprocess_backend(c: RunConfig) -> None:
+    """Once the backend is known (validation's torch-side checks): in-process restart on gloo only."""
+    if c.resilience.inprocess_restart and c.parallel.distributed_backend != "gloo":
+        fail(f"--inprocess-restart runs on --distributed-backend gloo only (this run: "
+             f"{c.parallel.distributed_backend}): an NCCL collective with a dead peer does not fail, it hangs until "
+             "NCCL's watchdog aborts the process, the survivors' memory with it; megalite does not abort NCCL "
+             "communicators (nvidia-resiliency-ext's AbortTorchDistributed)")
 
 
 def check_non_persistent(c: RunConfig) -> None:

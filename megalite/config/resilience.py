@@ -110,8 +110,8 @@ class ResilienceConfig:
         "--inprocess-granularity", "rank", "rank: a failure replaces the failed rank only; node (Megatron-LM's "
         "default) is refused: megalite's launcher runs one node", choices=["node", "rank"])
     inprocess_empty_cuda_cache: bool = flag(
-        "--inprocess-empty-cuda-cache", False, "release the CUDA caching allocator's free blocks at every in-process "
-        "restart", action="store_true")
+        "--inprocess-empty-cuda-cache", False, "Megatron-LM: release the CUDA cache's free blocks at every restart; "
+        "a notice here (in-process restart runs on gloo, on the CPU)", action="store_true")
     inprocess_soft_timeout: float | None = flag("--inprocess-soft-timeout", None, "refused: " + NVRX_ONLY, type=float)
     inprocess_hard_timeout: float | None = flag("--inprocess-hard-timeout", None, "refused: " + NVRX_ONLY, type=float)
     inprocess_monitor_thread_interval: float | None = flag("--inprocess-monitor-thread-interval", None,

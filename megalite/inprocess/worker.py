@@ -20,7 +20,6 @@ import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 from .. import comm
@@ -43,10 +42,7 @@ def log(msg: str) -> None:
 def join(cfg, store, generation: int, rank: int) -> None:
     """This process as `rank` of generation `generation`'s default group."""
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)  # what initialize and errors.report read
-    device = None
-    if cfg.parallel.distributed_backend == "nccl":
-        device = torch.device("cuda", rank)
-    comm.init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes, device,
+    comm.init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes,
                           store=dist.PrefixStore(membership.key(f"gen{generation}/pg"), store))
 
 
@@ -95,8 +91,6 @@ def one_generation(cfg, store, generation: int, rank: int, memory: HostSnapshots
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        if r.inprocess_empty_cuda_cache and torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 __all__ = ["train_restarting"]
