@@ -30,6 +30,7 @@ from ..training import pretrain
 from . import membership
 from .heartbeat import Heartbeat
 
+
 def connect(timeout_s: float) -> dist.Store:
     host, port = os.environ[LAUNCHER_ENV].rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
