@@ -8,7 +8,8 @@ their processes, the new rank 1 (a new process, or a warm spare with --inprocess
 4 of 5) gets its state from its replica on rank 0, and the final weights equal an uninterrupted
 run's bit for bit. The time from the fault to the next logged iteration is printed, not asserted
 (benchmarks/bench_resilience.py measures it). Cost: ~75 s wall on the shared 2 cores (one pool
-run, two launcher runs of ~25 s), and the flag checks (parse only).
+run, two launcher runs of ~25 s); the flag checks, the launcher's bookkeeping (a store, stand-in
+processes) and HostSnapshots take ~2 s.
 """
 import os
 import signal
@@ -73,6 +74,31 @@ def test_the_launcher_runs_in_process_restart_only():
     for bad in (BASE, BASE + INPROCESS + ["--inprocess-active-world-size", "6"]):
         with pytest.raises(SystemExit):
             parse_launcher_args(["--nproc-per-node", "5", "pretrain_gpt.py"] + bad)
+
+
+def test_launcher_generations_spares_and_max_iterations():
+    """The launcher's bookkeeping, on a real store and stand-in processes: a dead rank goes to a
+    spare in a new generation; past --inprocess-max-iterations the job ends, every worker told."""
+    import torch.distributed as dist
+    from megalite.arguments.inprocess_launcher import parse_launcher_args
+    from megalite.inprocess import membership
+    from megalite.inprocess.launcher import Launcher
+    a = parse_launcher_args(["--nproc-per-node", "4", "x.py"] + BASE + INPROCESS + ["--inprocess-max-iterations", "1",
+                                                                                    "--inprocess-active-world-size", "2"])
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    launcher = Launcher(store, "127.0.0.1", ["x.py"], a.nproc, a.resilience)
+    launcher.procs = {slot: object() for slot in (0, 1, 2, 3)}  # slots 2 and 3: spares
+    launcher.rank_slot = {0: 0, 1: 1}
+    membership.publish(store, 0, {0: 0, 1: 1})
+    del launcher.procs[1]
+    assert launcher.replace(1, 1, signal.SIGKILL) is None
+    assert membership.current(store) == 1 and membership.rank_of(store, 1, 2) == 1
+    assert membership.rank_of(store, 1, 0) == 0 and membership.rank_of(store, 1, 3) is None
+    del launcher.procs[2]
+    assert launcher.replace(1, 2, signal.SIGKILL) == 1
+    assert "--inprocess-max-iterations" in membership.aborted(store)
+    with pytest.raises(membership.Aborted):
+        membership.wait_after(store, 1, 1.0)
 
 
 def test_host_snapshots_keep_the_newest_two():
