@@ -17,6 +17,10 @@ def main(argv=None) -> int:
         from megalite.dry_run import main as dry_run
         dry_run(config)
         return 0
+    if config.resilience.inprocess_restart:  # under python -m megalite.inprocess: restarts in this process
+        from megalite.inprocess.worker import train_restarting
+        train_restarting(config)
+        return 0
     from megalite.training import pretrain
     pretrain(config)  # typed configs from here on
     return 0

@@ -6,20 +6,29 @@ iteration, and the iterations redone, for torchrun's restart (--max-restarts 1) 
 - `local`: the latest non-persistent local checkpoint (--non-persistent-save-interval 1,
   --non-persistent-ckpt-type local, --replication --replication-jump 1), with the persistent ones,
 
-for three faults of rank 1: `kill` (kill -9), `stop` (SIGSTOP: found by the collective timeout,
---distributed-timeout-minutes), `lost` (kill -9 and its local checkpoint directory deleted: the
-state comes back from its replica; persistent runs: the same as kill).
+against in-process restart (`python -m megalite.inprocess`, megalite/inprocess/):
 
-    python benchmarks/bench_resilience.py [--worlds 4 8] [--faults kill stop lost] [--out RESULTS.md]
+- `inprocess`: --inprocess-restart with --non-persistent-ckpt-type in_memory (a snapshot every
+  iteration, --replication --replication-jump 1); the survivors keep their processes,
 
-Each run: pretrain_gpt.py under torchrun on gloo (CPU, one thread per rank), a 4-layer GPT
-(hidden 256, seq 128, mock data); the fault hits when iteration --fault-at is logged; times come
-from when each JSONL record appears (polled every 20 ms). In-process restart (survivors keep
-their processes and rebuild their groups) is not built: docs/operations.md.
+for three faults of rank 1: `kill` (kill -9), `stop` (SIGSTOP: under torchrun found by the
+collective timeout, --distributed-timeout-minutes; in process by its stale heartbeat,
+--inprocess-heartbeat-timeout), `lost` (its copy of its state gone: under torchrun kill -9 and
+its local checkpoint directory deleted, the state comes back from its replica, persistent runs:
+the same as kill; in process a killed rank's memory is always gone, so `lost` is kill -9 with no
+warm spare: a new process takes its place, where kill and stop hand the rank to a warm spare,
+--inprocess-active-world-size N of N + 1).
+
+    python benchmarks/bench_resilience.py [--worlds 4 8] [--faults kill stop lost] [--modes ...]
+
+Each run: pretrain_gpt.py on gloo (CPU, one thread per rank), a 4-layer GPT (hidden 256, seq 128,
+mock data); the fault hits when iteration --fault-at is logged; times come from when each JSONL
+record appears (polled every 20 ms).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import signal
@@ -30,16 +39,23 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
 
-from proc_helpers import kill_all, ranks_now, start_torchrun, workers  # noqa: E402
+from proc_helpers import children, kill_all, ranks_now, start_torchrun, workers  # noqa: E402
 
 MODEL = ["--mock-data", "--vocab-size", "1024", "--num-layers", "4", "--hidden-size", "256",
          "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "1", "--lr", "1e-4",
          "--log-interval", "1", "--eval-iters", "0", "--train-iters", "40"]
 
 
+INPROCESS = ["--inprocess-restart", "--inprocess-heartbeat-interval", "1", "--inprocess-heartbeat-timeout", "5",
+             "--inprocess-monitor-process-interval", "0.05", "--non-persistent-save-interval", "1",
+             "--non-persistent-ckpt-type", "in_memory", "--replication", "--replication-jump", "1"]
+
+
 def flags(mode: str, tmp: str, save_interval: int, timeout_min: float) -> list:
     f = MODEL + ["--global-batch-size", "8", "--save", f"{tmp}/ck", "--load", f"{tmp}/ck", "--save-interval",
                  str(save_interval), "--distributed-timeout-minutes", str(timeout_min)]
+    if mode == "inprocess":
+        f += INPROCESS
     if mode == "local":
         f += ["--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "local",
               "--non-persistent-local-ckpt-dir", f"{tmp}/local", "--replication", "--replication-jump", "1"]
@@ -113,11 +129,78 @@ def one(world: int, mode: str, fault: str, fault_at: int, save_interval: int, ti
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def one_inprocess(world: int, fault: str, fault_at: int, save_interval: int, timeout_min: float) -> dict:
+    """The same measurement under python -m megalite.inprocess (a warm spare unless `lost`)."""
+    import subprocess
+    tmp = tempfile.mkdtemp(prefix="bench_resilience_")
+    jsonl = f"{tmp}/run.jsonl"
+    spare = fault != "lost"
+    f = flags("inprocess", tmp, save_interval, timeout_min) + ["--log-jsonl", jsonl]
+    if spare:
+        f += ["--inprocess-active-world-size", str(world)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    with open(f"{tmp}/run.out", "w") as out, open(f"{tmp}/run.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "megalite.inprocess", "--nproc-per-node",
+                                 str(world + spare), os.path.join(ROOT, "pretrain_gpt.py"), *f],
+                                env=env, stdout=out, stderr=err, cwd=tmp)
+    watch, pids = Watch(jsonl), set()
+
+    def alive():
+        if proc.poll() is not None:
+            raise RuntimeError(open(f"{tmp}/run.err").read()[-3000:])
+
+    try:
+        while not any(it >= fault_at for it, _ in watch.seen):
+            alive()
+            watch.poll()
+            time.sleep(0.02)
+        pids.update(children(proc.pid))
+        victim = next(p for p in pids if slot_of(p) == 1)  # rank 1 of the first generation
+        t_fault = time.time()
+        os.kill(victim, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+        while "generation 1:" not in open(f"{tmp}/run.err").read():  # the launcher replaced rank 1
+            alive()
+            watch.poll()
+            time.sleep(0.02)
+        watch.poll()
+        done, n = max(it for it, _ in watch.seen), len(watch.seen)
+        while len(watch.seen) == n:
+            alive()
+            watch.poll()
+            time.sleep(0.02)
+        it, t = watch.seen[n]
+        pids.update(children(proc.pid))
+        out = open(f"{tmp}/run.out").read()
+        return {"world": world, "mode": "inprocess" + ("+spare" if spare else ""), "fault": fault,
+                "recovery_s": t - t_fault, "iterations_redone": done - (it - 1), "resumed_from": it - 1,
+                "completed": done, "replica": "from their replicas" in out}
+    finally:
+        for pid in pids | set(children(proc.pid)):
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def slot_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return None
+    return int(env[b"MEGALITE_INPROCESS_SLOT"]) if b"MEGALITE_INPROCESS_SLOT" in env else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--faults", nargs="+", default=["kill", "stop", "lost"])
-    ap.add_argument("--modes", nargs="+", default=["persistent", "local"])
+    ap.add_argument("--modes", nargs="+", default=["persistent", "local", "inprocess"])
     ap.add_argument("--fault-at", type=int, default=14)
     ap.add_argument("--save-interval", type=int, default=10)
     ap.add_argument("--timeout-minutes", type=float, default=0.25)
@@ -126,9 +209,11 @@ def main() -> None:
     for world in a.worlds:
         for fault in a.faults:
             for mode in a.modes:
-                r = one(world, mode, fault, a.fault_at, a.save_interval, a.timeout_minutes)
+                run = one_inprocess if mode == "inprocess" else functools.partial(one, mode=mode)
+                r = run(world=world, fault=fault, fault_at=a.fault_at, save_interval=a.save_interval,
+                        timeout_min=a.timeout_minutes)
                 rows.append(r)
-                print(f"| {world} | {fault} | {mode} | {r['recovery_s']:.1f} | {r['iterations_redone']} | "
+                print(f"| {world} | {fault} | {r['mode']} | {r['recovery_s']:.1f} | {r['iterations_redone']} | "
                       f"{r['resumed_from']} | {'yes' if r['replica'] else 'no'} |", flush=True)
 
 

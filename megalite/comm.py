@@ -81,14 +81,15 @@ def _watch(work, name: str, group):
     return work if work is None or _monitor is None else _Watched(work, name, group)
 
 
-def init_distributed(backend: str, timeout_minutes: float, device_id=None) -> None:
+def init_distributed(backend: str, timeout_minutes: float, device_id=None, store=None) -> None:
     """Initialise the default process group (torchrun's env:// variables). Under torchrun the
     store is this attempt's own (rendezvous.py), so a restarted worker never reads a dead
-    worker's address. `timeout_minutes` bounds every collective of every group built later too
-    (parallel_state passes it to new_group)."""
+    worker's address; `store`: the in-process restart generation's (inprocess/worker.py).
+    `timeout_minutes` bounds every collective of every group built later too (parallel_state
+    passes it to new_group)."""
     timeout = datetime.timedelta(minutes=timeout_minutes)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = attempt_store(rank, timeout)
+    store = store if store is not None else attempt_store(rank, timeout)
     if store is None:
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
     else:

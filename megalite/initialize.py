@@ -207,11 +207,12 @@ def batch_iterators(cfg: RunConfig, dataset, consumed: int, ps, device, eod, str
     return [timers.wrap("batch-generator", it) for it in its] if timers is not None else its
 
 
-def setup(cfg: RunConfig) -> Run:
-    """The run of `cfg`; whatever it opens is closed by `Run.close` (here, if setting up fails)."""
+def setup(cfg: RunConfig, memory=None) -> Run:
+    """The run of `cfg`; whatever it opens is closed by `Run.close` (here, if setting up fails).
+    `memory`: the in-process restart loop's HostSnapshots (--non-persistent-ckpt-type in_memory)."""
     closing = contextlib.ExitStack()
     try:
-        return _setup(cfg, closing)
+        return _setup(cfg, closing, memory)
     except BaseException:
         closing.close()
         raise
@@ -282,7 +283,7 @@ def _host_malloc(cfg: RunConfig, device) -> str | None:
     return steady_malloc(device) if cfg.parallel.delay_wgrad_compute else None
 
 
-def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
+def _setup(cfg: RunConfig, closing: contextlib.ExitStack, memory=None) -> Run:
     _process_switches(cfg, closing)
     ps, device = initialize_distributed(cfg.parallel, moe=bool(cfg.model.num_experts), closing=closing)
     malloc = _host_malloc(cfg, device)  # before the model's tensors exist
@@ -321,8 +322,8 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack) -> Run:
     state.log(f"> optimizer: {optimizer.describe()}")
     qk_clip = QKClip.build(model, cfg.optimizer, ps, device, state.log)
     ck = cfg.checkpoint
-    non_persistent = NonPersistent.build(cfg, ps)
-    if ck.load:
+    non_persistent = NonPersistent.build(cfg, ps, memory)
+    if ck.load or (non_persistent is not None and non_persistent.in_memory):  # (in memory: a restart's state)
         monitor.where = "in the checkpoint load"
         state.iteration = _load(state, ck, cfg.training.seed, non_persistent)
         monitor.where = "at start-up"
@@ -365,10 +366,12 @@ def _load(state: TrainState, ck, seed: int, non_persistent: NonPersistent | None
     """The checkpoint under --load into `state`, or a newer non-persistent one (only the newer of
     the two is read); the iteration the run continues from."""
     if non_persistent is not None and not (ck.finetune or ck.moe_use_upcycling):
-        newer = non_persistent.newer(read_tracker(ck.load) or 0)
+        newer = non_persistent.newer((read_tracker(ck.load) or 0) if ck.load else 0)
         if newer is not None:
             return non_persistent.load(state, newer, load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng,
                                        strictness=ck.dist_ckpt_strictness)
+    if not ck.load:
+        return state.iteration
     if ck.moe_use_upcycling:  # a dense checkpoint into this MoE model (checkpoint/upcycling/load.py)
         return load_upcycled(state, ck.load, ck.moe_upcycling_granularity, seed, finetune=ck.finetune,
                              load_rng=not ck.no_load_rng)

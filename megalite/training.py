@@ -488,11 +488,11 @@ def train_loop(run: Run) -> None:
         run.log(f"> exiting at iteration {state.iteration}: {reason}")
 
 
-def pretrain(cfg: RunConfig) -> TrainState:
+def pretrain(cfg: RunConfig, memory=None) -> TrainState:
     """Train as `cfg` says. Everything the run opens (process groups, the collective monitor and
-    its thread, hooks, files, signal handlers, the garbage collector's state) is closed or put
-    back when it ends, normally or by an exception, so one process can train many times."""
-    run = setup(cfg)
+    its thread, hooks, files, signal handlers, the garbage collector's state) is closed or put back
+    when it ends, normally or not: one process can train many times (inprocess/worker.py's `memory`)."""
+    run = setup(cfg, memory)
     with run.closing:
         train(run)
         run.monitor.where = "at the end of training"

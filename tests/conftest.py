@@ -127,7 +127,8 @@ FILE_SECONDS = {"test_compile.py": 150, "test_layouts_gpt_oss.py": 125, "test_me
                 # (~8 min under a load average of 12; ~2 min alone estimated); test_fp8's four runs
                 "test_layouts_fp8.py": 120, "test_fp8.py": 20,
                 # resilience (issue 42): estimated from their wall time on the shared machine
-                "test_rerun.py": 45, "test_non_persistent.py": 40, "test_weight_hash.py": 20}
+                "test_rerun.py": 45, "test_non_persistent.py": 40, "test_weight_hash.py": 20,
+                "test_inprocess_restart.py": 65}
 
 
 def _heaviest_files_first(items):

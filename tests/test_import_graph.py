@@ -79,6 +79,7 @@ FLOORS = [
     ["initialize", "launch"],
     ["dry_run", "train_report"],
     ["training"],
+    ["inprocess"],  # in-process restart: pretrain in a loop, and its launcher
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ..config.resilience import REPLACEMENT_ENV
 from ..config.run import RunConfig
 from ..data.data_paths import parse_blend
 from ..data.reader import open_dataset
@@ -46,7 +47,7 @@ def check_paths(c: RunConfig) -> None:
     # another run's checkpoints it would replace them, so that needs --load of the same directory
     if ck.save and os.path.isfile(os.path.join(ck.save, TRACKER)):
         same = ck.load and os.path.realpath(ck.load) == os.path.realpath(ck.save)
-        if not same:
+        if not same and not os.environ.get(REPLACEMENT_ENV):  # (a replacement's are its own job's checkpoints)
             fail(f"--save {ck.save} already holds checkpoints; saving into it without resuming from it would "
                  f"overwrite them: add --load {ck.save} to resume, or choose a new --save directory")
         if ck.finetune:

@@ -32,7 +32,7 @@ from .data import check_data
 from .errors import fail, flag
 from .fsdp import check_fsdp
 from .pipeline_split import apply_pipeline_split
-from .resilience import check_resilience
+from .resilience import check_inprocess_backend, check_resilience
 from .context_parallel import check_cp_comm_type
 from .fp8 import check_fp8
 from .model import check_attention_backend, check_context_parallel, check_model_shape, check_precision, \
@@ -439,6 +439,7 @@ def _check_with_torch(c: RunConfig, check_files: bool) -> None:
         # a backend choice: the same collectives, on the CPU's backend (Megatron-LM's scripts pass nccl)
         c.notices.append("--distributed-backend nccl: no CUDA here, so the collectives run on gloo (the same function)")
         p.distributed_backend = "gloo"
+    check_inprocess_backend(c)
     if p.distributed_backend == "nccl" and p.pipeline_schedule in ("zb_h1", "zbv"):
         fail(f"--pipeline-schedule {p.pipeline_schedule} runs on --distributed-backend gloo only: its runtime posts "
              f"sends at once and receives when its order needs them, streams told apart by tag; NCCL ignores tags "

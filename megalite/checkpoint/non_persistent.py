@@ -3,7 +3,8 @@ frequent save of the latest state for this job's next restart, besides the persi
 --save-interval that outlive it. As Megatron-LM: `global` writes a full checkpoint (megalite's
 format, loadable on any layout) to --non-persistent-global-ckpt-dir (default <--save>/non_persistent),
 keeping only the latest; `local` writes each rank's own state to its own directory, replicated on
-peers (native/local.py). A resume with --load takes the newest of the persistent checkpoint and
+peers (native/local.py); `in_memory` keeps the same states in host memory (native/memory.py), for
+in-process restart (megalite/inprocess/). A resume with --load takes the newest of the persistent checkpoint and
 the non-persistent one."""
 from __future__ import annotations
 
@@ -14,39 +15,51 @@ import shutil
 from .load import load_checkpoint
 from .native import CheckpointSaver, TrainState
 from .native.local import LocalCheckpointer, replication_groups
+from .native.memory import InMemoryCheckpointer
 from .paths import read_tracker
 
 
 class NonPersistent:
-    def __init__(self, r, save_dir: str | None, ps, check_finite: bool, fully_parallel: bool):
+    def __init__(self, r, save_dir: str | None, ps, check_finite: bool, fully_parallel: bool, memory=None):
         self.kind, self.interval = r.non_persistent_ckpt_type, r.non_persistent_save_interval
         if self.kind == "global":
             self.root = r.non_persistent_global_ckpt_dir or os.path.join(save_dir, "non_persistent")
             self.saver = CheckpointSaver(self.root, async_save=False, check_finite=check_finite,
                                          fully_parallel=fully_parallel)
+            return
+        group = [ps.rank]
+        if r.replication:
+            group = next(g for g in replication_groups(ps.world_size, r.replication_jump, r.replication_factor)
+                         if ps.rank in g)
+        if self.kind == "in_memory":
+            if memory is None:
+                raise ValueError("--non-persistent-ckpt-type in_memory: the restart loop's HostSnapshots are missing")
+            self.root, self.local = "host memory", InMemoryCheckpointer(memory, ps, group)
         else:
             self.root = r.non_persistent_local_ckpt_dir
-            group = [ps.rank]
-            if r.replication:
-                group = next(g for g in replication_groups(ps.world_size, r.replication_jump, r.replication_factor)
-                             if ps.rank in g)
             self.local = LocalCheckpointer(self.root, ps, group)
 
     @classmethod
-    def build(cls, cfg, ps) -> "NonPersistent | None":
+    def build(cls, cfg, ps, memory=None) -> "NonPersistent | None":
+        """`memory`: in_memory's HostSnapshots, owned by the in-process restart loop."""
         r = cfg.resilience
         if r.non_persistent_ckpt_type is None:
             return None
         return cls(r, cfg.checkpoint.save, ps, cfg.training.check_for_nan_in_loss_and_grad,
-                   cfg.checkpoint.ckpt_fully_parallel_save)
+                   cfg.checkpoint.ckpt_fully_parallel_save, memory)
+
+    @property
+    def in_memory(self) -> bool:
+        return self.kind == "in_memory"
 
     def due(self, iteration: int) -> bool:
         return iteration % self.interval == 0
 
     def save(self, ts: TrainState, iteration: int) -> None:
-        if self.kind == "local":
+        if self.kind != "global":
             self.local.save(ts, iteration)
-            ts.log(f"> saved local non-persistent checkpoint of iteration {iteration} under {self.root}")
+            if not self.in_memory:  # (in memory: every few iterations, a line each would drown the log)
+                ts.log(f"> saved local non-persistent checkpoint of iteration {iteration} under {self.root}")
             return
         self.saver.save(ts, iteration)
         if ts.ps.rank == 0:  # non-persistent: only the latest is kept

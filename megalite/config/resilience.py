@@ -9,9 +9,14 @@ from dataclasses import dataclass
 from .fields import flag
 
 
-INPROCESS = ("in-process restart (surviving ranks rebuilding their process groups with a replacement, restored "
-             "from in-memory copies) is not built yet; restart with torchrun --max-restarts and resume from "
-             "--non-persistent-ckpt-type local checkpoints (docs/operations.md)")
+# the environment megalite's in-process launcher (megalite/inprocess/launcher.py) gives its workers
+LAUNCHER_ENV = "MEGALITE_INPROCESS_STORE"  # host:port of the launcher's store
+SLOT_ENV = "MEGALITE_INPROCESS_SLOT"  # the worker process's number (a rank moves between processes; a slot doesn't)
+REPLACEMENT_ENV = "MEGALITE_INPROCESS_REPLACEMENT"  # set for a process started to replace a dead rank mid-job
+
+NVRX_ONLY = ("megalite's in-process restart (megalite/inprocess/) finds a failed rank by its exit or by a stale "
+             "heartbeat (--inprocess-heartbeat-timeout) and replaces that one rank; nvidia-resiliency-ext's progress "
+             "watchdog, monitor thread and completion barriers, which this flag tunes, have no counterpart here")
 
 
 @dataclass
@@ -51,7 +56,8 @@ class ResilienceConfig:
         "--non-persistent-ckpt-type", None, "global: a full checkpoint under --non-persistent-global-ckpt-dir (default "
         "<--save>/non_persistent), only the latest kept; local: each rank's own state in its own directory under "
         "--non-persistent-local-ckpt-dir (node-local storage), same layout only, with --replication copies on peers; "
-        "in_memory is refused (it needs in-process restart, not built)", choices=["global", "local", "in_memory"])
+        "in_memory: each rank's state in host memory, with --replication-factor - 1 copies on peers (needs "
+        "--inprocess-restart: a copy in memory outlives a failure only in a surviving process)", choices=["global", "local", "in_memory"])
     non_persistent_global_ckpt_dir: str | None = flag(
         "--non-persistent-global-ckpt-dir", None, "where --non-persistent-ckpt-type global saves (default "
         "<--save>/non_persistent)", type=str)
@@ -74,39 +80,54 @@ class ResilienceConfig:
         "--replication-factor", 2, "F: the ranks holding each local checkpoint (its own and F - 1 copies)",
         check=(lambda v: v >= 2, ">= 2"))
 
-    # Megatron-LM's in-process restart (nvidia-resiliency-ext's Wrapper): not built, each flag refused
-    inprocess_restart: bool = flag("--inprocess-restart", False, "refused: " + INPROCESS, action="store_true")
-    inprocess_max_iterations: int | None = flag("--inprocess-max-iterations", None, "refused: " + INPROCESS, type=int)
+    # in-process restart (megalite/inprocess/, as Megatron-LM's with nvidia-resiliency-ext's Wrapper)
+    inprocess_restart: bool = flag(
+        "--inprocess-restart", False, "survive a dead or frozen rank without restarting the job: under python -m "
+        "megalite.inprocess, the surviving processes rebuild their process groups with a replacement (a spare, or "
+        "a new process), every rank restores the latest --non-persistent-ckpt-type in_memory snapshot (the lost "
+        "rank's from its replica) and training goes on (docs/operations.md)", action="store_true")
+    inprocess_max_iterations: int | None = flag(
+        "--inprocess-max-iterations", None, "the most in-process restarts before the job fails (default: no limit)",
+        type=int, check=(lambda v: v >= 1, ">= 1"))
+    inprocess_monitor_process_interval: float = flag(
+        "--inprocess-monitor-process-interval", 1.0, "seconds between the launcher's checks of its workers' "
+        "processes and heartbeats", check=(lambda v: v > 0, "> 0"))
+    inprocess_heartbeat_interval: float = flag(
+        "--inprocess-heartbeat-interval", 30.0, "seconds between a worker's heartbeats (a thread: it beats while "
+        "the process runs, also while it waits in a collective)", check=(lambda v: v > 0, "> 0"))
+    inprocess_heartbeat_timeout: float = flag(
+        "--inprocess-heartbeat-timeout", 60.0, "a rank whose last heartbeat is older than this is frozen: the "
+        "launcher kills it (SIGKILL) and replaces it", check=(lambda v: v > 0, "> 0"))
+    inprocess_barrier_timeout: float = flag(
+        "--inprocess-barrier-timeout", 120.0, "seconds a worker waits for the launcher's verdict after a failed "
+        "collective (no new generation: the error is its own) and for the launcher's store, and a new process may "
+        "take to its first heartbeat (imports, start-up)", check=(lambda v: v > 0, "> 0"))
+    inprocess_active_world_size: int | None = flag(
+        "--inprocess-active-world-size", None, "the ranks that train (WORLD_SIZE under the launcher); the launcher's "
+        "other processes (--nproc-per-node minus this) wait as warm spares, each taking a failed rank's place "
+        "without a new process's start-up", type=int, check=(lambda v: v >= 1, ">= 1"))
+    inprocess_granularity: str = flag(
+        "--inprocess-granularity", "rank", "rank: a failure replaces the failed rank only; node (Megatron-LM's "
+        "default) is refused: megalite's launcher runs one node", choices=["node", "rank"])
+    inprocess_empty_cuda_cache: bool = flag(
+        "--inprocess-empty-cuda-cache", False, "Megatron-LM: release the CUDA cache's free blocks at every restart; "
+        "a notice here (in-process restart runs on gloo, on the CPU)", action="store_true")
+    inprocess_soft_timeout: float | None = flag("--inprocess-soft-timeout", None, "refused: " + NVRX_ONLY, type=float)
+    inprocess_hard_timeout: float | None = flag("--inprocess-hard-timeout", None, "refused: " + NVRX_ONLY, type=float)
     inprocess_monitor_thread_interval: float | None = flag("--inprocess-monitor-thread-interval", None,
-                                                           "refused: " + INPROCESS, type=float)
-    inprocess_monitor_process_interval: float | None = flag("--inprocess-monitor-process-interval", None,
-                                                            "refused: " + INPROCESS, type=float)
+                                                           "refused: " + NVRX_ONLY, type=float)
     inprocess_progress_watchdog_interval: float | None = flag("--inprocess-progress-watchdog-interval", None,
-                                                              "refused: " + INPROCESS, type=float)
-    inprocess_heartbeat_interval: float | None = flag("--inprocess-heartbeat-interval", None, "refused: " + INPROCESS,
+                                                              "refused: " + NVRX_ONLY, type=float)
+    inprocess_completion_timeout: float | None = flag("--inprocess-completion-timeout", None, "refused: " + NVRX_ONLY,
                                                       type=float)
-    inprocess_soft_timeout: float | None = flag("--inprocess-soft-timeout", None, "refused: " + INPROCESS, type=float)
-    inprocess_hard_timeout: float | None = flag("--inprocess-hard-timeout", None, "refused: " + INPROCESS, type=float)
-    inprocess_heartbeat_timeout: float | None = flag("--inprocess-heartbeat-timeout", None, "refused: " + INPROCESS,
-                                                     type=float)
-    inprocess_barrier_timeout: float | None = flag("--inprocess-barrier-timeout", None, "refused: " + INPROCESS,
-                                                   type=float)
-    inprocess_completion_timeout: float | None = flag("--inprocess-completion-timeout", None, "refused: " + INPROCESS,
-                                                      type=float)
-    inprocess_last_call_wait: float | None = flag("--inprocess-last-call-wait", None, "refused: " + INPROCESS,
+    inprocess_last_call_wait: float | None = flag("--inprocess-last-call-wait", None, "refused: " + NVRX_ONLY,
                                                   type=float)
     inprocess_termination_grace_time: float | None = flag("--inprocess-termination-grace-time", None,
-                                                          "refused: " + INPROCESS, type=float)
-    inprocess_granularity: str | None = flag("--inprocess-granularity", None, "refused: " + INPROCESS,
-                                             choices=["node", "rank"])
-    inprocess_active_world_size: int | None = flag("--inprocess-active-world-size", None, "refused: " + INPROCESS,
-                                                   type=int)
-    inprocess_empty_cuda_cache: bool = flag("--inprocess-empty-cuda-cache", False, "refused: " + INPROCESS,
-                                            action="store_true")
+                                                          "refused: " + NVRX_ONLY, type=float)
 
     @property
     def validates(self) -> bool:
         return self.rerun_mode != "disabled"
 
 
-__all__ = ["INPROCESS", "ResilienceConfig"]
+__all__ = ["LAUNCHER_ENV", "NVRX_ONLY", "REPLACEMENT_ENV", "ResilienceConfig", "SLOT_ENV"]

@@ -112,10 +112,14 @@ def from_bytes(blob: bytes) -> tuple[dict, dict]:
 # -- the directory of each rank -----------------------------------------------------------------------
 class LocalCheckpointer:
     """Saves and finds this rank's non-persistent checkpoints (and its group members' copies)."""
+    kind = "local"
 
     def __init__(self, root: str, ps, group: list[int]):
         self.root, self.ps, self.group = root, ps, group
         self.dir = os.path.join(root, f"rank_{ps.rank:05d}")
+
+    def where(self, iteration: int) -> str:
+        return f"under {self.root}"
 
     def _file(self, iteration: int, owner: int) -> str:
         return os.path.join(iteration_dir(self.dir, iteration), f"state_{owner:05d}.safetensors")
@@ -128,10 +132,15 @@ class LocalCheckpointer:
         got = {r: torch.empty(sizes[r], dtype=torch.uint8) for r in peers}
         comm.exchange([dist.P2POp(dist.isend, mine, r) for r in peers]
                       + [dist.P2POp(dist.irecv, got[r], r) for r in peers])
+        self._keep(iteration, {self.ps.rank: blob, **{r: got[r].numpy().tobytes() for r in peers}})
+
+    # -- where the states live: this rank's directory (checkpoint/native/memory.py: host memory) ----
+    def _keep(self, iteration: int, blobs: dict[int, bytes]) -> None:
+        """Iteration `iteration`'s states ({owner: bytes}) kept as the latest, atomically."""
         tmp = iteration_dir(self.dir, iteration) + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        for owner, data in [(self.ps.rank, blob)] + [(r, got[r].numpy().tobytes()) for r in peers]:
+        for owner, data in blobs.items():
             with open(os.path.join(tmp, f"state_{owner:05d}.safetensors"), "wb") as f:
                 f.write(data)
         previous = read_tracker(self.dir)
@@ -142,23 +151,31 @@ class LocalCheckpointer:
         if previous is not None and previous != iteration:  # non-persistent: only the latest is kept
             shutil.rmtree(iteration_dir(self.dir, previous), ignore_errors=True)
 
-    def held(self) -> tuple[int | None, list[int]]:
-        """The iteration of this rank's latest local checkpoint, and whose states it holds there."""
+    def _read(self, iteration: int, owner: int) -> bytes:
+        with open(self._file(iteration, owner), "rb") as f:
+            return f.read()
+
+    def _size(self, iteration: int, owner: int) -> int | None:
+        path = self._file(iteration, owner)
+        return os.path.getsize(path) if os.path.isfile(path) else None
+
+    def _held(self) -> list[tuple[int, int]]:
+        """(iteration, owner) of every state this rank holds."""
         try:
             it = read_tracker(self.dir)
         except CheckpointError:
-            return None, []
+            return []
         if it is None:
-            return None, []
-        return it, [r for r in self.group if os.path.isfile(self._file(it, r))]
+            return []
+        return [(it, r) for r in self.group if os.path.isfile(self._file(it, r))]
 
     def newest(self) -> tuple[int, dict] | None:
         """The newest iteration whose states are all held somewhere (one small all-gather), and for
         each rank who supplies its state (itself, or a group member holding a copy); None: none."""
-        everyone = comm.all_gather_object(self.held(), comm.world_group())
+        everyone = comm.all_gather_object(self._held(), comm.world_group())
         holders = {}  # (owner, iteration) -> the ranks holding that state
-        for rank, (it, owners) in enumerate(everyone):
-            for owner in owners:
+        for rank, held in enumerate(everyone):
+            for it, owner in held:
                 holders.setdefault((owner, it), []).append(rank)
         common = set.intersection(*({it for (o, it) in holders if o == r} for r in range(self.ps.world_size)))
         if not common:
@@ -170,12 +187,12 @@ class LocalCheckpointer:
         """Every rank's state of iteration `it` put back (`newest`'s answer); returns `it`."""
         tensors, values = from_bytes(self._fetch(it, source))
         if not fits(ts, values):
-            raise CheckpointError(f"{self._file(it, self.ps.rank)}: a local checkpoint of another layout or model; "
+            raise CheckpointError(f"{self.where(it)}: a local checkpoint of another layout or model; "
                                   "local checkpoints resume the same job only (drop the directory to start from "
                                   "--load's)")
         restore(ts, tensors, values)
         lost = sorted(r for r, s in source.items() if s != r)
-        ts.log(f"> resumed from the local non-persistent checkpoint of iteration {it} under {self.root}"
+        ts.log(f"> resumed from the {self.kind} non-persistent checkpoint of iteration {it} {self.where(it)}"
                + (f" (rank(s) {lost} from their replicas)" if lost else ""))
         return it
 
@@ -184,21 +201,16 @@ class LocalCheckpointer:
         sends it); sizes travel first, in one small all-gather."""
         me = self.ps.rank
         sends = [r for r, s in source.items() if s == me and r != me]
-        sizes = comm.all_gather_object({r: os.path.getsize(self._file(it, r)) for r in sends + [me]
-                                        if os.path.isfile(self._file(it, r))}, comm.world_group())
+        sizes = comm.all_gather_object({r: self._size(it, r) for r in sends + [me]}, comm.world_group())
         ops, keep = [], []
         for r in sends:
-            with open(self._file(it, r), "rb") as f:
-                keep.append(torch.frombuffer(bytearray(f.read()), dtype=torch.uint8))
+            keep.append(torch.frombuffer(bytearray(self._read(it, r)), dtype=torch.uint8))
             ops.append(dist.P2POp(dist.isend, keep[-1], r))
         if source[me] != me:
             got = torch.empty(sizes[source[me]][me], dtype=torch.uint8)
             ops.append(dist.P2POp(dist.irecv, got, source[me]))
         comm.exchange(ops)
-        if source[me] != me:
-            return got.numpy().tobytes()
-        with open(self._file(it, me), "rb") as f:
-            return f.read()
+        return got.numpy().tobytes() if source[me] != me else self._read(it, me)
 
 
 __all__ = ["LocalCheckpointer", "from_bytes", "replication_groups", "restore", "snapshot", "to_bytes"]
