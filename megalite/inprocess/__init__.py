@@ -11,5 +11,6 @@ prefix of that generation, and runs `pretrain` again in the same process (no tor
 no disk read), which restores every rank from the newest --non-persistent-ckpt-type in_memory
 snapshot (checkpoint/native/memory.py): its own, or for the replacement, the copy its replica
 peer holds. This is Megatron-LM's in-process restart (nvidia-resiliency-ext's inprocess.Wrapper)
-reduced to what a gloo or NCCL job on one node needs: one rank replaced at a time.
+reduced to what a gloo job on one node needs: one rank replaced at a time (NCCL is refused:
+a dead peer hangs its collectives until NCCL's watchdog ends the process).
 """
