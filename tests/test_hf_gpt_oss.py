@@ -13,7 +13,8 @@ import shlex
 import pytest
 import torch
 
-from test_hf_moe import VOCAB, _convert, _ids, _logit_diff, _randomize, _safetensors
+from hf_helpers import run_convert, safetensors_of
+from test_hf_moe import VOCAB, _ids, _logit_diff, _randomize, convert
 
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
 
@@ -53,7 +54,7 @@ HF_CASES = {
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_hf_gpt_oss_imports_with_equal_logits_and_exports_back(case, tmp_path, capsys):
     reference = _hf_gpt_oss(tmp_path / "hf", **HF_CASES[case])
-    ck = _convert("hf", "megalite", tmp_path / "hf", tmp_path / "ck")
+    ck = run_convert(convert, "hf", "megalite", tmp_path / "hf", tmp_path / "ck")
     printed = capsys.readouterr().out
     from megalite.generation import load_model
     cfg = load_model(ck)[1]["model_config"]
@@ -75,8 +76,8 @@ def test_hf_gpt_oss_imports_with_equal_logits_and_exports_back(case, tmp_path, c
         [GPTConfig.from_dict(cfg).attention_window(i) for i in range(3)]
 
     # and back: the same tensors under the same names, the same layer types and window
-    back = _convert("megalite", "hf", ck, tmp_path / "back", "--no-tokenizer")
-    original, exported = _safetensors(tmp_path / "hf"), _safetensors(back)
+    back = run_convert(convert, "megalite", "hf", ck, tmp_path / "back", "--no-tokenizer")
+    original, exported = safetensors_of(tmp_path / "hf"), safetensors_of(back)
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
     raw, raw_back = (json.load(open(os.path.join(d, "config.json"))) for d in (tmp_path / "hf", back))
@@ -118,7 +119,7 @@ def _megalite_gpt_oss(root, **kw):
 
 def test_megalite_gpt_oss_exports_with_equal_logits_and_imports_back(tmp_path):
     ck = _megalite_gpt_oss(tmp_path / "ck")
-    hf_dir = _convert("megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
+    hf_dir = run_convert(convert, "megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, attn_implementation="eager").eval()
     assert type(hf).__name__ == "GptOssForCausalLM"
     assert hf.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
@@ -127,7 +128,7 @@ def test_megalite_gpt_oss_exports_with_equal_logits_and_imports_back(tmp_path):
     print(f"gpt-oss: max |logit difference| megalite vs transformers = {diff:.3e} of the rounding bound")
     assert diff < 1, diff
     # imported back on another layout: the same tensors
-    back = _convert("hf", "megalite", hf_dir, tmp_path / "back", "--target-tensor-parallel-size", "2",
+    back = run_convert(convert, "hf", "megalite", hf_dir, tmp_path / "back", "--target-tensor-parallel-size", "2",
                     "--target-pipeline-parallel-size", "3")
     (_, a), (_, b) = load_full_state_dict(ck), load_full_state_dict(back)
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
@@ -161,7 +162,6 @@ def test_what_gpt_oss_cannot_express_is_refused(change, message):
     (dict(attention_bias=False), "attention_bias false"),
 ])
 def test_gpt_oss_configs_megalite_cannot_compute_are_refused(kw, message, tmp_path, capsys):
-    from test_hf_moe import convert
     _hf_gpt_oss(tmp_path / "hf", **kw)
     capsys.readouterr()
     assert convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir",
