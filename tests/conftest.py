@@ -128,7 +128,7 @@ FILE_SECONDS = {"test_compile.py": 150, "test_layouts_gpt_oss.py": 125, "test_me
                 "test_layouts_fp8.py": 120, "test_fp8.py": 20,
                 # resilience (issue 42): estimated from their wall time on the shared machine
                 "test_rerun.py": 45, "test_non_persistent.py": 40, "test_weight_hash.py": 20,
-                "test_inprocess_restart.py": 65}
+                "test_inprocess_restart.py": 35}
 
 
 def _heaviest_files_first(items):
