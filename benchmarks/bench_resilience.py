@@ -39,7 +39,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
 
-from proc_helpers import children, kill_all, ranks_now, start_torchrun, workers  # noqa: E402
+from proc_helpers import children, end_launcher, kill_all, ranks_now, start_torchrun, workers  # noqa: E402
 
 MODEL = ["--mock-data", "--vocab-size", "1024", "--num-layers", "4", "--hidden-size", "256",
          "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "1", "--lr", "1e-4",
@@ -175,15 +175,7 @@ def one_inprocess(world: int, fault: str, fault_at: int, save_interval: int, tim
                 "recovery_s": t - t_fault, "iterations_redone": done - (it - 1), "resumed_from": it - 1,
                 "completed": done, "replica": "from their replicas" in out}
     finally:
-        for pid in pids | set(children(proc.pid)):
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        end_launcher(proc, pids)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

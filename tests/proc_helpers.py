@@ -116,16 +116,28 @@ def _is_worker(pid: int) -> bool:
         return False
 
 
+def kill_pids(pids) -> None:
+    """Each of `pids` that still exists killed (continued first, if stopped)."""
+    for pid in pids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def end_launcher(proc, pids=()) -> None:
+    """`pids` and every child of the launcher `proc` killed, then `proc` itself."""
+    kill_pids(set(pids) | set(children(proc.pid)))
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
 def kill_all(proc) -> None:
     """Every worker of `proc` (continued first if stopped), then torchrun itself."""
     pids = set(proc.seen) | (set(children(proc.pid)) if proc.poll() is None else set())
-    for pid in pids:
-        if _is_worker(pid):
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+    kill_pids(p for p in pids if _is_worker(p))
     if proc.poll() is None:
         proc.kill()
     proc.wait()

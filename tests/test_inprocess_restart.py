@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from dist_helpers import ROOT, run_pretrain, train_losses
 from megalite.arguments import ArgumentError, parse_args, validate_args
 from megalite.checkpoint.native.memory import HostSnapshots
-from proc_helpers import children, records, wait_for
+from proc_helpers import children, end_launcher, records, wait_for
 from tiny import mock, tiny
 
 ITERS = 16
@@ -158,15 +158,7 @@ def test_lost_ranks_are_replaced_in_process_exactly(reference, tmp_path):
         _fault(launcher, jsonl, seen, 2, signal.SIGKILL, 10)
         assert launcher.wait(timeout=120) == 0, open(tmp_path / "err").read()[-3000:]
     finally:
-        for pid in seen | set(children(launcher.pid)):
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.wait()
+        end_launcher(launcher, seen)
     assert not [p for p in seen if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
     stdout, stderr = open(tmp_path / "out").read(), open(tmp_path / "err").read()
     assert "resumed from the in_memory non-persistent checkpoint of iteration" in stdout
