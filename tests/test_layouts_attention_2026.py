@@ -12,12 +12,15 @@ layers head-parallel; the two softmax layers a2a and p2p) and TP 2 + SP x CP 2 (
 each; the softmax layers allgather and a2a+p2p).
 DeepSeek-V3.2 (tiny, init std 0.2): MLA with query compression, DSA with 2 indexer heads of 12 channels, top-6 of
 the 32 keys (so the sparse choice matters), --dsa-indexer-loss-coeff 0.1, DeepSeek-V3's MoE in the second
-layer (sigmoid top-2 of 4, expert bias, shared expert); layouts TP 2 with SP (the indexer duplicated, its
-target summed over TP), PP 2, ZeRO-2 with selective recompute, EP 2 (alltoall) under ZeRO-3, CP 2 and
-TP 2 + SP x CP 2 (the keys and index keys gathered; top-6 of 32 ties often at the ReLU's 0).
-Compared per iteration: lm loss, the DSA indexer loss and the gradient norm (rtol 1e-5); every
-parameter after the last step, by global name (atol 1e-5). Cost: two references, 12 layouts; alone on
-the shared 2 cores ~45 s, of which the four CP layouts ~20 s (the 4-rank ones ~12 s and ~5 s).
+layer (sigmoid top-2 of 4, expert bias, shared expert); layouts PP 2, ZeRO-2 with selective recompute,
+EP 2 (alltoall) under ZeRO-3, CP 2 and TP 2 + SP x CP 2 (the keys and index keys gathered; top-6 of 32
+ties often at the ReLU's 0). The same with DeepSeek-V3.2's multi-token prediction (--mtp-num-layers 1:
+an MLA + DSA layer, MoE, whose indexer's loss counts in the logged one as Megatron-LM counts it) on
+TP 2 with SP (the indexer duplicated, its target summed over TP) and PP 2 (MTP on the last stage).
+Compared per iteration: lm loss, the MTP loss, the DSA indexer loss and the gradient norm (rtol 1e-5);
+every parameter after the last step, by global name (atol 1e-5). Cost: three references (built when a
+layout first needs one), 13 layouts; alone on the shared 2 cores ~50 s, of which the four CP layouts
+~20 s (the 4-rank ones ~12 s and ~5 s) and MTP's reference and two layouts ~11 s.
 """
 import pytest
 
@@ -64,7 +67,6 @@ LAYOUTS = {  # id: (model, processes, flags)
     "qwen3-next-cp2-a2a-p2p": ("qwen3_next", 2, CP2 + ["--cp-comm-type", "allgather", "a2a", "allgather", "p2p"]),
     "qwen3-next-tp2-sp-cp2-allgather-a2a+p2p": ("qwen3_next", 4, TP2_SP + CP2 + [
         "--cp-comm-type", "a2a", "allgather", "a2a", "a2a+p2p", "--hierarchical-context-parallel-sizes", "1", "2"]),
-    "dsa-tp2-sp": ("dsa", 2, TP2_SP),
     "dsa-pp2": ("dsa", 2, ["--pipeline-model-parallel-size", "2"]),
     "dsa-zero2-selective": ("dsa", 2, ["--data-parallel-sharding-strategy", "optim_grads",
                                        "--recompute-granularity", "selective"]),
@@ -73,32 +75,51 @@ LAYOUTS = {  # id: (model, processes, flags)
                                  "optim_grads_params"]),
     "dsa-cp2": ("dsa", 2, CP2),
     "dsa-tp2-sp-cp2": ("dsa", 4, TP2_SP + CP2),
+    # DeepSeek-V3.2's MTP (--mtp-num-layers 1): its module's layer MLA + DSA (MoE, as the last layer), its
+    # indexer trained and its loss in the logged one. TP 2 + SP with MTP stands for the DSA model's TP 2 + SP
+    # (the decoder's layers run the same); PP 2 puts the MTP module on the last stage
+    "dsa-mtp-tp2-sp": ("dsa_mtp", 2, TP2_SP),
+    "dsa-mtp-pp2": ("dsa_mtp", 2, ["--pipeline-model-parallel-size", "2"]),
 }
 RTOL = {"qwen3_next": {"lm_loss": 1e-5, "grad_norm": 1e-5},
-        "dsa": {"lm_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5}}
-FLAGS = {"qwen3_next": QWEN3_NEXT, "dsa": DSA}
+        "dsa": {"lm_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5},
+        "dsa_mtp": {"lm_loss": 1e-5, "mtp_1_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5}}
+FLAGS = {"qwen3_next": QWEN3_NEXT, "dsa": DSA, "dsa_mtp": DSA + ["--mtp-num-layers", "1"]}
+
+
+def _reference(name, corpus, tmp_path_factory):
+    ref = run_reference(corpus + FLAGS[name], tmp_path_factory.mktemp(name), save=True)
+    assert_loss_falls(train_losses(ref.records), 0.3)
+    if name == "qwen3_next":
+        assert any(n.endswith("self_attention.A_log") for n in ref.params)
+        return ref
+    assert any(n.endswith("indexer.linear_wk.weight") for n in ref.params)
+    indexer = per_iteration(ref.records, "dsa_indexer_loss")
+    print(f"{name} indexer loss per iteration:", indexer)
+    # init std 0.2: peaked attention, so that the KL is far above fp32 rounding of its terms
+    assert len(indexer) == 6 and min(indexer) > 1e-3
+    if name == "dsa_mtp":  # the MTP module's layer has its indexer, trained
+        assert "mtp.layers.0.transformer_layer.self_attention.core_attention.indexer.linear_wk.weight" in ref.params
+        assert min(per_iteration(ref.records, "mtp_1_loss")) > 0
+    return ref
 
 
 @pytest.fixture(scope="module")
 def references(corpus, tmp_path_factory):
+    """Each model's one-process run, made when a layout first needs it (so that -k runs one)."""
     refs = {}
-    for name, flags in FLAGS.items():
-        ref = run_reference(corpus + flags, tmp_path_factory.mktemp(name), save=True)
-        assert_loss_falls(train_losses(ref.records), 0.3)
-        refs[name] = ref
-    assert any(n.endswith("self_attention.A_log") for n in refs["qwen3_next"].params)
-    assert any(n.endswith("indexer.linear_wk.weight") for n in refs["dsa"].params)
-    indexer = per_iteration(refs["dsa"].records, "dsa_indexer_loss")
-    print("DSA indexer loss per iteration:", indexer)
-    # init std 0.2: peaked attention, so that the KL is far above fp32 rounding of its terms
-    assert len(indexer) == 6 and min(indexer) > 1e-3
-    return refs
+
+    def get(name):
+        if name not in refs:
+            refs[name] = _reference(name, corpus, tmp_path_factory)
+        return refs[name]
+    return get
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(references, tmp_path, layout):
     model, nproc, flags = LAYOUTS[layout]
-    assert_layout_matches(references[model], nproc, flags, tmp_path, RTOL[model], params_atol=1e-5)
+    assert_layout_matches(references(model), nproc, flags, tmp_path, RTOL[model], params_atol=1e-5)
 
 
 def test_context_parallel_rules():

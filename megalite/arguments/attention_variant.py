@@ -88,6 +88,3 @@ def _check_dsa(c: RunConfig) -> None:
     if m.dsa_indexer_head_dim < m.qk_pos_emb_head_dim:
         fail(f"--dsa-indexer-head-dim ({m.dsa_indexer_head_dim}) is below --qk-pos-emb-head-dim "
              f"({m.qk_pos_emb_head_dim}): the indexer rotates its first --qk-pos-emb-head-dim channels")
-    if m.mtp_num_layers:
-        fail("--mtp-num-layers with --experimental-attention-variant dsa: not built (DeepSeek-V3.2's MTP layer "
-             "with the indexer is not tested here)")

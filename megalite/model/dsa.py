@@ -223,6 +223,9 @@ class DSAttention(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, execution.sequence_parallel
         self.loss_scale = 1.0  # d(objective)/d(indexer loss) of a micro-batch, set by the trainer (start_iteration)
         self.loss_sum = None  # this iteration's indexer losses (detached), for the log
+        # an MTP module's layer (model/mtp.py): its loss trains its indexer and is logged with the
+        # decoder's, but it is not one of the layers the logged mean divides by (Megatron-LM's)
+        self.in_mtp = False
 
     def forward(self, q, k, v, x, qr, rotary, cache=None):
         """q [s, b, n, d] (scaled as the softmax wants it times √d), k [sk, b, n, d], v [sk, b, n, dv]
@@ -275,15 +278,18 @@ def start_iteration(model: list[nn.Module], loss_scale: float) -> None:
 @torch.no_grad()
 def iteration_indexer_loss(model: list[nn.Module], microbatches: int, tp_size: int, dp_size: int,
                            device, cp_size: int = 1) -> float | None:
-    """The last iteration's indexer loss as Megatron-LM logs it ("indexer loss"): coeff · KL, the mean
-    over its `microbatches` global micro-batches and over the DSA layers. A collective on every rank
-    (each TP rank holds the same values, each DP rank its own micro-batches' values, each CP rank
-    its queries' part of them)."""
+    """The last iteration's indexer loss as Megatron-LM logs it ("indexer loss"): coeff · KL, summed
+    over the DSA layers and divided by the decoder's layers, the mean over its `microbatches` global
+    micro-batches. The MTP modules' layers add their losses to the sum but not to the count:
+    Megatron-LM's MTP layer numbers its DSAttention 1..D, whose loss lands in the tracker's slot of
+    decoder layer k (DSAIndexerLossLoggingHelper.save_loss_to_tracker), and the log divides the
+    slots' sum by num_layers. A collective on every rank (each TP rank holds the same values, each
+    DP rank its own micro-batches' values, each CP rank its queries' part of them)."""
     t = torch.zeros(2, dtype=torch.float64, device=device)
     for layer in dsa_layers(model):
         if layer.loss_sum is not None:
             t[0] += float(layer.loss_sum)
-        t[1] += 1.0
+        t[1] += 0.0 if layer.in_mtp else 1.0
     comm.all_reduce(t, comm.world_group())
     layers = float(t[1]) / (tp_size * dp_size * cp_size)  # every layer is counted by each of its TP x DP x CP ranks
     return float(t[0]) / tp_size / microbatches / layers if layers else None

@@ -89,6 +89,8 @@ class MultiTokenPredictionLayer(nn.Module):
                                                   moe=config.is_moe_mtp_layer())
         if execution.recompute_granularity == "selective":
             self.transformer_layer.self_attention.recompute_core_attention = True
+        if config.dsa:  # DeepSeek-V3.2's MTP layer is an MLA + DSA layer like the decoder's (model/dsa.py)
+            self.transformer_layer.self_attention.core_attention.in_mtp = True
         self.final_layernorm = Norm(config, execution, device)
 
     def _body(self, hidden, embedded, cos, sin, attention_mask):

@@ -351,7 +351,7 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     prefix = "transformer." if cfg["position_embedding_type"] == "learned_absolute" else "model."
     lm_head = hf.pop("lm_head.weight", None)
     hf = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in hf.items() if not _HF_BUFFERS.search(k)}
-    if hf_cfg.model_type == "deepseek_v3":  # its MTP modules, stored as layers past the last
+    if hf_cfg.model_type in ("deepseek_v3", "deepseek_v32"):  # their MTP modules, stored as layers past the last
         cfg["mtp_num_layers"] = deepseek_mtp_depth(hf_cfg, hf, lambda what: _refuse_import(in_dir, what))
     try:
         state = (_gpt2_state(cfg, hf) if prefix == "transformer." else deepseek_state(cfg, hf, lm_head)

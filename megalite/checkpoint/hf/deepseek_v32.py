@@ -13,7 +13,17 @@ index score Σ_h w_h ReLU(q_h · k) / √(H·D) is transformers' (the Hadamard r
 preserves every q · k). index_n_heads, index_head_dim and index_topk are --dsa-indexer-n-heads,
 --dsa-indexer-head-dim and --dsa-indexer-topk; its k_norm's epsilon is fixed at 1e-6, as the latent
 norms' (--norm-epsilon 1e-6). The indexer's training loss (--dsa-indexer-loss-coeff) has no
-counterpart there: a model imports with none. MTP modules are not mapped (refused with DSA).
+counterpart there: a model imports with none.
+
+Multi-token prediction: DeepSeek-V3.2's released checkpoint stores MTP module k as DeepSeek-V3's
+does, as decoder layer num_hidden_layers + k (deepseek.py's table: enorm, hnorm, eh_proj,
+shared_head.norm, copies of the embedding and output layer), with its indexer as every layer's:
+
+    mtp.layers.{k}.transformer_layer.self_attention.core_attention.indexer.*
+                                                                  model.layers.{L + k}.self_attn.indexer.*
+
+and num_nextn_predict_layers in config.json (which DeepseekV32Config keeps as an extra setting and
+DeepseekV32ForCausalLM ignores, as it ignores those layers).
 """
 from __future__ import annotations
 
@@ -33,8 +43,6 @@ def deepseek_v32_architecture(cfg: dict, refuse) -> str:
     """"deepseek_v32" for a DSA model that DeepseekV32ForCausalLM computes (after deepseek.py's checks)."""
     if cfg.get("q_lora_rank") is None:
         refuse("DSA without --q-lora-rank", DEEPSEEK_V32_CLASS)
-    if cfg.get("mtp_num_layers"):
-        refuse("--mtp-num-layers with DSA (not mapped)", DEEPSEEK_V32_CLASS)
     return "deepseek_v32"
 
 
@@ -44,6 +52,8 @@ def deepseek_v32_hf_config(cfg: dict, common: dict, rope_parameters: dict, trans
           and k not in ("transformers_version", "model_type", "head_dim", "qk_head_dim")}
     kw.update(index_n_heads=cfg["dsa_indexer_n_heads"], index_head_dim=cfg["dsa_indexer_head_dim"],
               index_topk=cfg["dsa_indexer_topk"], architectures=[DEEPSEEK_V32_CLASS])
+    if cfg.get("mtp_num_layers"):  # the released checkpoint's name for it (layers past the last: the module docstring)
+        kw["num_nextn_predict_layers"] = cfg["mtp_num_layers"]
     return transformers_class("DeepseekV32Config", DEEPSEEK_V32_CLASS)(**kw)
 
 
@@ -67,19 +77,27 @@ def deepseek_v32_flags(cfg: dict) -> list:
             "--dsa-indexer-head-dim", cfg["dsa_indexer_head_dim"], "--dsa-indexer-topk", cfg["dsa_indexer_topk"]]
 
 
+def _layers(cfg: dict, hf_prefix: str) -> list[tuple[str, str]]:
+    """(megalite, Hugging Face) prefixes of each layer with an indexer: the decoder's, then each MTP
+    module's transformer layer, stored as layer num_layers + k."""
+    layers, depth = cfg["num_layers"], cfg.get("mtp_num_layers") or 0
+    return [(f"decoder.layers.{i}.", f"{hf_prefix}layers.{i}.") for i in range(layers)] + \
+        [(f"mtp.layers.{k}.transformer_layer.", f"{hf_prefix}layers.{layers + k}.") for k in range(depth)]
+
+
 def deepseek_v32_tensors(cfg: dict, state: dict) -> dict:
     """DeepseekV32ForCausalLM's tensors of megalite's `state` (popped): the indexers, then DeepSeek-V3's."""
     out = {}
-    for i in range(cfg["num_layers"]):
-        out.update(export_tensors(_INDEXER, state, f"decoder.layers.{i}.", f"model.layers.{i}."))
+    for ours, theirs in _layers(cfg, "model."):
+        out.update(export_tensors(_INDEXER, state, ours, theirs))
     return {**deepseek_tensors(cfg, state), **out}
 
 
 def deepseek_v32_state(cfg: dict, hf: dict, lm_head=None) -> dict:
     """megalite's tensors of a DeepseekV32 checkpoint (`hf`: "model." stripped), popped from it."""
     out = {}
-    for i in range(cfg["num_layers"]):
-        out.update(import_tensors(_INDEXER, hf, f"decoder.layers.{i}.", f"layers.{i}."))
+    for ours, theirs in _layers(cfg, ""):
+        out.update(import_tensors(_INDEXER, hf, ours, theirs))
     return {**deepseek_state(cfg, hf, lm_head), **out}
 
 
