@@ -102,6 +102,41 @@ def test_mtp_names_are_megatron_lms_and_follow_the_last_layer_kind():
     assert not isinstance(last_dense.mtp.layers[0].transformer_layer.mlp, MoELayer)
 
 
+def test_dsa_mtp_layer_trains_its_indexer_and_logs_as_megatron_lm():
+    """DeepSeek-V3.2's MTP layer is MLA + DSA like the decoder's: its indexer's loss trains it with the
+    decoder layers' weight (the trainer's loss scale x coeff, whatever --mtp-loss-scaling-factor), and
+    the logged indexer loss sums every DSA layer's and divides by the decoder's layers (Megatron-LM's
+    MTP numbers its DSAttention 1..D into the tracker's num_layers slots)."""
+    from megalite.model import dsa
+    dsa_settings = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16,
+                        qk_pos_emb_head_dim=8, v_head_dim=12, init_method_std=0.2, add_bias_linear=False,
+                        experimental_attention_variant="dsa", dsa_indexer_n_heads=2, dsa_indexer_head_dim=12,
+                        dsa_indexer_topk=5, dsa_indexer_loss_coeff=0.1, mtp_num_layers=1)
+    ids, labels = (torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i)) for i in (1, 2))
+
+    def step(loss_scale, mtp_factor):
+        torch.manual_seed(0)  # _model's norm weights
+        model = _model(**dsa_settings)
+        layers = dsa.dsa_layers([model])
+        assert sorted(m.in_mtp for m in layers) == [False, False, True]
+        model.train()
+        dsa.start_iteration([model], loss_scale)
+        lm = model(ids, None, None, labels)
+        term, _ = model.mtp_loss(torch.tensor(32.0), microbatch_mean=True)
+        (lm.mean() + term * mtp_factor).backward()
+        wk = model.mtp.layers[0].transformer_layer.self_attention.core_attention.indexer.linear_wk.weight
+        return model, layers, wk.grad.clone()
+
+    model, layers, grad = step(1.0, 1.0)
+    sums = [float(m.loss_sum) for m in layers]
+    assert min(sums) > 1e-4, sums
+    logged = dsa.iteration_indexer_loss([model], 1, 1, 1, torch.device("cpu"))
+    assert logged == pytest.approx(sum(sums) / 2, rel=1e-12)  # 3 layers' losses over the decoder's 2
+    assert grad.abs().sum() > 0
+    torch.testing.assert_close(step(1.0, 0.25)[2], grad, rtol=0, atol=0)  # not scaled by the MTP factor
+    torch.testing.assert_close(step(2.0, 1.0)[2], 2 * grad, rtol=1e-6, atol=0)  # by the loss scale
+
+
 # -- --pipeline-model-parallel-layout ------------------------------------------------------------------
 def test_layout_parses_megatron_strings_into_stage_layers():
     assert parse_stages("E(tt|)*2tL") == ["Ett", "tt", "tL"]
