@@ -14,24 +14,33 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
+class _RestoreTracker:
+    """Puts the tracker's states saved at the region's forward in place while the region is
+    recomputed, and back after. A class, not a generator: torch.utils.checkpoint enters one
+    recompute context each time the region is recomputed, which can be more than once (a nested
+    region inside, e.g. DSA's per-chunk recompute under full recompute), and a
+    contextlib.contextmanager instance can be entered only once."""
+
+    def __init__(self, rng_tracker, saved):
+        self.rng_tracker, self.saved, self.outer = rng_tracker, saved, []
+
+    def __enter__(self):
+        if self.saved is not None:
+            self.outer.append(self.rng_tracker.get_states())
+            self.rng_tracker.set_states(self.saved)
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.rng_tracker.set_states(self.outer.pop())
+        return False
+
+
 @torch.compiler.disable  # Dynamo's checkpoint cannot take a context_fn: run the region eagerly under --compile
 def recompute(fn, *args, rng_tracker=None):
     def context_fn():
         saved = rng_tracker.get_states() if rng_tracker is not None else None
-
-        @contextlib.contextmanager
-        def restore():
-            if saved is None:
-                yield
-                return
-            current = rng_tracker.get_states()
-            rng_tracker.set_states(saved)
-            try:
-                yield
-            finally:
-                rng_tracker.set_states(current)
-
-        return contextlib.nullcontext(), restore()
+        return contextlib.nullcontext(), _RestoreTracker(rng_tracker, saved)
 
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn)
 

@@ -16,7 +16,8 @@ layer (sigmoid top-2 of 4, expert bias, shared expert); layouts PP 2, ZeRO-2 wit
 EP 2 (alltoall) under ZeRO-3, CP 2 and TP 2 + SP x CP 2 (the keys and index keys gathered; top-6 of 32
 ties often at the ReLU's 0). The same with DeepSeek-V3.2's multi-token prediction (--mtp-num-layers 1:
 an MLA + DSA layer, MoE, whose indexer's loss counts in the logged one as Megatron-LM counts it) on
-TP 2 with SP (the indexer duplicated, its target summed over TP) and PP 2 (MTP on the last stage).
+TP 2 with SP (the indexer duplicated, its target summed over TP) and PP 2 with full recompute (MTP on
+the last stage).
 Compared per iteration: lm loss, the MTP loss, the DSA indexer loss and the gradient norm (rtol 1e-5);
 every parameter after the last step, by global name (atol 1e-5). Cost: three references (built when a
 layout first needs one), 13 layouts; alone on the shared 2 cores ~50 s, of which the four CP layouts
@@ -77,9 +78,11 @@ LAYOUTS = {  # id: (model, processes, flags)
     "dsa-tp2-sp-cp2": ("dsa", 4, TP2_SP + CP2),
     # DeepSeek-V3.2's MTP (--mtp-num-layers 1): its module's layer MLA + DSA (MoE, as the last layer), its
     # indexer trained and its loss in the logged one. TP 2 + SP with MTP stands for the DSA model's TP 2 + SP
-    # (the decoder's layers run the same); PP 2 puts the MTP module on the last stage
+    # (the decoder's layers run the same); PP 2 puts the MTP module on the last stage, under full recompute
+    # (the region recomputed with DSA's own per-chunk recompute inside; the indexer loss logged once)
     "dsa-mtp-tp2-sp": ("dsa_mtp", 2, TP2_SP),
-    "dsa-mtp-pp2": ("dsa_mtp", 2, ["--pipeline-model-parallel-size", "2"]),
+    "dsa-mtp-pp2-full-recompute": ("dsa_mtp", 2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity",
+                                                  "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
 }
 RTOL = {"qwen3_next": {"lm_loss": 1e-5, "grad_norm": 1e-5},
         "dsa": {"lm_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5},
