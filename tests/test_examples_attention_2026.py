@@ -37,7 +37,7 @@ def test_gated_delta_net_scripts_validate(script, experts):
 
 def test_deepseek_v32_script_validates():
     m = _flags("deepseek_v32/deepseek_v32_cpu.sh")
-    assert m.dsa and m.multi_latent_attention and m.q_lora_rank == 48 and not m.mtp_num_layers
+    assert m.dsa and m.multi_latent_attention and m.q_lora_rank == 48 and m.mtp_num_layers == 1
     assert (m.dsa_indexer_n_heads, m.dsa_indexer_head_dim, m.dsa_indexer_topk, m.dsa_indexer_loss_coeff) == \
         (4, 16, 32, 0.01)
     assert m.moe_router_score_function == "sigmoid" and m.num_experts == 8

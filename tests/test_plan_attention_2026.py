@@ -59,7 +59,8 @@ def test_plan_counts_the_built_model(model, pp):
     ("dsa", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("qwen3_next", 2, ["--context-parallel-size", "2"]),
     ("dsa", 2, ["--context-parallel-size", "2"]),
-], ids=["deltanet-tp2-sp", "deltanet-selective", "deltanet-bf16", "dsa-tp2-sp", "deltanet-cp2", "dsa-cp2"])
+    ("dsa", 2, ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1"]),
+], ids=["deltanet-tp2-sp", "deltanet-selective", "deltanet-bf16", "dsa-tp2-sp", "deltanet-cp2", "dsa-cp2", "dsa-mtp-pp2"])
 def test_plan_matches_the_dry_run(model, world, flags):
     """Parameter, gradient and optimizer bytes exactly; activations within 10%."""
     argv = {"qwen3_next": QWEN3_NEXT_DENSE, "dsa": DSA}[model] + flags + ["--world-size", str(world)]
