@@ -2,7 +2,8 @@
 shaped hybrid's and a DSA model's parameters per pipeline stage are the built model's, the dry run
 (the model on the meta device, its saved activations measured) agrees with the plan's bytes, and
 MFU's FLOPs count a DeltaNet layer's and DSA's own work; under CP 2 the dry run agrees too, the DeltaNet
-keeps half per rank and DSA stays linear in the sequence. Cost: ~10 s alone (the CP checks ~4 s of it)."""
+keeps half per rank and DSA stays linear in the sequence; a DSA model with an MTP module (its layer MLA +
+DSA) on PP 2 agrees too. Cost: ~11 s alone (the CP checks ~4 s of it, DSA + MTP ~1 s)."""
 import importlib.util
 import os
 
