@@ -20,8 +20,8 @@ TP 2 with SP (the indexer duplicated, its target summed over TP) and PP 2 with f
 the last stage).
 Compared per iteration: lm loss, the MTP loss, the DSA indexer loss and the gradient norm (rtol 1e-5);
 every parameter after the last step, by global name (atol 1e-5). Cost: three references (built when a
-layout first needs one), 13 layouts; alone on the shared 2 cores ~50 s, of which the four CP layouts
-~20 s (the 4-rank ones ~12 s and ~5 s) and MTP's reference and two layouts ~11 s.
+layout first needs one), 13 layouts; alone on the shared 2 cores ~47 s, of which the four CP layouts
+~18 s (the 4-rank ones ~10 s and ~4 s) and MTP's reference and two layouts ~7 s.
 """
 import pytest
 
