@@ -64,6 +64,8 @@ LAYOUTS = {  # id: (model, processes, flags)
     "qwen3-next-cp2-a2a-p2p": ("qwen3_next", 2, CP2 + ["--cp-comm-type", "allgather", "a2a", "allgather", "p2p"]),
     "qwen3-next-tp2-sp-cp2-allgather-a2a+p2p": ("qwen3_next", 4, TP2_SP + CP2 + [
         "--cp-comm-type", "a2a", "allgather", "a2a", "a2a+p2p", "--hierarchical-context-parallel-sizes", "1", "2"]),
+    # multi-token prediction on the hybrid: its module's layer is gated softmax attention with the MoE MLP
+    "qwen3-next-mtp-tp2-sp": ("qwen3_next_mtp", 2, TP2_SP),
     "dsa-tp2-sp": ("dsa", 2, TP2_SP),
     "dsa-pp2": ("dsa", 2, ["--pipeline-model-parallel-size", "2"]),
     "dsa-zero2-selective": ("dsa", 2, ["--data-parallel-sharding-strategy", "optim_grads",
@@ -75,8 +77,9 @@ LAYOUTS = {  # id: (model, processes, flags)
     "dsa-tp2-sp-cp2": ("dsa", 4, TP2_SP + CP2),
 }
 RTOL = {"qwen3_next": {"lm_loss": 1e-5, "grad_norm": 1e-5},
+        "qwen3_next_mtp": {"lm_loss": 1e-5, "mtp_1_loss": 1e-5, "grad_norm": 1e-5},
         "dsa": {"lm_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5}}
-FLAGS = {"qwen3_next": QWEN3_NEXT, "dsa": DSA}
+FLAGS = {"qwen3_next": QWEN3_NEXT, "qwen3_next_mtp": QWEN3_NEXT + ["--mtp-num-layers", "1"], "dsa": DSA}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +90,10 @@ def references(corpus, tmp_path_factory):
         assert_loss_falls(train_losses(ref.records), 0.3)
         refs[name] = ref
     assert any(n.endswith("self_attention.A_log") for n in refs["qwen3_next"].params)
+    # the MTP module's layer: gated softmax attention with the MoE MLP
+    assert any(n.startswith("mtp.layers.0.transformer_layer.self_attention.linear_qkv")
+               for n in refs["qwen3_next_mtp"].params)
+    assert_loss_falls(per_iteration(refs["qwen3_next_mtp"].records, "mtp_1_loss"), 0.3)
     assert any(n.endswith("indexer.linear_wk.weight") for n in refs["dsa"].params)
     indexer = per_iteration(refs["dsa"].records, "dsa_indexer_loss")
     print("DSA indexer loss per iteration:", indexer)
