@@ -1,6 +1,6 @@
 """What the Hugging Face conversion tests share: tools/checkpoint/convert.py loaded as a module (it
 is a script, not a package member), a conversion run through its main(), and an exported
-checkpoint's tensors."""
+checkpoint's tensors, and a model's MTP loss."""
 import importlib.util
 import os
 
@@ -26,3 +26,19 @@ def safetensors_of(directory) -> dict:
     """The tensors of a one-file Hugging Face checkpoint."""
     from safetensors.torch import load_file
     return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def mtp_loss(model, tokens):
+    """MTP module 1's mean cross entropy (training forward, the loss falling on every position that
+    has a target two tokens on) and its hidden states [s, b, h]."""
+    import torch
+    b, s = tokens.size(0), tokens.size(1) - 1
+    model.train()
+    captured = []
+    handle = model.mtp.layers[0].register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
+    with torch.no_grad():
+        model(tokens[:, :-1], torch.arange(s).expand(b, s), labels=tokens[:, 1:], loss_mask=torch.ones(b, s))
+    handle.remove()
+    (loss_sum, count, _), = model.mtp_results
+    assert count == b * (s - 1)
+    return (loss_sum / count).item(), captured[0]

@@ -12,7 +12,7 @@ import shlex
 import pytest
 import torch
 
-from hf_helpers import convert_tool, run_convert, safetensors_of
+from hf_helpers import convert_tool, mtp_loss, run_convert, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3ForCausalLM"):
@@ -154,21 +154,6 @@ MTP_MOE = [("transformer_layer.mlp.router.weight", "mlp.gate.weight"),
            ("transformer_layer.mlp.experts.local_experts.1.linear_fc2.weight", "mlp.experts.1.down_proj.weight")]
 
 
-def _mtp_loss(model, tokens):
-    """Module 1's mean cross entropy (training forward, the loss falling on every position that has a
-    target two tokens on) and its hidden states [s, b, h]."""
-    b, s = tokens.size(0), tokens.size(1) - 1
-    model.train()
-    captured = []
-    handle = model.mtp.layers[0].register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
-    with torch.no_grad():
-        model(tokens[:, :-1], torch.arange(s).expand(b, s), labels=tokens[:, 1:], loss_mask=torch.ones(b, s))
-    handle.remove()
-    (loss_sum, count, _), = model.mtp_results
-    assert count == b * (s - 1)
-    return (loss_sum / count).item(), captured[0]
-
-
 def _transformers_mtp(hf_dir, hf, tokens):
     """The same through transformers' own MTP module (modeling_layers.MtpModel, which speculative
     decoding loads from the checkpoint's layers past the last): loss and hidden states [b, s-1, h]."""
@@ -207,7 +192,7 @@ def test_megalite_mla_exports_with_equal_logits_and_imports_back(case, tmp_path,
     assert torch.equal(exported["model.layers.3.embed_tokens.weight"], a["embedding.word_embeddings.weight"])
     assert torch.equal(exported["model.layers.3.shared_head.head.weight"], head)
     tokens = _ids(2, 41)
-    ours, ours_h = _mtp_loss(load_model(ck)[0], tokens)
+    ours, ours_h = mtp_loss(load_model(ck)[0], tokens)
     if moe:  # MtpModel builds an MTP layer as MoE always (DeepSeek-V3's is)
         theirs, theirs_h = _transformers_mtp(hf_dir, hf, tokens)
         h_diff = (ours_h.transpose(0, 1)[:, :-1] - theirs_h).abs().max().item()
@@ -220,7 +205,7 @@ def test_megalite_mla_exports_with_equal_logits_and_imports_back(case, tmp_path,
     meta_b, b = load_full_state_dict(back)
     assert meta_b["model_config"]["mtp_num_layers"] == 1
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
-    assert _mtp_loss(load_model(back)[0], tokens)[0] == ours
+    assert mtp_loss(load_model(back)[0], tokens)[0] == ours
     if moe:  # an MTP module whose copy of the embedding is not the embedding: refused, not dropped
         exported["model.layers.3.embed_tokens.weight"] = exported["model.layers.3.embed_tokens.weight"] + 1
         from safetensors.torch import save_file
