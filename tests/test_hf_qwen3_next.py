@@ -23,7 +23,7 @@ if not all(hasattr(transformers, n) for n in ("Qwen3NextForCausalLM", "Qwen3_5Fo
     pytest.skip("transformers without Qwen3-Next / Qwen3.5", allow_module_level=True)
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from megalite.checkpoint.offline import save_full_state_dict  # noqa: E402
+from megalite.checkpoint.offline import load_full_state_dict, save_full_state_dict  # noqa: E402
 from megalite.config import RunConfig  # noqa: E402
 from megalite.generation import generate, load_model, next_token_logits  # noqa: E402
 from megalite.model import GPTConfig, GPTModel  # noqa: E402
@@ -146,6 +146,13 @@ def test_released_mtp_module_imports_with_the_reference_loss_and_exports_back(tm
     assert all(torch.equal(original[k], exported[k]) for k in original)
     with open(os.path.join(back, "config.json")) as f:
         assert json.load(f)["mtp_num_hidden_layers"] == 1
+    # an MTP layer without the experts the last decoder layer has: refused, not half imported
+    from safetensors.torch import save_file
+    save_file({k: v for k, v in exported.items() if not k.startswith("mtp.layers.0.mlp.")},
+              os.path.join(back, "model.safetensors"), metadata={"format": "pt"})
+    assert convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir", back,
+                         "--save-dir", str(tmp_path / "bad")]) == 2
+    assert "MTP layer 0 without experts, unlike the last decoder layer" in capsys.readouterr().err
 
 
 def _ids(seed=0, seq=40):
@@ -199,7 +206,8 @@ def test_imports_with_equal_logits_exports_back_and_generates_the_same(case, tmp
     assert type(loaded).__name__ == cls
 
 
-def _megalite_model(root, **kw):
+def _megalite_model(root, share_mtp_fc=False, **kw):
+    """A random megalite model saved; `share_mtp_fc`: every MTP module with module 0's fc and norms."""
     base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
                 kv_channels=8, vocab_size=VOCAB, padded_vocab_size=128, seq_length=64, max_position_embeddings=64,
                 hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1, position_embedding_type="rope",
@@ -217,6 +225,9 @@ def _megalite_model(root, **kw):
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if name in state:  # (tied: no output layer)
             state[name] = state[name][:VOCAB]
+    for k in range(1, (config.mtp_num_layers or 0) * share_mtp_fc):
+        for part in ("enorm", "hnorm", "eh_proj", "final_layernorm"):
+            state[f"mtp.layers.{k}.{part}.weight"] = state[f"mtp.layers.0.{part}.weight"]
     save_full_state_dict(str(root), state, config.to_dict(), RunConfig().to_dict())
     return str(root)
 
@@ -247,3 +258,24 @@ def test_megalite_model_exports_with_equal_logits_and_imports_back(case, tmp_pat
     for name, p in back.global_named_parameters():
         want = mine[name] - shift if name.endswith("norm.weight") else mine[name]
         assert torch.allclose(p, want, atol=1e-6, rtol=0), name
+
+
+def test_two_mtp_modules_share_the_fc_both_ways(tmp_path, capsys):
+    """Qwen3-Next's D MTP layers share one fc and its norms: two modules with their own are refused;
+    with the same ones they export once and import back into both modules exactly."""
+    ck = _megalite_model(tmp_path / "ck", apply_layernorm_1p=True, mtp_num_layers=2)
+    assert convert.main(["--model-type", "GPT", "--loader", "megalite", "--saver", "hf", "--load-dir", ck,
+                         "--save-dir", str(tmp_path / "hf"), "--no-tokenizer"]) == 2
+    assert "MTP module 1's mtp.pre_fc_norm_embedding.weight differs from module 0's" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "hf")
+    ck = _megalite_model(tmp_path / "shared", share_mtp_fc=True, apply_layernorm_1p=True, mtp_num_layers=2)
+    out = run_convert(convert, "megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
+    assert {k for k in safetensors_of(out) if k.startswith("mtp.") and ".layers." not in k} == {
+        "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"}
+    (meta, a), (meta_b, b) = load_full_state_dict(ck), load_full_state_dict(
+        run_convert(convert, "hf", "megalite", out, tmp_path / "back"))
+    assert meta_b["model_config"]["mtp_num_layers"] == 2
+    assert sorted(a) == sorted(b)
+    # (exact but for the DeltaNet's plain out_norm, stored w + 1 there: fp32 rounding of w + 1 - 1)
+    assert [n for n in a if not torch.equal(a[n], b[n]) and not n.endswith("out_norm.weight")] == []
+    assert all(torch.allclose(a[n], b[n], atol=1e-6, rtol=0) for n in a)
