@@ -272,7 +272,7 @@ def test_two_mtp_modules_share_the_fc_both_ways(tmp_path, capsys):
     out = run_convert(convert, "megalite", "hf", ck, tmp_path / "hf", "--no-tokenizer")
     assert {k for k in safetensors_of(out) if k.startswith("mtp.") and ".layers." not in k} == {
         "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"}
-    (meta, a), (meta_b, b) = load_full_state_dict(ck), load_full_state_dict(
+    (_, a), (meta_b, b) = load_full_state_dict(ck), load_full_state_dict(
         run_convert(convert, "hf", "megalite", out, tmp_path / "back"))
     assert meta_b["model_config"]["mtp_num_layers"] == 2
     assert sorted(a) == sorted(b)

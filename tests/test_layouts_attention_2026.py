@@ -15,9 +15,11 @@ the 32 keys (so the sparse choice matters), --dsa-indexer-loss-coeff 0.1, DeepSe
 layer (sigmoid top-2 of 4, expert bias, shared expert); layouts TP 2 with SP (the indexer duplicated, its
 target summed over TP), PP 2, ZeRO-2 with selective recompute, EP 2 (alltoall) under ZeRO-3, CP 2 and
 TP 2 + SP x CP 2 (the keys and index keys gathered; top-6 of 32 ties often at the ReLU's 0).
-Compared per iteration: lm loss, the DSA indexer loss and the gradient norm (rtol 1e-5); every
-parameter after the last step, by global name (atol 1e-5). Cost: two references, 12 layouts; alone on
-the shared 2 cores ~45 s, of which the four CP layouts ~20 s (the 4-rank ones ~12 s and ~5 s).
+Qwen3-Next with one MTP module (--mtp-num-layers 1: its layer gated softmax attention with the MoE MLP)
+on TP 2 with SP, its MTP loss compared too.
+Compared per iteration: lm loss, the DSA indexer loss, the MTP loss and the gradient norm (rtol 1e-5);
+every parameter after the last step, by global name (atol 1e-5). Cost: three references, 13 layouts; alone
+on the shared 2 cores ~55 s, of which the four CP layouts ~20 s and the MTP reference and layout ~9 s.
 """
 import pytest
 
