@@ -18,10 +18,12 @@ ties often at the ReLU's 0). The same with DeepSeek-V3.2's multi-token predictio
 an MLA + DSA layer, MoE, whose indexer's loss counts in the logged one as Megatron-LM counts it) on
 TP 2 with SP (the indexer duplicated, its target summed over TP) and PP 2 with full recompute (MTP on
 the last stage).
-Compared per iteration: lm loss, the MTP loss, the DSA indexer loss and the gradient norm (rtol 1e-5);
-every parameter after the last step, by global name (atol 1e-5). Cost: three references (built when a
-layout first needs one), 13 layouts; alone on the shared 2 cores ~47 s, of which the four CP layouts
-~18 s (the 4-rank ones ~10 s and ~4 s) and MTP's reference and two layouts ~7 s.
+Qwen3-Next with one MTP module (--mtp-num-layers 1: its layer gated softmax attention with the MoE MLP)
+on TP 2 with SP, its MTP loss compared too.
+Compared per iteration: lm loss, the DSA indexer loss, the MTP loss and the gradient norm (rtol 1e-5);
+every parameter after the last step, by global name (atol 1e-5). Cost: four references (each built when a
+layout first needs it), 14 layouts; alone on the shared 2 cores ~52 s, of which the four CP layouts ~20 s,
+Qwen3-Next's MTP reference and layout ~9 s and DeepSeek-V3.2's MTP reference and two layouts ~7 s.
 """
 import pytest
 
@@ -68,6 +70,8 @@ LAYOUTS = {  # id: (model, processes, flags)
     "qwen3-next-cp2-a2a-p2p": ("qwen3_next", 2, CP2 + ["--cp-comm-type", "allgather", "a2a", "allgather", "p2p"]),
     "qwen3-next-tp2-sp-cp2-allgather-a2a+p2p": ("qwen3_next", 4, TP2_SP + CP2 + [
         "--cp-comm-type", "a2a", "allgather", "a2a", "a2a+p2p", "--hierarchical-context-parallel-sizes", "1", "2"]),
+    # multi-token prediction on the hybrid: its module's layer is gated softmax attention with the MoE MLP
+    "qwen3-next-mtp-tp2-sp": ("qwen3_next_mtp", 2, TP2_SP),
     "dsa-pp2": ("dsa", 2, ["--pipeline-model-parallel-size", "2"]),
     "dsa-zero2-selective": ("dsa", 2, ["--data-parallel-sharding-strategy", "optim_grads",
                                        "--recompute-granularity", "selective"]),
@@ -85,9 +89,11 @@ LAYOUTS = {  # id: (model, processes, flags)
                                                   "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
 }
 RTOL = {"qwen3_next": {"lm_loss": 1e-5, "grad_norm": 1e-5},
+        "qwen3_next_mtp": {"lm_loss": 1e-5, "mtp_1_loss": 1e-5, "grad_norm": 1e-5},
         "dsa": {"lm_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5},
         "dsa_mtp": {"lm_loss": 1e-5, "mtp_1_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5}}
-FLAGS = {"qwen3_next": QWEN3_NEXT, "dsa": DSA, "dsa_mtp": DSA + ["--mtp-num-layers", "1"]}
+FLAGS = {"qwen3_next": QWEN3_NEXT, "qwen3_next_mtp": QWEN3_NEXT + ["--mtp-num-layers", "1"], "dsa": DSA,
+         "dsa_mtp": DSA + ["--mtp-num-layers", "1"]}
 
 
 def _reference(name, corpus, tmp_path_factory):
@@ -95,6 +101,10 @@ def _reference(name, corpus, tmp_path_factory):
     assert_loss_falls(train_losses(ref.records), 0.3)
     if name == "qwen3_next":
         assert any(n.endswith("self_attention.A_log") for n in ref.params)
+        return ref
+    if name == "qwen3_next_mtp":  # the MTP module's layer: gated softmax attention with the MoE MLP
+        assert any(n.startswith("mtp.layers.0.transformer_layer.self_attention.linear_qkv") for n in ref.params)
+        assert_loss_falls(per_iteration(ref.records, "mtp_1_loss"), 0.3)
         return ref
     assert any(n.endswith("indexer.linear_wk.weight") for n in ref.params)
     indexer = per_iteration(ref.records, "dsa_indexer_loss")

@@ -35,12 +35,15 @@ DSA = COMMON + ["--num-layers", "2", "--multi-latent-attention", "--q-lora-rank"
                 "16", "--dsa-indexer-topk", "16", "--dsa-indexer-loss-coeff", "0.01"]
 
 
-@pytest.mark.parametrize("model", ["qwen3_next", "dsa"])
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_next_mtp", "dsa"])
 @pytest.mark.parametrize("pp", [1, 2])
 def test_plan_counts_the_built_model(model, pp):
     from megalite.parallel_state import stage_layers
     from megalite.planning.memory import stage_params, total_params
-    argv = {"qwen3_next": QWEN3_NEXT, "dsa": DSA}[model]
+    # with MTP after a DeltaNet last layer: the MTP layer is gated softmax attention with the MoE MLP
+    mtp = [a if a != "2" or i != QWEN3_NEXT.index("--linear-attention-freq") + 1 else "[1,0,1,1]"
+           for i, a in enumerate(QWEN3_NEXT)] + ["--mtp-num-layers", "1"]
+    argv = {"qwen3_next": QWEN3_NEXT, "qwen3_next_mtp": mtp, "dsa": DSA}[model]
     c, _ = plan.parse(argv + ["--pipeline-model-parallel-size", str(pp), "--world-size", str(pp)])
     built = []
     for r in range(pp):

@@ -11,6 +11,8 @@
 #   bash examples/qwen3_next/qwen3_next_cpu.sh
 #   DRY_RUN=1 bash examples/qwen3_next/qwen3_next_cpu.sh          # print the command (for tools/plan.py)
 #   MOE_LAYER_FREQ='[1]*8' bash examples/qwen3_next/qwen3_next_cpu.sh   # (the default: every layer MoE)
+#   MTP_NUM_LAYERS=1 bash examples/qwen3_next/qwen3_next_cpu.sh   # with Qwen3-Next's MTP module (a gated
+#                                                                  # softmax-attention layer; exports as mtp.*)
 # Its checkpoints convert to Hugging Face's Qwen3NextForCausalLM with tools/checkpoint/convert.py
 # (--saver hf; --hf-architecture qwen3_5_moe_text for Qwen3_5MoeForCausalLM, examples/qwen3_next/
 # qwen3_5_moe_cpu.sh). Every size can be set from the environment (examples/common.sh lists the shared ones).
@@ -30,6 +32,7 @@ LINEAR_ATTENTION_FREQ=${LINEAR_ATTENTION_FREQ:-4}
 NUM_EXPERTS=${NUM_EXPERTS:-8}
 MOE_LAYER_FREQ=${MOE_LAYER_FREQ:-1}
 TP=${TP:-2}
+MTP_NUM_LAYERS=${MTP_NUM_LAYERS:-}   # empty: no multi-token prediction
 
 MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-8}
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-16}
@@ -47,6 +50,10 @@ if [ "$NUM_EXPERTS" != "0" ]; then
     MOE_ARGS=(--num-experts "$NUM_EXPERTS" --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq "$MOE_LAYER_FREQ"
               --moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate --moe-aux-loss-coeff 1e-3)
 fi
+MTP_ARGS=()
+if [ -n "$MTP_NUM_LAYERS" ]; then
+    MTP_ARGS=(--mtp-num-layers "$MTP_NUM_LAYERS")
+fi
 QWEN3_NEXT_ARGS=(
     --tensor-model-parallel-size "$TP" --sequence-parallel
     --position-embedding-type rope --rotary-percent 0.25 --rotary-base 10000
@@ -56,6 +63,6 @@ QWEN3_NEXT_ARGS=(
     --experimental-attention-variant gated_delta_net --linear-attention-freq "$LINEAR_ATTENTION_FREQ"
     --linear-conv-kernel-dim 4 --linear-key-head-dim 16 --linear-value-head-dim 16
     --linear-num-key-heads 2 --linear-num-value-heads 4
-    "${MOE_ARGS[@]}"
+    "${MOE_ARGS[@]}" "${MTP_ARGS[@]}"
 )
 launch "${QWEN3_NEXT_ARGS[@]}" "$@"

@@ -44,7 +44,8 @@ def hf_architecture(cfg: dict, prefer: str | None = None) -> str:
     heads, groups = cfg["num_attention_heads"], cfg.get("num_query_groups") or cfg["num_attention_heads"]
     if cfg.get("mtp_num_layers") and not cfg.get("multi_latent_attention"):
         refuse(f"--mtp-num-layers {cfg['mtp_num_layers']} without --multi-latent-attention",
-               "every export but DeepseekV3ForCausalLM's and DeepseekV32ForCausalLM's (the ones here that store MTP modules)")
+               "every export but DeepseekV3ForCausalLM's and DeepseekV32ForCausalLM's (the MLA ones here that store "
+               "MTP modules)")
     if is_gpt_oss(cfg):  # sinks, sliding windows, the clamped GLU: gpt_oss.py
         return gpt_oss_architecture(cfg, refuse)
     # the attention and MLP variants (docs/models.md) without a mapping yet: none of the classes below has them

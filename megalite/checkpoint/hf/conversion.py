@@ -52,7 +52,7 @@ from .config import (HF_CLASSES, ConversionError, config_from_hf, hf_architectur
 from .deepseek import deepseek_mtp_depth, deepseek_state, deepseek_tensors
 from .moe import moe_mlp_rules, moe_pattern, moe_prefix
 from .deepseek_v32 import deepseek_v32_state, deepseek_v32_tensors
-from .qwen3_next import QWEN3_NEXT_CLASSES, qwen3_next_state, qwen3_next_tensors
+from .qwen3_next import QWEN3_NEXT_CLASSES, qwen3_next_mtp_depth, qwen3_next_state, qwen3_next_tensors
 from .tables import Rule, export_tensors, glu, import_tensors, mapped, same, transposed, under
 from .tokenizer import export_tokenizer, has_tokenizer_files, special_ids
 
@@ -215,7 +215,10 @@ def to_hf(meta: dict, state: dict[str, torch.Tensor], out_dir: str, tokenizer=No
         # zero-centred norm weights (w - 1): Hugging Face stores w itself (Qwen3-Next's tables say their own)
         state = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in state.items()}
     if arch in QWEN3_NEXT_CLASSES:
-        tensors = qwen3_next_tensors(cfg, state, arch)
+        try:
+            tensors = qwen3_next_tensors(cfg, state, arch)
+        except ValueError as e:
+            raise ConversionError(f"cannot export to Hugging Face: {e}") from None
     else:
         tensors = {"gpt2": _gpt2_tensors, "deepseek_v3": deepseek_tensors, "deepseek_v32": deepseek_v32_tensors}.get(
             arch, lambda c, s: _llama_tensors(c, s, arch))(cfg, state)
@@ -353,6 +356,8 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     hf = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in hf.items() if not _HF_BUFFERS.search(k)}
     if hf_cfg.model_type in ("deepseek_v3", "deepseek_v32"):  # their MTP modules, stored as layers past the last
         cfg["mtp_num_layers"] = deepseek_mtp_depth(hf_cfg, hf, lambda what: _refuse_import(in_dir, what))
+    elif hf_cfg.model_type in QWEN3_NEXT_CLASSES:  # its MTP modules, under mtp.*
+        cfg["mtp_num_layers"] = qwen3_next_mtp_depth(cfg, raw, hf, lambda what: _refuse_import(in_dir, what))
     try:
         state = (_gpt2_state(cfg, hf) if prefix == "transformer." else deepseek_state(cfg, hf, lm_head)
                  if hf_cfg.model_type == "deepseek_v3" else deepseek_v32_state(cfg, hf, lm_head)

@@ -21,6 +21,21 @@ over the partial_rotary_factor channels (--rotary-percent). Qwen3-Next's routers
 top-k probabilities when norm_topk_prob (megalite's default) and not otherwise
 (--moe-router-pre-softmax); Qwen3.5-MoE's always do and have no dense layers, so an MoE model
 exports as Qwen3-Next unless --hf-architecture qwen3_5_moe_text asks for Qwen3.5-MoE.
+
+Multi-token prediction (model/mtp.py, --mtp-num-layers D): the released checkpoints carry it under
+`mtp.*` (transformers' classes skip it: `_keys_to_ignore_on_load_unexpected`; vLLM's
+qwen3_next_mtp.py / qwen3_5_mtp.py compute it), D = the config's mtp_num_hidden_layers:
+
+    megalite (mtp.layers.{k}.)          Hugging Face
+    enorm / hnorm                       mtp.pre_fc_norm_embedding / mtp.pre_fc_norm_hidden
+    eh_proj [h, 2h]                     mtp.fc  (input [norm(emb); norm(h)] on both sides)
+    final_layernorm                     mtp.norm
+    transformer_layer.*                 mtp.layers.{k}.*  (a full_attention decoder layer, the MLP
+                                                           MoE exactly when the last layer's is)
+
+all norms zero-centred (1 + w). vLLM shares one fc and its three norms among its D layers, and the
+embedding and output layer with the main model (mtp_use_dedicated_embeddings false): on import each
+megalite module gets a copy of them; on export D > 1 modules must hold equal ones.
 """
 from __future__ import annotations
 
@@ -101,6 +116,8 @@ def qwen3_next_hf_config(cfg: dict, arch: str, common: dict, transformers_class)
                   shared_expert_intermediate_size=cfg["moe_shared_expert_intermediate_size"],
                   num_experts_per_tok=cfg["moe_router_topk"], num_experts=cfg["num_experts"],
                   output_router_logits=False)
+    if cfg.get("mtp_num_layers"):  # (config.json only: transformers' classes skip mtp.*)
+        kw.update(mtp_num_hidden_layers=cfg["mtp_num_layers"], mtp_use_dedicated_embeddings=False)
     if arch == "qwen3_next":
         kw.update(decoder_sparse_step=1, norm_topk_prob=not cfg.get("moe_router_pre_softmax"),
                   mlp_only_layers=[i for i, moe in enumerate(moe_pattern(cfg)) if not moe])
@@ -160,6 +177,8 @@ def qwen3_next_flags(cfg: dict) -> list:
     for key in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                 "linear_num_value_heads"):
         flags += ["--" + key.replace("_", "-"), cfg[key]]
+    if cfg.get("mtp_num_layers"):
+        flags += ["--mtp-num-layers", cfg["mtp_num_layers"]]
     return flags + ["--attention-output-gate"] * bool(cfg.get("attention_output_gate")) + \
         ["--apply-layernorm-1p"] * bool(cfg.get("apply_layernorm_1p"))
 
@@ -253,10 +272,11 @@ def _mlp_rules(cfg: dict, moe: bool) -> list[Rule]:
 
 
 def layer_rules(cfg: dict, arch: str, i: int, moe: bool) -> list[Rule]:
+    """Decoder layer i's table; i >= num_layers: an MTP module's layer (full attention)."""
     centred, _ = _norms(cfg)
     rules = [centred("input_layernorm.weight", "input_layernorm.weight"),
              centred("pre_mlp_layernorm.weight", "post_attention_layernorm.weight")]
-    linear = linear_attention_pattern(cfg["linear_attention_freq"], cfg["num_layers"])[i]
+    linear = i < cfg["num_layers"] and linear_attention_pattern(cfg["linear_attention_freq"], cfg["num_layers"])[i]
     return rules + (_gdn_rules(cfg, arch) if linear else _attention_rules(cfg)) + _mlp_rules(cfg, moe)
 
 
@@ -266,29 +286,79 @@ def outer_rules(cfg: dict) -> list[Rule]:
             centred("decoder.final_layernorm.weight", "norm.weight")]
 
 
-def unfuse(cfg: dict, hf: dict, i: int) -> None:
-    """transformers 5's fused experts of layer i (in memory), per expert for the tables."""
+def mtp_rules(cfg: dict) -> list[Rule]:
+    """An MTP module's fc and norms: megalite's under mtp.layers.{k}., Hugging Face's under mtp."""
+    centred, _ = _norms(cfg)
+    return [centred("enorm.weight", "pre_fc_norm_embedding.weight"),
+            centred("hnorm.weight", "pre_fc_norm_hidden.weight"), same("eh_proj.weight", "fc.weight"),
+            centred("final_layernorm.weight", "norm.weight")]
+
+
+def unfuse(cfg: dict, hf: dict, prefix: str) -> None:
+    """transformers 5's fused experts of a layer (in memory), per expert for the tables."""
     if cfg.get("num_experts"):
-        unfuse_experts(hf, f"layers.{i}.mlp.", cfg["num_experts"], "gate_proj", "up_proj", "down_proj")
+        unfuse_experts(hf, prefix + "mlp.", cfg["num_experts"], "gate_proj", "up_proj", "down_proj")
 
 
 def qwen3_next_tensors(cfg: dict, state: dict, arch: str) -> dict:
-    """Hugging Face's tensors of a gated DeltaNet model (popped from megalite's `state`)."""
+    """Hugging Face's tensors of a gated DeltaNet model (popped from megalite's `state`), its MTP
+    modules under mtp.* (module docstring); ValueError for D > 1 modules with different fc or norms."""
     from .tables import export_tensors
     out = export_tensors(outer_rules(cfg), state, h="model.")
     if cfg["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = state.pop("output_layer.weight")
-    for i, moe in enumerate(moe_pattern(cfg)):
+    pattern, layers = moe_pattern(cfg), cfg["num_layers"]
+    for i, moe in enumerate(pattern):
         out.update(export_tensors(layer_rules(cfg, arch, i, moe), state, f"decoder.layers.{i}.", f"model.layers.{i}."))
+    for k in range(cfg.get("mtp_num_layers") or 0):
+        m = f"mtp.layers.{k}."
+        out.update(export_tensors(layer_rules(cfg, arch, layers + k, pattern[-1]), state, m + "transformer_layer.",
+                                  m))
+        shared = export_tensors(mtp_rules(cfg), state, m, "mtp.")
+        for name, t in shared.items():
+            if k and not torch.equal(t, out[name]):
+                raise ValueError(f"MTP module {k}'s {name} differs from module 0's (Qwen3-Next's MTP layers share "
+                                 "one fc and its norms)")
+            out[name] = t
     return out
 
 
+def qwen3_next_mtp_depth(cfg: dict, raw: dict, hf: dict, refuse) -> int | None:
+    """--mtp-num-layers of a Qwen3-Next / Qwen3.5 checkpoint (`raw`: its config.json, `hf`: its
+    tensors): mtp_num_hidden_layers when the mtp.* weights are there; none when none are (a model
+    transformers saved keeps the setting but not the weights)."""
+    if not any(k.startswith("mtp.") for k in hf):
+        return None
+    depth = raw.get("mtp_num_hidden_layers") or 0
+    if raw.get("mtp_use_dedicated_embeddings"):
+        refuse("mtp_use_dedicated_embeddings true (megalite's MTP shares the main model's embedding)")
+    if not depth:
+        refuse("mtp.* weights but no mtp_num_hidden_layers")
+    present = [k for k in range(depth) if f"mtp.layers.{k}.input_layernorm.weight" in hf]
+    if len(present) != depth:
+        refuse(f"mtp.* weights with mtp_num_hidden_layers {depth} but the layers of MTP modules {present} only")
+    last_moe = moe_pattern(cfg)[-1]
+    for k in present:  # megalite builds an MTP layer as the last decoder layer (config.is_moe_mtp_layer)
+        if (f"mtp.layers.{k}.mlp.gate.weight" in hf) != last_moe:
+            refuse(f"MTP layer {k} {'with' if not last_moe else 'without'} experts, unlike the last decoder layer "
+                   "(megalite's MTP layer is MoE exactly when that layer is)")
+    return depth
+
+
 def qwen3_next_state(cfg: dict, hf: dict, arch: str) -> dict:
-    """megalite's tensors of a Qwen3-Next / Qwen3.5 checkpoint (`hf`: "model." stripped), popped from it."""
+    """megalite's tensors of a Qwen3-Next / Qwen3.5 checkpoint (`hf`: "model." stripped), popped from it;
+    each MTP module a copy of the shared fc and norms."""
     from .tables import import_tensors
     out = import_tensors(outer_rules(cfg), hf)
-    for i, moe in enumerate(moe_pattern(cfg)):
+    pattern, layers, depth = moe_pattern(cfg), cfg["num_layers"], cfg.get("mtp_num_layers") or 0
+    for i, moe in enumerate(pattern + [pattern[-1]] * depth):
+        m, h = (f"decoder.layers.{i}.", f"layers.{i}.") if i < layers else \
+            (f"mtp.layers.{i - layers}.transformer_layer.", f"mtp.layers.{i - layers}.")
         if moe:
-            unfuse(cfg, hf, i)
-        out.update(import_tensors(layer_rules(cfg, arch, i, moe), hf, f"decoder.layers.{i}.", f"layers.{i}."))
+            unfuse(cfg, hf, h)
+        out.update(import_tensors(layer_rules(cfg, arch, i, moe), hf, m, h))
+    if depth:
+        shared = import_tensors(mtp_rules(cfg), hf, "mtp.layers.0.", "mtp.")
+        for k in range(depth):
+            out.update({n.replace("mtp.layers.0.", f"mtp.layers.{k}.", 1): t.clone() for n, t in shared.items()})
     return out
