@@ -46,7 +46,7 @@ from ..tensor_parallel.param_info import param_info
 from .attention import apply_rotary
 from .config import ExecutionConfig, GPTConfig
 from .moe.layer import AttachLoss
-from .moe.router import _first_training_pass
+from .moe.router import first_training_pass
 from .norm import Norm
 
 # the budget of one chunk's scores (fp32 elements): 16 Mi = 64 MiB
@@ -252,7 +252,7 @@ class DSAttention(nn.Module):
             # the mean over the whole sequence's queries: the CP ranks' parts add up to one process's
             loss = indexer_loss(iq, ik, iw, q, k, idx, q_pos, k_pos, scale, self.coeff, self.sparse_loss,
                                 self.tp_group, queries=q.size(0) * q.size(1) * cp)
-            if _first_training_pass():  # not full recompute's second forward, in backward: logged once
+            if first_training_pass():  # not full recompute's second forward, in backward: logged once
                 self.loss_sum = loss.detach() + (0 if self.loss_sum is None else self.loss_sum)
             out = AttachLoss.apply(out, loss, self.loss_scale)
         return out

@@ -257,7 +257,7 @@ def sinkhorn_routing(logits: torch.Tensor, k: int, training: bool):
     return weights.gather(1, indices), indices
 
 
-def _first_training_pass() -> bool:
+def first_training_pass() -> bool:
     """Whether this forward adds to the iteration's statistics (tokens per expert, logged losses):
     not under no_grad (evaluation), and not inside a backward pass, where activation recompute
     (non-reentrant torch.utils.checkpoint) runs the same forward a second time."""
@@ -317,7 +317,7 @@ class TopKRouter(nn.Module):
             capacity = math.ceil(x.size(0) * self.topk / self.num_experts * self.capacity_factor)
             kept = capacity_mask(probs.detach(), indices, self.num_experts, capacity, self.drop_policy)
             probs = probs * kept
-        if _first_training_pass():
+        if first_training_pass():
             with torch.no_grad():
                 routed = torch.zeros(x.size(0), self.num_experts, device=x.device)
                 routed.scatter_(1, indices, 1.0 if kept is None else kept.float())
@@ -341,11 +341,11 @@ class TopKRouter(nn.Module):
                     indices = torch.topk(scores, self.topk, dim=-1).indices
                 onehot = torch.zeros_like(scores).scatter_(1, indices, 1.0)
             total = self.balancing(scores, onehot, token_group, seq_shape, self.topk, self.aux_coeff)
-            if _first_training_pass():
+            if first_training_pass():
                 self.aux_loss_sum = total.detach() + (0 if self.aux_loss_sum is None else self.aux_loss_sum)
         if self.training and self.z_coeff:
             z = torch.logsumexp(logits, dim=-1).square().sum() * (self.z_coeff / (s_local * b * n))
-            if _first_training_pass():
+            if first_training_pass():
                 self.z_loss_sum = z.detach() + (0 if self.z_loss_sum is None else self.z_loss_sum)
             total = z if total is None else total + z
         return total
