@@ -249,3 +249,62 @@ def test_deepseek_export_refuses_what_it_cannot_express(kw, message):
     with pytest.raises(ConversionError, match=message.replace("[", r"\[").replace("]", r"\]")):
         hf_architecture(cfg)
 
+
+
+# -- the released checkpoints' FP8 weights ---------------------------------------------------------
+def _quantize_fp8(hf_dir, block):
+    """DeepSeek-V3's released form: every projection weight in FP8 e4m3 with one fp32 scale per
+    [block] tile (partial at the edges: 18 = kv_lora_rank + rope rows in tiles of 8), stored as
+    <name>.weight_scale_inv, and config.json's quantization_config. Returns the dequantized weights
+    by name, computed tile by tile (the reference). Routed experts stay unquantized: transformers
+    holds them fused in memory, under other names."""
+    import json
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(hf_dir, "model.safetensors")
+    tensors, reference = load_file(path), {}
+    for name in [k for k, t in tensors.items() if k.endswith("proj.weight") and t.dim() == 2 and ".experts." not in k]:
+        w = tensors[name].float()
+        q, deq = torch.empty(w.shape, dtype=torch.float8_e4m3fn), torch.empty_like(w)
+        scales = torch.empty(-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1]))
+        for i in range(0, w.shape[0], block[0]):
+            for j in range(0, w.shape[1], block[1]):
+                tile = w[i:i + block[0], j:j + block[1]]
+                scale = tile.abs().max() / 448.0  # e4m3's largest value
+                q[i:i + block[0], j:j + block[1]] = (tile / scale).to(torch.float8_e4m3fn)
+                deq[i:i + block[0], j:j + block[1]] = q[i:i + block[0], j:j + block[1]].float() * scale
+                scales[i // block[0], j // block[1]] = scale
+        tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"], reference[name] = q, scales, deq
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return reference
+
+
+def test_released_fp8_weights_import_dequantized(tmp_path, capsys):
+    """A block-scaled FP8 checkpoint imports with the logits of transformers' model holding the
+    dequantized weights (not the unquantized ones it started from: FP8 moved them), and an
+    unknown quantization is refused in one line."""
+    original = _hf_model(tmp_path / "hf", **HF_CASES["q-lora-yarn-groups"])
+    reference = _quantize_fp8(tmp_path / "hf", (8, 16))
+    ck = run_convert(convert, "hf", "megalite", tmp_path / "hf", tmp_path / "ck")
+    ids = _ids()
+    with torch.no_grad():
+        before = original(ids).logits.float()
+        original.load_state_dict(reference, strict=False)
+    assert _logit_diff(ck, original, ids) < 1
+    ours = next_token_logits(load_model(ck)[0], ids)
+    assert (ours - before).abs().max() > 100 * logits_atol(before)  # the quantization shows in the logits
+    import json
+    cfg = json.load(open(tmp_path / "hf" / "config.json"))
+    cfg["quantization_config"]["quant_method"] = "mxfp4"
+    json.dump(cfg, open(tmp_path / "hf" / "config.json", "w"))
+    capsys.readouterr()
+    assert convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megalite", "--load-dir",
+                         str(tmp_path / "hf"), "--save-dir", str(tmp_path / "ck2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error: --load-dir" in err[0] and "quant_method 'mxfp4'" in err[0], err
+    assert not os.path.exists(tmp_path / "ck2")

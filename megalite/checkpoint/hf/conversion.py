@@ -50,6 +50,7 @@ from ...model import pad_vocab_size
 from .config import (HF_CLASSES, ConversionError, config_from_hf, hf_architecture, hf_config, hf_rope, rope_from_hf,
                         update_json)
 from .deepseek import deepseek_mtp_depth, deepseek_state, deepseek_tensors
+from .dequantize import dequantize_weights
 from .moe import moe_mlp_rules, moe_pattern, moe_prefix
 from .deepseek_v32 import deepseek_v32_state, deepseek_v32_tensors
 from .qwen3_next import QWEN3_NEXT_CLASSES, qwen3_next_mtp_depth, qwen3_next_state, qwen3_next_tensors
@@ -349,7 +350,8 @@ def from_hf(in_dir: str) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     except (OSError, ValueError, KeyError) as e:  # transformers' ways of saying the config is unreadable
         raise ConversionError(f"--load-dir {in_dir}: config.json cannot be read ({type(e).__name__}: {e})") from None
     cfg = config_from_hf(hf_cfg, raw)
-    hf = read_safetensors(in_dir)
+    hf = dequantize_weights(read_safetensors(in_dir), raw.get("quantization_config"),
+                            lambda what: _refuse_import(in_dir, what))  # released FP8 checkpoints
     # GPT2LMHeadModel prefixes "transformer.", the others "model."; the original GPT-2 files have none
     prefix = "transformer." if cfg["position_embedding_type"] == "learned_absolute" else "model."
     lm_head = hf.pop("lm_head.weight", None)
