@@ -169,3 +169,49 @@ def test_gpt_oss_configs_megalite_cannot_compute_are_refused(kw, message, tmp_pa
     err = capsys.readouterr().err
     assert "cannot import gpt_oss model: " in err and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+# -- the released checkpoints' MXFP4 experts ---------------------------------------------------------
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _quantize_mxfp4(hf_dir):
+    """gpt-oss's released form: the experts' gate_up_proj and down_proj ([E, in, out] in memory) as
+    <name>_blocks [E, out, in / 32, 16] (two e2m1 codes a byte, low nibble first) and <name>_scales
+    [E, out, in / 32] (e8m0), each group of 32 scaled by the power of two that brings its largest
+    value to at most 6 and rounded to the nearest e2m1 value; quantization_config mxfp4. Returns
+    the packed tensors by name."""
+    import json
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(hf_dir, "model.safetensors")
+    tensors, packed = load_file(path), {}
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).float().transpose(1, 2)  # [E, out, in]
+        groups = w.reshape(*w.shape[:2], -1, 32)
+        exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))  # [E, out, in / 32]
+        codes = (groups / exp.exp2().unsqueeze(-1)).unsqueeze(-1).sub(_E2M1).abs().argmin(-1).to(torch.uint8)
+        blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, (exp + 127).to(torch.uint8)
+        packed[name] = (tensors[name + "_blocks"], tensors[name + "_scales"])
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return packed
+
+
+def test_released_mxfp4_experts_import_dequantized(tmp_path):
+    """An MXFP4 checkpoint imports with the logits of transformers' model holding the experts
+    transformers' own MXFP4 dequantization (integrations/mxfp4.py) makes of it."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    reference = _hf_gpt_oss(tmp_path / "hf", hidden_size=64, intermediate_size=32)  # in sizes of 32-groups
+    packed = _quantize_mxfp4(tmp_path / "hf")
+    ck = run_convert(convert, "hf", "megalite", tmp_path / "hf", tmp_path / "ck")
+    state = {name.removeprefix("model."): convert_moe_packed_tensors(*pair, dtype=torch.float32)
+             for name, pair in packed.items()}
+    moved = max((reference.model.state_dict()[k] - v).abs().max().item() for k, v in state.items())
+    assert moved > 1e-2  # FP4 moved the experts: the logits below see the dequantized ones
+    reference.model.load_state_dict(state, strict=False)
+    assert _logit_diff(ck, reference.eval(), _ids()) < 1
