@@ -127,22 +127,16 @@ def test_plan_counts_mla_parameters_of_the_built_model(options, pp):
     from dist_helpers import ROOT
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import plan
-    from megalite.parallel_state import stage_layers
+    from plan_helpers import built_stage_params
     from megalite.planning.memory import layer_activation_bytes, stage_params, total_params
     argv = ["--vocab-size", "1000", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--micro-batch-size", "2", "--multi-latent-attention", "--position-embedding-type",
             "rope", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim",
             "12", *options, "--pipeline-model-parallel-size", str(pp), "--world-size", str(pp)]
     c, _ = plan.parse(argv)
-    built = []
-    for r in range(pp):
-        (offset, layers), = stage_layers(c.model.num_layers, pp, 1, r)
-        chunk = GPTModel(c.model, None, None, pre_process=r == 0, post_process=r == pp - 1, layer_offset=offset,
-                         num_layers=layers)
-        built.append(sum(p.numel() for p in chunk.parameters()))
+    built, once = built_stage_params(c)
     assert [stage_params(c, r) for r in range(pp)] == built
-    tied = 0 if pp == 1 else c.model.padded_vocab_size * c.model.hidden_size
-    assert total_params(c) == sum(built) - tied
+    assert total_params(c) == once
     # MLA's activations are its own: the latent and head sizes change them
     wider, _ = plan.parse([a if a != "12" else "48" for a in argv])
     assert layer_activation_bytes(wider)[0] > layer_activation_bytes(c)[0]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.arguments import ArgumentError, parse_args, validate_args
-from megalite.config.pipeline_layout import LayoutError, layout_of, parse_layout, parse_stages
+from megalite.config.pipeline_layout import layout_of, parse_layout, parse_stages
 from megalite.model import GPTModel, model_configs
 from megalite.model.moe import MoELayer
 from tiny import mock, tiny
@@ -251,25 +251,15 @@ def test_planner_params_match_the_built_model(options, pp, layout):
     import sys
 
     from dist_helpers import ROOT
-    from megalite.parallel_state import stage_layers
+    from plan_helpers import built_stage_params
     from megalite.planning.memory import stage_params, total_params
-    from megalite.tensor_parallel.param_info import param_info
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import plan
     argv = PLAN_SMALL + options + ["--pipeline-model-parallel-size", str(pp), "--world-size", str(pp),
                                    "--global-batch-size", "4"]
     argv += ["--pipeline-model-parallel-layout", layout] if layout else []
     c, _ = plan.parse(argv)
-    config, v = c.model, c.parallel.virtual_pipeline_model_parallel_size
-    built, once = [], 0
-    for r in range(pp):
-        n = 0
-        for k, (offset, layers) in enumerate(stage_layers(config.num_layers, pp, v, r, layout)):
-            chunk = GPTModel(config, None, None, pre_process=r == 0 and k == 0, post_process=r == pp - 1 and k == v - 1,
-                             layer_offset=offset, num_layers=layers, device="meta")
-            n += sum(p.numel() for p in chunk.parameters())
-            once += sum(p.numel() for p in chunk.parameters() if not param_info(p).tied_copy)
-        built.append(n)
+    built, once = built_stage_params(c)
     assert [stage_params(c, r) for r in range(pp)] == built
     assert total_params(c) == once
 

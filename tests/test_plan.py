@@ -37,27 +37,16 @@ GPT3_175B = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-he
                               "qk-rmsnorm-sinks"])
 @pytest.mark.parametrize("pp,vpp_layers", [(1, None), (2, None), (2, 1)], ids=["pp1", "pp2", "pp2-vpp"])
 def test_stage_params_match_built_model(options, pp, vpp_layers):
-    from megalite.model import GPTModel
-    from megalite.parallel_state import stage_layers
+    from plan_helpers import built_stage_params
     argv = SMALL + options + ["--pipeline-model-parallel-size", str(pp), "--world-size", str(pp)]
     if vpp_layers:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers), "--global-batch-size", "4"]
     c, _ = plan.parse(argv)
-    config, v = c.model, c.parallel.virtual_pipeline_model_parallel_size
-    built = []
-    for r in range(pp):
-        n = 0
-        for k, (offset, layers) in enumerate(stage_layers(config.num_layers, pp, v, r)):
-            chunk = GPTModel(config, None, None, pre_process=r == 0 and k == 0, post_process=r == pp - 1 and k == v - 1,
-                             layer_offset=offset, num_layers=layers)
-            n += sum(p.numel() for p in chunk.parameters())
-        built.append(n)
+    built, once = built_stage_params(c)
     assert [stage_params(c, r) for r in range(pp)] == built
-    if pp == 1:
-        assert total_params(c) == built[0]
-    else:  # the whole model, once: the last stage's copy of a tied embedding is not counted
-        copy = 0 if config.untie_embeddings_and_output_weights else config.padded_vocab_size * config.hidden_size
-        assert total_params(c) == sum(built) - copy
+    # the whole model, once: the last stage's copy of a tied embedding is not counted
+    copy = 0 if pp == 1 or c.model.untie_embeddings_and_output_weights else c.model.padded_vocab_size * c.model.hidden_size
+    assert total_params(c) == sum(built) - copy == once
 
 
 # -- against the memory_footprint record of real runs ----------------------------------------------

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from dist_helpers import ROOT
-from megalite.model import GPTModel
+from plan_helpers import built_stage_params
 
 spec = importlib.util.spec_from_file_location("plan_tool_a2026", os.path.join(ROOT, "tools", "plan.py"))
 plan = importlib.util.module_from_spec(spec)
@@ -38,22 +38,15 @@ DSA = COMMON + ["--num-layers", "2", "--multi-latent-attention", "--q-lora-rank"
 @pytest.mark.parametrize("model", ["qwen3_next", "qwen3_next_mtp", "dsa"])
 @pytest.mark.parametrize("pp", [1, 2])
 def test_plan_counts_the_built_model(model, pp):
-    from megalite.parallel_state import stage_layers
     from megalite.planning.memory import stage_params, total_params
     # with MTP after a DeltaNet last layer: the MTP layer is gated softmax attention with the MoE MLP
     mtp = [a if a != "2" or i != QWEN3_NEXT.index("--linear-attention-freq") + 1 else "[1,0,1,1]"
            for i, a in enumerate(QWEN3_NEXT)] + ["--mtp-num-layers", "1"]
     argv = {"qwen3_next": QWEN3_NEXT, "qwen3_next_mtp": mtp, "dsa": DSA}[model]
     c, _ = plan.parse(argv + ["--pipeline-model-parallel-size", str(pp), "--world-size", str(pp)])
-    built = []
-    for r in range(pp):
-        (offset, layers), = stage_layers(c.model.num_layers, pp, 1, r)
-        chunk = GPTModel(c.model, None, None, pre_process=r == 0, post_process=r == pp - 1, layer_offset=offset,
-                         num_layers=layers)
-        built.append(sum(p.numel() for p in chunk.parameters()))
+    built, once = built_stage_params(c)
     assert [stage_params(c, r) for r in range(pp)] == built
-    tied = 0 if pp == 1 else c.model.padded_vocab_size * c.model.hidden_size
-    assert total_params(c) == sum(built) - tied
+    assert total_params(c) == once
 
 
 @pytest.mark.parametrize("model,world,flags", [
