@@ -42,3 +42,14 @@ def mtp_loss(model, tokens):
     (loss_sum, count, _), = model.mtp_results
     assert count == b * (s - 1)
     return (loss_sum / count).item(), captured[0]
+
+
+def printed_run(printed: str):
+    """The run config that the flags convert.py printed ("Continue training with: pretrain_gpt.py ...")
+    build, with a mock dataset and one iteration added: what a user pasting them gets."""
+    import shlex
+
+    from megalite.arguments import parse_config
+    flags = shlex.split(printed.split("pretrain_gpt.py ")[1].splitlines()[0].removesuffix(" ..."))
+    return parse_config(flags + ["--mock-data", "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1",
+                                 "--lr", "1e-3"], 1, check_files=False)

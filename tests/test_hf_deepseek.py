@@ -7,12 +7,11 @@ and imports back to the same tensors; MLA's cached generation equals recomputati
 token and caches kv_lora_rank + qk_pos_emb_head_dim values per token and layer.
 """
 import os
-import shlex
 
 import pytest
 import torch
 
-from hf_helpers import convert_tool, mtp_loss, run_convert, safetensors_of
+from hf_helpers import convert_tool, mtp_loss, printed_run, run_convert, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3ForCausalLM"):
@@ -84,10 +83,7 @@ def test_deepseek_imports_with_equal_logits_and_exports_back(case, tmp_path, cap
     # transformers writes num_nextn_predict_layers 1 (its default) but no MTP weights: none imported
     assert reference.config.num_mtp_layers == 1 and cfg.get("mtp_num_layers") is None
     # the printed flags build this very model
-    from megalite.arguments import parse_config
-    flags = shlex.split(printed.split("pretrain_gpt.py ")[1].splitlines()[0].removesuffix(" ..."))
-    run = parse_config(flags + ["--mock-data", "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1",
-                                "--lr", "1e-3"], 1, check_files=False)
+    run = printed_run(printed)
     for key in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                 "v_head_dim", "rope_type", "mscale", "mscale_all_dim", "rotary_scaling_factor", "num_experts",
                 "moe_router_topk", "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",

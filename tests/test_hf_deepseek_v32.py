@@ -14,12 +14,11 @@ does not have), and exports back to the same tensors. Cost: ~10 s (the MTP case 
 """
 import json
 import os
-import shlex
 
 import pytest
 import torch
 
-from hf_helpers import convert_tool, mtp_loss, run_convert, safetensors_of
+from hf_helpers import convert_tool, mtp_loss, printed_run, run_convert, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV32ForCausalLM"):
@@ -94,10 +93,7 @@ def test_imports_with_equal_logits_exports_back_and_generates_the_same(tmp_path,
                                     do_sample=False)
     assert ours == hf_out[0, len(prompt):].tolist()
     # the printed flags build this very model
-    from megalite.arguments import parse_config
-    flags = shlex.split(printed.split("pretrain_gpt.py ")[1].splitlines()[0].removesuffix(" ..."))
-    run = parse_config(flags + ["--mock-data", "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1",
-                                "--lr", "1e-3"], 1, check_files=False)
+    run = printed_run(printed)
     cfg = meta["model_config"]
     for key in ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
                 "q_lora_rank", "num_experts", "moe_layer_freq"):

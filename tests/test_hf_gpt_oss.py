@@ -8,12 +8,11 @@ and imports back to the same tensors; what GptOssForCausalLM cannot express is r
 """
 import json
 import os
-import shlex
 
 import pytest
 import torch
 
-from hf_helpers import run_convert, safetensors_of
+from hf_helpers import printed_run, run_convert, safetensors_of
 from test_hf_moe import VOCAB, _ids, _logit_diff, _randomize, convert
 
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
@@ -64,10 +63,7 @@ def test_hf_gpt_oss_imports_with_equal_logits_and_exports_back(case, tmp_path, c
     assert diff < 1, diff
 
     # the printed flags build this very model
-    from megalite.arguments import parse_config
-    flags = shlex.split(printed.split("pretrain_gpt.py ")[1].splitlines()[0].removesuffix(" ..."))
-    run = parse_config(flags + ["--mock-data", "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1",
-                                "--lr", "1e-3"], 1, check_files=False)
+    run = printed_run(printed)
     for key in ("num_experts", "moe_router_topk", "ffn_hidden_size", "quick_geglu", "glu_linear_offset",
                 "activation_func_clamp_value", "softmax_type", "window_size", "add_bias_linear", "kv_channels",
                 "position_embedding_type", "untie_embeddings_and_output_weights"):

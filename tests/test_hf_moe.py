@@ -9,13 +9,12 @@ recomputation and transformers' generate give; what neither side can express is 
 import importlib.util
 import json
 import os
-import shlex
 
 import pytest
 import torch
 
 from dist_helpers import ROOT
-from hf_helpers import convert_tool, run_convert, safetensors_of
+from hf_helpers import convert_tool, printed_run, run_convert, safetensors_of
 
 import transformers
 from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
@@ -114,10 +113,7 @@ def test_hf_moe_imports_with_equal_logits_and_exports_back(case, tmp_path, capsy
     assert diff < 1, diff
 
     # the printed flags build this very model
-    from megalite.arguments import parse_config
-    flags = shlex.split(printed.split("pretrain_gpt.py ")[1].splitlines()[0].removesuffix(" ..."))
-    run = parse_config(flags + ["--mock-data", "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1",
-                                "--lr", "1e-3"], 1, check_files=False)
+    run = printed_run(printed)
     for key in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax",
                 "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "add_qkv_bias", "ffn_hidden_size",
                 "untie_embeddings_and_output_weights", "qk_layernorm", "kv_channels"):

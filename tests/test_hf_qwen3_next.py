@@ -11,12 +11,11 @@ setting without weights imports none, and megalite models with an MTP module com
 """
 import json
 import os
-import shlex
 
 import pytest
 import torch
 
-from hf_helpers import convert_tool, mtp_loss, run_convert, safetensors_of
+from hf_helpers import convert_tool, mtp_loss, printed_run, run_convert, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 if not all(hasattr(transformers, n) for n in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")):
@@ -186,10 +185,7 @@ def test_imports_with_equal_logits_exports_back_and_generates_the_same(case, tmp
                                     do_sample=False)
     assert ours == hf_out[0, len(prompt):].tolist()
     # the printed flags build this very model
-    from megalite.arguments import parse_config
-    flags = shlex.split(printed.split("pretrain_gpt.py ")[1].splitlines()[0].removesuffix(" ..."))
-    run = parse_config(flags + ["--mock-data", "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1",
-                                "--lr", "1e-3"], 1, check_files=False)
+    run = printed_run(printed)
     cfg = meta["model_config"]
     for key in ("experimental_attention_variant", "linear_attention_freq", "linear_num_value_heads",
                 "attention_output_gate", "apply_layernorm_1p", "rotary_percent", "num_experts", "moe_layer_freq",
