@@ -1,5 +1,9 @@
 """--log-straggler names the slow rank: a worker the test keeps pausing (SIGSTOP/SIGCONT, while
-it computes) shows the largest compute time; the others only wait longer in collectives."""
+it computes) shows the largest compute time; the others only wait longer in collectives.
+
+On a loaded 2-core machine any rank may be descheduled for ~100 ms of a window, so one window's
+maximum is noise-prone: the detection is judged on the sum over windows, with pauses (0.25 s)
+well above that noise, and each log line must name the maximum of its own record."""
 import os
 import re
 import signal
@@ -11,6 +15,7 @@ from tiny import mock, tiny
 FLAGS = mock(1000) + tiny(seq_length=64, micro_batch_size=4, global_batch_size=16, train_iters=12, log_interval=3,
                            eval_iters=0, log_straggler=True, tensor_model_parallel_size=2)
 SLOW = 2
+PAUSE_S = 0.25
 
 
 def test_paused_rank_is_named_slowest_in_compute(tmp_path):
@@ -22,7 +27,7 @@ def test_paused_rank_is_named_slowest_in_compute(tmp_path):
             try:
                 if state(pid) == "R":  # computing (a rank blocked in a collective sleeps): pause it there
                     os.kill(pid, signal.SIGSTOP)
-                    time.sleep(0.1)
+                    time.sleep(PAUSE_S)
                     os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:  # the worker has finished; torchrun is about to
                 pass
@@ -35,6 +40,6 @@ def test_paused_rank_is_named_slowest_in_compute(tmp_path):
     later = reports[1:]  # the first window may end before the pauses start
     total = [sum(r["compute_ms"][k] for r in later) for k in range(4)]
     assert max(range(4), key=total.__getitem__) == SLOW, total
-    lines = [m.group(1) for m in re.finditer(r"compute \(ms\) min/max: [\d.]+ \(rank \d\) / [\d.]+ \(rank (\d)\)",
-                                             output(proc)[0])]
-    assert len(lines) == 4 and sum(int(k) == SLOW for k in lines[1:]) > len(lines[1:]) / 2, lines
+    lines = [int(m.group(1)) for m in re.finditer(r"compute \(ms\) min/max: [\d.]+ \(rank \d\) / [\d.]+ \(rank (\d)\)",
+                                                  output(proc)[0])]
+    assert lines == [max(range(4), key=r["compute_ms"].__getitem__) for r in reports], (lines, reports)
