@@ -5,7 +5,7 @@ assert on them).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_throughput.py [--num-layers 4 --hidden-size 256 \
         --num-attention-heads 8 --seq-length 256 --micro-batch-size 8 --vocab-size 8192] \
-        [--microbatches 1 4] [--contestants megalite megalite-compile transformers nanogpt nanogpt-compile] \
+        [--microbatches 1 4] [--contestants megalite megalite-compile megalite-unfused transformers nanogpt nanogpt-compile] \
         [--steps 10] [--threads N] [--bf16] [--device cpu|cuda] [--profile] [--json out.json]
 
 The same GPT (pre-LN, learned positions, LayerNorm, GeLU, biases, tied embeddings, dropout 0) is
@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-CONTESTANTS = ("megalite", "megalite-compile", "transformers", "nanogpt", "nanogpt-compile")
+CONTESTANTS = ("megalite", "megalite-compile", "megalite-unfused", "transformers", "nanogpt", "nanogpt-compile")
 
 
 def sync(device):
@@ -62,7 +62,7 @@ def sync(device):
 
 
 # -- contestants -------------------------------------------------------------------------------------
-def megalite_flags(a, compile_: bool, microbatches: int) -> list[str]:
+def megalite_flags(a, compile_: bool, microbatches: int, fusion: bool = True) -> list[str]:
     flags = ["--mock-data", "--vocab-size", str(a.vocab_size), "--num-layers", str(a.num_layers),
              "--hidden-size", str(a.hidden_size), "--num-attention-heads", str(a.num_attention_heads),
              "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
@@ -74,15 +74,18 @@ def megalite_flags(a, compile_: bool, microbatches: int) -> list[str]:
         flags.append("--bf16")
     if compile_:
         flags.append("--compile")
+    if not fusion:  # the weight gradients through autograd's .grad and the buffer's hook
+        flags.append("--no-gradient-accumulation-fusion")
     return flags
 
 
 class Megalite:
-    def __init__(self, a, compile_: bool):
+    def __init__(self, a, compile_: bool, fusion: bool = True):
         from megalite.arguments import parse_args, validate_args
         from megalite.training import setup
-        self.name = "megalite --compile" if compile_ else "megalite"
-        self.args = validate_args(parse_args(megalite_flags(a, compile_, max(a.microbatches))), 1)
+        self.name = ("megalite --compile" if compile_ else "megalite") + ("" if fusion else
+                                                                          " --no-gradient-accumulation-fusion")
+        self.args = validate_args(parse_args(megalite_flags(a, compile_, max(a.microbatches), fusion)), 1)
         self.run = setup(self.args)
         self.micro_batch_size = a.micro_batch_size
 
@@ -333,6 +336,7 @@ def commit() -> str:
 
 def build(a, device, dtype) -> list:
     make = {"megalite": lambda: Megalite(a, False), "megalite-compile": lambda: Megalite(a, True),
+            "megalite-unfused": lambda: Megalite(a, False, fusion=False),
             "transformers": lambda: HFGPT2(a, device, dtype), "nanogpt": lambda: NanoGPT(a, device, dtype, False),
             "nanogpt-compile": lambda: NanoGPT(a, device, dtype, True)}
     return [make[name]() for name in a.contestants]

@@ -5,8 +5,8 @@ virtual environment, no registry: `PYTHONPATH=. python3 benchmarks/gpu_check.py`
   1. the GPU tests (pytest -m gpu tests/test_gpu.py: bf16 training against the CPU in fp32,
      exact resume, no host sync per micro-batch, NCCL at world size 1);
   2. training throughput at the GPT-3 125M, 350M and 1.3B shapes (sequence 1024, bf16), each
-     with one and with several micro-batches per step: megalite (and megalite --compile at 125M)
-     beside transformers' GPT2LMHeadModel and a plain-PyTorch nanoGPT-style GPT (compiled too at
+     with one and with several micro-batches per step: megalite (and megalite --compile at 125M,
+     megalite --no-gradient-accumulation-fusion at 1.3B) beside transformers' GPT2LMHeadModel and a plain-PyTorch nanoGPT-style GPT (compiled too at
      125M), MFU against the table peak and against a matrix multiply timed in the same run, and a
      profile of megalite's step (host time, device time, kernel launches; benchmarks/bench_throughput.py);
   3. pretrain_gpt.py on one GPU: the 1.3B model with 8 micro-batches, its ZeRO-3
@@ -41,10 +41,10 @@ SIZES = {
     "350M": (["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16"], 8, 4,
              ["megalite", "transformers", "nanogpt"], 80, False),
     "1.3B": (["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"], 4, 4,
-             ["megalite", "transformers", "nanogpt"], 130, False),
+             ["megalite", "megalite-unfused", "transformers", "nanogpt"], 170, False),
 }
 TINY = (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"], 2, 2,
-        ["megalite", "transformers", "nanogpt"], 300, True)
+        ["megalite", "megalite-unfused", "transformers", "nanogpt"], 300, True)
 MOE = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--ffn-hidden-size", "2816",
        "--multi-latent-attention", "--q-lora-rank", "384", "--kv-lora-rank", "256", "--qk-head-dim", "64",
        "--qk-pos-emb-head-dim", "32", "--v-head-dim", "64", "--position-embedding-type", "rope",

@@ -309,7 +309,10 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack, memory=None) -> Run:
     named_params = [(n, p) for m in model for n, p in m.global_named_parameters()]
     names = {p: n for n, p in named_params}
     timers = Timers(t.timing_log_level, device)
-    dp = build_data_parallel(model, [p for _, p in named_params], ps, cfg.ddp, cfg.training.num_microbatches,
+    # --compile: Inductor traces each layer's backward, so the weight gradients take autograd's
+    # way (grad_fusion.py's products mutate the buffer from inside backward)
+    ddp = dataclasses.replace(cfg.ddp, gradient_accumulation_fusion=False) if t.compile else cfg.ddp
+    dp = build_data_parallel(model, [p for _, p in named_params], ps, ddp, cfg.training.num_microbatches,
                              device=device, init_fn=lambda p: initial_value(p, names[p], cfg.training.seed, ps.tp_group),
                              timers=timers)
     closing.callback(dp.close)

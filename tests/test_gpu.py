@@ -169,3 +169,17 @@ def test_fp8_training_on_cuda_near_bf16(tmp_path, recipe, extra):
     assert "GEMMs torch._scaled_mm" in proc.stdout
     for i, (a, b) in enumerate(zip(train_losses(ref), train_losses(records))):
         assert abs(a - b) <= 2e-2 * abs(a), f"iteration {i + 1}: bf16 {a}, fp8 {b}"
+
+
+def test_gradient_accumulation_fusion_on_cuda():
+    """bf16 weights, fp32 buffer: addmm's out_dtype takes the weight-gradient GEMMs into the buffer
+    (tensor_parallel/grad_fusion.py); the buffer equals the hook's cast-copy and cast-add up to
+    the bf16 rounding of each micro-batch's gradient, which the fused GEMM no longer does."""
+    from test_grad_fusion import _grads
+    fused, names, _ = _grads(True, device="cuda", dtype=torch.bfloat16)
+    plain, none, _ = _grads(False, device="cuda", dtype=torch.bfloat16)
+    assert len(names) == 14 and none == []
+    for n in names:
+        assert torch.isfinite(fused[n]).all(), n
+        torch.testing.assert_close(fused[n], plain[n], rtol=2e-2, atol=2e-3 * plain[n].abs().max().item(), msg=n)
+

@@ -21,9 +21,6 @@ class MegatronCompatConfig:
     log_validation_ppl_to_tensorboard: bool = flag(
         "--log-validation-ppl-to-tensorboard", False, _NOOP + "megalite always logs the validation perplexity",
         action="store_true")
-    gradient_accumulation_fusion: bool = flag(
-        "--no-gradient-accumulation-fusion", True, _NOOP + "megalite never fuses weight-gradient accumulation into "
-        "the GEMM (Megatron-LM does with apex / Transformer Engine)", action="store_false")
     apply_rope_fusion: bool = flag("--no-rope-fusion", True, _NOOP + "megalite's RoPE is plain PyTorch, never a "
                                    "fused kernel", action="store_false")
     add_position_embedding: bool = flag(

@@ -45,11 +45,28 @@ from torch import nn
 from .. import comm
 from ..config.parallel import DDPConfig
 from ..config.sharding import get_strategy
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.param_info import param_info
 from .buckets import BucketLayout
 from .grad_buffer import GradBuffer, ShardedGradBuffer
 from .param_buffer import FlatParamBuffer, ShardedParams
 from .zero3 import Zero3Schedule, unit_of_params
+
+
+def fusable_weights(model: list[nn.Module]) -> list[nn.Parameter]:
+    """The weights whose every use is a product of tensor_parallel/grad_fusion.py's (so their
+    gradient can skip autograd): column- and row-parallel linears' own weights, unless FP8
+    (its GEMMs are torchao's), and the output layer's where it has its own (untied, or the
+    last stage's tied copy; not when it is the word embedding, whose lookup is autograd's)."""
+    weights = []
+    for chunk in model:
+        for m in chunk.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.fp8 is None:
+                weights.append(m.weight)
+        output = getattr(chunk, "output_layer", None)
+        if output is not None and getattr(chunk, "output_weight_gather", None) is None:
+            weights.append(output.weight)
+    return weights
 
 
 def _has_forward(m: nn.Module) -> bool:
@@ -108,6 +125,10 @@ class DataParallel:
             self.grads = GradBuffer(self.layout, group, reduce_scatter=strategy.shards_optimizer,
                                     overlap_grad_reduce=config.overlap_grad_reduce,
                                     num_microbatches=num_microbatches, device=device, dtype=grad_dtype)
+        # --gradient-accumulation-fusion: the linears' weight-gradient GEMMs write into the full
+        # buffer (tensor_parallel/grad_fusion.py); the sharded buffers' staging takes autograd's
+        self.fused_wgrad = (self.grads.fuse_wgrad(fusable_weights(model))
+                            if config.gradient_accumulation_fusion and not strategy.shards_grads else [])
         self.zero3 = None
         if strategy.shards_params:
             self.zero3 = Zero3Schedule(model, self.param_buffer, prefetch=config.overlap_param_gather and dp > 1,

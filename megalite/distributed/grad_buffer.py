@@ -13,7 +13,9 @@ first gradient of a parameter is copied into its view, later ones added, so the 
 zeroed as a whole: zeroing and then adding moved 4 + 10 bytes per parameter and micro-batch step
 where the copy moves 6 (and a 16-bit gradient's add into fp32 runs at about half the bandwidth of
 the copy's cast, on a GPU); the views of parameters that got no gradient in a step are zeroed
-before the reduction (`zero_missing`).
+before the reduction (`zero_missing`). The linear layers' weights skip even that pass: their
+weight-gradient GEMM writes (β = 0) or adds (β = 1) into the view itself
+(--gradient-accumulation-fusion, `fuse_wgrad`, tensor_parallel/grad_fusion.py).
 
 `ShardedGradBuffer` (ZeRO-2 optim_grads, ZeRO-3 optim_grads_params; Rajbhandari et al. 2020,
 Sec. 5.2): only this rank's 1/DP slice of every bucket lives through the step, 4/DP bytes per
@@ -32,6 +34,7 @@ import weakref
 import torch
 
 from .. import comm
+from ..tensor_parallel import grad_fusion
 from ..tensor_parallel.param_info import param_info
 from .buckets import BucketLayout
 
@@ -94,6 +97,8 @@ class _Hooked:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        grad_fusion.detach(getattr(self, "_fusion_params", []))
+        self._fusion_params = []
 
 
 class GradBuffer(_Hooked):
@@ -121,6 +126,8 @@ class GradBuffer(_Hooked):
         self._started = [False] * len(layout.buckets)
         self._acc = _Accumulator(layout)
         self._fresh = set(layout.params)  # no gradient yet this step: the next one is copied, not added
+        self._fused: set = set()  # gradient written by its GEMM since the hook last ran (fuse_wgrad)
+        self._fusion_params: list = []
         self.main_grad: dict = {}
         for p in layout.params:
             start, end = layout.param_index[p]
@@ -136,8 +143,29 @@ class GradBuffer(_Hooked):
         return self.data[s:e]
 
     # -- accumulation ----------------------------------------------------------------------------
+    def fuse_wgrad(self, params) -> list:
+        """--gradient-accumulation-fusion: the weight-gradient GEMMs of `params` (weights whose
+        every use goes through tensor_parallel/grad_fusion.py's products) write into their views
+        (`add_wgrad`) instead of autograd's `.grad`. Returns those taken: none when the buffer's
+        dtype cannot be a GEMM output for these weights here."""
+        ok = {dtype: grad_fusion.fusable(dtype, self.dtype, self.data.device) for dtype in {p.dtype for p in params}}
+        params = [p for p in params if p in self.main_grad and ok[p.dtype]]
+        grad_fusion.attach(params, self)
+        self._fusion_params = params
+        return params
+
+    def add_wgrad(self, p: torch.nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
+        """p's gradient a·b ([out, tokens]·[tokens, in]), from its GEMM straight into its view:
+        written on the step's first arrival (β = 0), added on later ones. The stand-in `.grad`
+        autograd then hands the hook is dropped there (`_fused`)."""
+        grad_fusion.gemm_into(self.main_grad[p], a, b, overwrite=p in self._fresh)
+        self._fresh.discard(p)
+        self._fused.add(p)
+
     def _accumulate(self, p: torch.nn.Parameter) -> None:
-        if p in self._fresh:
+        if p in self._fused:  # already in the view: p.grad is the fused GEMM's uninitialised stand-in
+            self._fused.discard(p)
+        elif p in self._fresh:
             self.main_grad[p].copy_(p.grad)
             self._fresh.discard(p)
         else:

@@ -12,7 +12,6 @@ layout starts from identical full weights.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import comm

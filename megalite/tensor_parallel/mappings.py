@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from . import grad_fusion
 from .wgrad import defer_or_fail, deferrable, linear as wgrad_linear
 
 
@@ -127,10 +128,11 @@ class _LinearWithSPGather(torch.autograd.Function):
     partial sum over the tensor-parallel region)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, store=None, params=None):
+    def forward(ctx, x, weight, bias, group, store=None, params=None, sink=None):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.store, ctx.params = store, params
+        ctx.sink, ctx.param = sink, weight  # --gradient-accumulation-fusion (grad_fusion.py)
         return torch.nn.functional.linear(comm.all_gather(x, group, dim=0), weight, bias)
 
     @staticmethod
@@ -144,12 +146,16 @@ class _LinearWithSPGather(torch.autograd.Function):
             grad_2d = grad.reshape(-1, grad.size(-1))  # [s·b, out]
             grad_weight = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))
             return grad_weight, (grad_2d.sum(0) if has_bias else None)
+        if ctx.sink is not None:  # dW straight into the gradient buffer
+            grad_2d = grad.reshape(-1, grad.size(-1))
+            ctx.sink.add_wgrad(ctx.param, grad_2d.t(), total.reshape(-1, total.size(-1)))
+            return (grad_x, torch.empty_like(weight), grad_2d.sum(0) if has_bias else None, None, None, None, None)
         if ctx.store is None:
-            return (grad_x, *wgrad(), None, None, None)
+            return (grad_x, *wgrad(), None, None, None, None)
         # --delay-wgrad-compute: the gathered input stays until W (tensor_parallel/wgrad.py)
         params = ctx.params
         defer_or_fail(ctx.store, lambda: [(p, g) for p, g in zip(params, wgrad()) if p is not None])
-        return grad_x, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None
 
 
 def linear_with_sp_gather(x, weight, bias, group, store=None):
@@ -158,7 +164,7 @@ def linear_with_sp_gather(x, weight, bias, group, store=None):
     if comm.group_size(group) == 1:
         return wgrad_linear(x, weight, bias, store)
     if not deferrable(store, weight, bias):
-        return _LinearWithSPGather.apply(x, weight, bias, group)
+        return _LinearWithSPGather.apply(x, weight, bias, group, None, None, grad_fusion.sink_of(weight))
     return _LinearWithSPGather.apply(x, weight.detach(), None if bias is None else bias.detach(), group, store,
                                      (weight, bias))
 

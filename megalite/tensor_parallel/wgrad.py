@@ -27,6 +27,8 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
+from . import grad_fusion
+
 
 class WgradStore:
     """One pipeline rank's deferred weight gradients: one entry per captured B, run in order."""
@@ -125,9 +127,11 @@ def _linear_wgrad(x, dy, want_b: bool):
 
 
 def linear(x, weight, bias=None, store: WgradStore | None = None):
-    """F.linear, with the weight gradient deferred to `store`'s W."""
+    """F.linear, with the weight gradient deferred to `store`'s W, or else fused into its
+    gradient buffer (grad_fusion.py) where the weight has one."""
     if not deferrable(store, weight, bias):
-        return F.linear(x, weight, bias)
+        fused = grad_fusion.linear(x, weight, bias)
+        return F.linear(x, weight, bias) if fused is None else fused
     return _DeferredLinear.apply(x, weight.detach(), None if bias is None else bias.detach(), store, (weight, bias),
                                  _anchor(x))
 

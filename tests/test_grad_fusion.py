@@ -1,0 +1,98 @@
+"""--gradient-accumulation-fusion (tensor_parallel/grad_fusion.py): the linears' weight-gradient GEMMs
+write into the gradient buffer, and the buffer then holds what autograd's `.grad` + the hook's copy
+and add put there (fp32, within GEMM rounding), over micro-batches, with the untied output layer
+used twice per micro-batch (MTP), with --overlap-grad-reduce counting each weight once per
+micro-batch, and whatever the buffer held before (β = 0). The layout tests compare every parallel
+layout with one process, both fused (the default), so together they cover the layouts."""
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from megalite.arguments import parse_args, validate_args
+from megalite.config import DDPConfig
+from megalite.distributed import DataParallel
+from megalite.distributed.data_parallel import fusable_weights
+from megalite.model import ExecutionConfig, GPTConfig, GPTModel
+from megalite.parallel_state import single_process_state
+from megalite.tensor_parallel import grad_fusion
+from tiny import mock, tiny
+
+CONFIG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, padded_vocab_size=64,
+                   seq_length=16, max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
+                   untie_embeddings_and_output_weights=True, mtp_num_layers=1, add_bias_linear=True)
+TOKENS = torch.arange(17).repeat(4, 1) * 7 % 64  # [b, s + 1]
+POSITIONS = torch.arange(16).expand(4, 16)
+
+
+def _grads(fusion: bool, micro_batches: int = 3, device: str = "cpu", dtype=torch.float32):
+    """The gradient buffer after two steps of `micro_batches` each (the second step's buffer
+    filled with NaN first: every view must be overwritten, never added to), and the ops of the
+    second step's backward. (tests/test_gpu.py runs it in bf16 on CUDA.)"""
+    model = GPTModel(CONFIG, device=device, execution=ExecutionConfig(params_dtype=dtype))
+    model.initialize(seed=3)
+    named = list(model.global_named_parameters())
+    dp = DataParallel([model], [p for _, p in named], single_process_state(),
+                      DDPConfig(gradient_accumulation_fusion=fusion, overlap_grad_reduce=True), micro_batches)
+    ops = None
+    for step in range(2):
+        dp.zero_grad()
+        if step:
+            dp.grads.data.fill_(float("nan"))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for m in range(micro_batches):
+                tokens = TOKENS.roll(m + step, dims=1).to(device)
+                loss = model(tokens[:, :-1], POSITIONS.to(device), labels=tokens[:, 1:]).float().mean()
+                loss = loss + sum(s / n for s, n, _ in model.mtp_results)
+                loss.backward()
+        ops = [e.name for e in prof.events()]
+        dp.finish_grad_sync()
+    views = {n: dp.main_grad(p).clone() for n, p in named}
+    fused = [n for n, p in named if any(p is q for q in dp.fused_wgrad)]
+    dp.close()
+    assert all(p.grad is None for _, p in named)
+    assert not any(hasattr(p, grad_fusion._SINK) for _, p in named)  # close() took the sinks off
+    return views, fused, ops
+
+
+def test_fused_buffer_equals_autograds_copy_and_add():
+    fused, fused_names, fused_ops = _grads(True)
+    plain, plain_names, plain_ops = _grads(False)
+    assert plain_names == []
+    # every linear weight (two layers, MTP's layer and its eh_proj, the output layer); no embedding, norm or bias
+    assert "output_layer.weight" in fused_names and "embedding.word_embeddings.weight" not in fused_names
+    assert len(fused_names) == 3 * 4 + 2 and all(n.endswith(".weight") and "norm" not in n for n in fused_names)
+    for n in fused:
+        assert torch.isfinite(fused[n]).all(), n
+        torch.testing.assert_close(fused[n], plain[n], rtol=1e-6, atol=1e-7, msg=n)
+    # the fused step adds into the weights' views in the GEMM: fewer adds and copies than
+    # the hook's one per weight and micro-batch
+    adds = lambda ops: sum(ops.count(f"aten::{op}") for op in ("add", "add_", "copy_"))  # noqa: E731
+    assert adds(fused_ops) <= adds(plain_ops) - 3 * len(fused_names)
+    assert fused_ops.count("aten::addmm_") >= 3 * len(fused_names)
+
+
+def test_fusion_is_off_where_the_buffer_cannot_take_the_gemm():
+    assert grad_fusion.fusable(torch.float32, torch.float32, torch.device("cpu"))
+    assert grad_fusion.fusable(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    # addmm has no out_dtype on the CPU: 16-bit weights into an fp32 buffer take the hook
+    assert not grad_fusion.fusable(torch.bfloat16, torch.float32, torch.device("cpu"))
+    # the CUDA call's shapes and dtypes, on meta
+    out = torch.empty(8, 6, device="meta")
+    grad_fusion.gemm_into(out, torch.empty(8, 5, dtype=torch.bfloat16, device="meta"),
+                          torch.empty(5, 6, dtype=torch.bfloat16, device="meta"), overwrite=False)
+    # ZeRO-2/3's staging buffers and FP8's GEMMs are autograd's
+    model = GPTModel(CONFIG)
+    model.initialize(seed=3)
+    params = list(model.parameters())
+    dp = DataParallel([model], params, single_process_state(),
+                      DDPConfig(data_parallel_sharding_strategy="optim_grads"), 1)
+    assert dp.fused_wgrad == []
+    dp.close()
+    model.decoder.layers[0].mlp.linear_fc1.fp8 = object()  # any FP8 site
+    assert not any(w is model.decoder.layers[0].mlp.linear_fc1.weight for w in fusable_weights([model]))
+
+
+@pytest.mark.parametrize("flag,expected", [([], True), (["--no-gradient-accumulation-fusion"], False)])
+def test_megatron_flag(flag, expected):
+    cfg = validate_args(parse_args(mock() + tiny(train_iters=1) + flag))
+    assert cfg.ddp.gradient_accumulation_fusion is expected and not cfg.notices
