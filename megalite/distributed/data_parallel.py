@@ -125,10 +125,6 @@ class DataParallel:
             self.grads = GradBuffer(self.layout, group, reduce_scatter=strategy.shards_optimizer,
                                     overlap_grad_reduce=config.overlap_grad_reduce,
                                     num_microbatches=num_microbatches, device=device, dtype=grad_dtype)
-        # --gradient-accumulation-fusion: the linears' weight-gradient GEMMs write into the full
-        # buffer (tensor_parallel/grad_fusion.py); the sharded buffers' staging takes autograd's
-        self.fused_wgrad = (self.grads.fuse_wgrad(fusable_weights(model))
-                            if config.gradient_accumulation_fusion and not strategy.shards_grads else [])
         self.zero3 = None
         if strategy.shards_params:
             self.zero3 = Zero3Schedule(model, self.param_buffer, prefetch=config.overlap_param_gather and dp > 1,
@@ -137,6 +133,10 @@ class DataParallel:
                                        tied_output=not experts)
         elif strategy.shards_optimizer:
             self.param_buffer = FlatParamBuffer(self.layout, group)
+        # --gradient-accumulation-fusion: the linears' weight-gradient GEMMs write into the
+        # gradient buffer (tensor_parallel/grad_fusion.py); after ZeRO-3's schedule, which
+        # decides whether the output layer is the embedding gathered for itself
+        self.fused_wgrad = self.grads.fuse_wgrad(fusable_weights(model)) if config.gradient_accumulation_fusion else []
         self.embedding_params = [p for p in self.params if param_info(p).embedding_group_sync]
         self.sequence_parallel_params = [p for p in self.params if param_info(p).sequence_parallel]
         self._embedding_buckets = sorted({self.layout.param_bucket[p] for p in self.embedding_params})

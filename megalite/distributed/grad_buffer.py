@@ -15,7 +15,8 @@ where the copy moves 6 (and a 16-bit gradient's add into fp32 runs at about half
 the copy's cast, on a GPU); the views of parameters that got no gradient in a step are zeroed
 before the reduction (`zero_missing`). The linear layers' weights skip even that pass: their
 weight-gradient GEMM writes (β = 0) or adds (β = 1) into the view itself
-(--gradient-accumulation-fusion, `fuse_wgrad`, tensor_parallel/grad_fusion.py).
+(--gradient-accumulation-fusion, `fuse_wgrad`, tensor_parallel/grad_fusion.py; in the sharded
+buffers below, into the staging buffer's view).
 
 `ShardedGradBuffer` (ZeRO-2 optim_grads, ZeRO-3 optim_grads_params; Rajbhandari et al. 2020,
 Sec. 5.2): only this rank's 1/DP slice of every bucket lives through the step, 4/DP bytes per
@@ -84,6 +85,8 @@ class _Hooked:
     that trains again. So the hooks hold the buffer weakly, and `close` removes them."""
 
     def _hook_params(self, layout: BucketLayout) -> None:
+        self._fused: set = set()  # gradient written by its GEMM since the hook last ran (fuse_wgrad)
+        self._fusion_params: list = []
         buffer = weakref.ref(self)
 
         def accumulate(p: torch.nn.Parameter) -> None:
@@ -97,8 +100,20 @@ class _Hooked:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        grad_fusion.detach(getattr(self, "_fusion_params", []))
+        grad_fusion.detach(self._fusion_params)
         self._fusion_params = []
+
+    def fuse_wgrad(self, params) -> list:
+        """--gradient-accumulation-fusion: the weight-gradient GEMMs of `params` (weights whose
+        every use goes through tensor_parallel/grad_fusion.py's products) write into this buffer
+        (`add_wgrad`) instead of autograd's `.grad`, which then arrives as a stand-in the hook
+        drops (`_fused`). Returns those taken: none where the buffer's dtype cannot be a GEMM's
+        output for these weights on this device."""
+        ok = {dtype: grad_fusion.fusable(dtype, self.dtype, torch.device(self.device)) for dtype in {p.dtype for p in params}}
+        params = [p for p in params if p in self.layout.param_bucket and ok[p.dtype]]
+        grad_fusion.attach(params, self)
+        self._fusion_params = params
+        return params
 
 
 class GradBuffer(_Hooked):
@@ -126,8 +141,7 @@ class GradBuffer(_Hooked):
         self._started = [False] * len(layout.buckets)
         self._acc = _Accumulator(layout)
         self._fresh = set(layout.params)  # no gradient yet this step: the next one is copied, not added
-        self._fused: set = set()  # gradient written by its GEMM since the hook last ran (fuse_wgrad)
-        self._fusion_params: list = []
+        self.device = self.data.device
         self.main_grad: dict = {}
         for p in layout.params:
             start, end = layout.param_index[p]
@@ -143,17 +157,6 @@ class GradBuffer(_Hooked):
         return self.data[s:e]
 
     # -- accumulation ----------------------------------------------------------------------------
-    def fuse_wgrad(self, params) -> list:
-        """--gradient-accumulation-fusion: the weight-gradient GEMMs of `params` (weights whose
-        every use goes through tensor_parallel/grad_fusion.py's products) write into their views
-        (`add_wgrad`) instead of autograd's `.grad`. Returns those taken: none when the buffer's
-        dtype cannot be a GEMM output for these weights here."""
-        ok = {dtype: grad_fusion.fusable(dtype, self.dtype, self.data.device) for dtype in {p.dtype for p in params}}
-        params = [p for p in params if p in self.main_grad and ok[p.dtype]]
-        grad_fusion.attach(params, self)
-        self._fusion_params = params
-        return params
-
     def add_wgrad(self, p: torch.nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
         """p's gradient a·b ([out, tokens]·[tokens, in]), from its GEMM straight into its view:
         written on the step's first arrival (β = 0), added on later ones. The stand-in `.grad`
@@ -300,9 +303,25 @@ class ShardedGradBuffer(_Hooked):
         while self._in_flight:  # not left in flight: the point is to drop the [V, h] gradient now
             self._finish_oldest()
 
+    def add_wgrad(self, p: torch.nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
+        """p's gradient a·b ([out, tokens]·[tokens, in]) from its GEMM straight into its view of
+        the bucket's staging buffer (written into a bucket of its own alone, added otherwise:
+        the buffer starts at zero); the hook then drops autograd's stand-in (`_fused`)."""
+        k = self.layout.param_bucket[p]
+        start, end = self.layout.buckets[k]
+        alone = self._staging[k] is None and self._whole[k]
+        if self._staging[k] is None:
+            self._staging[k] = (torch.empty if alone else torch.zeros)(end - start, dtype=self.dtype, device=self.device)
+        lo, hi = self.layout.param_index[p]
+        grad_fusion.gemm_into(self._staging[k][lo - start:hi - start].view(p.shape), a, b, overwrite=alone)
+        self._fused.add(p)
+
     def _accumulate(self, p: torch.nn.Parameter) -> None:
         b = self.layout.param_bucket[p]
-        self._stage(p, p.grad, self._staging, b)
+        if p in self._fused:  # already staged by its GEMM: p.grad is the uninitialised stand-in
+            self._fused.discard(p)
+        else:
+            self._stage(p, p.grad, self._staging, b)
         self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_bytes())
         p.grad = None
         done = self._acc.arrive(p)
