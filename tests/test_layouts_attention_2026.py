@@ -6,10 +6,11 @@ falls.
 Qwen3-Next (tiny): --linear-attention-freq 2 over 4 layers (DeltaNet, softmax, DeltaNet, softmax),
 4 key heads of 8 channels with 2 value heads each, conv width 4, --attention-output-gate with
 --qk-layernorm, zero-centred RMSNorms, partial RoPE, 4 experts top-2 with a gated shared expert.
-Layouts: TP 2 with SP (the DeltaNet's key heads split), PP 2 (uneven kinds per stage: the layout
-string 'Ettt|tL'), EP 2 (alltoall) under ZeRO-3, ZeRO-1 with full recompute, CP 2 (the DeltaNet
-layers head-parallel; the two softmax layers a2a and p2p) and TP 2 + SP x CP 2 (4 ranks, one key head
-each; the softmax layers allgather and a2a+p2p).
+Layouts: TP 2 with SP (the DeltaNet's key heads split), PP 2 x CP 2 (uneven kinds per stage: the
+layout string 'Ettt|tL'; 4 ranks), EP 2 (alltoall) under ZeRO-3, ZeRO-1 with full recompute, CP 2
+under ZeRO-3 (the DeltaNet layers head-parallel; the two softmax layers a2a and p2p; parameters
+sharded over the CP replicas) and TP 2 + SP x CP 2 (4 ranks, one key head each; the softmax layers
+allgather and a2a+p2p).
 DeepSeek-V3.2 (tiny, init std 0.2): MLA with query compression, DSA with 2 indexer heads of 12 channels, top-6 of
 the 32 keys (so the sparse choice matters), --dsa-indexer-loss-coeff 0.1, DeepSeek-V3's MoE in the second
 layer (sigmoid top-2 of 4, expert bias, shared expert); layouts PP 2, ZeRO-2 with selective recompute,
@@ -57,8 +58,9 @@ TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 CP2 = ["--context-parallel-size", "2"]
 LAYOUTS = {  # id: (model, processes, flags)
     "qwen3-next-tp2-sp": ("qwen3_next", 2, TP2_SP),
-    "qwen3-next-pp2-layout": ("qwen3_next", 2, ["--pipeline-model-parallel-size", "2",
-                                                "--pipeline-model-parallel-layout", "Ettt|tL"]),
+    # PP with uneven layer kinds, and CP's all-to-all on both stages
+    "qwen3-next-pp2-layout-cp2": ("qwen3_next", 4, CP2 + ["--pipeline-model-parallel-size", "2",
+                                                          "--pipeline-model-parallel-layout", "Ettt|tL"]),
     "qwen3-next-ep2-zero3": ("qwen3_next", 2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
                                                "alltoall", "--ddp-bucket-size", "5000",
                                                "--data-parallel-sharding-strategy", "optim_grads_params"]),
@@ -66,8 +68,11 @@ LAYOUTS = {  # id: (model, processes, flags)
                                                           "full", "--recompute-method", "uniform",
                                                           "--recompute-num-layers", "1"]),
     # CP: the DeltaNet layers head-parallel (all-to-all), the gated softmax layers (1 and 3) by two
-    # --cp-comm-types each run; TP2 x CP2 splits the 4 key heads over both (one per rank)
-    "qwen3-next-cp2-a2a-p2p": ("qwen3_next", 2, CP2 + ["--cp-comm-type", "allgather", "a2a", "allgather", "p2p"]),
+    # --cp-comm-types each run, under ZeRO-3 over the CP replicas; TP2 x CP2 splits the 4 key heads
+    # over both (one per rank)
+    "qwen3-next-cp2-a2a-p2p-zero3": ("qwen3_next", 2, CP2 + ["--cp-comm-type", "allgather", "a2a", "allgather", "p2p",
+                                                             "--data-parallel-sharding-strategy", "optim_grads_params",
+                                                             "--ddp-bucket-size", "5000"]),
     "qwen3-next-tp2-sp-cp2-allgather-a2a+p2p": ("qwen3_next", 4, TP2_SP + CP2 + [
         "--cp-comm-type", "a2a", "allgather", "a2a", "a2a+p2p", "--hierarchical-context-parallel-sizes", "1", "2"]),
     # multi-token prediction on the hybrid: its module's layer is gated softmax attention with the MoE MLP
