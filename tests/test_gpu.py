@@ -175,9 +175,9 @@ def test_gradient_accumulation_fusion_on_cuda():
     """bf16 weights, fp32 buffer: addmm's out_dtype takes the weight-gradient GEMMs into the buffer
     (tensor_parallel/grad_fusion.py); the buffer equals the hook's cast-copy and cast-add up to
     the bf16 rounding of each micro-batch's gradient, which the fused GEMM no longer does."""
-    from test_grad_fusion import _grads
-    fused, names, _ = _grads(True, device="cuda", dtype=torch.bfloat16)
-    plain, none, _ = _grads(False, device="cuda", dtype=torch.bfloat16)
+    from test_grad_fusion import buffer_grads
+    fused, names, _ = buffer_grads(True, device="cuda", dtype=torch.bfloat16)
+    plain, none, _ = buffer_grads(False, device="cuda", dtype=torch.bfloat16)
     assert len(names) == 14 and none == []
     for n in names:
         assert torch.isfinite(fused[n]).all(), n

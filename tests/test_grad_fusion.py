@@ -25,7 +25,7 @@ TOKENS = torch.arange(17).repeat(4, 1) * 7 % 64  # [b, s + 1]
 POSITIONS = torch.arange(16).expand(4, 16)
 
 
-def _grads(fusion: bool, micro_batches: int = 3, device: str = "cpu", dtype=torch.float32, strategy="no_shard"):
+def buffer_grads(fusion: bool, micro_batches: int = 3, device: str = "cpu", dtype=torch.float32, strategy="no_shard"):
     """Each parameter's gradient after two steps of `micro_batches` each (the full buffer filled
     with NaN before the second: every view must be overwritten, never added to), and the ops of
     the second step's backward. (tests/test_gpu.py runs it in bf16 on CUDA.)"""
@@ -63,8 +63,8 @@ def _grads(fusion: bool, micro_batches: int = 3, device: str = "cpu", dtype=torc
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads", "optim_grads_params"])
 def test_fused_buffer_equals_autograds_copy_and_add(strategy):
-    fused, fused_names, fused_ops = _grads(True, strategy=strategy)
-    plain, plain_names, plain_ops = _grads(False, strategy=strategy)
+    fused, fused_names, fused_ops = buffer_grads(True, strategy=strategy)
+    plain, plain_names, plain_ops = buffer_grads(False, strategy=strategy)
     assert plain_names == []
     # every linear weight (two layers, MTP's layer and its eh_proj, the output layer); no embedding, norm or bias
     assert "output_layer.weight" in fused_names and "embedding.word_embeddings.weight" not in fused_names
