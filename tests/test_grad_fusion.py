@@ -5,6 +5,8 @@ used twice per micro-batch (MTP), with --overlap-grad-reduce counting each weigh
 micro-batch, and whatever the buffer held before (β = 0); under ZeRO-2/3 into the staging
 buffers. The layout tests compare every parallel
 layout with one process, both fused (the default), so together they cover the layouts."""
+import dataclasses
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -21,15 +23,18 @@ from tiny import mock, tiny
 CONFIG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, padded_vocab_size=64,
                    seq_length=16, max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
                    untie_embeddings_and_output_weights=True, mtp_num_layers=1, add_bias_linear=True)
+# the same with MoE MLPs (4 experts top-2, the per-expert loop): the experts' weights fuse too
+MOE = dataclasses.replace(CONFIG, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
 TOKENS = torch.arange(17).repeat(4, 1) * 7 % 64  # [b, s + 1]
 POSITIONS = torch.arange(16).expand(4, 16)
 
 
-def buffer_grads(fusion: bool, micro_batches: int = 3, device: str = "cpu", dtype=torch.float32, strategy="no_shard"):
+def buffer_grads(fusion: bool, micro_batches: int = 3, device: str = "cpu", dtype=torch.float32, strategy="no_shard",
+                 config: GPTConfig = CONFIG):
     """Each parameter's gradient after two steps of `micro_batches` each (the full buffer filled
     with NaN before the second: every view must be overwritten, never added to), and the ops of
     the second step's backward. (tests/test_gpu.py runs it in bf16 on CUDA.)"""
-    model = GPTModel(CONFIG, device=device, execution=ExecutionConfig(params_dtype=dtype))
+    model = GPTModel(config, device=device, execution=ExecutionConfig(params_dtype=dtype))
     model.initialize(seed=3)
     named = list(model.global_named_parameters())
     dp = DataParallel([model], [p for _, p in named], single_process_state(),
@@ -61,14 +66,18 @@ def buffer_grads(fusion: bool, micro_batches: int = 3, device: str = "cpu", dtyp
     return views, fused, ops
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads", "optim_grads_params"])
-def test_fused_buffer_equals_autograds_copy_and_add(strategy):
-    fused, fused_names, fused_ops = buffer_grads(True, strategy=strategy)
-    plain, plain_names, plain_ops = buffer_grads(False, strategy=strategy)
+@pytest.mark.parametrize("strategy,config", [("no_shard", CONFIG), ("optim_grads", CONFIG),
+                                             ("optim_grads_params", CONFIG), ("no_shard", MOE)],
+                         ids=["no_shard", "zero2", "zero3", "moe"])
+def test_fused_buffer_equals_autograds_copy_and_add(strategy, config):
+    fused, fused_names, fused_ops = buffer_grads(True, strategy=strategy, config=config)
+    plain, plain_names, plain_ops = buffer_grads(False, strategy=strategy, config=config)
     assert plain_names == []
-    # every linear weight (two layers, MTP's layer and its eh_proj, the output layer); no embedding, norm or bias
+    # every linear weight (two layers, MTP's layer and its eh_proj, the output layer; with MoE each
+    # layer's 4 experts' two instead of the MLP's two); no embedding, norm, bias or router
     assert "output_layer.weight" in fused_names and "embedding.word_embeddings.weight" not in fused_names
-    assert len(fused_names) == 3 * 4 + 2 and all(n.endswith(".weight") and "norm" not in n for n in fused_names)
+    assert len(fused_names) == (3 * (2 + 4 * 2) + 2 if config.num_experts else 3 * 4 + 2)
+    assert all(n.endswith(".weight") and "norm" not in n and "router" not in n for n in fused_names)
     for n in fused:
         assert torch.isfinite(fused[n]).all(), n
         torch.testing.assert_close(fused[n], plain[n], rtol=1e-6, atol=1e-7, msg=n)
@@ -94,7 +103,7 @@ def test_fusion_is_off_where_the_buffer_cannot_take_the_gemm():
     # FP8's GEMMs are torchao's
     model = GPTModel(CONFIG)
     model.decoder.layers[0].mlp.linear_fc1.fp8 = object()  # any FP8 site
-    assert not any(w is model.decoder.layers[0].mlp.linear_fc1.weight for w in fusable_weights([model]))
+    assert not any(w is model.decoder.layers[0].mlp.linear_fc1.weight for w in fusable_weights([model], torch.device("cpu")))
 
 
 @pytest.mark.parametrize("flag,expected", [([], True), (["--no-gradient-accumulation-fusion"], False)])

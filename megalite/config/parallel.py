@@ -215,8 +215,8 @@ class DDPConfig:
     gradient_accumulation_fusion: bool = flag(
         "--no-gradient-accumulation-fusion", True, "Megatron-LM's gradient-accumulation fusion off: by default the "
         "linear layers' weight-gradient GEMMs write into the gradient buffer (ZeRO-2/3: its staging buffer; fp32 "
-        "from 16-bit weights on CUDA) instead of a .grad copied or added there; not under --compile or for FP8 "
-        "layers (tensor_parallel/grad_fusion.py)", action="store_false")
+        "from 16-bit weights on CUDA) instead of a .grad copied or added there; not under --compile, for FP8 "
+        "layers or in the experts' grouped GEMM (tensor_parallel/grad_fusion.py)", action="store_false")
     # Measured alternatives (benchmarks/RESULTS_zero.md), not flags: the defaults won.
     reduce_grads_every_microbatch: bool = internal(
         True, "ZeRO-2/3 with several micro-batches: reduce-scatter every micro-batch's gradients (True), or "

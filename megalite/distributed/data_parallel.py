@@ -45,7 +45,6 @@ from torch import nn
 from .. import comm
 from ..config.parallel import DDPConfig
 from ..config.sharding import get_strategy
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.param_info import param_info
 from .buckets import BucketLayout
 from .grad_buffer import GradBuffer, ShardedGradBuffer
@@ -53,20 +52,12 @@ from .param_buffer import FlatParamBuffer, ShardedParams
 from .zero3 import Zero3Schedule, unit_of_params
 
 
-def fusable_weights(model: list[nn.Module]) -> list[nn.Parameter]:
-    """The weights whose every use is a product of tensor_parallel/grad_fusion.py's (so their
-    gradient can skip autograd): column- and row-parallel linears' own weights, unless FP8
-    (its GEMMs are torchao's), and the output layer's where it has its own (untied, or the
-    last stage's tied copy; not when it is the word embedding, whose lookup is autograd's)."""
-    weights = []
-    for chunk in model:
-        for m in chunk.modules():
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.fp8 is None:
-                weights.append(m.weight)
-        output = getattr(chunk, "output_layer", None)
-        if output is not None and getattr(chunk, "output_weight_gather", None) is None:
-            weights.append(output.weight)
-    return weights
+def fusable_weights(model: list[nn.Module], device: torch.device) -> list[nn.Parameter]:
+    """The weights whose gradient can skip autograd (tensor_parallel/grad_fusion.py): those each
+    module names as used only through the fused products (`fusable_weights(device)`: the
+    column- and row-parallel linears, the experts' per-expert loop, the output layer)."""
+    return [w for chunk in model for m in chunk.modules() if hasattr(m, "fusable_weights")
+            for w in m.fusable_weights(device)]
 
 
 def _has_forward(m: nn.Module) -> bool:
@@ -136,7 +127,8 @@ class DataParallel:
         # --gradient-accumulation-fusion: the linears' weight-gradient GEMMs write into the
         # gradient buffer (tensor_parallel/grad_fusion.py); after ZeRO-3's schedule, which
         # decides whether the output layer is the embedding gathered for itself
-        self.fused_wgrad = self.grads.fuse_wgrad(fusable_weights(model)) if config.gradient_accumulation_fusion else []
+        self.fused_wgrad = (self.grads.fuse_wgrad(fusable_weights(model, device)) if config.gradient_accumulation_fusion
+                            else [])
         self.embedding_params = [p for p in self.params if param_info(p).embedding_group_sync]
         self.sequence_parallel_params = [p for p in self.params if param_info(p).sequence_parallel]
         self._embedding_buckets = sorted({self.layout.param_bucket[p] for p in self.embedding_params})

@@ -220,6 +220,12 @@ class GPTModel(nn.Module):
     def set_input_tensor(self, tensor):
         self.input_tensor = tensor
 
+    def fusable_weights(self, device) -> list:
+        """The output layer's weight where it has its own (untied, or the last stage's tied copy)
+        and the projection is its only use (tensor_parallel/grad_fusion.py); not the word
+        embedding (its lookup is autograd's) nor ZeRO-3's gathered tied projection."""
+        return [self.output_layer.weight] if self.output_layer is not None and self.output_weight_gather is None else []
+
     def output_weight(self) -> torch.Tensor:
         return self.output_layer.weight if self.output_layer is not None else self.embedding.word_embeddings.weight
 

@@ -18,7 +18,8 @@ So the hook still runs once per weight and micro-batch, however many times the w
 (the output layer under MTP), and --overlap-grad-reduce counts arrivals as before. Hence the rule
 of `attach`: every use of a weight with a sink must go through `linear` (or the sequence-parallel
 gather's product, mappings.py) — a column- or row-parallel linear's own weight, the untied output
-layer's — else autograd would add a real gradient to the stand-in.
+layer's, the experts' in their per-expert loop: the modules name them (`fusable_weights`) — else
+autograd would add a real gradient to the stand-in.
 """
 from __future__ import annotations
 

@@ -71,6 +71,11 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def fusable_weights(self, device) -> list:
+        """The weights whose every use is a product of grad_fusion.py's (--gradient-accumulation-
+        fusion): this layer's own, unless FP8 (its GEMMs are torchao's)."""
+        return [self.weight] if self.fp8 is None else []
+
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         if self.fp8 is not None:  # FP8 GEMMs (tensor_parallel/fp8_linear.py), the SP gather in FP8
@@ -109,6 +114,11 @@ class RowParallelLinear(nn.Module):
             param_info(self.bias).sequence_parallel = sequence_parallel
         else:
             self.register_parameter("bias", None)
+
+    def fusable_weights(self, device) -> list:
+        """The weights whose every use is a product of grad_fusion.py's (--gradient-accumulation-
+        fusion): this layer's own, unless FP8 (its GEMMs are torchao's)."""
+        return [self.weight] if self.fp8 is None else []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

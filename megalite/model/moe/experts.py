@@ -114,13 +114,24 @@ class LocalExperts(nn.Module):
             return recompute(self._act, y)
         return self._act(y)
 
+    def _runs_grouped(self, device: torch.device) -> bool:
+        return self.grouped and device.type in GROUPED_MM_DEVICES
+
+    def fusable_weights(self, device: torch.device) -> list:
+        """The weights whose every use is a product of tensor_parallel/grad_fusion.py's
+        (--gradient-accumulation-fusion): the experts' in the per-expert loop; the grouped GEMM
+        has no form that writes into per-expert buffers, and FP8's GEMMs are torchao's."""
+        if self.fp8 is not None or self._runs_grouped(device):
+            return []
+        return [w for e in self.local_experts.values() for w in (e.linear_fc1.weight, e.linear_fc2.weight)]
+
     def forward(self, x: torch.Tensor, counts: list[int], sources: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, h]: tokens sorted by local expert, counts[i] of them for expert i -> [N, h]
         (a partial sum over TP). `sources`: each row's EP rank, for FP8's per-micro-batch scales."""
         if self.fp8 is not None:
             return self.fp8.forward(x, counts, sources)
         experts = list(self.local_experts.values())
-        if self.grouped and x.device.type in GROUPED_MM_DEVICES:
+        if self._runs_grouped(x.device):
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
             # [E_local, h, fc1_out] and [E_local, ffn, h]
             y = self._add_biases(self._grouped(x, [e.linear_fc1.weight for e in experts], offs),
