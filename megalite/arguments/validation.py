@@ -183,7 +183,7 @@ def _kernel_notices(c: RunConfig) -> None:
 
 def _check_layout(c: RunConfig) -> list[int]:
     """The rank grid, the batch schedule, pipeline stages and virtual chunks."""
-    p, t, world = c.parallel, c.training, c.parallel.world_size
+    p, world = c.parallel, c.parallel.world_size
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     if world % (tp * pp * cp):
         fail(f"world size {world} is not divisible by --tensor-model-parallel-size ({tp}) x "

@@ -128,7 +128,7 @@ def stage_param_split(c, pp_rank: int) -> tuple[int, int]:
     """(dense, expert) parameters held by one GPU of pipeline stage `pp_rank` (every TP and DP
     rank of a stage holds as many)."""
     h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
-    p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
+    v = c.parallel.virtual_pipeline_model_parallel_size
     n, experts = stage_layer_params(c, pp_rank)
     word = c.model.padded_vocab_size // t * h
     for chunk in range(v):
@@ -317,7 +317,7 @@ def stage_activation_bytes(c, pp_rank: int, rebuilt: bool = True) -> float:
     """Activations of pipeline stage `pp_rank` at its peak: what the forward passes in flight keep
     for backward, plus (`rebuilt`, full recompute) the group of layers rebuilt in backward at a
     time. `--dry-run` measures the first part."""
-    p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
+    v = c.parallel.virtual_pipeline_model_parallel_size
     s, b, h, t = c.model.seq_length, c.training.micro_batch_size, c.model.hidden_size, c.parallel.tensor_model_parallel_size
     s //= c.parallel.context_parallel_size  # this rank's tokens under CP
     sp = bool(c.parallel.sequence_parallel) and t > 1
@@ -349,7 +349,7 @@ def unit_params(c, pp_rank: int) -> tuple[int, list[int]]:
     layer with this rank's experts), in elements. A word embedding that is the output layer too
     is the embedding's unit, gathered again for the output projection alone."""
     h, t = c.model.hidden_size, c.parallel.tensor_model_parallel_size
-    p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
+    v = c.parallel.virtual_pipeline_model_parallel_size
     word = c.model.padded_vocab_size // t * h
     pos = c.model.max_position_embeddings * h if c.model.position_embedding_type == "learned_absolute" else 0
     tied = not c.model.untie_embeddings_and_output_weights
@@ -379,7 +379,7 @@ def bucket_sizes(c, pp_rank: int, strategy: ShardingStrategy) -> list[int]:
     cuts every unit into buckets, ZeRO-2 only the stage's parameters as a whole."""
     bs, h, t = c.ddp.ddp_bucket_size, c.model.hidden_size, c.parallel.tensor_model_parallel_size
     word = c.model.padded_vocab_size // t * h
-    p, v = c.parallel.pipeline_model_parallel_size, c.parallel.virtual_pipeline_model_parallel_size
+    v = c.parallel.virtual_pipeline_model_parallel_size
     tables = 0  # word embedding and output layer tables on this stage
     for chunk in range(v):
         pre, post = pp_rank == 0 and chunk == 0, is_post_process(c, pp_rank, chunk)

@@ -27,7 +27,7 @@ def mla_activation_coefficients(c) -> tuple[float, float]:
     as the up-projections' inputs; under CP the keys and values of the whole sequence (up-projected
     from the gathered latent, model/mla.py; the gathered latent itself, c·kv_lora_rank, is left out:
     the dry run measures 0.995-1.003x this plan on CP2, TP2+SP x CP2 and CP2 with recompute)."""
-    m, t, cp = c.model, c.parallel.tensor_model_parallel_size, c.parallel.context_parallel_size
+    m, cp = c.model, c.parallel.context_parallel_size
     h, n = m.hidden_size, m.num_attention_heads
     d, dr, dv, r, rq = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.kv_lora_rank, m.q_lora_rank
     heads = n * (3 * (d + dr) + (d + dv) + (d + dr) + dv)

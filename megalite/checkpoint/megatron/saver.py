@@ -29,8 +29,6 @@ import threading
 import time
 from math import prod
 
-import torch
-
 from ... import comm
 from ...errors import CheckpointError
 from ...model.init import global_shape
