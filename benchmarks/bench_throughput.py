@@ -74,8 +74,10 @@ def megalite_flags(a, compile_: bool, microbatches: int, fusion: bool = True) ->
         flags.append("--bf16")
     if compile_:
         flags.append("--compile")
-    if not fusion:  # the weight gradients through autograd's .grad and the buffer's hook
-        flags.append("--no-gradient-accumulation-fusion")
+    # the fusions Megatron-LM's scripts run with (gradient accumulation's is the default): without
+    # them, the weight gradients go through autograd's .grad and the buffer's hook, and the loss's
+    # passes over bf16 logits run eagerly (megalite-unfused)
+    flags.append("--cross-entropy-loss-fusion" if fusion else "--no-gradient-accumulation-fusion")
     return flags
 
 
@@ -83,8 +85,7 @@ class Megalite:
     def __init__(self, a, compile_: bool, fusion: bool = True):
         from megalite.arguments import parse_args, validate_args
         from megalite.training import setup
-        self.name = ("megalite --compile" if compile_ else "megalite") + ("" if fusion else
-                                                                          " --no-gradient-accumulation-fusion")
+        self.name = ("megalite --compile" if compile_ else "megalite") + ("" if fusion else " unfused")
         self.args = validate_args(parse_args(megalite_flags(a, compile_, max(a.microbatches), fusion)), 1)
         self.run = setup(self.args)
         self.micro_batch_size = a.micro_batch_size

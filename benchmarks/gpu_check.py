@@ -5,12 +5,14 @@ virtual environment, no registry: `PYTHONPATH=. python3 benchmarks/gpu_check.py`
   1. the GPU tests (pytest -m gpu tests/test_gpu.py: bf16 training against the CPU in fp32,
      exact resume, no host sync per micro-batch, NCCL at world size 1);
   2. training throughput at the GPT-3 125M, 350M and 1.3B shapes (sequence 1024, bf16), each
-     with one and with several micro-batches per step: megalite (and megalite --compile at 125M,
-     megalite --no-gradient-accumulation-fusion at 1.3B) beside transformers' GPT2LMHeadModel and a plain-PyTorch nanoGPT-style GPT (compiled too at
-     125M), MFU against the table peak and against a matrix multiply timed in the same run, and a
-     profile of megalite's step (host time, device time, kernel launches; benchmarks/bench_throughput.py);
-  3. pretrain_gpt.py on one GPU: the 1.3B model with 8 micro-batches, its ZeRO-3
-     (optim_grads_params) form, and a DeepSeek-V3-shaped MoE (MLA, MTP, 16 experts top-4 in 4
+     with one and with several micro-batches per step: megalite with Megatron-LM's fusions
+     (--cross-entropy-loss-fusion; gradient accumulation's is the default), megalite --compile at
+     125M, and megalite without either fusion at 125M and 1.3B, beside transformers'
+     GPT2LMHeadModel and a plain-PyTorch nanoGPT-style GPT (compiled too at 125M), MFU against
+     the table peak and against a matrix multiply timed in the same run, and a profile of
+     megalite's step (host time, device time, kernel launches; benchmarks/bench_throughput.py);
+  3. pretrain_gpt.py on one GPU (--cross-entropy-loss-fusion): the 1.3B model with 8
+     micro-batches, its ZeRO-3 (optim_grads_params) form, and a DeepSeek-V3-shaped MoE (MLA, MTP, 16 experts top-4 in 4
      groups, a shared expert, grouped GEMM): tokens/s, MFU and peak memory from their JSONL records;
 
 then writes the results file (default benchmarks/RESULTS_gpu.md: machine, commit, commands,
@@ -34,14 +36,17 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # GPT-3 paper, Table 2.1 shapes; sequence 1024 keeps the three within the lease. (micro-batch size,
 # several micro-batches, contestants, timeout s, whether megalite's steps are profiled: at 125M,
-# where the host decides). On an H200 the whole check took ~7 minutes, start-up included.
+# where the host decides). On an H200 the whole check took ~7 minutes, start-up included, before
+# the two unfused contestants and the compiled loss passes (Inductor's first compile, then its
+# cache) were added: ~1 minute more is expected, unmeasured.
 SIZES = {
     "125M": (["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12"], 8, 4,
-             ["megalite", "megalite-compile", "transformers", "nanogpt", "nanogpt-compile"], 170, True),
+             ["megalite", "megalite-compile", "megalite-unfused", "transformers", "nanogpt", "nanogpt-compile"],
+             200, True),
     "350M": (["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16"], 8, 4,
-             ["megalite", "transformers", "nanogpt"], 80, False),
+             ["megalite", "transformers", "nanogpt"], 100, False),
     "1.3B": (["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"], 4, 4,
-             ["megalite", "megalite-unfused", "transformers", "nanogpt"], 170, False),
+             ["megalite", "megalite-unfused", "transformers", "nanogpt"], 200, False),
 }
 TINY = (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"], 2, 2,
         ["megalite", "megalite-unfused", "transformers", "nanogpt"], 300, True)
@@ -134,7 +139,7 @@ def one_gpu_runs(log: list, work: str, tiny: bool) -> str:
     if tiny:
         base = ["--seq-length", "64", "--mock-data", "--vocab-size", "512", "--micro-batch-size", "2",
                 "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-4", "--log-interval", "2",
-                "--eval-iters", "0", "--log-memory-to-tensorboard"]
+                "--eval-iters", "0", "--log-memory-to-tensorboard", "--cross-entropy-loss-fusion"]
         dense = TINY[0]
         runs = (("dense, 2 micro-batches", dense, []),
                 ("dense, ZeRO-3 (optim_grads_params)", dense, ["--data-parallel-sharding-strategy",
@@ -144,7 +149,8 @@ def one_gpu_runs(log: list, work: str, tiny: bool) -> str:
     else:
         base = ["--seq-length", "1024", "--mock-data", "--vocab-size", "50304", "--micro-batch-size", "4",
                 "--global-batch-size", "32", "--train-iters", "10", "--lr", "1e-4", "--bf16", "--log-interval", "5",
-                "--eval-iters", "0", "--log-memory-to-tensorboard", "--distributed-backend", "nccl"]
+                "--eval-iters", "0", "--log-memory-to-tensorboard", "--distributed-backend", "nccl",
+                "--cross-entropy-loss-fusion"]
         dense = SIZES["1.3B"][0]
         runs = (("1.3B, 8 micro-batches of 4", dense, []),
                 ("1.3B, ZeRO-3 (optim_grads_params), 8 micro-batches of 4", dense,

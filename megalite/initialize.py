@@ -45,6 +45,7 @@ from .runtime.straggler import StragglerDetector
 from .runtime.timers import Timers
 from .runtime.tracking import Tracker
 from .tensor_parallel import seed_everything
+from .tensor_parallel.cross_entropy import fused_loss_kernels
 from .tensor_parallel.param_info import param_info
 from .tensor_parallel.wgrad import WgradStore, attach as wgrad_attach
 
@@ -304,6 +305,9 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack, memory=None) -> Run:
         for chunk in model:
             chunk.materialize_buffers(device)
     fp8 = attach_fp8(model, cfg.fp8, ps, device)  # --fp8-format: the FP8 linears' sites (model/fp8.py)
+    if cfg.kernels.cross_entropy_loss_fusion:  # compiled loss passes on a GPU (--compile sets them too)
+        for chunk in model:
+            chunk.loss_kernels = fused_loss_kernels(device)
     if cfg.training.compile:
         _compile(model, ps)
     named_params = [(n, p) for m in model for n, p in m.global_named_parameters()]

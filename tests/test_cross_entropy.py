@@ -107,3 +107,15 @@ def test_overwritten_logits_hold_the_softmax_and_change_nothing():
     vocab_parallel_cross_entropy(leaf, target, None, VOCAB, overwrite_logits=True)
     vocab_parallel_cross_entropy(leaf.view(S, B, V), target, None, VOCAB, overwrite_logits=True)
     assert torch.equal(leaf, x.detach())
+
+
+def test_fused_loss_compiles_its_passes_only_where_inductor_makes_gpu_kernels(monkeypatch):
+    """--cross-entropy-loss-fusion without --compile: the passes above compiled (whole logits, one
+    kernel each) on CUDA with Triton; eager on the CPU and where Triton is missing."""
+    import torch.utils._triton as triton_utils
+    assert ce.fused_loss_kernels(torch.device("cpu")) is ce.EAGER
+    monkeypatch.setattr(triton_utils, "has_triton", lambda: False)
+    assert ce.fused_loss_kernels(torch.device("cuda")) is ce.EAGER
+    monkeypatch.setattr(triton_utils, "has_triton", lambda: True)
+    kernels = ce.fused_loss_kernels(torch.device("cuda"))  # compiled lazily: nothing runs here
+    assert kernels.whole and kernels.sum_exp is not ce._sum_exp
