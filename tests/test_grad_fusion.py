@@ -92,14 +92,16 @@ def test_fused_buffer_equals_autograds_copy_and_add(strategy, config):
 
 
 def test_fusion_is_off_where_the_buffer_cannot_take_the_gemm():
-    assert grad_fusion.fusable(torch.float32, torch.float32, torch.device("cpu"))
-    assert grad_fusion.fusable(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
-    # addmm has no out_dtype on the CPU: 16-bit weights into an fp32 buffer take the hook
-    assert not grad_fusion.fusable(torch.bfloat16, torch.float32, torch.device("cpu"))
-    # the CUDA call's shapes and dtypes, on meta
-    out = torch.empty(8, 6, device="meta")
-    grad_fusion.gemm_into(out, torch.empty(8, 5, dtype=torch.bfloat16, device="meta"),
-                          torch.empty(5, 6, dtype=torch.bfloat16, device="meta"), overwrite=False)
+    cpu = torch.device("cpu")
+    assert grad_fusion.gemm_for(torch.float32, torch.float32, cpu) is grad_fusion._gemm_same_dtype
+    assert grad_fusion.gemm_for(torch.bfloat16, torch.bfloat16, cpu) is grad_fusion._gemm_same_dtype
+    # addmm and mm have no out_dtype on the CPU: 16-bit weights into an fp32 buffer take the hook
+    assert grad_fusion.gemm_for(torch.bfloat16, torch.float32, cpu) is None
+    # the CUDA forms' shapes and dtypes, on meta
+    for gemm in (grad_fusion._gemm_out_dtype, grad_fusion._gemm_out_dtype_mm):
+        for overwrite in (True, False):
+            gemm(torch.empty(8, 6, device="meta"), torch.empty(8, 5, dtype=torch.bfloat16, device="meta"),
+                 torch.empty(5, 6, dtype=torch.bfloat16, device="meta"), overwrite=overwrite)
     # FP8's GEMMs are torchao's
     model = GPTModel(CONFIG)
     model.decoder.layers[0].mlp.linear_fc1.fp8 = object()  # any FP8 site

@@ -109,8 +109,9 @@ class _Hooked:
         (`add_wgrad`) instead of autograd's `.grad`, which then arrives as a stand-in the hook
         drops (`_fused`). Returns those taken: none where the buffer's dtype cannot be a GEMM's
         output for these weights on this device."""
-        ok = {dtype: grad_fusion.fusable(dtype, self.dtype, torch.device(self.device)) for dtype in {p.dtype for p in params}}
-        params = [p for p in params if p in self.layout.param_bucket and ok[p.dtype]]
+        self._gemm = {dtype: grad_fusion.gemm_for(dtype, self.dtype, torch.device(self.device))
+                      for dtype in {p.dtype for p in params}}
+        params = [p for p in params if p in self.layout.param_bucket and self._gemm[p.dtype] is not None]
         grad_fusion.attach(params, self)
         self._fusion_params = params
         return params
@@ -161,7 +162,7 @@ class GradBuffer(_Hooked):
         """p's gradient a·b ([out, tokens]·[tokens, in]), from its GEMM straight into its view:
         written on the step's first arrival (β = 0), added on later ones. The stand-in `.grad`
         autograd then hands the hook is dropped there (`_fused`)."""
-        grad_fusion.gemm_into(self.main_grad[p], a, b, overwrite=p in self._fresh)
+        self._gemm[p.dtype](self.main_grad[p], a, b, overwrite=p in self._fresh)
         self._fresh.discard(p)
         self._fused.add(p)
 
@@ -313,7 +314,7 @@ class ShardedGradBuffer(_Hooked):
         if self._staging[k] is None:
             self._staging[k] = (torch.empty if alone else torch.zeros)(end - start, dtype=self.dtype, device=self.device)
         lo, hi = self.layout.param_index[p]
-        grad_fusion.gemm_into(self._staging[k][lo - start:hi - start].view(p.shape), a, b, overwrite=alone)
+        self._gemm[p.dtype](self._staging[k][lo - start:hi - start].view(p.shape), a, b, overwrite=alone)
         self._fused.add(p)
 
     def _accumulate(self, p: torch.nn.Parameter) -> None:

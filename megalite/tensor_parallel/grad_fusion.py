@@ -12,6 +12,8 @@ operands and an fp32 buffer that is addmm's `out_dtype` (CUDA: the GEMM accumula
 anyway and now also rounds there, as Megatron-LM's fused_weight_gradient_mlp_cuda and Transformer
 Engine's main_grad path do), elsewhere the same dtype in and out.
 
+Which GEMM (`gemm_for`) is decided once per buffer and weight dtype, on the buffer's device.
+
 Autograd still receives a gradient for the weight: an uninitialised stand-in (torch.empty, no
 kernel) that the buffer's hook recognises and drops (as Megatron-LM's `grad_added_to_main_grad`).
 So the hook still runs once per weight and micro-batch, however many times the weight was used
@@ -54,32 +56,49 @@ def sink_of(weight: torch.Tensor):
     return ref()
 
 
-def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool) -> None:
-    """out = a·b (overwrite: β = 0, whatever out held, NaN included) or out += a·b, in out's dtype."""
-    beta = 0.0 if overwrite else 1.0
-    if out.dtype == a.dtype:
-        out.addmm_(a, b, beta=beta)
+def _gemm_same_dtype(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool) -> None:
+    """out = a·b (overwrite: β = 0, whatever out held, NaN included) or out += a·b."""
+    out.addmm_(a, b, beta=0.0 if overwrite else 1.0)
+
+
+def _gemm_out_dtype(out, a, b, overwrite: bool) -> None:
+    """The same from 16-bit a, b into an fp32 out: addmm's `out_dtype` (CUDA), the product
+    accumulated and rounded in fp32 (PyTorch builds whose addmm wants `self` in the inputs'
+    dtype take `_gemm_out_dtype_mm`)."""
+    torch.addmm(out, a, b, beta=0.0 if overwrite else 1.0, out_dtype=out.dtype, out=out)
+
+
+def _gemm_out_dtype_mm(out, a, b, overwrite: bool) -> None:
+    """mm's `out_dtype` only: written in place on a step's first micro-batch (one micro-batch:
+    the whole saving), an fp32 product added after."""
+    if overwrite:
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
     else:
-        torch.addmm(out, a, b, beta=beta, out_dtype=out.dtype, out=out)
+        out.add_(torch.mm(a, b, out_dtype=out.dtype))
 
 
-def fusable(param_dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `gemm_into` can take weights of `param_dtype` into a buffer of `grad_dtype` here:
-    the same dtype anywhere; 16-bit into fp32 where addmm has `out_dtype` (CUDA), checked once
-    on the device against the unfused product, so a build without it falls back to the hook."""
+def gemm_for(param_dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device):
+    """The function `gemm(out, a, b, overwrite)` that takes weights of `param_dtype` into a
+    buffer of `grad_dtype` on `device`, or None (the hook's way): the same dtype anywhere; 16-bit
+    into fp32 where addmm or mm has `out_dtype` (CUDA), each form tried once on the device
+    against the unfused product."""
     if param_dtype == grad_dtype:
-        return True
+        return _gemm_same_dtype
     if device.type != "cuda" or grad_dtype != torch.float32 or param_dtype not in (torch.bfloat16, torch.float16):
-        return False
+        return None
     gen = torch.Generator(device="cpu").manual_seed(0)
     a, b = (torch.randn(16, 32, generator=gen).to(device, param_dtype) for _ in range(2))
-    out = torch.full((16, 16), float("nan"), device=device)
-    try:
-        gemm_into(out, a, b.t(), overwrite=True)
-        gemm_into(out, a, b.t(), overwrite=False)
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-    return bool(torch.allclose(out, 2 * (a.float() @ b.float().t()), rtol=1e-2, atol=1e-2))
+    want = 2 * (a.float() @ b.float().t())
+    for gemm in (_gemm_out_dtype, _gemm_out_dtype_mm):
+        out = torch.full((16, 16), float("nan"), device=device)
+        try:
+            gemm(out, a, b.t(), overwrite=True)
+            gemm(out, a, b.t(), overwrite=False)
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue
+        if torch.allclose(out, want, rtol=1e-2, atol=1e-2):
+            return gemm
+    return None
 
 
 class _FusedLinear(torch.autograd.Function):
