@@ -26,9 +26,11 @@ BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "4", "--hidden-si
         "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "8",
         "--train-iters", "20", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", "--seed", "5"]
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+# with --cross-entropy-loss-fusion: on CUDA the loss's passes over bf16 logits run compiled
+# (tensor_parallel/cross_entropy.py fused_loss_kernels), on the CPU reference eagerly
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
          "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
-         "--untie-embeddings-and-output-weights"]
+         "--untie-embeddings-and-output-weights", "--cross-entropy-loss-fusion"]
 
 
 def _flash_attn_installed() -> bool:
