@@ -245,8 +245,15 @@ def _process_switches(cfg: RunConfig, closing: contextlib.ExitStack) -> None:
         root.setLevel(level)
 
 
-def _compile(model: list, ps) -> None:
-    """--compile: each transformer layer, in place (model/compile.py)."""
+def _compile(cfg: RunConfig, model: list, ps, device) -> None:
+    """--cross-entropy-loss-fusion: the loss's passes over 16-bit logits compiled on a GPU
+    (tensor_parallel/cross_entropy.py); --compile: each transformer layer, in place, and the loss's
+    passes (model/compile.py)."""
+    if cfg.kernels.cross_entropy_loss_fusion:
+        for chunk in model:
+            chunk.loss_kernels = fused_loss_kernels(device)
+    if not cfg.training.compile:
+        return
     from .model.compile import compile_layers
     n = compile_layers(model)
     if ps.rank == ps.logging_rank:
@@ -305,18 +312,15 @@ def _setup(cfg: RunConfig, closing: contextlib.ExitStack, memory=None) -> Run:
         for chunk in model:
             chunk.materialize_buffers(device)
     fp8 = attach_fp8(model, cfg.fp8, ps, device)  # --fp8-format: the FP8 linears' sites (model/fp8.py)
-    if cfg.kernels.cross_entropy_loss_fusion:  # compiled loss passes on a GPU (--compile sets them too)
-        for chunk in model:
-            chunk.loss_kernels = fused_loss_kernels(device)
-    if cfg.training.compile:
-        _compile(model, ps)
+    _compile(cfg, model, ps, device)
     named_params = [(n, p) for m in model for n, p in m.global_named_parameters()]
     names = {p: n for n, p in named_params}
     timers = Timers(t.timing_log_level, device)
     # --compile: Inductor traces each layer's backward, so the weight gradients take autograd's
     # way (grad_fusion.py's products mutate the buffer from inside backward)
-    ddp = dataclasses.replace(cfg.ddp, gradient_accumulation_fusion=False) if t.compile else cfg.ddp
-    dp = build_data_parallel(model, [p for _, p in named_params], ps, ddp, cfg.training.num_microbatches,
+    dp = build_data_parallel(model, [p for _, p in named_params], ps,
+                             dataclasses.replace(cfg.ddp, gradient_accumulation_fusion=False) if t.compile else cfg.ddp,
+                             cfg.training.num_microbatches,
                              device=device, init_fn=lambda p: initial_value(p, names[p], cfg.training.seed, ps.tp_group),
                              timers=timers)
     closing.callback(dp.close)
