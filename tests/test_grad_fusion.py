@@ -40,7 +40,8 @@ def buffer_grads(fusion: bool, micro_batches: int = 3, device: str = "cpu", dtyp
     dp = DataParallel([model], [p for _, p in named], single_process_state(),
                       DDPConfig(gradient_accumulation_fusion=fusion, overlap_grad_reduce=True,
                                 data_parallel_sharding_strategy=strategy,
-                                ddp_bucket_size=2000),  # the larger weights a bucket each (ZeRO-2/3: written, not added)
+                                # the larger weights a bucket each (ZeRO-2/3: written, not added)
+                                ddp_bucket_size=2000),
                       micro_batches)
     sharded = dp.strategy.shards_grads
     ops = None
@@ -105,7 +106,8 @@ def test_fusion_is_off_where_the_buffer_cannot_take_the_gemm():
     # FP8's GEMMs are torchao's
     model = GPTModel(CONFIG)
     model.decoder.layers[0].mlp.linear_fc1.fp8 = object()  # any FP8 site
-    assert not any(w is model.decoder.layers[0].mlp.linear_fc1.weight for w in fusable_weights([model], torch.device("cpu")))
+    fc1 = model.decoder.layers[0].mlp.linear_fc1.weight
+    assert not any(w is fc1 for w in fusable_weights([model], torch.device("cpu")))
 
 
 @pytest.mark.parametrize("flag,expected", [([], True), (["--no-gradient-accumulation-fusion"], False)])

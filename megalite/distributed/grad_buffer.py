@@ -87,6 +87,7 @@ class _Hooked:
     def _hook_params(self, layout: BucketLayout) -> None:
         self._fused: set = set()  # gradient written by its GEMM since the hook last ran (fuse_wgrad)
         self._fusion_params: list = []
+        self._gemm: dict = {}  # weight dtype -> grad_fusion's GEMM into this buffer (None: not fused)
         buffer = weakref.ref(self)
 
         def accumulate(p: torch.nn.Parameter) -> None:
@@ -312,7 +313,8 @@ class ShardedGradBuffer(_Hooked):
         start, end = self.layout.buckets[k]
         alone = self._staging[k] is None and self._whole[k]
         if self._staging[k] is None:
-            self._staging[k] = (torch.empty if alone else torch.zeros)(end - start, dtype=self.dtype, device=self.device)
+            make = torch.empty if alone else torch.zeros
+            self._staging[k] = make(end - start, dtype=self.dtype, device=self.device)
         lo, hi = self.layout.param_index[p]
         self._gemm[p.dtype](self._staging[k][lo - start:hi - start].view(p.shape), a, b, overwrite=alone)
         self._fused.add(p)

@@ -6,13 +6,13 @@ Without it, autograd makes dW = dYᵀ·X [out, in] as a new tensor in the parame
 buffer's post-accumulate hook (distributed/grad_buffer.py) copies it into the fp32 buffer on a
 step's first micro-batch and adds it on the others (ZeRO-2/3: adds it into the bucket's staging
 buffer): one more pass over every weight per micro-batch (on a GPU, with 16-bit weights, a
-cast-copy or cast-add at ~1.5 TB/s: ~5 ms per micro-batch at 1.3B, benchmarks/RESULTS_gpu.md). With it, the GEMM itself computes
-main_grad = dYᵀ·X (β = 0) or main_grad += dYᵀ·X (β = 1), in the buffer's dtype; with 16-bit
-operands and an fp32 buffer that is addmm's `out_dtype` (CUDA: the GEMM accumulates in fp32
-anyway and now also rounds there, as Megatron-LM's fused_weight_gradient_mlp_cuda and Transformer
-Engine's main_grad path do), elsewhere the same dtype in and out.
-
-Which GEMM (`gemm_for`) is decided once per buffer and weight dtype, on the buffer's device.
+cast-copy or cast-add at ~1.5 TB/s: ~5 ms per micro-batch at 1.3B, benchmarks/RESULTS_gpu.md).
+With it, the GEMM itself computes main_grad = dYᵀ·X (β = 0) or main_grad += dYᵀ·X (β = 1), in
+the buffer's dtype; with 16-bit operands and an fp32 buffer that is addmm's `out_dtype` (CUDA:
+the GEMM accumulates in fp32 anyway and now also rounds there, as Megatron-LM's
+fused_weight_gradient_mlp_cuda and Transformer Engine's main_grad path do), elsewhere the same
+dtype in and out. Which GEMM (`gemm_for`) is decided once per buffer and weight dtype, on the
+buffer's device.
 
 Autograd still receives a gradient for the weight: an uninitialised stand-in (torch.empty, no
 kernel) that the buffer's hook recognises and drops (as Megatron-LM's `grad_added_to_main_grad`).
