@@ -1,10 +1,10 @@
 """--gradient-accumulation-fusion (tensor_parallel/grad_fusion.py): the linears' weight-gradient GEMMs
-write into the gradient buffer, and the buffer then holds what autograd's `.grad` + the hook's copy
-and add put there (fp32, within GEMM rounding), over micro-batches, with the untied output layer
-used twice per micro-batch (MTP), with --overlap-grad-reduce counting each weight once per
-micro-batch, and whatever the buffer held before (β = 0); under ZeRO-2/3 into the staging
-buffers. The layout tests compare every parallel
-layout with one process, both fused (the default), so together they cover the layouts."""
+write into the gradient buffer (under ZeRO-2/3 its staging buffers), and the buffer then holds what
+autograd's `.grad` + the hook's copy and add put there (fp32, within GEMM rounding): over
+micro-batches, with the untied output layer used twice per micro-batch (MTP), with
+--overlap-grad-reduce counting each weight once per micro-batch, and whatever the buffer held
+before (β = 0). The layout tests compare every parallel layout with one process, both fused (the
+default), so together they cover the layouts."""
 import dataclasses
 
 import pytest
