@@ -1,6 +1,6 @@
 """What the Hugging Face conversion tests share: tools/checkpoint/convert.py loaded as a module (it
 is a script, not a package member), a conversion run through its main(), an exported
-checkpoint's tensors, and a megalite model's first MTP loss."""
+checkpoint's tensors, the round trip back to Hugging Face, and a megalite model's first MTP loss."""
 import importlib.util
 import os
 
@@ -26,6 +26,21 @@ def safetensors_of(directory) -> dict:
     """The tensors of a one-file Hugging Face checkpoint."""
     from safetensors.torch import load_file
     return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def export_back(convert, ck, hf_dir, dst, *extra) -> tuple[str, dict, dict]:
+    """Export megalite checkpoint `ck` (imported from `hf_dir`) back to Hugging Face in `dst`; its
+    tensors must be `hf_dir`'s, the same names and values. Returns (dst, the exported tensors, its
+    config.json)."""
+    import json
+
+    import torch
+    back = run_convert(convert, "megalite", "hf", ck, dst, "--no-tokenizer", *extra)
+    original, exported = safetensors_of(hf_dir), safetensors_of(back)
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    with open(os.path.join(back, "config.json")) as f:
+        return back, exported, json.load(f)
 
 
 def mtp_loss(model, tokens):

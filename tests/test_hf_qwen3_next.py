@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from hf_helpers import convert_tool, mtp_loss, printed_run, run_convert, safetensors_of
+from hf_helpers import convert_tool, export_back, mtp_loss, printed_run, run_convert, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 if not all(hasattr(transformers, n) for n in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")):
@@ -139,12 +139,8 @@ def test_released_mtp_module_imports_with_the_reference_loss_and_exports_back(tm
     with capsys.disabled():
         print(f"MTP loss megalite {ours:.7f} reference {theirs:.7f}; max |h_1 difference| {h_diff:.3e}")
     assert abs(ours - theirs) < 1e-5 and h_diff < 1e-5, (ours, theirs, h_diff)
-    back = run_convert(convert, "megalite", "hf", ck, tmp_path / "back", "--no-tokenizer")
-    original, exported = safetensors_of(tmp_path / "hf"), safetensors_of(back)
-    assert sorted(original) == sorted(exported)
-    assert all(torch.equal(original[k], exported[k]) for k in original)
-    with open(os.path.join(back, "config.json")) as f:
-        assert json.load(f)["mtp_num_hidden_layers"] == 1
+    back, exported, config = export_back(convert, ck, tmp_path / "hf", tmp_path / "back")
+    assert config["mtp_num_hidden_layers"] == 1
     # an MTP layer without the experts the last decoder layer has: refused, not half imported
     from safetensors.torch import save_file
     save_file({k: v for k, v in exported.items() if not k.startswith("mtp.layers.0.mlp.")},
@@ -193,11 +189,8 @@ def test_imports_with_equal_logits_exports_back_and_generates_the_same(case, tmp
                 "mtp_num_layers"):
         assert getattr(run.model, key) == cfg[key], key
     # and back: the same tensors under the same names
-    back = run_convert(convert, "megalite", "hf", ck, tmp_path / "back", "--no-tokenizer",
-                    *(["--hf-architecture", "qwen3_5_moe_text"] if case == "qwen3_5_moe" else []))
-    original, exported = safetensors_of(tmp_path / "hf"), safetensors_of(back)
-    assert sorted(original) == sorted(exported)
-    assert all(torch.equal(original[k], exported[k]) for k in original)
+    back, _, _ = export_back(convert, ck, tmp_path / "hf", tmp_path / "back",
+                             *(["--hf-architecture", "qwen3_5_moe_text"] if case == "qwen3_5_moe" else []))
     loaded = AutoModelForCausalLM.from_pretrained(back, local_files_only=True).eval()
     assert type(loaded).__name__ == cls
 
