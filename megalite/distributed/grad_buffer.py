@@ -273,18 +273,22 @@ class ShardedGradBuffer(_Hooked):
         return sum(t.numel() * t.element_size() for t in held)
 
     # -- accumulation ----------------------------------------------------------------------------
+    def _staged_view(self, p: torch.nn.Parameter, staging: list, b: int, make=torch.zeros) -> torch.Tensor:
+        """p's view of staging[b], which `make` allocates on first use."""
+        start, end = self.layout.buckets[b]
+        if staging[b] is None:
+            staging[b] = make(end - start, dtype=self.dtype, device=self.device)
+        lo, hi = self.layout.param_index[p]
+        return staging[b][lo - start:hi - start].view(p.shape)
+
     def _stage(self, p: torch.nn.Parameter, grad: torch.Tensor, staging: list, b: int) -> None:
         """Add `grad` (p's shape) into staging[b], allocating it on first use."""
-        start, end = self.layout.buckets[b]
         if staging[b] is None and self._whole[b] and grad.dtype == self.dtype and grad.is_contiguous():
             # a bucket that is exactly this parameter: autograd's gradient becomes the
             # staging buffer, no copy (for a vocabulary-sized embedding, the step's largest tensor)
             staging[b] = grad.detach().view(-1)
         else:
-            if staging[b] is None:
-                staging[b] = torch.zeros(end - start, dtype=self.dtype, device=self.device)
-            lo, hi = self.layout.param_index[p]
-            staging[b][lo - start:hi - start].view(p.shape).add_(grad)
+            self._staged_view(p, staging, b).add_(grad)
 
     def add_partial(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """A part of p's gradient delivered outside autograd (ZeRO-3's tied output projection,
@@ -310,13 +314,9 @@ class ShardedGradBuffer(_Hooked):
         the bucket's staging buffer (written into a bucket of its own alone, added otherwise:
         the buffer starts at zero); the hook then drops autograd's stand-in (`_fused`)."""
         k = self.layout.param_bucket[p]
-        start, end = self.layout.buckets[k]
         alone = self._staging[k] is None and self._whole[k]
-        if self._staging[k] is None:
-            make = torch.empty if alone else torch.zeros
-            self._staging[k] = make(end - start, dtype=self.dtype, device=self.device)
-        lo, hi = self.layout.param_index[p]
-        self._gemm[p.dtype](self._staging[k][lo - start:hi - start].view(p.shape), a, b, overwrite=alone)
+        view = self._staged_view(p, self._staging, k, torch.empty if alone else torch.zeros)
+        self._gemm[p.dtype](view, a, b, overwrite=alone)
         self._fused.add(p)
 
     def _accumulate(self, p: torch.nn.Parameter) -> None:
