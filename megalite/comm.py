@@ -32,6 +32,7 @@ import torch.distributed as dist
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+from .errors import UserError
 from .rendezvous import attempt_store
 
 
@@ -90,11 +91,20 @@ def init_distributed(backend: str, timeout_minutes: float, device_id=None, store
     timeout = datetime.timedelta(minutes=timeout_minutes)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = store if store is not None else attempt_store(rank, timeout)
-    if store is None:
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
-    else:
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout,
-                                device_id=device_id)
+    try:
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                    device_id=device_id)
+    except dist.DistNetworkError as e:
+        # rank 0 hosts the env:// store on MASTER_PORT; a port some other process holds is the
+        # user's to change, not a traceback
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise UserError(f"MASTER_PORT {os.environ.get('MASTER_PORT')} on {os.environ.get('MASTER_ADDR')} is "
+                        "in use by another process: pick a free port (torchrun --master-port, or "
+                        "--rdzv-endpoint host:port)") from None
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:

@@ -385,6 +385,21 @@ def test_torchrun_reports_a_bad_flag_once(world):
     assert _tree(world) == before
 
 
+def test_a_busy_master_port_is_named(world):
+    """Rank 0 hosts the env:// store on MASTER_PORT: a port another process listens on is an
+    error line naming it, not a DistNetworkError traceback."""
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        proc = subprocess.run([PY, os.path.join(ROOT, "pretrain_gpt.py"), *MOCK], cwd=world, env=env,
+                              capture_output=True, text=True, timeout=120)
+    _check_refused(proc, f"MASTER_PORT {port} on 127.0.0.1 is in use")
+
+
 def test_launcher_keeps_torchrun_report_for_other_failures():
     """Only a refusal (status 2, or a worker stopped after one) is reported by its error line alone."""
     from types import SimpleNamespace as F

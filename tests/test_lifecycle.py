@@ -46,7 +46,7 @@ def _process_state() -> dict:
             "deterministic": torch.are_deterministic_algorithms_enabled()}
 
 
-def _rank(rank: int, world: int, port: int, out_dir: str, queue) -> None:
+def _rank(rank: int, world: int, ports: list, out_dir: str, queue) -> None:
     import time
 
     import torch
@@ -59,7 +59,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, queue) -> None:
         before, state = _held(), _process_state()
         report = {"before": before, "runs": []}
         for i, argv in enumerate([RUN, RUN, RUN, DIVERGES]):
-            os.environ["MASTER_PORT"] = str(port + i)
+            os.environ["MASTER_PORT"] = str(ports[i])
             start = time.process_time()  # this rank's CPU time: other jobs on the machine do not stretch it
             try:
                 code = pretrain_gpt.main(argv + ["--log-jsonl", f"run{i}.jsonl"])
@@ -76,13 +76,23 @@ def _rank(rank: int, world: int, port: int, out_dir: str, queue) -> None:
 def test_three_runs_in_one_process_leave_nothing_behind(tmp_path):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    # a port the OS calls free for each run: port + 1 may be the local end of another test's
+    # connection, and then rank 0 cannot listen there while rank 1 waits on it
+    ports = []
+    while len(ports) < 4:
+        port = free_port()
+        ports += [port] if port not in ports else []
     os.environ.setdefault("PYTHONPATH", ROOT)
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(tmp_path), queue)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, ports, str(tmp_path), queue)) for r in range(2)]
     for p in procs:
         p.start()
+    reports = {}
     try:
-        reports = dict(queue.get(timeout=240) for _ in procs)
+        while len(reports) < len(procs):
+            rank, report = queue.get(timeout=240)
+            reports[rank] = report
+            # a rank that failed leaves its peer waiting on it: report the failure now
+            assert isinstance(report, dict), f"rank {rank}: {report}"
     finally:
         for p in procs:
             p.join(timeout=30)
