@@ -5,7 +5,8 @@ assert on them).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_throughput.py [--num-layers 4 --hidden-size 256 \
         --num-attention-heads 8 --seq-length 256 --micro-batch-size 8 --vocab-size 8192] \
-        [--microbatches 1 4] [--contestants megalite megalite-compile megalite-unfused transformers nanogpt nanogpt-compile] \
+        [--microbatches 1 4] [--contestants megalite megalite-compile megalite-compile-decoder megalite-unfused \
+        transformers nanogpt nanogpt-compile] \
         [--steps 10] [--threads N] [--bf16] [--device cpu|cuda] [--profile] [--json out.json]
 
 The same GPT (pre-LN, learned positions, LayerNorm, GeLU, biases, tied embeddings, dropout 0) is
@@ -16,7 +17,8 @@ clipping at 1.0 and AdamW:
 
 - megalite: training.train_step() of pretrain_gpt.py's own loop (mock data, one process): fp32
   gradient buffer and master weights with --bf16, fused AdamW, clipping by the global norm, LR
-  schedule; `megalite-compile`: the same with --compile (each transformer layer and the loss's
+  schedule; `megalite-compile-decoder`: --compile --compile-scope decoder (the layer stack as one
+  region); `megalite-compile`: the same with --compile (each transformer layer and the loss's
   passes compiled by Inductor);
 - transformers: GPT2LMHeadModel (attn_implementation="sdpa"), parameters in the run's dtype (bf16
   with --bf16, no fp32 masters), torch AdamW (fused where the device has it), clip_grad_norm_;
@@ -53,7 +55,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-CONTESTANTS = ("megalite", "megalite-compile", "megalite-unfused", "transformers", "nanogpt", "nanogpt-compile")
+CONTESTANTS = ("megalite", "megalite-compile", "megalite-compile-decoder", "megalite-unfused", "transformers", "nanogpt",
+               "nanogpt-compile")
 
 
 def sync(device):
@@ -62,7 +65,8 @@ def sync(device):
 
 
 # -- contestants -------------------------------------------------------------------------------------
-def megalite_flags(a, compile_: bool, microbatches: int, fusion: bool = True) -> list[str]:
+def megalite_flags(a, compile_scope: str | None, microbatches: int, fusion: bool = True) -> list[str]:
+    """pretrain_gpt.py's flags for this measurement; `compile_scope`: None (eager) or --compile-scope's value."""
     flags = ["--mock-data", "--vocab-size", str(a.vocab_size), "--num-layers", str(a.num_layers),
              "--hidden-size", str(a.hidden_size), "--num-attention-heads", str(a.num_attention_heads),
              "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
@@ -72,8 +76,8 @@ def megalite_flags(a, compile_: bool, microbatches: int, fusion: bool = True) ->
              "--distributed-backend", "nccl" if a.device == "cuda" else "gloo"]
     if a.bf16:
         flags.append("--bf16")
-    if compile_:
-        flags.append("--compile")
+    if compile_scope:
+        flags += ["--compile", "--compile-scope", compile_scope]
     # the fusions Megatron-LM's scripts run with (gradient accumulation's is the default): without
     # them, the weight gradients go through autograd's .grad and the buffer's hook, and the loss's
     # passes over bf16 logits run eagerly (megalite-unfused)
@@ -82,11 +86,12 @@ def megalite_flags(a, compile_: bool, microbatches: int, fusion: bool = True) ->
 
 
 class Megalite:
-    def __init__(self, a, compile_: bool, fusion: bool = True):
+    def __init__(self, a, compile_scope: str | None, fusion: bool = True):
         from megalite.arguments import parse_args, validate_args
         from megalite.training import setup
-        self.name = ("megalite --compile" if compile_ else "megalite") + ("" if fusion else " unfused")
-        self.args = validate_args(parse_args(megalite_flags(a, compile_, max(a.microbatches), fusion)), 1)
+        self.name = ({None: "megalite", "layer": "megalite --compile"}.get(compile_scope)
+                     or f"megalite --compile-scope {compile_scope}") + ("" if fusion else " unfused")
+        self.args = validate_args(parse_args(megalite_flags(a, compile_scope, max(a.microbatches), fusion)), 1)
         self.run = setup(self.args)
         self.micro_batch_size = a.micro_batch_size
 
@@ -336,8 +341,9 @@ def commit() -> str:
 
 
 def build(a, device, dtype) -> list:
-    make = {"megalite": lambda: Megalite(a, False), "megalite-compile": lambda: Megalite(a, True),
-            "megalite-unfused": lambda: Megalite(a, False, fusion=False),
+    make = {"megalite": lambda: Megalite(a, None), "megalite-compile": lambda: Megalite(a, "layer"),
+            "megalite-compile-decoder": lambda: Megalite(a, "decoder"),
+            "megalite-unfused": lambda: Megalite(a, None, fusion=False),
             "transformers": lambda: HFGPT2(a, device, dtype), "nanogpt": lambda: NanoGPT(a, device, dtype, False),
             "nanogpt-compile": lambda: NanoGPT(a, device, dtype, True)}
     return [make[name]() for name in a.contestants]
@@ -379,7 +385,7 @@ def report(m: dict, contestants, a, device, microbatches, flops, peaks) -> dict:
         if clock == "cpu" and device.type != "cpu":
             continue
         print(f"\n{microbatches} micro-batch(es) of {a.micro_batch_size} x {a.seq_length}, {clock} time:")
-        print(f"{'contestant':30s} {'tokens/s min / median / max':>34s} {'TFLOP/s':>8s} "
+        print(f"{'contestant':34s} {'tokens/s min / median / max':>34s} {'TFLOP/s':>8s} "
               f"{'MFU table':>9s} {'MFU gemm':>9s} {'vs transformers':>16s}")
         for c in contestants:
             ts = per_step[c.name]
@@ -394,7 +400,7 @@ def report(m: dict, contestants, a, device, microbatches, flops, peaks) -> dict:
             out.setdefault(c.name, {})[clock] = row
             cells = [f"{row['mfu_table']:.1%}" if row["mfu_table"] else "-", f"{row['mfu_gemm']:.1%}",
                      f"{row['speed_ratio_vs_transformers_median']:.2f}x" if ratios else "-"]
-            print(f"{c.name:30s} {tps[0]:12.0f} / {statistics.median(tps):8.0f} / {tps[-1]:8.0f} {tflops:8.3f} "
+            print(f"{c.name:34s} {tps[0]:12.0f} / {statistics.median(tps):8.0f} / {tps[-1]:8.0f} {tflops:8.3f} "
                   f"{cells[0]:>9s} {cells[1]:>9s} {cells[2]:>16s}", flush=True)
     return out
 
@@ -446,7 +452,7 @@ def main(argv=None) -> dict:
     if config is None:  # the same model's FLOPs without building megalite's
         from megalite.arguments import parse_args, validate_args
         from megalite.initialize import resolve_vocab
-        config = resolve_vocab(validate_args(parse_args(megalite_flags(a, False, 1)), 1))[0]
+        config = resolve_vocab(validate_args(parse_args(megalite_flags(a, None, 1)), 1))[0]
     result = {"machine": machine(), "commit": commit(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "config": vars(a), "peak_tflops": peaks, "by_microbatches": {}, "profile": {}}
     print(f"peak: table {peaks['table']} TFLOP/s, measured matrix multiply {peaks['gemm']:.3f} TFLOP/s", flush=True)

@@ -255,9 +255,12 @@ def _compile(cfg: RunConfig, model: list, ps, device) -> None:
     if not cfg.training.compile:
         return
     from .model.compile import compile_layers
-    n = compile_layers(model)
+    scope = cfg.training.compile_scope
+    n = compile_layers(model, scope=scope)
     if ps.rank == ps.logging_rank:
-        print(f"> compile: torch.compile of {n} transformer layers (Inductor)", flush=True)
+        what = (f"{n} transformer layers, each a region" if scope == "layer" else
+                f"the layer stack of {len(model)} model chunk(s), {n} transformer layers in all, each chunk's one region")
+        print(f"> compile: torch.compile of {what} (Inductor)", flush=True)
 
 
 def _schedule(p):

@@ -37,8 +37,15 @@ def _compile_in_process(monkeypatch):
 
 
 def test_flag():
+    from megalite.arguments.errors import ArgumentError
     assert validate_args(parse_args(BASE + ["--compile"]), 1).training.compile
     assert not validate_args(parse_args(BASE), 1).training.compile
+    assert validate_args(parse_args(BASE + ["--compile", "--compile-scope", "decoder"]), 1).training.compile_scope == "decoder"
+    with pytest.raises(ArgumentError, match="--compile-scope needs --compile"):
+        validate_args(parse_args(BASE + ["--compile-scope", "decoder"]), 1)
+    with pytest.raises(ArgumentError, match="--compile-scope decoder cannot run with --recompute-granularity full"):
+        validate_args(parse_args(BASE + ["--compile", "--compile-scope", "decoder", "--recompute-granularity", "full",
+                                         "--recompute-method", "uniform", "--recompute-num-layers", "1"]), 1)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +59,8 @@ def eager(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,extra", [
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-activations"]),
-], ids=["tp2-sp-selective"])
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--compile-scope", "decoder"]),
+], ids=["tp2-sp-selective", "tp2-sp-decoder-scope"])
 def test_compiled_matches_eager(eager, tmp_path, nproc, extra):
     records, proc = run_pretrain(nproc, BASE + extra + ["--compile"], tmp_path, timeout=900)
     assert_losses_close(eager, train_losses(records), rtol=1e-5)
@@ -64,11 +72,20 @@ def test_compiled_matches_eager(eager, tmp_path, nproc, extra):
 
 
 @pytest.mark.launches  # Inductor starts its compile workers and the C compiler
-@pytest.mark.parametrize("recompute", [None, "full"], ids=["plain", "full-block-recompute"])
-def test_one_process_layer_compiles_without_graph_breaks(recompute):
+@pytest.mark.parametrize("recompute,scope", [(None, "layer"), ("full", "layer"), (None, "decoder")],
+                         ids=["plain", "full-block-recompute", "decoder-scope"])
+def test_one_process_layer_compiles_without_graph_breaks(recompute, scope):
     """One process: a layer is one graph (a graph break here would mean a host sync or an
-    untraceable call crept into the layer), and under full block recompute (the first layer
-    recomputed in backward, the second kept) the compiled layers give eager's loss and gradients."""
+    untraceable call crept into the layer), shared by both layers; with --compile-scope decoder the
+    whole stack is one graph. Under full block recompute (the first layer recomputed in backward,
+    the second kept) the compiled layers give eager's loss and gradients, as do both scopes."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.compile_fx import compile_fx
+    graphs = []
+
+    def recording(gm, example_inputs):  # Inductor, keeping each graph Dynamo hands it
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=1000,
                     padded_vocab_size=1024, seq_length=32, max_position_embeddings=32,
                     position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
@@ -83,11 +100,17 @@ def test_one_process_layer_compiles_without_graph_breaks(recompute):
         model.initialize(7)
         if compiled:
             torch._dynamo.reset()
-            assert compile_layers([model]) == 2
+            counters.clear()
+            assert compile_layers([model], backend=recording, scope=scope) == 2
         loss = model(ids, pos, None, ids).mean()
         loss.backward()
         out[compiled] = (loss.item(), model.decoder.layers[0].mlp.linear_fc1.weight.grad.clone())
     assert graph_breaks() == 0
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    # what the one graph holds: one layer's parameters, or both layers' (named by their place in the stack)
+    inputs = " ".join(n.name for n in graphs[0].graph.nodes if n.op == "placeholder")
+    held = [f"layers_modules_{i}_" in inputs for i in range(2)]
+    assert held == ([True, True] if scope == "decoder" else [False, False]), inputs
     # Inductor fuses and reorders the layers' sums (tests/tolerances.py): 2 layers, a 1024-column loss
     assert abs(out[True][0] - out[False][0]) <= fp32_atol(scale=abs(out[False][0]), **model_rounding(k=1024, layers=2))
     assert_close_fp32(out[True][1], out[False][1], **model_rounding(k=1024, layers=2, backward=True))

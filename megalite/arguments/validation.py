@@ -357,6 +357,12 @@ def _check_operations(c: RunConfig) -> None:
              "optim_grads_params) each rank holds slices of them")
     if not t.manual_gc and (t.manual_gc_interval or not t.manual_gc_eval):
         fail("--manual-gc-interval / --no-manual-gc-eval need --manual-gc")
+    if "training.compile_scope" in c.explicit and not t.compile:
+        fail("--compile-scope needs --compile")
+    if t.compile and t.compile_scope == "decoder" and c.recompute.recompute_granularity == "full":
+        fail("--compile-scope decoder cannot run with --recompute-granularity full: the recomputed layers run "
+             "inside an eager checkpoint, outside the compiled region; use --compile-scope layer (compiled "
+             "layers inside the checkpoint)")
 
 
 def _check_dry_run(c: RunConfig) -> None:

@@ -50,6 +50,11 @@ class TrainingConfig:
                          action="store_true")
     compile: bool = flag("--compile", False, "torch.compile each transformer layer (Inductor); compiled during the "
                          "first iteration", action="store_true")
+    compile_scope: str = flag(
+        "--compile-scope", "layer", "with --compile, what one compiled region is: 'layer', each transformer layer "
+        "(one graph serves every layer: the shortest compile); 'decoder', each model chunk's whole layer stack "
+        "and final norm (one forward and one backward region per chunk: the least host work per step; compile "
+        "time grows with the layers)", choices=["layer", "decoder"])
     # logging and evaluation
     log_interval: int = flag("--log-interval", 100, "iterations between log lines (>= 1)", check=AT_LEAST_1)
     log_jsonl: str | None = flag("--log-jsonl", None, "append one JSON object per logged iteration / evaluation to "

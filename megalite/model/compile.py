@@ -1,12 +1,22 @@
-"""torch.compile of the transformer layers (--compile).
+"""torch.compile of the transformer layers (--compile, --compile-scope).
 
-Each TransformerLayer of a model chunk is compiled in place (`nn.Module.compile`), so parameter
-names, and with them initialisation and checkpoints, do not change. Per layer rather than per
-model: the layers run the same code on the same shapes, so Dynamo traces one graph and Inductor
-compiles it once (forward and backward) for every layer of every chunk; the embedding, the
-vocabulary-parallel loss's own code, recompute of whole chunks and the pipeline schedule stay
-eager; the loss's two passes over 16-bit logits are compiled apart (tensor_parallel/cross_entropy.py
-`compiled_loss_kernels`: one fused kernel each instead of a few per slice of rows).
+Modules are compiled in place (`nn.Module.compile`), so parameter names, and with them
+initialisation and checkpoints, do not change. Two scopes:
+- `layer` (the default, torchtitan's choice): each TransformerLayer. The layers run the same code
+  on the same shapes, so Dynamo traces one graph and Inductor compiles it once (forward and
+  backward) for every layer of every chunk: compile time does not grow with depth. Each call of a
+  compiled region costs host time, though (guards, AOTAutograd's autograd.Function, the Python
+  wrapper that launches the kernels): ~0.5 ms per layer per pass on an H200's host
+  (benchmarks/RESULTS_gpu.md), which made a GPT-2 125M step host-bound where nanoGPT, compiled as
+  one region, is not;
+- `decoder`: each chunk's TransformerBlock (its layers and final norm) as one region: Dynamo
+  unrolls the layers into one graph per chunk, so a micro-batch pays one forward and one backward
+  call; Inductor compiles a graph as long as the stack (longer compiles). Full recompute is
+  refused with it (its checkpoint runs eagerly, so the layers inside would not be compiled).
+The embedding, the vocabulary-parallel loss's own code, recompute of whole chunks and the
+pipeline schedule stay eager; the loss's two passes over 16-bit logits are compiled apart
+(tensor_parallel/cross_entropy.py `compiled_loss_kernels`: one fused kernel each instead of a few
+per slice of rows).
 Inside a layer Inductor fuses what sits between the matrix multiplies (norm, residual add,
 dropout, rotary, GeLU / SwiGLU), which PyTorch's eager fused kernels cover only op by op
 (PyTorch 2 paper, Ansel et al. 2024, Sec. 4-5).
@@ -26,16 +36,22 @@ What Dynamo makes of the rest of megalite (torch 2.13, tests/test_compile.py):
 from __future__ import annotations
 
 
-def compile_layers(chunks, backend: str = "inductor") -> int:
-    """Compile every TransformerLayer of `chunks` (GPTModel instances) in place; returns how many.
+def compile_layers(chunks, backend: str = "inductor", scope: str = "layer") -> int:
+    """Compile the transformer layers of `chunks` (GPTModel instances) in place, each layer
+    (`scope` "layer") or each chunk's layer stack ("decoder"); returns how many layers that covers.
     Compilation itself happens lazily, on the first forward and backward."""
     from ..tensor_parallel.cross_entropy import compiled_loss_kernels
+    if scope not in ("layer", "decoder"):
+        raise ValueError(f"compile scope must be 'layer' or 'decoder', got {scope!r}")
     n = 0
     kernels = compiled_loss_kernels(backend)
     for chunk in chunks:
-        for layer in chunk.decoder.layers:
-            layer.compile(backend=backend, dynamic=False)
-            n += 1
+        if scope == "decoder":
+            chunk.decoder.compile(backend=backend, dynamic=False)
+        else:
+            for layer in chunk.decoder.layers:
+                layer.compile(backend=backend, dynamic=False)
+        n += len(chunk.decoder.layers)
         chunk.loss_kernels = kernels
     return n
 
