@@ -18,7 +18,9 @@ virtual environment, no registry: `PYTHONPATH=. python3 benchmarks/gpu_check.py`
 
 then writes the results file (default benchmarks/RESULTS_gpu.md: machine, commit, commands,
 numbers). Each step runs in a process of its own with its own timeout, so one that fails or hangs
-costs only its own row. Without CUDA it says so and exits 0, writing nothing. `--tiny` runs every
+costs only its own row, and all of them within one budget (--budget, default 420 s: a step that
+the budget no longer covers is cut short or skipped), so the check fits its lease whatever
+happens; the sizes run in order of what they decide (125M, 1.3B, then 350M). Without CUDA it says so and exits 0, writing nothing. `--tiny` runs every
 step at toy sizes on the CPU in fp32 (the suite does: tests/test_gpu_check.py), so the code paths
 cannot rot between GPU leases.
 """
@@ -46,10 +48,10 @@ SIZES = {
     "125M": (["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12"], 8, 4,
              ["megalite", "megalite-compile", "megalite-compile-decoder", "megalite-unfused", "transformers",
               "nanogpt-compile"], 200, True),
-    "350M": (["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16"], 8, 4,
-             ["megalite", "transformers"], 90, False),  # nanoGPT-style at 125M and 1.3B only: the lease
     "1.3B": (["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"], 4, 4,
              ["megalite", "megalite-unfused", "transformers", "nanogpt"], 200, False),
+    "350M": (["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16"], 8, 4,
+             ["megalite", "transformers"], 90, False),  # nanoGPT-style at 125M and 1.3B only: the lease
 }
 TINY = (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"], 2, 2,
         ["megalite", "megalite-unfused", "transformers", "nanogpt"], 300, True)
@@ -66,6 +68,31 @@ TINY_MOE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--mtp-num-layers", "1"]
 
 
+class Commands:
+    """The check's commands, each in a process of its own with its own timeout, all within one
+    budget (--budget): a step is cut short where the budget has less left than its timeout, and
+    skipped where it has under MIN_STEP_S left, so that the check ends within its lease whatever
+    hangs. `log`: each command, its status and seconds."""
+    MIN_STEP_S = 20
+
+    def __init__(self, budget_s: float):
+        self.log: list = []
+        self.deadline = time.time() + budget_s
+
+    def run(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+        left = self.deadline - time.time()
+        if left < self.MIN_STEP_S:
+            proc = subprocess.CompletedProcess(cmd, 125, "", f"skipped: {max(left, 0):.0f} s of the --budget left")
+            self.log.append({"command": _shown(cmd), "status": 125, "seconds": 0.0})
+            print(f"gpu-check: {_shown(cmd)[:120]} -> {proc.stderr}", flush=True)
+            return proc
+        return _run(cmd, min(timeout, left), self.log)
+
+
+def _shown(cmd: list[str]) -> str:
+    return " ".join(c if c != sys.executable else "python3" for c in cmd)
+
+
 def _run(cmd: list[str], timeout: float, log: list) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
     start = time.time()
@@ -74,8 +101,8 @@ def _run(cmd: list[str], timeout: float, log: list) -> subprocess.CompletedProce
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        proc = subprocess.CompletedProcess(cmd, 124, out, err + f"\ntimed out after {timeout} s")
-    log.append({"command": " ".join(c if c != sys.executable else "python3" for c in cmd),
+        proc = subprocess.CompletedProcess(cmd, 124, out, err + f"\ntimed out after {timeout:.0f} s")
+    log.append({"command": _shown(cmd),
                 "status": proc.returncode, "seconds": round(time.time() - start, 1)})
     print(f"gpu-check: {log[-1]['command'][:120]} -> status {proc.returncode} in {log[-1]['seconds']} s", flush=True)
     if proc.returncode:
@@ -88,10 +115,10 @@ def _failed(proc) -> str:
     return f"failed (status {proc.returncode}): {(text[-1] if text else '')[:200]}"
 
 
-def gpu_tests(log: list, tiny: bool) -> str:
+def gpu_tests(commands: Commands, tiny: bool) -> str:
     if tiny:  # the GPU tests skip without CUDA: nothing to run here
         return "(skipped: --tiny)"
-    proc = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"], 90, log)
+    proc = commands.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"], 90)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-8:]
     return "\n".join(["```", *tail, "```"])
 
@@ -100,7 +127,7 @@ def _fmt(x, pattern="{:.0f}"):
     return pattern.format(x) if x is not None else "-"
 
 
-def throughput(log: list, work: str, tiny: bool, steps: int) -> tuple[str, str]:
+def throughput(commands: Commands, work: str, tiny: bool, steps: int) -> tuple[str, str]:
     """(the throughput table, the profile lines of megalite's step)."""
     rows = ["| shape | micro-batches | contestant | tokens/s (median) | TFLOP/s | MFU (table peak) | MFU (measured GEMM) | "
             "vs transformers |", "|---|---|---|---|---|---|---|---|"]
@@ -110,10 +137,10 @@ def throughput(log: list, work: str, tiny: bool, steps: int) -> tuple[str, str]:
         out = os.path.join(work, f"throughput-{name}.json")
         device = ["--device", "cpu", "--vocab-size", "512", "--seq-length", "64"] if tiny else \
             ["--device", "cuda", "--bf16", "--vocab-size", "50304", "--seq-length", "1024"]
-        proc = _run([sys.executable, "benchmarks/bench_throughput.py", *shape, *device, "--micro-batch-size", str(mbs),
-                     "--microbatches", "1", str(several), "--contestants", *contestants, "--steps", str(steps),
-                     "--warmup", "1" if tiny else "2", *(["--profile"] if profile else []), "--json", out],
-                    timeout, log)
+        proc = commands.run([sys.executable, "benchmarks/bench_throughput.py", *shape, *device, "--micro-batch-size",
+                           str(mbs), "--microbatches", "1", str(several), "--contestants", *contestants, "--steps",
+                           str(steps), "--warmup", "1" if tiny else "2", *(["--profile"] if profile else []),
+                           "--json", out], timeout)
         if proc.returncode or not os.path.exists(out):
             rows.append(f"| {name} | | | {_failed(proc)} | | | | |")
             continue
@@ -138,7 +165,7 @@ def _records(path: str) -> list:
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
-def one_gpu_runs(log: list, work: str, tiny: bool) -> str:
+def one_gpu_runs(commands: Commands, work: str, tiny: bool) -> str:
     if tiny:
         base = ["--seq-length", "64", "--mock-data", "--vocab-size", "512", "--micro-batch-size", "2",
                 "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-4", "--log-interval", "2",
@@ -163,7 +190,7 @@ def one_gpu_runs(log: list, work: str, tiny: bool) -> str:
     rows = ["| run | tokens/s (last interval) | MFU | peak allocated (GiB) | status |", "|---|---|---|---|---|"]
     for i, (name, shape, extra) in enumerate(runs):
         jsonl = os.path.join(work, f"run{i}.jsonl")
-        proc = _run([sys.executable, "pretrain_gpt.py", *shape, *base, *extra, "--log-jsonl", jsonl], timeout, log)
+        proc = commands.run([sys.executable, "pretrain_gpt.py", *shape, *base, *extra, "--log-jsonl", jsonl], timeout)
         final = [r for r in _records(jsonl) if r.get("iteration") == last and "tokens_per_sec" in r]
         if proc.returncode or not final:
             rows.append(f"| {name} | - | - | - | {_failed(proc)} |")
@@ -181,7 +208,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "RESULTS_gpu.md"))
     ap.add_argument("--tiny", action="store_true", help="every step at toy sizes on the CPU (the suite's check)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per contestant and micro-batch count")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for all the steps together (default: 420 on a GPU, an 8-minute lease less the "
+                         "machine's start-up; none with --tiny)")
     a = ap.parse_args(argv)
+    if a.budget is not None and a.budget <= 0:
+        ap.error(f"--budget must be a number of seconds > 0, got {a.budget}")
     try:
         import torch
     except ImportError:
@@ -193,12 +225,13 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
-    log: list = []
+    commands = Commands(a.budget or (float("inf") if a.tiny else 420.0))
+    log = commands.log
     start = time.time()
     with tempfile.TemporaryDirectory() as work:
-        tests = gpu_tests(log, a.tiny)
-        table, profiles = throughput(log, work, a.tiny, a.steps)
-        runs = one_gpu_runs(log, work, a.tiny)
+        tests = gpu_tests(commands, a.tiny)
+        table, profiles = throughput(commands, work, a.tiny, a.steps)
+        runs = one_gpu_runs(commands, work, a.tiny)
     device = "CPU (--tiny)" if a.tiny else torch.cuda.get_device_name(0)
     text = [f"# GPU check ({datetime.date.today()})", "",
             f"Machine: {device}, {platform.node()}; torch {torch.__version__}, CUDA {torch.version.cuda}; commit "

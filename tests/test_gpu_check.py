@@ -37,3 +37,21 @@ def test_every_step_runs_at_tiny_sizes_on_the_cpu(tmp_path):
                 "| tiny | 2 x 2 | nanoGPT-style |", "kernel launches", "| dense, ZeRO-3 (optim_grads_params) |",
                 "| MoE (tiny) |"):
         assert row in text, row
+
+
+def test_a_spent_budget_cuts_steps_short_then_skips_them(monkeypatch):
+    """The check fits its lease whatever hangs: a step runs at most as long as the budget has
+    left, and once under Commands.MIN_STEP_S is left the rest are skipped, each logged as failed."""
+    import importlib.util
+    import time
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr(gpu_check.Commands, "MIN_STEP_S", 0.5)
+    commands = gpu_check.Commands(budget_s=2.0)
+    start = time.time()
+    hung = commands.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=100)
+    assert hung.returncode == 124 and time.time() - start < 10, (hung.returncode, time.time() - start)
+    skipped = commands.run([sys.executable, "-c", "print('never')"], timeout=100)
+    assert skipped.returncode == 125 and "skipped" in skipped.stderr
+    assert [r["status"] for r in commands.log] == [124, 125]
