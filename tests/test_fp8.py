@@ -72,6 +72,39 @@ def test_hybrid_tensorwise_equals_torchaos_float8_linear():
     assert (e4m3[1] - ref[1]).abs().max() > 1e-4
 
 
+@pytest.mark.launches  # Inductor and the C compiler
+def test_compiled_cast_writes_the_eager_casts_bytes(monkeypatch):
+    """The cast a GPU runs (compiled: one pass) gives the eager cast's FP8 bytes for scalar, row
+    and tile scales, in both formats, saturating what overflows and keeping NaN; it is the one
+    chosen on CUDA with Triton, the eager one on the CPU. Inductor's C++ stands in for Triton here."""
+    import torch._inductor.config as inductor_config
+    import torch.utils._triton
+
+    from megalite.fp8 import operand
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 96, generator=g) * torch.logspace(-4, 3, 96)  # beyond FP8's range once scaled
+    x[0, 0], x[1, 1] = float("nan"), -float("inf")
+    w = torch.randn(24, 96, generator=g).bfloat16()
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    with inductor_config.patch(compile_threads=1):
+        for t in (x, w):
+            for scale in (torch.tensor(0.37), torch.rand(t.size(0), 1, generator=g) * 4,
+                          torch.rand(t.shape, generator=g) * 4):
+                for dtype in (E4M3, E5M2):
+                    eager = operand._scaled_cast(t, scale, dtype)
+                    compiled = operand.compiled_scaled_cast()(t, scale, dtype)
+                    assert compiled.dtype == dtype
+                    nan = eager.float().isnan()  # NaN stays NaN (its sign bit is the kernel's)
+                    assert torch.equal(compiled.float().isnan(), nan)
+                    assert torch.equal(compiled.view(torch.uint8)[~nan], eager.view(torch.uint8)[~nan]), (
+                        t.dtype, scale.shape, dtype)
+    assert operand.cast_kernel(torch.device("cpu")) is operand._scaled_cast
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
+    assert operand.cast_kernel(torch.device("cuda")) is operand.compiled_scaled_cast()
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: False)
+    assert operand.cast_kernel(torch.device("cuda")) is operand._scaled_cast
+
+
 def _tiles_reference(x, rows, cols, dtype):
     """x cast with one scale per (rows x cols) tile, by reshaping it into its tiles."""
     r, c = x.shape

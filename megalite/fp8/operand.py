@@ -11,6 +11,7 @@ the same emulated product, and on a GPU the product of the dequantized 16-bit va
 casts; torchao's block-scaled kernel is not wired in yet, docs/fp8.md)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,9 +42,34 @@ class Operand:
         return self.data.numel() * self.data.element_size()
 
 
+def _scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """saturate(x·s) in fp32, as torchao casts (`to_fp8_saturated`). Eagerly that is four passes
+    over x with fp32 copies between them (the upcast, the product, the clamp, the cast)."""
+    return backend.float8().utils.to_fp8_saturated(x.float() * scale, dtype)
+
+
+@functools.cache
+def compiled_scaled_cast():
+    """`_scaled_cast` compiled: one pass, reading x and writing the FP8 bytes, with the same fp32
+    arithmetic (so the same bytes: tests/test_fp8.py). Shapes vary (every linear's X, W and dY, the
+    experts' row counts), so Dynamo's automatic dynamic shapes take over after the first recompile.
+    Built once per process: Dynamo keeps its compiled code per function anyway."""
+    return torch.compile(_scaled_cast, dynamic=None)
+
+
+def cast_kernel(device: torch.device):
+    """The cast a device runs: compiled where Inductor generates GPU kernels (CUDA with Triton),
+    as Transformer Engine's casts are fused kernels; eager elsewhere (on the CPU Inductor would
+    build C++ for the emulated path, where the casts are not what costs)."""
+    if device.type != "cuda":
+        return _scaled_cast
+    from torch.utils._triton import has_triton
+    return compiled_scaled_cast() if has_triton() else _scaled_cast
+
+
 def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, role: Role) -> Operand:
     """x cast to FP8 `dtype` with `scale` (broadcastable to x), as torchao casts: saturated."""
-    data = backend.float8().utils.to_fp8_saturated(x.detach().float() * scale, dtype)
+    data = cast_kernel(x.device)(x.detach(), scale, dtype)
     return Operand(data, scale, role, x.dtype)
 
 
@@ -106,4 +132,4 @@ def mm_config(emulate: bool):
                             t.ScaledMMConfig(emulate, False, False, not emulate))
 
 
-__all__ = ["Operand", "amax_to_scale", "cast", "gemm", "mm_config"]
+__all__ = ["Operand", "amax_to_scale", "cast", "cast_kernel", "compiled_scaled_cast", "gemm", "mm_config"]

@@ -91,6 +91,10 @@ class _FP8Linear(torch.autograd.Function):
         return dx, None, None, None, None, None, None, None
 
 
+# --compile: Dynamo cannot trace the site's state (amax history, scale reductions over TP) nor
+# torchao's FP8 tensor subclass built inside an autograd.Function, so the FP8 product runs eagerly
+# between the compiled parts of a layer (a graph break on each side, as the TP collectives make)
+@torch.compiler.disable
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias, site, sp_group=None, store=None) -> torch.Tensor:
     """X·Wᵀ + b through `site`'s FP8 casts; `sp_group`: X is sequence-sharded over it and gathered
     here; `store`: --delay-wgrad-compute's WgradStore."""

@@ -24,7 +24,7 @@ import torch
 from ...fp8 import blockwise
 from ...fp8.operand import Operand, amax_to_scale, cast, gemm
 from ...fp8.recipe import Role
-from ...fp8.site import reduce_max
+from ...fp8.site import local_amax, reduce_max
 
 _ROLES = (Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT)
 PROJECTIONS = ("linear_fc1", "linear_fc2")
@@ -86,7 +86,7 @@ class ExpertsFP8:
 
     def weight_scales(self, weights: list, proj: str) -> list[torch.Tensor]:
         ctx, slot = self.context, self._slot(proj, Role.WEIGHT)
-        amax = torch.stack([w.detach().abs().amax().float() for w in weights])
+        amax = torch.stack([local_amax(w) for w in weights])
         if slot is not None and ctx.history.ready:
             if ctx.recording:
                 ctx.history.record(slot, amax)
@@ -100,6 +100,7 @@ class ExpertsFP8:
         return gemm(a, b, self.context.mm_config, self.recipe.emulate)
 
     # -- the experts' MLPs -----------------------------------------------------------------------
+    @torch.compiler.disable  # --compile: run eagerly, as fp8_linear (tensor_parallel/fp8_linear.py)
     def forward(self, x: torch.Tensor, counts: list[int], sources: torch.Tensor | None) -> torch.Tensor:
         """x [N, h] sorted by local expert (counts[i] rows of expert i), `sources` each row's EP
         rank (None: this one) -> [N, h], a partial sum over ETP (LocalExperts.forward)."""
