@@ -8,7 +8,7 @@ tests never assert on them).
 
     # an FP8 GPU (compute capability 8.9+, torch._scaled_mm): tokens/s of a 1.3B-shaped and an
     # 8B-shaped layer stack (Llama-3 8B's layer, fewer of them) in bf16 and in FP8 (mock data)
-    python benchmarks/bench_fp8.py speed [--iters 20] [--stacks 1.3b 8b]
+    python benchmarks/bench_fp8.py speed [--iters 20] [--stacks 1.3b 8b] [--compile layer|decoder]
 
 `loss` reports each run's validation loss (--eval-iters batches of the held-out 2%) every
 --eval-interval iterations and the final one's difference from bf16's in percent (the issue's
@@ -100,12 +100,14 @@ def speed(args) -> str:
             rates = {}
             for name in ("bf16", "fp8-hybrid-tensorwise"):
                 jsonl = os.path.join(work, f"{stack}-{name}.jsonl")
-                argv = [*STACKS[stack], *SPEED, "--train-iters", str(args.iters), *FP8[name]]
+                argv = [*STACKS[stack], *SPEED, "--train-iters", str(args.iters), *FP8[name],
+                        *(["--compile", "--compile-scope", args.compile] if args.compile else [])]
                 rs = [r["tokens_per_sec"] for r in records(start(argv, jsonl), jsonl) if "tokens_per_sec" in r]
                 rates[name] = statistics.median(rs[args.warmup:])
                 print(f"{stack} {name}: {rates[name]:.0f} tokens/s", flush=True)
             bf16, fp8 = rates["bf16"], rates["fp8-hybrid-tensorwise"]
-            lines.append(f"| {stack} | {bf16:.0f} | {fp8:.0f} | {fp8 / bf16:.2f}x |")
+            shown = f"{stack}, --compile-scope {args.compile}" if args.compile else stack
+            lines.append(f"| {shown} | {bf16:.0f} | {fp8:.0f} | {fp8 / bf16:.2f}x |")
     return "\n".join(lines)
 
 
@@ -123,6 +125,8 @@ def main() -> None:
     sp.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
     sp.add_argument("--iters", type=int, default=20)
     sp.add_argument("--warmup", type=int, default=5, help="first iterations left out of the median")
+    sp.add_argument("--compile", choices=["layer", "decoder"], default=None,
+                    help="both runs with --compile and this --compile-scope (the FP8 products stay eager)")
     args = ap.parse_args()
     table = loss(args) if args.what == "loss" else speed(args)
     print(f"machine: {platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
