@@ -160,6 +160,23 @@ def test_fp8_linear_scaled_mm_equals_emulation():
 
 
 @needs_fp8_gpu
+def test_fp8_cast_on_cuda_is_compiled_with_the_eager_bytes():
+    """On CUDA the cast is Triton's one pass (fp8/operand.py cast_kernel) and writes the bytes the
+    eager four passes write (NaN aside: its sign bit is the kernel's)."""
+    from megalite.fp8 import operand
+    from megalite.fp8.recipe import E4M3, E5M2
+    assert operand.cast_kernel(torch.device("cuda")) is operand.compiled_scaled_cast()
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(512, 384, generator=g) * torch.logspace(-4, 3, 384)).cuda().bfloat16()
+    for scale in (torch.tensor(0.37, device="cuda"), torch.rand(512, 1, generator=g).cuda() * 4):
+        for dtype in (E4M3, E5M2):
+            eager, compiled = operand._scaled_cast(x, scale, dtype), operand.compiled_scaled_cast()(x, scale, dtype)
+            nan = eager.float().isnan()
+            assert torch.equal(compiled.float().isnan(), nan)
+            assert torch.equal(compiled.view(torch.uint8)[~nan], eager.view(torch.uint8)[~nan]), (scale.shape, dtype)
+
+
+@needs_fp8_gpu
 @pytest.mark.parametrize("recipe,extra", [
     ("tensorwise", []), ("blockwise", []),
     # the experts' rows scaled per (micro-batch, expert) against a weight's scalar scale
