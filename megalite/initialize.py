@@ -259,7 +259,7 @@ def _compile(cfg: RunConfig, model: list, ps, device) -> None:
     n = compile_layers(model, scope=scope)
     if ps.rank == ps.logging_rank:
         what = (f"{n} transformer layers, each a region" if scope == "layer" else
-                f"the layer stack of {len(model)} model chunk(s), {n} transformer layers in all, each chunk's one region")
+                f"each model chunk's layer stack as one region ({len(model)} chunk(s), {n} transformer layers)")
         print(f"> compile: torch.compile of {what} (Inductor)", flush=True)
 
 
