@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -169,9 +168,8 @@ def run_case(case: dict, device: str) -> list[dict]:
     world = case["tp"]
     if device == "cuda" and torch.cuda.device_count() < world:
         device = "cpu"  # one rank per GPU: TP=2 on a single GPU runs on CPU (gloo) instead
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from megalite.rendezvous import free_port
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, case, device, queue)) for r in range(world)]

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -116,9 +115,8 @@ def _rank_main(rank, world, port, m, queue):
 
 def run(m: dict, c: int) -> list[dict]:
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from megalite.rendezvous import free_port
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, c, port, m, queue)) for r in range(c)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 import time
 import uuid
@@ -29,6 +30,38 @@ import torch.distributed as dist
 KEY = "megalite/attempt_store"
 TOKEN_KEY = "megalite/attempt_token"
 CONNECT_TIMEOUT_S = 10.0  # one try at a published address; a stale one is refused at once (_listening)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port to host a store on (MASTER_PORT of a local launch) that is free now and stays so.
+    A port the OS picks (binding port 0) comes from its ephemeral range, which it also hands out
+    as the local end of outgoing connections: between picking it and listening on it, another
+    process's connection (a gloo mesh of a test running beside) can take it, and rank 0 then fails
+    with EADDRINUSE while the other ranks wait (seen twice in the suite). So: a random port below
+    that range that binds now; the OS's pick where the range leaves no room below it."""
+    low = _ephemeral_low()
+    if low > 10000:
+        pick = random.SystemRandom()  # never the seeded module generator: runs seed it alike
+        for _ in range(64):
+            port = pick.randrange(low - 8192, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                    return port
+                except OSError:
+                    continue
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the OS's ephemeral range (Linux's default: 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class RendezvousError(RuntimeError):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import traceback
@@ -22,9 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from megalite.rendezvous import free_port as below_ephemeral
+    return below_ephemeral()
 
 
 def _worker(rank, world_size, port, fn, args, queue):

@@ -546,13 +546,11 @@ def rank_main(rank: int, job: dict, port: int):
 
 
 def main(job_path: str):
-    import socket
     import torch.multiprocessing as mp
     with open(job_path, "rb") as f:
         job = pickle.load(f)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from megalite.rendezvous import free_port
+    port = free_port()
     if job["world"] == 1:
         rank_main(0, job, port)
     else:

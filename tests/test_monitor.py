@@ -62,3 +62,17 @@ def test_attempt_store_skips_a_previous_attempts_pointer(monkeypatch):
     mine.set("hello", "from rank 0")
     assert found["store"].get("hello") == b"from rank 0"
     assert agent.get(rendezvous.KEY).decode().split(":")[1] == str(mine.port)
+
+
+def test_free_port_is_below_the_ephemeral_range(monkeypatch):
+    """A local launch's MASTER_PORT comes from below the range the OS hands to outgoing
+    connections (so no connection takes it before rank 0 listens), binds, and differs between
+    calls; where the range leaves no room below it, the OS picks."""
+    import socket
+    low = rendezvous._ephemeral_low()
+    ports = {rendezvous.free_port() for _ in range(5)}
+    assert len(ports) > 1 and all(low - 8192 <= p < low for p in ports), (low, ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
+    monkeypatch.setattr(rendezvous, "_ephemeral_low", lambda: 1024)
+    assert rendezvous.free_port() > 0

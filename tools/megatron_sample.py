@@ -42,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import megatron_configs as mc  # noqa: E402
+from megalite.rendezvous import free_port  # noqa: E402
 
 ITERS = 16
 SEQ = 64
@@ -245,7 +246,7 @@ def launch(argv: list[str], world: int, env: dict, log: str, timeout: float) -> 
     jsonl = log + ".jsonl"
     if os.path.exists(jsonl):
         os.remove(jsonl)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port()),
            os.path.join(ROOT, "pretrain_gpt.py"), *argv, "--log-jsonl", jsonl]
     full = dict(os.environ, **env, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WANDB_MODE="offline")
     with open(log, "w") as f:
@@ -256,13 +257,6 @@ def launch(argv: list[str], world: int, env: dict, log: str, timeout: float) -> 
         raise RuntimeError(f"exit status {proc.returncode} ({os.path.basename(log)}): {_last_error(log)}")
     with open(jsonl) as f:
         return [json.loads(line) for line in f]
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _last_error(log: str) -> str:
