@@ -386,8 +386,9 @@ def test_torchrun_reports_a_bad_flag_once(world):
 
 
 def test_a_busy_master_port_is_named(world):
-    """Rank 0 hosts the env:// store on MASTER_PORT: a port another process listens on is an
-    error line naming it, not a DistNetworkError traceback."""
+    """Rank 0 hosts the env:// store on MASTER_PORT, the in-process launcher its own on
+    --master-port: a port another process listens on is an error line naming it, not a
+    DistNetworkError traceback."""
     import socket
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -397,7 +398,12 @@ def test_a_busy_master_port_is_named(world):
                "MASTER_PORT": str(port)}
         proc = subprocess.run([PY, os.path.join(ROOT, "pretrain_gpt.py"), *MOCK], cwd=world, env=env,
                               capture_output=True, text=True, timeout=120)
-    _check_refused(proc, f"MASTER_PORT {port} on 127.0.0.1 is in use")
+        _check_refused(proc, f"MASTER_PORT {port} on 127.0.0.1 is in use")
+        # the in-process restart launcher hosts its store there too (--master-port)
+        proc = subprocess.run([PY, "-m", "megalite.inprocess", "--nproc-per-node", "2", "--master-port", str(port),
+                               os.path.join(ROOT, "pretrain_gpt.py"), *MOCK, "--inprocess-restart"], cwd=world,
+                              env=_env(), capture_output=True, text=True, timeout=120)
+        _check_refused(proc, f"--master-port {port} on 127.0.0.1 is in use")
 
 
 def test_launcher_keeps_torchrun_report_for_other_failures():

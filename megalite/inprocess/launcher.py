@@ -24,6 +24,7 @@ import sys
 import time
 
 from ..config.resilience import LAUNCHER_ENV, REPLACEMENT_ENV, SLOT_ENV
+from ..errors import UserError, cli
 from . import membership
 from .heartbeat import HeartbeatWatch
 from .membership import FINISHED
@@ -136,6 +137,7 @@ class Launcher:
                 proc.wait()
 
 
+@cli("python -m megalite.inprocess")
 def main(argv=None) -> int:
     import datetime
 
@@ -144,8 +146,14 @@ def main(argv=None) -> int:
     from ..arguments.inprocess_launcher import parse_launcher_args
     a = parse_launcher_args(argv)
     r = a.resilience
-    store = dist.TCPStore(a.master_addr, a.master_port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=r.inprocess_barrier_timeout))
+    try:
+        store = dist.TCPStore(a.master_addr, a.master_port, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=r.inprocess_barrier_timeout))
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise UserError(f"--master-port {a.master_port} on {a.master_addr} is in use by another process: pick a "
+                        "free port, or 0 for one the OS picks") from None
     signal.signal(signal.SIGTERM, _terminated)  # as SIGINT: the workers stopped, not orphaned
     return Launcher(store, a.master_addr, [sys.executable, *a.command], a.nproc, r).run()
 
