@@ -68,6 +68,74 @@ def test_chunked_delta_rule_gradients_equal_the_recurrence():
         assert_fp32_near_fp64(a, b, k=64, chain=21, msg=name)
 
 
+# packed documents: sample 0's start at 0, 7 (inside the first chunk), 16 (a chunk start of C = 8
+# and 16) and 30; sample 1's at 0, 1 (a one-token document) and 24
+STARTS = [[0, 7, 16, 30], [0, 1, 24]]
+
+
+def _doc_ids(starts, s):
+    seg = torch.zeros(len(starts), s, dtype=torch.long)
+    for i, first in enumerate(starts):
+        for t in first[1:]:
+            seg[i, t:] += 1
+    return seg
+
+
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_chunked_delta_rule_starts_again_at_each_document(chunk):
+    """--reset-attention-mask: with each token's document given, every document's output (and its
+    gradients) is the recurrence run on that document alone, from a zero state; the first document
+    takes the initial state. Without the documents the outputs differ (the test can fail)."""
+    inputs = [t.double().requires_grad_() for t in _delta_inputs(s=45)]
+    q, k, v, g, beta, state = inputs
+    seg = _doc_ids(STARTS, 45)
+    got_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    o, _ = chunked_delta_rule(*got_inputs, chunk=chunk, seg=seg)
+    want = torch.zeros_like(o, dtype=torch.float64)
+    for i, first in enumerate(STARTS):
+        for n, (lo, hi) in enumerate(zip(first, first[1:] + [45])):
+            alone = (t[i:i + 1, lo:hi] for t in (q, k, v, g, beta))
+            s0 = state[i:i + 1] if n == 0 else torch.zeros_like(state[i:i + 1])
+            want[i, lo:hi] = delta_rule_fp64(*alone, s0)[0][0]
+    chain = -(-45 // chunk) + 2
+    assert_fp32_near_fp64(o, want, k=q.size(-1) + chunk, chain=chain)
+    assert_fp32_near_fp64(recurrent_delta_rule(*got_inputs, seg=seg)[0], want, k=q.size(-1), chain=45)
+    grads = torch.autograd.grad(o.square().sum(), got_inputs)
+    for a, b, name in zip(grads, torch.autograd.grad(want.square().sum(), inputs), ("q", "k", "v", "g", "beta", "state")):
+        assert_fp32_near_fp64(a, b, k=64, chain=45, msg=name)
+    with pytest.raises(AssertionError):
+        assert_fp32_near_fp64(chunked_delta_rule(*got_inputs, chunk=chunk)[0], want, k=q.size(-1) + chunk, chain=chain)
+
+
+def test_deltanet_model_computes_each_packed_document_alone():
+    """A Qwen3-Next-shaped hybrid (DeltaNet and gated softmax layers) given packed documents
+    (Documents, positions restarting per document) gives each document's tokens the logits the
+    document alone gets: the convolution and the state stop at document starts."""
+    from megalite.context_parallel.documents import Documents
+    from megalite.model import GPTConfig, GPTModel
+    config = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, group_query_attention=True,
+                       num_query_groups=2, kv_channels=8, vocab_size=64, padded_vocab_size=64, seq_length=45,
+                       max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1,
+                       position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                       ffn_hidden_size=40, attention_output_gate=True, experimental_attention_variant="gated_delta_net",
+                       linear_attention_freq="2", linear_conv_kernel_dim=4, linear_key_head_dim=6,
+                       linear_value_head_dim=4, linear_num_key_heads=2, linear_num_value_heads=4)
+    model = GPTModel(config)
+    model.initialize(5)
+    ids = torch.randint(0, 64, (2, 45), generator=torch.Generator().manual_seed(4))
+    seg = _doc_ids(STARTS, 45)
+    pos = torch.stack([torch.cat([torch.arange(hi - lo) for lo, hi in zip(f, f[1:] + [45])]) for f in STARTS])
+    index = torch.arange(45)
+    with torch.no_grad():
+        packed = model(ids, pos, Documents(seg, index, index))  # [s, b, v]
+        plain = model(ids, pos, Documents(torch.zeros_like(seg), index, index))
+        for i, first in enumerate(STARTS):
+            for lo, hi in zip(first, first[1:] + [45]):
+                alone = model(ids[i:i + 1, lo:hi], pos[i:i + 1, lo:hi])[:, 0]
+                torch.testing.assert_close(packed[lo:hi, i], alone, rtol=1e-5, atol=1e-5)
+    assert (packed - plain).abs().max() > 1e-3  # one document for all: the later documents see the earlier
+
+
 def _saved_bytes(fn, *shape_args):
     with SavedActivations() as saved:
         fn(*shape_args)

@@ -20,7 +20,8 @@ an MLA + DSA layer, MoE, whose indexer's loss counts in the logged one as Megatr
 TP 2 with SP (the indexer duplicated, its target summed over TP) and PP 2 with full recompute (MTP on
 the last stage).
 Qwen3-Next with one MTP module (--mtp-num-layers 1: its layer gated softmax attention with the MoE MLP)
-on TP 2 with SP, its MTP loss compared too.
+on TP 2 with SP, its MTP loss compared too; Qwen3-Next on packed documents (--reset-attention-mask,
+--reset-position-ids: the DeltaNet's convolution and state start again at each document) on CP 2.
 Compared per iteration: lm loss, the DSA indexer loss, the MTP loss and the gradient norm (rtol 1e-5);
 every parameter after the last step, by global name (atol 1e-5). Cost: four references (each built when a
 layout first needs it), 14 layouts; alone on the shared 2 cores ~52 s, of which the four CP layouts ~20 s,
@@ -77,6 +78,9 @@ LAYOUTS = {  # id: (model, processes, flags)
         "--cp-comm-type", "a2a", "allgather", "a2a", "a2a+p2p", "--hierarchical-context-parallel-sizes", "1", "2"]),
     # multi-token prediction on the hybrid: its module's layer is gated softmax attention with the MoE MLP
     "qwen3-next-mtp-tp2-sp": ("qwen3_next_mtp", 2, TP2_SP),
+    # packed documents: the DeltaNet layers head-parallel over the whole sequence's document ids,
+    # the softmax layers' CP on documents crossing the ranks' chunks
+    "qwen3-next-documents-cp2": ("qwen3_next_documents", 2, CP2),
     "dsa-pp2": ("dsa", 2, ["--pipeline-model-parallel-size", "2"]),
     "dsa-zero2-selective": ("dsa", 2, ["--data-parallel-sharding-strategy", "optim_grads",
                                        "--recompute-granularity", "selective"]),
@@ -95,16 +99,18 @@ LAYOUTS = {  # id: (model, processes, flags)
 }
 RTOL = {"qwen3_next": {"lm_loss": 1e-5, "grad_norm": 1e-5},
         "qwen3_next_mtp": {"lm_loss": 1e-5, "mtp_1_loss": 1e-5, "grad_norm": 1e-5},
+        "qwen3_next_documents": {"lm_loss": 1e-5, "grad_norm": 1e-5},
         "dsa": {"lm_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5},
         "dsa_mtp": {"lm_loss": 1e-5, "mtp_1_loss": 1e-5, "dsa_indexer_loss": 1e-5, "grad_norm": 1e-5}}
-FLAGS = {"qwen3_next": QWEN3_NEXT, "qwen3_next_mtp": QWEN3_NEXT + ["--mtp-num-layers", "1"], "dsa": DSA,
+FLAGS = {"qwen3_next": QWEN3_NEXT, "qwen3_next_mtp": QWEN3_NEXT + ["--mtp-num-layers", "1"],
+         "qwen3_next_documents": QWEN3_NEXT + ["--reset-attention-mask", "--reset-position-ids"], "dsa": DSA,
          "dsa_mtp": DSA + ["--mtp-num-layers", "1"]}
 
 
 def _reference(name, corpus, tmp_path_factory):
     ref = run_reference(corpus + FLAGS[name], tmp_path_factory.mktemp(name), save=True)
     assert_loss_falls(train_losses(ref.records), 0.3)
-    if name == "qwen3_next":
+    if name in ("qwen3_next", "qwen3_next_documents"):
         assert any(n.endswith("self_attention.A_log") for n in ref.params)
         return ref
     if name == "qwen3_next_mtp":  # the MTP module's layer: gated softmax attention with the MoE MLP
@@ -153,3 +159,9 @@ def test_context_parallel_rules():
     assert validate_args(parse_args(DSA + cp2), 2).parallel.context_parallel_size == 2  # accepted
     with pytest.raises(ArgumentError, match="multi-latent attention .* runs allgather only"):
         validate_args(parse_args(DSA + cp2 + ["--cp-comm-type", "p2p"]), 2)
+    # packed documents: the DeltaNet layers stop at them, DSA's indexer and sparse attention do not
+    data = ["--data-path", "corpus_text_document", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    assert validate_args(parse_args(FLAGS["qwen3_next_documents"] + CP2 + data), 2,
+                         check_files=False).data.reset_attention_mask
+    with pytest.raises(ArgumentError, match="--reset-attention-mask with --experimental-attention-variant dsa"):
+        validate_args(parse_args(DSA + data + ["--reset-attention-mask"]), 1, check_files=False)

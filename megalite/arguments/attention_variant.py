@@ -36,9 +36,9 @@ def check_attention_variant(c: RunConfig) -> None:
     if c.optimizer.optimizer == "muon":
         fail(f"--optimizer muon with --experimental-attention-variant {variant}: not tested with the DeltaNet's "
              "in_proj (rows by key head) or DSA's indexer; use adam")
-    if c.data.reset_attention_mask:
-        fail(f"--reset-attention-mask with --experimental-attention-variant {variant}: its layers do not stop "
-             "at document boundaries (the result would differ from the mask's)")
+    if c.data.reset_attention_mask and variant == "dsa":
+        fail("--reset-attention-mask with --experimental-attention-variant dsa: its indexer and sparse attention "
+             "do not stop at document boundaries (the result would differ from the mask's)")
     if variant == "dsa":
         _check_dsa(c)
     else:

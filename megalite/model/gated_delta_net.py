@@ -29,6 +29,11 @@ reordered into sequence order; the convolution (its channels' weights sliced per
 chunked rule run as on one process; the inverse all-to-all returns the output of every head for
 this rank's tokens, and the norm, gate and out_proj run on them. Exact; traffic O(s·channels/c)
 per rank; needs the key heads per TP rank to divide by c.
+Packed documents (--reset-attention-mask): the attention mask is then megalite's `Documents`,
+whose per-token document ids (the whole sequence, in order: what this layer runs on, under CP too)
+stop both the convolution and the delta rule at every document start: a convolution tap reads
+only its own document's tokens, and the state starts again (delta_rule.py), so each document is
+computed as if alone.
 Generation keeps `DeltaNetState`: the last (width - 1) conv inputs and the [dk, dv] state per
 value head, so each new token costs O(1) in the sequence length.
 """
@@ -45,6 +50,7 @@ from ..recompute import recompute
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_init
 from ..tensor_parallel.layers import set_tp_attributes
 from .config import ExecutionConfig, GPTConfig
+from ..context_parallel.documents import Documents
 from ..context_parallel.sharding import gathered_positions
 from ..context_parallel.ulysses import gather_heads, scatter_sequence
 from .delta_rule import gated_delta_rule, l2norm, recurrent_delta_rule
@@ -125,13 +131,14 @@ class GatedDeltaNet(nn.Module):
             qkv, beta, a, gathered = self._to_heads(qkv, beta, a)
         sq, groups = qkv.shape[0], qkv.size(2)
         conv_w, dt_bias, A_log = self._local_weights()
-        qkv = self._conv(qkv.reshape(sq, b, -1).permute(1, 2, 0), conv_w)  # [b, channels, sq]
+        seg = attention_mask.doc_ids if isinstance(attention_mask, Documents) else None  # [b, sq]
+        qkv = self._conv(qkv.reshape(sq, b, -1).permute(1, 2, 0), conv_w, seg)  # [b, channels, sq]
         q, k, v = qkv.transpose(1, 2).reshape(b, sq, groups, -1).split([dk, dk, r * dv], dim=-1)
         q, k = (l2norm(t.float()).repeat_interleave(r, dim=2) for t in (q, k))  # [b, sq, heads, dk]
         v = v.reshape(b, sq, -1, dv)
         beta = torch.sigmoid(beta.reshape(sq, b, -1).transpose(0, 1).float())
         g = -A_log.float().exp() * F.softplus(a.reshape(sq, b, -1).transpose(0, 1).float() + dt_bias.float())
-        o = self._rule(q, k, v, g, beta)  # [b, sq, heads, dv]
+        o = self._rule(q, k, v, g, beta, seg)  # [b, sq, heads, dv]
         if cp > 1:  # back to this rank's tokens, every local head (Megatron-LM's hp2cp)
             o = gather_heads(o.transpose(0, 1).index_select(0, gathered), self.cp_group).transpose(0, 1)
         z = z.reshape(s, b, -1, dv).transpose(0, 1)
@@ -164,9 +171,17 @@ class GatedDeltaNet(nn.Module):
                 dt_bias.view(self.groups, -1)[rank * per:(rank + 1) * per].reshape(-1),
                 A_log.view(self.groups, -1)[rank * per:(rank + 1) * per].reshape(-1))
 
-    def _conv(self, x, w):
-        """Causal depthwise convolution (weight w [channels, 1, width]) + activation over time: x [b, channels, s]."""
+    def _conv(self, x, w, seg=None):
+        """Causal depthwise convolution (weight w [channels, 1, width]) + activation over time: x [b, channels, s];
+        `seg` [b, s]: each token's document, a tap reading another document's token reads 0."""
         cache = self.inference_cache
+        if cache is None and seg is not None:
+            # y_t = Σ_j w_j · x_{t-j} · [seg_{t-j} = seg_t], tap j = width-1-(kernel index) as conv1d counts
+            y = 0
+            for j in range(self.width):
+                same = (F.pad(seg, (j, 0), value=-1)[:, :seg.size(1)] == seg).unsqueeze(1)  # [b, 1, s]
+                y = y + w[:, 0, self.width - 1 - j, None] * F.pad(x, (j, 0))[..., :x.size(-1)] * same
+            return self.act(y)
         if cache is None:
             return self.act(F.conv1d(F.pad(x, (self.width - 1, 0)), w, groups=w.size(0)))
         past = cache.conv if cache.conv is not None else x.new_zeros(x.size(0), x.size(1), self.width - 1)
@@ -174,7 +189,7 @@ class GatedDeltaNet(nn.Module):
         cache.conv = full[..., full.size(-1) - (self.width - 1):]
         return self.act(F.conv1d(full, w, groups=w.size(0)))
 
-    def _rule(self, q, k, v, g, beta):
+    def _rule(self, q, k, v, g, beta, seg=None):
         cache = self.inference_cache
         if cache is not None:  # generation: carry the state; one token at a time needs no chunks
             rule = recurrent_delta_rule if q.size(1) == 1 else (
@@ -182,5 +197,5 @@ class GatedDeltaNet(nn.Module):
             o, cache.state = rule(q, k, v, g, beta, cache.state)
             return o
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
-            return recompute(lambda *t: gated_delta_rule(*t)[0], q, k, v, g, beta)
-        return gated_delta_rule(q, k, v, g, beta)[0]
+            return recompute(lambda *t: gated_delta_rule(*t, seg=seg)[0], q, k, v, g, beta)
+        return gated_delta_rule(q, k, v, g, beta, seg=seg)[0]
