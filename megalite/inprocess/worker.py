@@ -1,6 +1,7 @@
 """A worker of in-process restart: `pretrain` in a loop, one pass per generation.
 
     generation g:  wait for the launcher's generation -> this slot's rank (none: a spare, wait on)
+                   -> wait until every rank of g has arrived (a newer generation first: go to it)
                    -> the default process group through the store prefix gen<g>/pg
                    -> pretrain(cfg, memory): rebuilds groups, model, optimizer and data iterators,
                       and restores the newest in-memory snapshot every rank can get (its own, or
@@ -41,7 +42,9 @@ def log(msg: str) -> None:
 
 
 def join(cfg, store, generation: int, rank: int) -> None:
-    """This process as `rank` of generation `generation`'s default group."""
+    """This process as `rank` of generation `generation`'s default group, once every rank of it
+    has arrived (membership.arrive: raises Superseded if a newer generation comes first)."""
+    membership.arrive(store, generation, int(os.environ["WORLD_SIZE"]), cfg.resilience.inprocess_barrier_timeout)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)  # what initialize and errors.report read
     comm.init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes,
                           store=dist.PrefixStore(membership.key(f"gen{generation}/pg"), store))
@@ -81,6 +84,9 @@ def one_generation(cfg, store, generation: int, rank: int, memory: HostSnapshots
         return True
     except UserError:
         raise
+    except membership.Superseded:  # a rank died before this generation formed: on to the newer one
+        log(f"generation {generation} was superseded before all its ranks arrived")
+        return False
     except RuntimeError as e:  # a collective with a dead peer (gloo: connection reset / closed), or its timeout
         cause = " ".join(str(e).split())[:300]
         log(f"rank {rank} of generation {generation} failed after {time.monotonic() - start:.1f} s: {cause}")
