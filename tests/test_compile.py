@@ -4,8 +4,8 @@ with sequence parallelism and selective recompute, the layer stack compiled as o
 (--compile-scope decoder); in one process a layer compiles to one graph shared by every layer
 (the default scope), the stack to one graph with --compile-scope decoder, and compiled layers
 under full (block) recompute give eager's loss and gradients. Compilation is slow on CPU (~20-40 s
-of a 2-rank run), so there is one compiled training run here (tests/test_layouts_fp8.py has another,
-per layer and with FP8), on a tiny Llama-style model (RoPE, RMSNorm, SwiGLU, GQA).
+of a 2-rank run), so there is one compiled training run, on a tiny Llama-style model (RoPE,
+RMSNorm, SwiGLU, GQA); FP8 under --compile is checked in tests/test_fp8.py.
 """
 import re
 
@@ -60,7 +60,7 @@ def eager(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,extra", [
     # the layer stack one region, broken around the TP collectives and selective recompute's core
-    # attention (the default per-layer scope runs in one process below, and in tests/test_layouts_fp8.py)
+    # attention (the default per-layer scope runs in one process below)
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-activations",
          "--compile-scope", "decoder"]),
 ], ids=["tp2-sp-selective-decoder-scope"])

@@ -105,6 +105,36 @@ def test_compiled_cast_writes_the_eager_casts_bytes(monkeypatch):
     assert operand.cast_kernel(torch.device("cuda")) is operand._scaled_cast
 
 
+def test_compiled_layers_run_their_fp8_products_eagerly():
+    """--compile with FP8: Dynamo traces each layer around its FP8 linears (torch.compiler.disable
+    on fp8_linear: it failed with an internal error on torchao's tensor subclass), and the model
+    computes eager FP8's loss and gradients. AOTAutograd without Inductor's code generation
+    (`aot_eager`): the same graphs, breaks and autograd as --compile, the eager kernels, so equal
+    bit for bit (Inductor's fusions are checked without FP8 in tests/test_compile.py)."""
+    from megalite.config.fp8 import FP8Config
+    from megalite.model import GPTConfig, GPTModel
+    from megalite.model.compile import compile_layers, graph_breaks
+    from megalite.model.fp8 import attach_fp8
+    from megalite.parallel_state import single_process_state
+    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, padded_vocab_size=256,
+                    seq_length=32, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for compiled in (False, True):
+        model = GPTModel(cfg)
+        model.initialize(7)
+        attach_fp8([model], FP8Config(fp8_format="hybrid", fp8_recipe="tensorwise"), single_process_state(),
+                   torch.device("cpu"))
+        if compiled:
+            torch._dynamo.reset()
+            compile_layers([model], backend="aot_eager")
+        loss = model(ids, torch.arange(32).expand(2, 32), None, ids).mean()
+        loss.backward()
+        out[compiled] = [loss.detach()] + [p.grad for p in model.parameters()]
+    assert graph_breaks() > 0  # around each FP8 linear
+    assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
+
+
 def _tiles_reference(x, rows, cols, dtype):
     """x cast with one scale per (rows x cols) tile, by reshaping it into its tiles."""
     r, c = x.shape

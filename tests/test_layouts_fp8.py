@@ -7,8 +7,7 @@ process's forward and weight gradients bit for bit, tensorwise and blockwise (ti
 ranks). Then whole runs against one process with the same FP8 flags, fp32 masters and
 activations, dropout 0, 6 iterations: TP 2 + SP (tensorwise, and blockwise with hidden 64 < 128:
 tiles straddling the ranks), PP 2, CP 2, ZeRO-2 and ZeRO-3 over DP 2, ZeRO-1 with delayed scaling
-(the history reduced over DP), an MoE model's experts on EP 2 (all-to-all) and EP 2 x TP 2 + SP,
-and one process under --compile (its layers compiled, their FP8 products eager).
+(the history reduced over DP), an MoE model's experts on EP 2 (all-to-all) and EP 2 x TP 2 + SP.
 The first iteration's loss, the forward of identical weights, within 1e-5 relative: a scale that
 is not the one process's moves it by ~6e-5 (measured with TP's amax reduction removed). The
 later ones within 2e-4: the layouts' fp32 sums (TP's row- and vocab-parallel reductions, DP's
@@ -115,8 +114,6 @@ LAYOUTS = {  # id: (processes, flags, reference)
     "delayed-zero1-dp2": (2, ["--use-distributed-optimizer"], "delayed"),
     "moe-ep2": (2, EP2, "moe"),
     "moe-ep2-tp2-sp": (4, EP2 + TP2_SP, "moe"),
-    # --compile: the FP8 products run eagerly between the compiled parts (fp8_linear)
-    "compile": (1, ["--compile"], "tensorwise"),
 }
 
 
