@@ -142,18 +142,24 @@ def _fault(launcher, jsonl, seen, slot, sig, after):
     seen.update(children(launcher.pid))
 
 
+def _launch(tmp_path, nproc: int, extra=()) -> subprocess.Popen:
+    """The launcher with `nproc` worker processes training BASE in process-restart mode, saving the
+    final weights to tmp_path/ck and the log to tmp_path/run.jsonl (stdout and stderr in files)."""
+    flags = BASE + INPROCESS + ["--save", str(tmp_path / "ck"), "--save-interval", str(ITERS), "--log-jsonl",
+                                str(tmp_path / "run.jsonl"), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "megalite.inprocess", "--nproc-per-node", str(nproc),
+                                 os.path.join(ROOT, "pretrain_gpt.py"), *flags], env=env, stdout=out, stderr=err,
+                                cwd=str(tmp_path))
+
+
 def test_lost_ranks_are_replaced_in_process_exactly(reference, tmp_path):
     """One run, two faults: rank 1 frozen once iteration 5 is logged (found by its heartbeat, killed,
     replaced by the warm spare: 4 of 5 processes train), then rank 2 killed once iteration 10 is
     logged (no spare left: a new process, whose state comes from its replica)."""
     ck, jsonl = str(tmp_path / "ck"), str(tmp_path / "run.jsonl")
-    flags = BASE + INPROCESS + ["--save", ck, "--save-interval", str(ITERS), "--log-jsonl", jsonl,
-                                "--inprocess-active-world-size", "4"]  # slot 4 waits as a warm spare
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        launcher = subprocess.Popen([sys.executable, "-m", "megalite.inprocess", "--nproc-per-node", "5",
-                                     os.path.join(ROOT, "pretrain_gpt.py"), *flags], env=env, stdout=out,
-                                    stderr=err, cwd=str(tmp_path))
+    launcher = _launch(tmp_path, 5, ["--inprocess-active-world-size", "4"])  # slot 4 waits as a warm spare
     seen = set()
     try:
         _fault(launcher, jsonl, seen, 1, signal.SIGSTOP, 5)
@@ -182,13 +188,8 @@ def test_a_second_fault_while_the_ranks_regroup_is_survived_exactly(reference, t
     never form (rank 3 will not arrive): the survivors move on to the next one instead of waiting
     in its process group's rendezvous (which held them for --distributed-timeout-minutes), and
     the final weights still equal an uninterrupted run's bit for bit."""
-    ck, jsonl = str(tmp_path / "ck"), str(tmp_path / "run.jsonl")
-    flags = BASE + INPROCESS + ["--save", ck, "--save-interval", str(ITERS), "--log-jsonl", jsonl]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        launcher = subprocess.Popen([sys.executable, "-m", "megalite.inprocess", "--nproc-per-node", "4",
-                                     os.path.join(ROOT, "pretrain_gpt.py"), *flags], env=env, stdout=out,
-                                    stderr=err, cwd=str(tmp_path))
+    jsonl = str(tmp_path / "run.jsonl")
+    launcher = _launch(tmp_path, 4)
     seen = set()
     try:
         wait_for(lambda: max((r.get("iteration", 0) for r in records(jsonl)), default=0) >= 5, 120, launcher,
