@@ -4,7 +4,9 @@ it computes) shows the largest compute time; the others only wait longer in coll
 On a loaded 2-core machine any rank may be descheduled for ~100 ms of a window, so one window's
 maximum is noise-prone: the detection is judged on the sum over windows, with pauses (0.25 s,
 then 0.25 s running) well above that noise, and each log line must name the maximum of its own
-record. Under two busy loops beside it the slow rank's sum was ~2x the others' (~12 s idle)."""
+record. The compute times are per-iteration means over a window, so a pause that falls in compute
+adds ~250/15 ms there. Under two busy loops beside it, in four runs, the slow rank's sum was
+129-196 ms against at most 72 ms for the others (~16 s idle)."""
 import os
 import re
 import signal
@@ -13,7 +15,10 @@ import time
 from proc_helpers import kill_all, output, records, start_torchrun, state, wait_for, workers
 from tiny import mock, tiny
 
-FLAGS = mock(1000) + tiny(seq_length=64, micro_batch_size=4, global_batch_size=16, train_iters=12, log_interval=3,
+# 4 windows of 15 iterations: the pauses start after the first and hold everyone up (the others wait in
+# collectives), so the 45 iterations after it outlast several pauses. (Windows of 3 iterations, ~7 ms of
+# compute each, could end within one pause cycle: a run where no pause fell in compute named rank 3.)
+FLAGS = mock(1000) + tiny(seq_length=64, micro_batch_size=4, global_batch_size=16, train_iters=60, log_interval=15,
                            eval_iters=0, log_straggler=True, tensor_model_parallel_size=2)
 SLOW = 2
 PAUSE_S = 0.25
