@@ -43,5 +43,7 @@ def test_a_paused_rank_ends_the_run_with_a_named_timeout(tmp_path):
     named = re.findall(r"CollectiveError: rank (\d) \(pipeline stage (\d) of 2, TP rank 0, DP rank \d\) in iteration "
                        r"(\d+): (\S+) over (.+?) timed out after [\d.]+ s \(--distributed-timeout-minutes 0.1\)", err)
     assert named, err[-5000:]
-    assert all(int(rank) != 1 for rank, *_ in named)  # the paused rank cannot report
+    # the running ranks report; the paused one may too, once resumed (its own collective then times
+    # out before torchrun's SIGTERM ends it: seen once in a fresh-clone run)
+    assert any(int(rank) != 1 for rank, *_ in named), named
     assert "this rank's Python stacks:" in err and 'File "' in err  # faulthandler's dump
